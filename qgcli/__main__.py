@@ -1,0 +1,3 @@
+from qgcli.cli import main
+
+main(prog_name="qgcli")

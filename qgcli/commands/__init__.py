@@ -1,0 +1,1 @@
+"""The CLI commands, one module per command family. Modules import only click at import time."""

@@ -1,0 +1,231 @@
+"""``qgcli fakequant`` and ``qgcli fakequant-grad``: TensorFlow's fake-quant ops on saved tensors."""
+import click
+
+from qgcli.commands._common import (
+    Operands,
+    emit,
+    fake_quant_attribute_options,
+    json_safe,
+    output_options,
+    percent,
+    report_options,
+    to_device,
+    write_outputs,
+)
+
+TF_OPS = {
+    "args": "FakeQuantWithMinMaxArgs",
+    "vars": "FakeQuantWithMinMaxVars",
+    "per-channel": "FakeQuantWithMinMaxVarsPerChannel",
+}
+
+
+def infer_variant(variant, min_value):
+    """Explicit ``--variant`` wins; else rank-1 min -> per-channel, rank-0 -> vars (the notebook's op)."""
+    if variant is not None:
+        return variant
+    if min_value is None:
+        return "args"
+    return "per-channel" if getattr(min_value, "ndim", 0) >= 1 else "vars"
+
+
+def load_fake_quant_operands(operands, variant, *, with_gradients):
+    """Raw arrays (gradients, inputs, min, max) and the variant, by TF's rules for each op family."""
+    import numpy as np
+
+    gradients = operands.get("gradients") if with_gradients else None
+    inputs = operands.get("inputs")
+    need_range = variant != "args"
+    mn = operands.get("min", required=need_range)
+    mx = operands.get("max", required=need_range)
+    variant = infer_variant(variant, mn)
+    if variant == "args":
+        mn = np.array(-6.0) if mn is None else mn
+        mx = np.array(6.0) if mx is None else mx
+        for name, value in (("min", mn), ("max", mx)):
+            if np.ndim(value) != 0:
+                raise click.BadParameter(f"must be a scalar for --variant args, got shape {list(np.shape(value))}",
+                                         param_hint=f"'--{name}'")
+    return gradients, inputs, mn, mx, variant
+
+
+def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp):
+    """Call the op for ``variant``; returns (outputs dict, grid, inputs as float32 channels-last, gradients likewise)."""
+    from qgcli import ops
+    from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
+
+    attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
+    x = as_float32(inputs, "inputs", xp)
+    if variant == "args":
+        lo, hi = float(mn), float(mx)
+        grid = _args_grid(lo, hi, num_bits, narrow_range)
+        if gradients is None:
+            out = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)}
+        else:
+            out = {"backprops": ops.fake_quant_with_min_max_args_gradient(gradients, x, lo, hi, **attrs)}
+    elif variant == "vars":
+        if gradients is None:
+            out = {"outputs": ops.fake_quant_with_min_max_vars(x, mn, mx, **attrs)}
+        else:
+            res = ops.fake_quant_with_min_max_vars_gradient(gradients, x, mn, mx, **attrs)
+            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
+        grid = nudge(mn, mx, **attrs)
+    else:
+        axis = -1 if axis is None else axis
+        if gradients is None:
+            out = {"outputs": ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx, axis=axis, **attrs)}
+        else:
+            res = ops.fake_quant_with_min_max_vars_per_channel_gradient(gradients, x, mn, mx, axis=axis, **attrs)
+            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
+        grid = nudge(mn, mx, **attrs)
+        x = xp.moveaxis(x, axis, -1)
+        if gradients is not None:
+            gradients = xp.moveaxis(as_float32(gradients, "gradients", xp), axis, -1)
+    if gradients is not None and variant != "per-channel":
+        gradients = as_float32(gradients, "gradients", xp)
+    return out, grid, x, gradients
+
+
+def build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output):
+    from qgcli.commands._common import describe_arrays
+    from qgcli.ops.analysis import clip_statistics, grid_summary
+
+    stats = clip_statistics(x, grid, g)
+    notes = []
+    for name, value in raw.items():
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and str(dtype) not in ("float32",) and name in ("inputs", "gradients"):
+            notes.append(f"{name} is {dtype}; computed in float32 as TensorFlow does")
+    return json_safe({
+        "command": command,
+        "op": op,
+        "variant": variant,
+        "attributes": attrs,
+        "inputs": {**describe_arrays({k: v for k, v in raw.items() if v is not None}),
+                   **{k: {**describe_arrays({k: raw[k]})[k], "source": s} for k, s in operands.sources.items() if raw.get(k) is not None}},
+        "grid": grid_summary(grid),
+        "statistics": stats,
+        "outputs": describe_arrays(outputs),
+        "output": output,
+        "notes": notes,
+    })
+
+
+def render_summary(console, s):
+    from rich.table import Table
+
+    stats, grid = s["statistics"], s["grid"]
+    shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
+    console.print(f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {shapes}")
+    table = Table(show_edge=False, box=None, pad_edge=False)
+    for col in ("", "min", "max", "nudged_min", "nudged_max", "scale", "zero_point"):
+        table.add_column(col, justify="right")
+    if isinstance(grid["min"], list):
+        rows = list(range(len(grid["min"])))
+        shown = rows[:8]
+        for c in shown:
+            table.add_row(f"ch {c}", *(_fmt(grid[k][c]) for k in ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")))
+        if len(rows) > len(shown):
+            table.add_row(f"... {len(rows) - len(shown)} more", "", "", "", "", "", "")
+    else:
+        table.add_row("range", *(_fmt(grid[k]) for k in ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")))
+    console.print(table)
+    line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
+    if "gradient_blocked" in stats:
+        line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
+    console.print(line)
+    for note in s["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+    if s["output"] and s["output"] != "-":
+        console.print(f"wrote {', '.join(s['outputs'])} to {s['output']}")
+
+
+def _fmt(v):
+    if v is None:
+        return "nan"
+    return f"{v:.7g}" if isinstance(v, float) else str(v)
+
+
+def _fake_quant_command(command, bundle, specs, output, force, num_bits, narrow_range, variant, axis,
+                        as_json, quiet, device, with_gradients, plot=None):
+    operands = Operands(bundle, specs, literal_ok=("min", "max"))
+    try:
+        gradients, inputs, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=with_gradients)
+        if axis is not None and variant != "per-channel":
+            raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
+        xp, (gradients, inputs) = to_device([gradients, inputs], device)
+        op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
+        outputs, grid, x, g = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=num_bits,
+                                             narrow_range=narrow_range, axis=axis, xp=xp)
+        attrs = {"op": op, "variant": variant, "num_bits": num_bits, "narrow_range": narrow_range}
+        if variant == "per-channel":
+            attrs["axis"] = -1 if axis is None else axis
+        if variant == "args":
+            attrs.update(min=float(mn), max=float(mx))
+        raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
+        summary = build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output)
+        write_outputs(outputs, output, operands=operands, force=force, attrs=attrs)
+        if plot:
+            from qgcli.commands.plot import write_ste_plot_for
+
+            write_ste_plot_for(plot, inputs=inputs, gradients=gradients, mn=mn, mx=mx, variant=variant,
+                               num_bits=num_bits, narrow_range=narrow_range, axis=axis, force=force,
+                               operands=operands)
+    finally:
+        operands.close()
+    emit(summary, as_json=as_json, quiet=quiet, render=render_summary, output=output)
+
+
+_FQ_EPILOG = """\b
+Examples:
+  qgcli fakequant samples/notebook.h5 --num-bits 2 -o out.h5
+  qgcli fakequant --inputs x.npy --min -6 --max 6 -o out.npz
+  qgcli fakequant act.h5 --inputs act.h5:layer1/x --min -1,-2,-3 --max 1,2,3 -o out/
+"""
+
+_FQG_EPILOG = """\b
+Examples:
+  qgcli fakequant-grad samples/per_channel.h5 -o grads.h5
+  qgcli fakequant-grad samples/notebook.h5 --num-bits 2 -o - | qgcli inspect -
+  qgcli fakequant-grad --gradients g.npy --inputs x.npy --min -6 --max 6 -o grads.npz --json
+"""
+
+
+@click.command("fakequant", epilog=_FQ_EPILOG, short_help="TF fake-quant forward (Args/Vars/PerChannel), bit-exact.")
+@click.argument("bundle", required=False, metavar="[BUNDLE]")
+@click.option("--inputs", metavar="SPEC", help="Tensor to fake-quantize (TF operand 'inputs').")
+@click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
+@click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
+@fake_quant_attribute_options
+@output_options
+@report_options
+def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force, as_json, quiet, device):
+    """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
+
+    Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
+    options, which override the bundle. Writes the output 'outputs'.
+    """
+    _fake_quant_command("fakequant", bundle, {"inputs": inputs, "min": min_, "max": max_}, output, force,
+                        num_bits, narrow_range, variant, axis, as_json, quiet, device, with_gradients=False)
+
+
+@click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="TF fake-quant gradients (STE masks, min/max sums).")
+@click.argument("bundle", required=False, metavar="[BUNDLE]")
+@click.option("--gradients", metavar="SPEC", help="Upstream gradient (TF operand 'gradients').")
+@click.option("--inputs", metavar="SPEC", help="Forward inputs (TF operand 'inputs').")
+@click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
+@click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
+@fake_quant_attribute_options
+@output_options
+@click.option("--plot", metavar="FIG", default=None, help="Also draw the STE figure to FIG (.png/.svg/.pdf).")
+@report_options
+def fakequant_grad(bundle, gradients, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force,
+                   plot, as_json, quiet, device):
+    """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
+
+    Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
+    gives the nudged range, the clipped shares and the share of gradient mass the STE mask blocks.
+    """
+    _fake_quant_command("fakequant-grad", bundle, {"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
+                        output, force, num_bits, narrow_range, variant, axis, as_json, quiet, device,
+                        with_gradients=True, plot=plot)

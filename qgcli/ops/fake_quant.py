@@ -1,0 +1,352 @@
+"""TensorFlow's FakeQuantWithMinMax{Args,Vars,VarsPerChannel} ops and gradients, bit-exact with TF 2.21 (CPU).
+
+The arithmetic follows ``fake_quant_ops_functor.h`` operation by operation in float32
+(tf_semantics.md §1): the range is *nudged* so that 0.0 is a grid point, values are clamped to the nudged
+range, shifted, scaled (Vars divides by ``scale``, Args and PerChannel multiply by a separately rounded
+``inv_scale``) and rounded with ``floor(v + 0.5)``; gradient masks use the nudged bounds, inclusive.
+
+TensorFlow's CPU threads run with flush-to-zero and denormals-are-zero.  We reproduce that without a
+per-element pass where it cannot matter: subnormal inputs only change a comparison against a bound that
+is exactly 0 (the mask bounds below move by one subnormal instead), or the forward value when the grid
+step itself is tiny (then the clamped values are flushed explicitly).  Gradients are flushed, since a
+subnormal gradient is passed through as zero by TensorFlow.
+
+Where TensorFlow silently returns garbage (Vars with ``min > max``, ``min == max != 0``, NaN or infinite
+bounds) these functions refuse with an :class:`~qgcli.errors.OperandError`; ``min == max == 0`` keeps
+TensorFlow's meaning (forward gives zeros, gradient passes through).
+"""
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from qgcli.backend import array_module
+from qgcli.errors import OperandError, QgcliError
+from qgcli.ops.reduction import eigen_column_sums
+
+_F32 = np.float32
+_TINY = np.finfo(np.float32).tiny  # smallest normal float32, 2**-126
+_MAX_SUBNORMAL = np.nextafter(_TINY, _F32(0))
+# Below this grid step a subnormal input can reach a different grid point than the zero TF reads.
+_FLUSH_SCALE = _F32(2.0**-100)
+
+
+def quant_range(num_bits=8, narrow_range=False):
+    """``(quant_min, quant_max)`` of TF's grid: ``(1 if narrow_range else 0, 2**num_bits - 1)``."""
+    if isinstance(num_bits, bool) or not isinstance(num_bits, (int, np.integer)):
+        raise QgcliError(f"must be an integer, got {num_bits!r}", operand="num_bits")
+    if not 2 <= num_bits <= 16:
+        raise QgcliError(f"must be between 2 and 16, inclusive, got {num_bits}", operand="num_bits")
+    return (1 if narrow_range else 0), (1 << int(num_bits)) - 1
+
+
+def flush_subnormals(a, xp=None):
+    """``a`` (float32) with subnormals replaced by zeros of the same sign, as x86 FTZ/DAZ does."""
+    xp = xp or array_module(a)
+    return xp.where(xp.abs(a) < _TINY, a * _F32(0), a)
+
+
+def _quiet(xp):
+    return np.errstate(all="ignore") if xp is np else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A nudged quantization grid, on the host, as float32 NumPy arrays.
+
+    Per-tensor grids hold 0-d arrays, per-channel grids 1-d arrays (one entry per channel).
+    ``zero_point`` is the nudged integer zero point; ``zero_point_from_min`` the unrounded value
+    ``quant_min - min / scale``; ``passthrough`` marks ``min == max == 0`` (TF's special case).
+    """
+
+    min: np.ndarray
+    max: np.ndarray
+    num_bits: int
+    narrow_range: bool
+    quant_min: int
+    quant_max: int
+    scale: np.ndarray
+    inv_scale: np.ndarray
+    zero_point_from_min: np.ndarray
+    zero_point: np.ndarray
+    nudged_min: np.ndarray
+    nudged_max: np.ndarray
+    quant_zero: np.ndarray
+    passthrough: np.ndarray
+
+    @property
+    def per_channel(self):
+        return self.min.ndim == 1
+
+    def mask_bounds(self):
+        """Bounds for ``lo <= x <= hi`` that equal TF's DAZ comparison ``nudged_min <= flush(x) <= nudged_max``."""
+        lo = np.where(self.nudged_min == 0, -_MAX_SUBNORMAL, self.nudged_min).astype(_F32)
+        hi = np.where(self.nudged_max == 0, _MAX_SUBNORMAL, self.nudged_max).astype(_F32)
+        return lo, hi
+
+    def needs_flush(self):
+        usable = ~self.passthrough
+        return bool(np.any((self.scale[usable] < _FLUSH_SCALE) if self.per_channel else (usable and self.scale < _FLUSH_SCALE)))
+
+
+def nudge(min, max, *, num_bits=8, narrow_range=False):
+    """TensorFlow's ``Nudge()``: the grid for a raw range, scalar or per channel (float32, FTZ/DAZ).
+
+    >>> g = nudge(-6.0, 6.0, num_bits=2)
+    >>> float(g.nudged_min), float(g.nudged_max), float(g.scale), int(g.zero_point)
+    (-8.0, 4.0, 4.0, 2)
+    """
+    quant_min, quant_max = quant_range(num_bits, narrow_range)
+    from qgcli.backend import to_numpy
+
+    mn = flush_subnormals(np.asarray(to_numpy(min), _F32), np)
+    mx = flush_subnormals(np.asarray(to_numpy(max), _F32), np)
+    qmin, qmax = _F32(quant_min), _F32(quant_max)
+    levels = _F32(qmax - qmin)
+    with np.errstate(all="ignore"):
+        width = flush_subnormals(mx - mn, np)
+        scale = flush_subnormals(width / levels, np)
+        inv_scale = flush_subnormals(levels / width, np)
+        zp_from_min = flush_subnormals(qmin - flush_subnormals(mn / scale, np), np)
+        # std::round on a value >= quant_min >= 0: half away from zero is floor(v + 0.5), exact in float64.
+        rounded = np.floor(zp_from_min.astype(np.float64) + 0.5)
+        zero_point = np.where(zp_from_min < qmin, quant_min, np.where(zp_from_min > qmax, quant_max, rounded))
+        zero_point = np.nan_to_num(zero_point, nan=0.0).astype(_F32)
+        nudged_min = flush_subnormals((qmin - zero_point) * scale, np)
+        nudged_max = flush_subnormals((qmax - zero_point) * scale, np)
+        quant_zero = np.floor(flush_subnormals(flush_subnormals(-nudged_min * inv_scale, np) + _F32(0.5), np))
+    return Grid(
+        min=mn, max=mx, num_bits=int(num_bits), narrow_range=bool(narrow_range),
+        quant_min=quant_min, quant_max=quant_max,
+        scale=scale.astype(_F32), inv_scale=inv_scale.astype(_F32),
+        zero_point_from_min=zp_from_min.astype(_F32), zero_point=zero_point,
+        nudged_min=nudged_min.astype(_F32), nudged_max=nudged_max.astype(_F32),
+        quant_zero=quant_zero.astype(_F32), passthrough=(mn == 0) & (mx == 0),
+    )
+
+
+# --- validation -------------------------------------------------------------------------------------
+
+def as_float32(a, operand, xp):
+    """``a`` as a float32 array of ``xp``; any real floating dtype is accepted (TF computes in float32)."""
+    a = xp.asarray(a)
+    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+        raise OperandError(f"dtype {a.dtype} is not a real floating type", operand=operand)
+    return a.astype(_F32, copy=False)
+
+
+def _check_same_shape(gradients, inputs):
+    if gradients.shape != inputs.shape:
+        raise OperandError(
+            f"shape {list(gradients.shape)} differs from inputs shape {list(inputs.shape)}", operand="gradients"
+        )
+
+
+def _range_operand(value, name, rank, xp):
+    from qgcli.backend import to_numpy
+
+    arr = np.asarray(to_numpy(value))
+    if arr.dtype.kind not in "fiu" and arr.dtype.name != "bfloat16":
+        raise OperandError(f"dtype {arr.dtype} is not a real number type", operand=name)
+    if arr.ndim != rank:
+        raise OperandError(f"must be rank {rank} but is rank {arr.ndim} (shape {list(arr.shape)})", operand=name)
+    return arr.astype(_F32)
+
+
+def _check_ranges(grid, where=""):
+    """Refuse the ranges TF accepts but answers with garbage (non-finite, reversed, empty but not 0..0)."""
+    mn, mx = np.atleast_1d(grid.min), np.atleast_1d(grid.max)
+    for name, values in (("min", mn), ("max", mx)):
+        bad = ~np.isfinite(values)
+        if bad.any():
+            i = int(np.argmax(bad))
+            at = f" at channel {i}" if grid.per_channel else ""
+            raise OperandError(f"is {values[i]}{at}; the range must be finite", operand=name)
+    reversed_ = (mn > mx) | ((mn == mx) & ~np.atleast_1d(grid.passthrough))
+    if reversed_.any():
+        i = int(np.argmax(reversed_))
+        at = f" at channel {i}" if grid.per_channel else ""
+        raise OperandError(
+            f"{mn[i]!r} is not below max {mx[i]!r}{at}; TensorFlow would return meaningless values "
+            "(only min == max == 0 is allowed: it passes zeros forward and gradients through)",
+            operand="min",
+        )
+
+
+def _channel_last(a, axis):
+    if axis in (-1, a.ndim - 1):
+        return a
+    return a.__array_namespace__().moveaxis(a, axis, -1) if hasattr(a, "__array_namespace__") else np.moveaxis(a, axis, -1)
+
+
+def _normalise_axis(axis, ndim):
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise OperandError(f"must be an integer, got {axis!r}", operand="axis")
+    if ndim < 1:
+        raise OperandError("per-channel quantization needs inputs of rank >= 1, got a scalar", operand="inputs")
+    if not -ndim <= axis < ndim:
+        raise OperandError(f"{axis} is out of range for inputs of rank {ndim}", operand="axis")
+    return int(axis) % ndim
+
+
+def _prepare_per_tensor(inputs, min, max, num_bits, narrow_range, xp):
+    grid = nudge(_range_operand(min, "min", 0, xp), _range_operand(max, "max", 0, xp),
+                 num_bits=num_bits, narrow_range=narrow_range)
+    _check_ranges(grid)
+    return grid
+
+
+def _prepare_per_channel(inputs, min, max, num_bits, narrow_range, axis, xp):
+    axis = _normalise_axis(axis, inputs.ndim)
+    mn = _range_operand(min, "min", 1, xp)
+    mx = _range_operand(max, "max", 1, xp)
+    depth = inputs.shape[axis]
+    for name, arr in (("min", mn), ("max", mx)):
+        if arr.shape[0] != depth:
+            raise OperandError(
+                f"has {arr.shape[0]} entries but inputs have {depth} channels on axis {axis}", operand=name
+            )
+    grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
+    _check_ranges(grid)
+    return grid, axis
+
+
+# --- element-wise kernels (any array module) ---------------------------------------------------------
+
+def _on_device(grid, xp, *names):
+    return [xp.asarray(getattr(grid, n)) for n in names]
+
+
+def _quantize(x, grid, divide, xp):
+    """Forward fake quantization of float32 ``x`` (channels on the last axis for per-channel grids)."""
+    nmin, nmax, scale, inv, qz = _on_device(grid, xp, "nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")
+    with _quiet(xp):
+        out = xp.minimum(x, nmax)  # NaN propagates through both, as Eigen's cwiseMin/cwiseMax
+        xp.maximum(out, nmin, out=out)
+        if grid.needs_flush():
+            out = flush_subnormals(out, xp)
+        xp.subtract(out, nmin, out=out)
+        if divide:
+            xp.divide(out, scale, out=out)
+        else:
+            xp.multiply(out, inv, out=out)
+        xp.subtract(out, qz, out=out)
+        xp.add(out, _F32(0.5), out=out)
+        xp.floor(out, out=out)
+        xp.multiply(out, scale, out=out)
+    if grid.passthrough.any():
+        out = xp.where(xp.asarray(grid.passthrough), _F32(0), out)
+    return out
+
+
+def _masks(x, grid, xp):
+    lo, hi = (xp.asarray(b) for b in grid.mask_bounds())
+    below = x < lo
+    above = x > hi
+    inside = (x >= lo) & (x <= hi)
+    if grid.passthrough.any():
+        pt = xp.asarray(grid.passthrough)
+        inside |= pt
+        below &= ~pt
+        above &= ~pt
+    return inside, below, above
+
+
+def _backprops(gradients, x, grid, xp, *, reduce):
+    g = flush_subnormals(gradients, xp)
+    inside, below, above = _masks(x, grid, xp)
+    with _quiet(xp):
+        dx = xp.multiply(g, inside, dtype=_F32)  # a product, as TF: g * 0 keeps -0.0 and NaN
+        if not reduce:
+            return dx
+        depth = x.shape[-1] if grid.per_channel else 1
+        dmin = eigen_column_sums(xp.multiply(g, below, dtype=_F32).reshape(-1, depth), xp)
+        dmax = eigen_column_sums(xp.multiply(g, above, dtype=_F32).reshape(-1, depth), xp)
+    if not grid.per_channel:
+        dmin, dmax = dmin.reshape(()), dmax.reshape(())
+    return dx, dmin, dmax
+
+
+# --- the six TensorFlow ops ------------------------------------------------------------------------
+
+def _args_grid(min, max, num_bits, narrow_range):
+    mn, mx = _F32(min), _F32(max)  # TF attributes are 32-bit floats
+    if not (np.isfinite(mn) and np.isfinite(mx)):
+        raise OperandError(f"the range [{mn}, {mx}] must be finite", operand="min")
+    if not mn < mx:
+        raise OperandError(f"min has to be smaller than max, was: {mn} >= {mx}", operand="min")
+    return nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
+
+
+def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False):
+    """TensorFlow's ``FakeQuantWithMinMaxArgs``: fake-quantize ``inputs`` on the nudged grid of [min, max].
+
+    >>> fake_quant_with_min_max_args(np.array([-0.75, -0.25, 0.25], np.float32), -1.0, 0.5, num_bits=2)
+    array([-0.5,  0. ,  0.5], dtype=float32)
+    """
+    xp = array_module(inputs)
+    x = as_float32(inputs, "inputs", xp)
+    return _quantize(x, _args_grid(min, max, num_bits, narrow_range), False, xp)
+
+
+def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False):
+    """TensorFlow's ``FakeQuantWithMinMaxArgsGradient``: ``backprops = gradients * (nudged_min <= inputs <= nudged_max)``."""
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    return _backprops(g, x, _args_grid(min, max, num_bits, narrow_range), xp, reduce=False)
+
+
+def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=False):
+    """TensorFlow's ``FakeQuantWithMinMaxVars``: like Args with scalar tensors ``min``/``max``; divides by ``scale``.
+
+    >>> fake_quant_with_min_max_vars(np.array([-6.0, -1.0, 1.0, 6.0], np.float32), -6.0, 6.0, num_bits=2)
+    array([-8., -0.,  0.,  4.], dtype=float32)
+    """
+    xp = array_module(inputs)
+    x = as_float32(inputs, "inputs", xp)
+    grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
+    return _quantize(x, grid, True, xp)
+
+
+def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False):
+    """TensorFlow's ``FakeQuantWithMinMaxVarsGradient``.
+
+    Returns ``(backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``: the gradient masked to the nudged
+    range (inclusive) and the sums of the gradient below and above it (0-d float32 arrays).
+    """
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
+    return _backprops(g, x, grid, xp, reduce=True)
+
+
+def fake_quant_with_min_max_vars_per_channel(inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1):
+    """TensorFlow's ``FakeQuantWithMinMaxVarsPerChannel``: one grid per channel of ``axis`` (TF: the last axis).
+
+    ``min``/``max`` have one entry per channel; any input rank >= 1 works, as TF's kernel.
+    """
+    xp = array_module(inputs)
+    x = as_float32(inputs, "inputs", xp)
+    grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
+    out = _quantize(_channel_last(x, axis), grid, False, xp)
+    return xp.ascontiguousarray(xp.moveaxis(out, -1, axis)) if axis != x.ndim - 1 else out
+
+
+def fake_quant_with_min_max_vars_per_channel_gradient(
+    gradients, inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1
+):
+    """TensorFlow's ``FakeQuantWithMinMaxVarsPerChannelGradient``.
+
+    Returns ``(backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the latter two with one entry per
+    channel.
+    """
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
+    dx, dmin, dmax = _backprops(_channel_last(g, axis), _channel_last(x, axis), grid, xp, reduce=True)
+    if axis != x.ndim - 1:
+        dx = xp.ascontiguousarray(xp.moveaxis(dx, -1, axis))
+    return dx, dmin, dmax
