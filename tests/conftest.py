@@ -1,0 +1,49 @@
+"""Shared fixtures: the ``xp`` array-module fixture (NumPy, and CuPy where a GPU exists), paths, CLI runner."""
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+SAMPLES = os.path.join(ROOT, "samples")
+
+
+def _cupy_or_none():
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except Exception:
+        return None
+    return None
+
+
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    """Run an op test on NumPy, and on CuPy where CuPy and a CUDA device exist (skipped otherwise)."""
+    if request.param == "numpy":
+        return np
+    cupy = _cupy_or_none()
+    if cupy is None:
+        pytest.skip("CuPy with a CUDA device is not available")
+    return cupy
+
+
+@pytest.fixture
+def runner():
+    from click.testing import CliRunner
+
+    return CliRunner()
+
+
+@pytest.fixture
+def cli(runner):
+    """Invoke the real click CLI in-process: ``cli("fakequant", ...)`` -> click Result."""
+    from qgcli.cli import main
+
+    def invoke(*args, input=None):
+        return runner.invoke(main, [str(a) for a in args], input=input)
+
+    return invoke
