@@ -43,7 +43,7 @@ def quant_range(num_bits=8, narrow_range=False):
 def flush_subnormals(a, xp=None):
     """``a`` (float32) with subnormals replaced by zeros of the same sign, as x86 FTZ/DAZ does."""
     xp = xp or array_module(a)
-    return xp.where(xp.abs(a) < _TINY, a * _F32(0), a)
+    return xp.where(xp.abs(a) < _TINY, xp.copysign(_F32(0), a), a)
 
 
 def _quiet(xp):
@@ -240,15 +240,16 @@ def _quantize(x, grid, divide, xp):
 
 
 def _masks(x, grid, xp):
+    """Boolean masks (inside, below, above) of the nudged range; all False on min == max == 0 channels."""
     lo, hi = (xp.asarray(b) for b in grid.mask_bounds())
     below = x < lo
     above = x > hi
     inside = (x >= lo) & (x <= hi)
     if grid.passthrough.any():
-        pt = xp.asarray(grid.passthrough)
-        inside |= pt
-        below &= ~pt
-        above &= ~pt
+        keep = xp.asarray(~grid.passthrough)
+        inside &= keep
+        below &= keep
+        above &= keep
     return inside, below, above
 
 
@@ -257,11 +258,17 @@ def _backprops(gradients, x, grid, xp, *, reduce):
     inside, below, above = _masks(x, grid, xp)
     with _quiet(xp):
         dx = xp.multiply(g, inside, dtype=_F32)  # a product, as TF: g * 0 keeps -0.0 and NaN
+        if grid.passthrough.any():
+            # TF copies the gradient of a min == max == 0 channel untouched (no arithmetic, no flush).
+            dx = xp.where(xp.asarray(grid.passthrough), gradients, dx)
         if not reduce:
             return dx
         depth = x.shape[-1] if grid.per_channel else 1
         dmin = eigen_column_sums(xp.multiply(g, below, dtype=_F32).reshape(-1, depth), xp)
         dmax = eigen_column_sums(xp.multiply(g, above, dtype=_F32).reshape(-1, depth), xp)
+    if grid.passthrough.any():
+        pt = xp.asarray(grid.passthrough.reshape(-1))
+        dmin, dmax = xp.where(pt, _F32(0), dmin), xp.where(pt, _F32(0), dmax)
     if not grid.per_channel:
         dmin, dmax = dmin.reshape(()), dmax.reshape(())
     return dx, dmin, dmax
@@ -270,7 +277,8 @@ def _backprops(gradients, x, grid, xp, *, reduce):
 # --- the six TensorFlow ops ------------------------------------------------------------------------
 
 def _args_grid(min, max, num_bits, narrow_range):
-    mn, mx = _F32(min), _F32(max)  # TF attributes are 32-bit floats
+    # TF attributes are 32-bit floats, compared under DAZ (so [-1e-40, 0] is an empty range).
+    mn, mx = (flush_subnormals(np.asarray(v, _F32), np)[()] for v in (min, max))
     if not (np.isfinite(mn) and np.isfinite(mx)):
         raise OperandError(f"the range [{mn}, {mx}] must be finite", operand="min")
     if not mn < mx:
