@@ -418,8 +418,13 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
                 operand="--output",
             )
         (array,) = arrays.values()
-        _atomic_file(dest, lambda p: np.save(p, np.asarray(array), allow_pickle=False))
+        _atomic_file(dest, lambda p: _write_npy(p, array))
     else:
         os.makedirs(dest, exist_ok=True)
         for name, array in arrays.items():
-            _atomic_file(os.path.join(dest, name + ".npy"), lambda p, a=array: np.save(p, np.asarray(a), allow_pickle=False))
+            _atomic_file(os.path.join(dest, name + ".npy"), lambda p, a=array: _write_npy(p, a))
+
+
+def _write_npy(path, array):
+    with open(path, "wb") as fh:  # a file object: np.save would append ".npy" to a path
+        np.save(fh, np.asarray(array), allow_pickle=False)

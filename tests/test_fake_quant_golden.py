@@ -77,3 +77,31 @@ def assert_same_bits(got, want, what):
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{what}: NaN positions")
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32), err_msg=what)
+
+
+CLI_CASES = [c for c in CASES[::6] if "error" not in c[1] and not str(c[1].get("description", "")).startswith("tf-garbage:")]
+
+
+@pytest.mark.parametrize("name, attrs, data", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_as_the_oracle_runs_it(cli, tmp_path, name, attrs, data):
+    """`qgcli fakequant[-grad] BUNDLE.h5 -o OUT.h5 --num-bits N [--narrow-range]`, reading TF-named datasets."""
+    op = attrs["op"]
+    bundle, out = tmp_path / "bundle.h5", tmp_path / "out.h5"
+    with h5py.File(bundle, "w") as f:
+        for key in ("inputs", "gradients", "min", "max"):
+            if key in data:
+                f[key] = data[key]
+            elif key in attrs:
+                f[key] = np.float32(attrs[key])
+    args = ["fakequant-grad" if op.endswith("Gradient") else "fakequant", bundle, "-o", out,
+            "--num-bits", str(int(attrs["num_bits"]))]
+    if attrs["narrow_range"]:
+        args.append("--narrow-range")
+    if op.startswith("FakeQuantWithMinMaxArgs"):
+        args += ["--variant", "args"]
+    r = cli(*args)
+    assert r.exit_code == 0, r.output
+    with h5py.File(out, "r") as f:
+        assert f.attrs["op"] == op
+        for out_name in OUTPUTS[op]:
+            assert_same_bits(f[out_name][()], np.asarray(data[out_name], np.float32), f"{name}: {out_name}")
