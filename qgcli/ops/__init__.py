@@ -1,4 +1,9 @@
 """Pure math: arrays in, arrays out (NumPy or CuPy, picked from the arguments). No I/O here."""
+from qgcli.ops.batch_norm import (
+    VarianceConvention,
+    detect_variance_convention,
+    fused_batch_norm_grad,
+)
 from qgcli.ops.fake_quant import (
     Grid,
     fake_quant_with_min_max_args,
@@ -13,12 +18,15 @@ from qgcli.ops.fake_quant import (
 
 __all__ = [
     "Grid",
+    "VarianceConvention",
+    "detect_variance_convention",
     "fake_quant_with_min_max_args",
     "fake_quant_with_min_max_args_gradient",
     "fake_quant_with_min_max_vars",
     "fake_quant_with_min_max_vars_gradient",
     "fake_quant_with_min_max_vars_per_channel",
     "fake_quant_with_min_max_vars_per_channel_gradient",
+    "fused_batch_norm_grad",
     "nudge",
     "quant_range",
 ]
