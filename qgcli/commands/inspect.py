@@ -12,6 +12,8 @@ REPORT_SCHEMA = 1
 # qgcli's provenance attributes (written by `-o out.h5`), shown as one plain line.
 _PROVENANCE = ("qgcli_version", "op", "variant", "num_bits", "narrow_range", "axis", "min", "max")
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
+# A SPEC is free text (file, file:key, -, literal); click.Path only so that shells complete file names.
+_SPEC = click.Path(allow_dash=True)
 
 
 # --- inspect: reading --------------------------------------------------------------------------------
@@ -362,7 +364,7 @@ Examples:
 
 
 @click.command("inspect", epilog=_INSPECT_EPILOG, short_help="List tensors, shapes, dtypes, statistics, attributes.")
-@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...", type=click.Path(allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see the README).")
 @click.option("--no-stats", is_flag=True, help="Names, shapes and dtypes only (HDF5: reads no data).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
@@ -567,11 +569,11 @@ Examples:
 
 
 @click.command("report", epilog=_REPORT_EPILOG, short_help="Per-channel clipping, blocked gradient, SQNR, ranges.")
-@click.argument("bundle", required=False, metavar="[BUNDLE]")
-@click.option("--gradients", metavar="SPEC", help="Upstream gradient (optional: without it no gradient columns).")
-@click.option("--inputs", metavar="SPEC", help="Forward inputs (TF operand 'inputs').")
-@click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
-@click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
+@click.argument("bundle", required=False, metavar="[BUNDLE]", type=click.Path(allow_dash=True))
+@click.option("--gradients", metavar="SPEC", type=_SPEC, help="Upstream gradient (optional: without it no gradient columns).")
+@click.option("--inputs", metavar="SPEC", type=_SPEC, help="Forward inputs (TF operand 'inputs').")
+@click.option("--min", "min_", metavar="SPEC", type=_SPEC, help="Range minimum: scalar (vars/args) or one per channel.")
+@click.option("--max", "max_", metavar="SPEC", type=_SPEC, help="Range maximum: scalar (vars/args) or one per channel.")
 @click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")
 @click.option("--narrow-range", is_flag=True, help="Use the grid [1, 2^num_bits - 1].")
 @click.option("--variant", type=click.Choice(["args", "vars", "per-channel"]), default=None,

@@ -1,0 +1,270 @@
+"""``qgcli inspect``: listings and statistics of .npy/.npz/.h5 files, stdin pipelines, progress on stderr."""
+import io
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from qgcli import ops
+from qgcli.progress import Progress, progress_enabled
+
+from conftest import ROOT, SAMPLES
+
+PER_CHANNEL = os.path.join(SAMPLES, "per_channel.h5")
+FILE_KEYS = ["file", "format", "size_bytes", "key", "attributes", "groups", "links", "tensors"]
+TENSOR_KEYS = ["name", "shape", "dtype", "size", "nbytes", "min", "max", "mean", "std", "nan", "inf", "zeros",
+               "attributes", "error"]
+QGCLI = [sys.executable, "-m", "qgcli"]
+
+
+def direct_stats(a):
+    a = np.asarray(a)
+    finite = a[np.isfinite(a)].astype(np.float64)
+    return {"min": finite.min(), "max": finite.max(), "mean": finite.mean(), "std": finite.std(),
+            "nan": int(np.isnan(a).sum()), "inf": int(np.isinf(a).sum()), "zeros": int((a == 0).sum())}
+
+
+def check_stats(entry, a):
+    for key, value in direct_stats(a).items():
+        assert entry[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (entry["name"], key)
+
+
+def inspect_json(cli, *args, input=None):
+    r = cli("inspect", *args, "--json", input=input)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert list(doc) == ["command", "schema", "qgcli_version", "files"] and doc["command"] == "inspect"
+    for f in doc["files"]:
+        assert list(f) == FILE_KEYS
+        assert all(list(t) == TENSOR_KEYS for t in f["tensors"])
+    return doc
+
+
+def test_h5_sample_listing_and_statistics(cli):
+    doc = inspect_json(cli, PER_CHANNEL)
+    (f,) = doc["files"]
+    assert f["format"] == "h5" and f["size_bytes"] == os.path.getsize(PER_CHANNEL) and f["key"] is None
+    assert f["attributes"] == {"description": "per-channel activations [4, 8, 8, 16] with gradients"}
+    assert [t["name"] for t in f["tensors"]] == ["gradients", "inputs", "max", "min"]
+    with h5py.File(PER_CHANNEL, "r") as h:
+        for t in f["tensors"]:
+            a = h[t["name"]][()]
+            assert t["shape"] == list(a.shape) and t["dtype"] == "float32"
+            assert t["size"] == a.size and t["nbytes"] == a.nbytes and t["error"] is None
+            check_stats(t, a)
+
+
+def test_npz_with_special_values_and_dtypes(cli, tmp_path):
+    path = tmp_path / "mixed.npz"
+    floats = np.array([np.nan, np.inf, -np.inf, 0.0, 1.5, -2.5], np.float64)
+    np.savez(path, floats=floats, ints=np.array([[3, 0], [-7, 9]], np.int16), flags=np.array([True, False, True]),
+             text=np.array(["a", "bc"]), half=np.array([0.5, 0.25], np.float16), empty=np.zeros((0, 3), np.float32),
+             nothing_finite=np.array([np.nan, np.inf]), objects=np.array([{"x": 1}], dtype=object))
+    tensors = {t["name"]: t for t in inspect_json(cli, path)["files"][0]["tensors"]}
+    check_stats(tensors["floats"], floats)
+    assert (tensors["floats"]["nan"], tensors["floats"]["inf"]) == (1, 2)
+    ints = tensors["ints"]
+    assert (ints["min"], ints["max"], ints["zeros"], ints["nan"]) == (-7, 9, 1, 0) and isinstance(ints["min"], int)
+    assert ints["mean"] == pytest.approx(1.25) and ints["dtype"] == "int16" and ints["nbytes"] == 8
+    assert tensors["flags"]["mean"] == pytest.approx(2 / 3) and tensors["flags"]["zeros"] == 1
+    assert tensors["text"]["min"] is None and tensors["text"]["nan"] is None and tensors["text"]["error"] is None
+    assert tensors["half"]["dtype"] == "float16" and tensors["half"]["mean"] == pytest.approx(0.375)
+    assert tensors["empty"]["shape"] == [0, 3] and tensors["empty"]["min"] is None and tensors["empty"]["zeros"] == 0
+    assert tensors["nothing_finite"]["mean"] is None and tensors["nothing_finite"]["nan"] == 1
+    # A pickled object array is never loaded: its header is shown and the error recorded, the rest still listed.
+    obj = tensors["objects"]
+    assert obj["dtype"] == "object" and obj["shape"] == [1] and "pickled" in obj["error"]
+
+
+def test_npy_and_key_selection(cli, tmp_path):
+    path = tmp_path / "a.npy"
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) - 5
+    np.save(path, a)
+    (f,) = inspect_json(cli, path)["files"]
+    assert f["format"] == "npy" and len(f["tensors"]) == 1 and f["tensors"][0]["name"] == ""
+    check_stats(f["tensors"][0], a)
+    doc = inspect_json(cli, f"{PER_CHANNEL}:min")
+    assert [t["name"] for t in doc["files"][0]["tensors"]] == ["min"] and doc["files"][0]["key"] == "min"
+
+
+def test_h5_groups_attributes_and_links_are_listed_never_followed(cli, tmp_path):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["secret"] = np.arange(5.0)
+    path = tmp_path / "tree.h5"
+    with h5py.File(path, "w") as f:
+        f.attrs["run"] = "exp-7"
+        layer = f.create_group("layer1")
+        layer.attrs["bits"] = np.int64(4)
+        layer.attrs["scales"] = np.array([0.5, 0.25])
+        layer["x"] = np.ones((2, 2), np.float32)
+        layer["x"].attrs["note"] = b"bytes attribute"
+        layer["loop"] = layer  # a hard-link cycle: must not walk forever
+        f["outside"] = h5py.ExternalLink(str(other), "/secret")
+        f["alias"] = h5py.SoftLink("/layer1/x")
+        f["raw_bf16"] = np.array([0x3F80, 0xC000], np.uint16)  # 1.0, -2.0 as bfloat16 bits
+        f["raw_bf16"].attrs["dtype"] = "bfloat16"
+    (f,) = inspect_json(cli, path)["files"]
+    assert f["attributes"] == {"run": "exp-7"}
+    assert {g["path"]: g["attributes"] for g in f["groups"]} == {"/": {"run": "exp-7"},
+                                                                 "layer1": {"bits": 4, "scales": [0.5, 0.25]}}
+    links = {lk["path"]: lk for lk in f["links"]}
+    assert links["outside"]["kind"] == "external" and links["outside"]["target"] == f"{other}:/secret"
+    assert links["alias"] == {"path": "alias", "kind": "soft", "target": "/layer1/x"}
+    assert links["layer1/loop"]["kind"] == "hard" and links["layer1/loop"]["target"] == "layer1"
+    names = [t["name"] for t in f["tensors"]]
+    assert names == ["layer1/x", "raw_bf16"]  # nothing read through the external or soft link
+    x = f["tensors"][0]
+    assert x["attributes"] == {"note": "bytes attribute"} and x["mean"] == 1.0
+    bf16 = f["tensors"][1]
+    assert bf16["dtype"] == "bfloat16" and (bf16["min"], bf16["max"]) == (-2.0, 1.0) and bf16["nbytes"] == 4
+    r = cli("inspect", path)
+    assert r.exit_code == 0, r.output
+    assert "external link outside" in r.stdout and "not followed" in r.stdout and "run: exp-7" in r.stdout
+    doc = inspect_json(cli, f"{path}:layer1")
+    assert [t["name"] for t in doc["files"][0]["tensors"]] == ["layer1/x"]
+
+
+def test_qgcli_provenance_is_shown_plainly(cli, tmp_path):
+    out = tmp_path / "grads.h5"
+    assert cli("fakequant-grad", PER_CHANNEL, "-o", out, "-q").exit_code == 0
+    r = cli("inspect", out)
+    assert r.exit_code == 0, r.output
+    line = [ln for ln in r.stdout.splitlines() if "written by qgcli" in ln][0]
+    assert "FakeQuantWithMinMaxVarsPerChannelGradient" in line and "num_bits=8" in line and "axis=-1" in line
+    assert "backprops_wrt_input" in r.stdout
+    (f,) = inspect_json(cli, out)["files"]
+    assert f["attributes"]["op"] == "FakeQuantWithMinMaxVarsPerChannelGradient"
+    assert all(t["attributes"]["op"] == f["attributes"]["op"] for t in f["tensors"])
+
+
+def test_no_stats_reads_no_data(cli):
+    (f,) = inspect_json(cli, PER_CHANNEL, "--no-stats")["files"]
+    t = f["tensors"][1]
+    assert t["name"] == "inputs" and t["shape"] == [4, 8, 8, 16] and t["nbytes"] == 16384
+    assert all(t[k] is None for k in ("min", "max", "mean", "std", "nan", "inf", "zeros"))
+
+
+def test_stdin_npz_and_npy_through_clirunner(cli):
+    buf = io.BytesIO()
+    np.savez(buf, a=np.array([1.0, -1.0]), b=np.zeros(3, np.int8))
+    (f,) = inspect_json(cli, "-", input=buf.getvalue())["files"]
+    assert f["file"] == "-" and f["format"] == "npz" and f["size_bytes"] == len(buf.getvalue())
+    assert [t["name"] for t in f["tensors"]] == ["a", "b"] and f["tensors"][1]["zeros"] == 3
+    buf = io.BytesIO()
+    np.save(buf, np.full((2, 2), 7.0, np.float32))
+    (f,) = inspect_json(cli, "-", input=buf.getvalue())["files"]
+    assert f["format"] == "npy" and f["tensors"][0]["mean"] == 7.0
+
+
+@pytest.mark.parametrize("args, stdin, message", [
+    (["missing.h5"], None, "FILE: no such file: missing.h5"),
+    (["-"], b"", "stdin is empty"),
+    (["-"], b"hello", "stdin is not an .npy or .npz stream"),
+    (["-", "-"], None, "stdin (-) can be read only once"),
+    ([f"{PER_CHANNEL}:nope"], None, "has no tensor or group 'nope'"),
+    (["notes.txt"], None, "unknown file type"),
+])
+def test_errors_are_one_line_exit_2(cli, args, stdin, message):
+    r = cli("inspect", *args, input=stdin)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_text_file_named_h5_is_refused(cli, tmp_path):
+    path = tmp_path / "fake.h5"
+    path.write_text("not hdf5")
+    r = cli("inspect", path)
+    assert r.exit_code == 2 and "is not an h5 file" in r.stderr
+
+
+# --- real processes ----------------------------------------------------------------------------------
+
+def test_pipeline_fakequant_grad_into_inspect_json():
+    """`qgcli fakequant-grad samples/per_channel.h5 -o - | qgcli inspect - --json` with two real processes."""
+    env = dict(os.environ, QGCLI_NO_PROGRESS="")
+    producer = subprocess.Popen(QGCLI + ["fakequant-grad", PER_CHANNEL, "-o", "-"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    consumer = subprocess.Popen(QGCLI + ["inspect", "-", "--json"], cwd=ROOT, env=env, stdin=producer.stdout,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    producer.stdout.close()  # the consumer owns the read end now
+    out, err = consumer.communicate(timeout=120)
+    _, perr = producer.communicate(timeout=120)
+    assert producer.returncode == 0, perr.decode()
+    assert consumer.returncode == 0, err.decode()
+    assert err == b""  # stderr is a pipe: no progress, no notes
+    doc = json.loads(out)
+    (f,) = doc["files"]
+    assert f["file"] == "-" and f["format"] == "npz"
+    tensors = {t["name"]: t for t in f["tensors"]}
+    assert list(tensors) == ["backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"]
+    with h5py.File(PER_CHANNEL, "r") as h:
+        x, g, mn, mx = (h[k][()] for k in ("inputs", "gradients", "min", "max"))
+    dx, dmin, dmax = ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, mn, mx)
+    for name, a in (("backprops_wrt_input", dx), ("backprop_wrt_min", dmin), ("backprop_wrt_max", dmax)):
+        check_stats(tensors[name], a)
+        assert tensors[name]["shape"] == list(a.shape)
+    # Gradient elements zeroed by the STE mask show up as zeros (the sample's gradient has none of its own).
+    assert tensors["backprops_wrt_input"]["zeros"] == int((dx == 0).sum()) > 0
+
+
+def test_table_on_a_pipe_is_plain_text():
+    r = subprocess.run(QGCLI + ["inspect", PER_CHANNEL], cwd=ROOT, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    text = r.stdout.decode()
+    assert "\x1b[" not in text and r.stderr == b""
+    row = [ln for ln in text.splitlines() if ln.startswith("inputs ")][0].split()
+    assert row[1:5] == ["[4,", "8,", "8,", "16]"] and row[5] == "float32"
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_shows_on_a_terminal_stderr_only(quiet):
+    import pty  # noqa: F401 - POSIX only, like os.openpty
+
+    master, slave = os.openpty()
+    env = dict(os.environ, QGCLI_PROGRESS_DELAY="0")
+    env.pop("QGCLI_NO_PROGRESS", None)
+    cmd = QGCLI + ["report", PER_CHANNEL, "--json"] + (["--quiet"] if quiet else [])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO once the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out, _ = proc.communicate(timeout=120)
+    os.close(master)
+    assert proc.returncode == 0
+    json.loads(out)  # stdout stays one clean JSON document
+    if quiet:
+        assert seen == b""
+    else:
+        assert b"reading operands" in seen or b"suggested range" in seen
+
+
+def test_progress_helper():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=100)
+    with Progress("crunching", total=4, enabled=True, delay=0, console=console) as p:
+        p.advance(2)
+        p.update(description="still crunching")
+        p.advance(2)
+    assert p.shown and p.completed == 4 and "crunching" in buf.getvalue()
+    # Short work under the delay never draws anything.
+    buf = io.StringIO()
+    with Progress("quick", total=1, enabled=True, delay=30, console=Console(file=buf, force_terminal=True)) as p:
+        p.advance()
+    assert not p.shown and buf.getvalue() == ""
+    assert not progress_enabled(quiet=True)
+    assert not progress_enabled(stream=io.StringIO())
