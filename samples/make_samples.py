@@ -52,6 +52,33 @@ def per_channel():
           inputs=x, min=lo, max=hi, gradients=gradients)
 
 
+def batch_norm():
+    """A batch-norm layer's saved tensors, NHWC [8, 6, 6, 12], as TF's CPU forward leaves them (epsilon 1e-4).
+
+    ``reserve_space_1/2`` are the batch mean and *biased* variance (TF's CPU convention); ``inv_std`` is
+    what a cuDNN forward saves instead (1/sqrt(var + 1e-4)), ``batch_variance`` the Bessel-corrected
+    output; ``moving_mean``/``moving_variance`` are population statistics for ``--no-is-training``.
+    """
+    rng = np.random.default_rng(3)
+    n, h, w, c = 8, 6, 6, 12
+    x = (rng.standard_normal((n, h, w, c)) * np.linspace(0.3, 2.5, c) + np.linspace(-1.0, 2.0, c))
+    x = x.astype(np.float32)
+    y_backprop = (rng.standard_normal((n, h, w, c)) * 0.05).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=(0, 1, 2))
+    var = x64.var(axis=(0, 1, 2))
+    count = n * h * w
+    write("batch_norm.h5", {"description": "batch-norm layer tensors [8, 6, 6, 12] NHWC, epsilon 1e-4", "epsilon": 1e-4,
+                            "data_format": "NHWC"},
+          y_backprop=y_backprop, x=x, scale=np.linspace(0.5, 1.5, c).astype(np.float32),
+          reserve_space_1=mean.astype(np.float32), reserve_space_2=var.astype(np.float32),
+          inv_std=(1.0 / np.sqrt(var + np.float32(1e-4))).astype(np.float32),
+          batch_variance=(var * count / (count - 1)).astype(np.float32),
+          moving_mean=(mean + rng.normal(0, 0.05, c)).astype(np.float32),
+          moving_variance=(var * rng.uniform(0.9, 1.1, c)).astype(np.float32))
+
+
 if __name__ == "__main__":
     notebook()
     per_channel()
+    batch_norm()
