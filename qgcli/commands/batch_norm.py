@@ -148,9 +148,10 @@ def render_summary(console, s):
 
     a = s["attributes"]
     x = s["inputs"].get("x", {})
-    console.print(f"[bold]{s['op']}[/] epsilon={a['epsilon']:g} data_format={a['data_format']} "
-                  f"is_training={a['is_training']}  x {tuple(x.get('shape', ()))} {x.get('dtype', '')}")
-    console.print(f"convention: {s['convention']['description']}")
+    mode = "training" if a["is_training"] else "inference"
+    console.print(f"[bold]{s['op']}[/] epsilon={a['epsilon']:g} {a['data_format']} {mode}  "
+                  f"x {x.get('shape', [])} {x.get('dtype', '')}", soft_wrap=True)
+    console.print(f"convention: {s['convention']['description']}", soft_wrap=True)
     table = Table(show_edge=False, box=None, pad_edge=False)
     for col in ("", "|x_backprop|", "scale_backprop", "offset_backprop"):
         table.add_column(col, justify="right")
@@ -164,9 +165,9 @@ def render_summary(console, s):
     table.add_row("L2 norm", _fmt(n["x_backprop"]), _fmt(n["scale_backprop"]), _fmt(n["offset_backprop"]))
     console.print(table)
     for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {s['output']}")
+        console.print(f"wrote {', '.join(s['outputs'])} to {s['output']}", soft_wrap=True)
 
 
 def _fmt(v):
