@@ -1,0 +1,8 @@
+#!/bin/sh
+# Regenerate the README's figures from samples/ with qgcli itself (run from the repository root).
+set -e
+qgcli plot staircase samples/notebook.h5 --num-bits 2 -o docs/notebook_staircase.png --force -q
+qgcli plot ste samples/notebook.h5 --num-bits 2 -o docs/notebook_ste.png --force -q
+qgcli plot ste samples/notebook.h5 --num-bits 2 --gradients samples/notebook.h5:gradients \
+    -o docs/notebook_ste_backprop.png --force -q
+qgcli plot channels samples/per_channel.h5 -o docs/per_channel.png --force -q

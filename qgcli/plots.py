@@ -1,0 +1,701 @@
+"""The tutorial notebook's figures (staircase, STE, histogram) and per-channel views, as matplotlib Figures.
+
+Every function returns a :class:`matplotlib.figure.Figure` on an Agg canvas: no pyplot, no global
+state, no display needed.  :func:`save_figure` writes one atomically, in the format its file name asks for
+(.png, .svg, .pdf).  Every number drawn comes from :mod:`qgcli.ops`: the forward values from the
+fake-quant op, the gradient function (TF's STE mask) from the gradient op fed with ones, exactly as
+``tf.gradients(outputs, inputs)`` does in the notebook, the back-propagated gradient from the gradient
+op fed with the user's gradients, bounds and levels from :func:`qgcli.ops.nudge`.
+
+Each figure carries ``fig.qgcli_summary``, a dict of plain numbers (points drawn, elements, op, grid) that
+the CLI prints.  Artists that tests and users may want to find carry a ``gid`` (``"outputs"``, ``"mask"``,
+``"backprops"``, ``"raw_bound"``, ``"nudged_bound"``, ``"level"``, ...).
+
+>>> import numpy as np
+>>> fig = staircase(np.linspace(-10, 10, 201, dtype=np.float32), -6.0, 6.0, num_bits=2)
+>>> fig.qgcli_summary["points"], fig.qgcli_summary["grid"]["nudged_min"]
+(201, -8.0)
+"""
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from qgcli.backend import array_module, to_numpy
+from qgcli.errors import OperandError, OutputError, QgcliError
+
+FIGURE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+DEFAULT_MAX_POINTS = 4000
+# Line plots sort their points; above this many elements they first draw a seeded random subset.
+PRESAMPLE = 1_000_000
+# Level lines are drawn when few enough to tell apart; a rug on the histogram up to RUG_LEVELS.
+LINE_LEVELS = 32
+TICK_LEVELS = 9
+RUG_LEVELS = 256
+# Up to this many channels the per-channel panels use separate bars; above it, one step outline.
+BAR_CHANNELS = 64
+
+TF_OPS = {
+    "args": "FakeQuantWithMinMaxArgs",
+    "vars": "FakeQuantWithMinMaxVars",
+    "per-channel": "FakeQuantWithMinMaxVarsPerChannel",
+}
+C_OUTPUTS, C_MASK, C_BACKPROPS = "C0", "red", "brown"
+C_RAW, C_NUDGED, C_CLIP = "0.35", "tab:green", "tab:red"
+# Right of the nudged max and below the top level a staircase has no points and the mask is 0 there.
+_LEGEND = dict(loc="lower right", bbox_to_anchor=(1.0, 0.07), fontsize=7, framealpha=0.9)
+# Per-channel panels: the legend sits above the panel, where no channel's bar can be.
+_PANEL_LEGEND = dict(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncols=2, frameon=False,
+                     borderaxespad=0.1)
+
+
+# --- numbers: the one place that maps a variant to qgcli.ops calls ----------------------------------------
+
+@dataclass
+class FakeQuantData:
+    """The op's results as NumPy arrays, channel axis last (per-channel), plus the nudged grid."""
+
+    variant: str
+    op: str
+    grid: object  # qgcli.ops.Grid
+    x: np.ndarray
+    outputs: np.ndarray
+    mask: np.ndarray
+    backprops: np.ndarray | None
+
+
+def infer_variant(variant, min):
+    """Explicit ``variant`` wins; else vector ``min`` -> per-channel, scalar -> vars (the notebook's op)."""
+    if variant is not None:
+        return variant
+    return "per-channel" if np.ndim(to_numpy(min)) >= 1 else "vars"
+
+
+def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1):
+    """Forward outputs, the STE gradient function and (with ``gradients``) ``backprops_wrt_input``.
+
+    This is the variant dispatch of every plot: add a variant here and all plots draw it.  The mask is
+    the gradient op fed with ones, i.e. ``tf.gradients(outputs, inputs)``; ``backprops`` is the gradient
+    op fed with ``gradients``.  Runs on the inputs' array module (NumPy or CuPy); returns NumPy arrays.
+
+    >>> d = run_variant("vars", np.array([-9.0, 1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
+    >>> d.outputs.tolist(), d.mask.tolist()
+    ([-8.0, 0.0, 4.0], [0.0, 1.0, 0.0])
+    """
+    from qgcli import ops
+    from qgcli.ops.fake_quant import as_float32
+
+    xp = array_module(inputs, gradients)
+    x = as_float32(inputs, "inputs", xp)
+    g = None if gradients is None else as_float32(gradients, "gradients", xp)
+    if g is not None and g.shape != x.shape:
+        raise OperandError(f"shape {list(g.shape)} differs from inputs shape {list(x.shape)}", operand="gradients")
+    ones = xp.ones_like(x)
+    attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
+    if variant == "args":
+        lo, hi = (_scalar(v, name) for v, name in ((min, "min"), (max, "max")))
+        outputs = ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)
+        mask = ops.fake_quant_with_min_max_args_gradient(ones, x, lo, hi, **attrs)
+        backprops = None if g is None else ops.fake_quant_with_min_max_args_gradient(g, x, lo, hi, **attrs)
+        grid = ops.nudge(np.float32(lo), np.float32(hi), **attrs)
+    elif variant == "vars":
+        outputs = ops.fake_quant_with_min_max_vars(x, min, max, **attrs)
+        mask = ops.fake_quant_with_min_max_vars_gradient(ones, x, min, max, **attrs)[0]
+        backprops = None if g is None else ops.fake_quant_with_min_max_vars_gradient(g, x, min, max, **attrs)[0]
+        grid = ops.nudge(min, max, **attrs)
+    elif variant == "per-channel":
+        pc = dict(attrs, axis=axis)
+        outputs = ops.fake_quant_with_min_max_vars_per_channel(x, min, max, **pc)
+        mask = ops.fake_quant_with_min_max_vars_per_channel_gradient(ones, x, min, max, **pc)[0]
+        backprops = None if g is None else ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, min, max, **pc)[0]
+        grid = ops.nudge(min, max, **attrs)
+        x, outputs, mask = (xp.moveaxis(a, axis, -1) for a in (x, outputs, mask))
+        backprops = None if backprops is None else xp.moveaxis(backprops, axis, -1)
+    else:
+        raise QgcliError(f"unknown variant {variant!r} (use {', '.join(TF_OPS)})", operand="--variant")
+    return FakeQuantData(variant, TF_OPS[variant], grid, to_numpy(x), to_numpy(outputs), to_numpy(mask),
+                         None if backprops is None else to_numpy(backprops))
+
+
+def _scalar(value, name):
+    value = np.asarray(to_numpy(value))
+    if value.ndim != 0:
+        raise OperandError(f"must be a scalar for the args variant, got shape {list(value.shape)}", operand=name)
+    return float(value)
+
+
+def grid_levels(grid):
+    """The values the forward op can output on a per-tensor ``grid``, ascending (float32).
+
+    The op computes ``floor((clamp(x) - nudged_min) * inv_scale - quant_zero + 0.5) * scale``; the floor
+    lies in ``[-quant_zero, quant_max - quant_min - quant_zero]``.
+
+    >>> from qgcli.ops import nudge
+    >>> grid_levels(nudge(-6.0, 6.0, num_bits=2)).tolist()
+    [-8.0, -4.0, 0.0, 4.0]
+    """
+    if grid.passthrough:
+        return np.zeros(1, np.float32)
+    steps = np.arange(grid.quant_max - grid.quant_min + 1, dtype=np.float32)
+    return (steps - np.float32(grid.quant_zero)) * np.float32(grid.scale)
+
+
+def channel_grid(grid, k):
+    """The per-tensor grid of channel ``k`` of a per-channel ``grid``."""
+    from dataclasses import fields, replace
+
+    return replace(grid, **{f.name: np.asarray(np.asarray(getattr(grid, f.name))[k])
+                            for f in fields(grid) if isinstance(getattr(grid, f.name), np.ndarray)})
+
+
+@dataclass
+class _View:
+    """What a staircase-like plot draws: flat float32 arrays and, when one grid applies, that grid."""
+
+    data: FakeQuantData
+    x: np.ndarray
+    outputs: np.ndarray
+    mask: np.ndarray
+    backprops: np.ndarray | None
+    grid: object | None
+    channel: int | None
+    channels: int | None
+
+
+def _select(data, channel):
+    """Channel ``channel`` (last axis) of ``data``, or everything flattened."""
+    per_channel = data.variant == "per-channel"
+    depth = data.x.shape[-1] if data.x.ndim else None
+    if channel is not None:
+        if data.x.ndim == 0:
+            raise OperandError("is a scalar; there is no channel to select", operand="--channel")
+        if not -depth <= channel < depth:
+            raise OperandError(f"{channel} is out of range for {depth} channels", operand="--channel")
+        channel %= depth
+        pick = lambda a: None if a is None else np.ascontiguousarray(a[..., channel]).reshape(-1)  # noqa: E731
+        grid = channel_grid(data.grid, channel) if per_channel else data.grid
+    else:
+        pick = lambda a: None if a is None else a.reshape(-1)  # noqa: E731
+        grid = None if per_channel else data.grid
+    return _View(data, pick(data.x), pick(data.outputs), pick(data.mask), pick(data.backprops), grid, channel,
+                 depth if per_channel else None)
+
+
+# --- subsampling ---------------------------------------------------------------------------------------
+
+def subsample(x, *keys, max_points=DEFAULT_MAX_POINTS):
+    """Indices of at most about ``max_points`` elements of 1-d ``x``, in ascending ``x`` order.
+
+    Deterministic: evenly spaced ranks of the sorted finite values (first and last included), plus both
+    neighbours of every change in each of ``keys`` while there are no more than ``max_points`` changes,
+    so a staircase keeps its vertical steps.  Above ``PRESAMPLE`` elements a seeded random subset of that
+    size (drawn with repeats, so a little smaller; non-finite draws dropped), plus the extremes, is sorted
+    instead of the whole tensor.
+
+    >>> subsample(np.array([3.0, np.nan, 1.0, 2.0], np.float32)).tolist()
+    [2, 3, 0]
+    """
+    is_finite = np.isfinite(x)
+    count = int(np.count_nonzero(is_finite))
+    if count > PRESAMPLE:
+        # Boolean masks, not index sets: set unions (sorting) or gathers of every index cost seconds.
+        keep = np.zeros(x.size, bool)
+        keep[np.random.default_rng(0).integers(0, x.size, PRESAMPLE)] = True  # repeats just merge
+        keep &= is_finite
+        values = x if count == x.size else np.where(is_finite, x, np.nan)
+        keep[[int(np.nanargmin(values)), int(np.nanargmax(values))]] = True
+        finite = np.flatnonzero(keep)
+    else:
+        finite = np.flatnonzero(is_finite)
+    order = finite[np.argsort(x[finite], kind="stable")]
+    if order.size <= max_points:
+        return order
+    keep = np.zeros(order.size, bool)
+    keep[np.linspace(0, order.size - 1, max_points).round().astype(np.int64)] = True
+    for key in keys:
+        values = key[order]
+        change = np.flatnonzero(values[1:] != values[:-1])
+        if 0 < change.size <= max_points:
+            keep[change] = keep[change + 1] = True
+    return order[keep]
+
+
+# --- figures -------------------------------------------------------------------------------------------
+
+def new_figure(width, height, *, dpi=100):
+    """A Figure on an Agg canvas, constrained layout (keeps the requested size, unlike a tight bbox)."""
+    fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _fmt(v):
+    return f"{float(v):.5g}"
+
+
+def _grid_words(grid):
+    levels = grid.quant_max - grid.quant_min + 1
+    return (f"num_bits={grid.num_bits}{', narrow range' if grid.narrow_range else ''}: "
+            f"[{_fmt(grid.min)}, {_fmt(grid.max)}] nudged to [{_fmt(grid.nudged_min)}, {_fmt(grid.nudged_max)}], "
+            f"{levels} levels, step {_fmt(grid.scale)}")
+
+
+def _title(view, what):
+    where = ""
+    if view.channel is not None:
+        where = f", channel {view.channel}"
+    if view.grid is None:
+        bits = f"num_bits={view.data.grid.num_bits}{', narrow range' if view.data.grid.narrow_range else ''}"
+        return f"{what}{where}\n{bits}, {view.channels} per-channel grids, flattened (--channel K for one)"
+    return f"{what}{where}\n{_grid_words(view.grid)}"
+
+
+def _grid_dict(grid):
+    from qgcli.ops.analysis import grid_summary
+
+    return None if grid is None else grid_summary(grid)
+
+
+def _points_note(ax, shown, total, dropped):
+    text = f"{shown:,} points" if shown == total else f"{shown:,} of {total:,} points (deterministic subsample)"
+    if dropped:
+        text += f"; {dropped:,} NaN/inf not drawn"
+    ax.text(0.995, 0.01, text, transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="0.3", gid="points")
+
+
+def _mark_bounds(ax, grid, orientation="v"):
+    """Raw bounds dashed grey, nudged bounds dotted green (vertical lines on the x axis)."""
+    line = ax.axvline if orientation == "v" else ax.axhline
+    handles = []
+    for k, value in enumerate((grid.min, grid.max)):
+        h = line(float(value), color=C_RAW, ls="--", lw=1.0, gid="raw_bound",
+                 label="raw min/max" if k == 0 else "_nolegend_")
+        handles.append(h)
+    for k, value in enumerate((grid.nudged_min, grid.nudged_max)):
+        h = line(float(value), color=C_NUDGED, ls=":", lw=1.6, gid="nudged_bound",
+                 label="nudged min/max" if k == 0 else "_nolegend_")
+        handles.append(h)
+    return handles[0], handles[2]
+
+
+def _staircase_axes(ax, view, max_points):
+    """The notebook's first figure on ``ax``; returns (indices drawn, legend handles)."""
+    total = view.x.size
+    keys = [view.outputs, view.mask] + ([view.backprops] if view.backprops is not None else [])
+    idx = subsample(view.x, *keys, max_points=max_points)
+    xs = view.x[idx]
+    one_grid = view.grid is not None
+    # One grid: a staircase, joined as in the notebook; several grids flattened: points only.
+    (line,) = ax.plot(xs, view.outputs[idx], ls="-" if one_grid else "none", marker="+", color=C_OUTPUTS,
+                      gid="outputs", label=f"outputs ({view.data.op})")
+    handles = [line]
+    ax.set_xlabel("floating point (inputs)")
+    ax.set_ylabel("de-quantized (outputs)")
+    ax.axhline(y=0, color="k", lw=1.2)
+    ax.axvline(x=0, color="k", lw=1.2)
+    ax.grid(True)
+    if one_grid:
+        handles += _mark_bounds(ax, view.grid)
+        levels = grid_levels(view.grid)
+        if levels.size <= LINE_LEVELS:
+            for k, level in enumerate(levels):
+                ax.axhline(float(level), color=C_OUTPUTS, ls=(0, (1, 3)), lw=0.9, alpha=0.7, gid="level",
+                           label="levels" if k == 0 else "_nolegend_")
+        if levels.size <= TICK_LEVELS:
+            ax.set_yticks([float(v) for v in levels])
+    _points_note(ax, idx.size, total, total - int(np.isfinite(view.x).sum()))
+    return idx, handles
+
+
+def _summary(kind, view, idx, **extra):
+    return {"plot": kind, "op": view.data.op, "variant": view.data.variant, "elements": int(view.x.size),
+            "points": int(idx.size), "channel": view.channel, "grid": _grid_dict(view.grid), **extra}
+
+
+def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel):
+    variant = infer_variant(variant, min)
+    axis = -1 if axis is None else axis
+    data = run_variant(variant, inputs, min, max, gradients=gradients, num_bits=num_bits,
+                       narrow_range=narrow_range, axis=axis)
+    if channel is not None and variant != "per-channel" and data.x.ndim:
+        # A per-tensor grid still lets one look at one channel's values: move that axis last.
+        if isinstance(axis, bool) or not -data.x.ndim <= axis < data.x.ndim:
+            raise OperandError(f"{axis} is out of range for inputs of rank {data.x.ndim}", operand="axis")
+        move = lambda a: None if a is None else np.moveaxis(a, axis, -1)  # noqa: E731
+        data = FakeQuantData(data.variant, data.op, data.grid, move(data.x), move(data.outputs), move(data.mask),
+                             move(data.backprops))
+    return _select(data, channel)
+
+
+def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
+              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8):
+    """The quantization staircase: inputs vs fake-quantized outputs (the notebook's first figure).
+
+    Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels marked.
+    ``variant``: "args", "vars" or "per-channel" (default: per-channel for vector ``min``, else vars);
+    ``channel`` selects one channel of ``axis``, else all elements are drawn flattened.
+
+    >>> fig = staircase(np.array([-9.0, -1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
+    >>> fig.axes[0].get_lines()[0].get_ydata().tolist()
+    [-8.0, 0.0, 4.0]
+    """
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel)
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    idx, handles = _staircase_axes(ax, view, max_points)
+    ax.legend(handles=handles, **_LEGEND)
+    ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Quantization staircase"), 9), fontsize=9)
+    fig.qgcli_summary = _summary("staircase", view, idx)
+    return fig
+
+
+def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=False, variant=None, axis=-1,
+        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8):
+    """The staircase plus the STE gradient function on a red twin axis (the notebook's second figure).
+
+    With ``gradients``, also ``backprops_wrt_input`` in brown (the third figure): on the staircase's axis
+    as in the notebook, or on an axis of its own when its magnitude differs from the outputs' by more
+    than 20x (it would be a flat line otherwise).
+
+    >>> fig = ste(np.array([-9.0, -1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
+    >>> fig.axes[1].get_lines()[0].get_ydata().tolist()
+    [0.0, 1.0, 0.0]
+    """
+    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel)
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    idx, handles = _staircase_axes(ax, view, max_points)
+    ax.set_ylabel("quantized (outputs)")
+    xs = view.x[idx]
+    ax2 = ax.twinx()
+    (mask_line,) = ax2.plot(xs, view.mask[idx], ls="-" if view.grid is not None else "none",
+                            marker=None if view.grid is not None else ".", ms=2,
+                            color=C_MASK, gid="mask", label="gradient function (STE mask)")
+    ax2.set_ylabel("gradient function", color="r")
+    ax2.set_ylim(-0.05, 1.05)
+    handles.insert(1, mask_line)
+    separate = False
+    if view.backprops is not None:
+        bp = view.backprops[idx]
+        separate = _separate_scale(bp, view.outputs[idx])
+        target = ax
+        if separate:
+            target = ax.twinx()
+            target.spines.right.set_position(("axes", 1.13))
+            target.set_ylabel("backprops_wrt_input", color=C_BACKPROPS)
+            target.tick_params(axis="y", colors=C_BACKPROPS)
+        # Joined as in the notebook when it shares the outputs' scale (e.g. gradients = outputs there);
+        # an unrelated gradient joined in x order would be a zigzag, so it gets points only.
+        joined = view.grid is not None and not separate
+        (bp_line,) = target.plot(xs, bp, ls="-" if joined else "none", color=C_BACKPROPS,
+                                 marker="x", ms=4 if joined else 3, gid="backprops", label="backprops_wrt_input")
+        handles.insert(2, bp_line)
+    ax.legend(handles=handles, **_LEGEND)
+    ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Straight-through estimator"), 9), fontsize=9)
+    fig.qgcli_summary = _summary("ste", view, idx, backprops=view.backprops is not None,
+                                 backprops_axis="own" if separate else "outputs")
+    return fig
+
+
+def _pixels_per_step(fig, step, span):
+    """About how many pixels apart two levels are on an axis spanning ``span`` (90% of the width)."""
+    return float(step) / span * 0.9 * fig.get_figwidth() * fig.dpi if span > 0 else 0.0
+
+
+def _separate_scale(a, b):
+    """True when ``a`` and ``b`` (finite parts) differ in magnitude by more than 20x."""
+    def size(v):
+        v = np.abs(v[np.isfinite(v)])
+        return float(v.max()) if v.size else 0.0
+
+    sa, sb = size(a), size(b)
+    if sa == 0 or sb == 0:
+        return False
+    return not (1 / 20 <= sa / sb <= 20)
+
+
+def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
+         bins=100, log=False, title=None, width=6.4, height=4.8):
+    """Histogram of all inputs with the quantization grid, the clip regions shaded, the clipped shares.
+
+    The shares are counted with the op's mask (inclusive, on the nudged bounds); NaN and infinities are
+    not binned but counted in the note.
+
+    >>> fig = hist(np.array([-9.0, -1.0, 1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2, bins=4)
+    >>> fig.qgcli_summary["clipped_below"], fig.qgcli_summary["clipped_above"]
+    (0.25, 0.25)
+    """
+    from qgcli.ops.analysis import clip_statistics
+
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel)
+    data = view.data
+    if view.grid is not None:
+        stats = clip_statistics(view.x, view.grid)
+    else:  # all channels flattened: each counted against its own grid
+        stats = clip_statistics(data.x.reshape(-1, data.x.shape[-1]), data.grid)
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    finite = view.x[np.isfinite(view.x)]
+    bounds = [] if view.grid is None else [float(view.grid.min), float(view.grid.max),
+                                           float(view.grid.nudged_min), float(view.grid.nudged_max)]
+    span = [float(finite.min()), float(finite.max())] if finite.size else []
+    lo, hi = (min_(span + bounds), max_(span + bounds)) if span + bounds else (-1.0, 1.0)
+    pad = 0.04 * (hi - lo) if hi > lo else 1.0
+    lo, hi = lo - pad, hi + pad
+    data_range = (float(finite.min()), float(finite.max())) if finite.size else (lo, hi)
+    if data_range[0] == data_range[1]:
+        data_range = (data_range[0] - 0.5, data_range[1] + 0.5)
+    counts, edges = np.histogram(finite.astype(np.float64), bins=bins, range=data_range)
+    ax.stairs(counts, edges, fill=True, color=C_OUTPUTS, alpha=0.75, gid="counts", label="inputs",
+              baseline=0.5 if log else 0)
+    ax.set_xlim(lo, hi)
+    handles = []
+    if view.grid is not None:
+        grid = view.grid
+        handles += _mark_bounds(ax, grid)
+        ax.axvspan(lo, float(grid.nudged_min), color=C_CLIP, alpha=0.12, lw=0, gid="clip_region",
+                   label="clipped region")
+        ax.axvspan(float(grid.nudged_max), hi, color=C_CLIP, alpha=0.12, lw=0, gid="clip_region")
+        levels = grid_levels(grid)
+        if levels.size <= LINE_LEVELS:
+            for k, level in enumerate(levels):
+                ax.axvline(float(level), color="0.2", ls=(0, (1, 3)), lw=0.8, gid="level",
+                           label="levels" if k == 0 else "_nolegend_")
+        elif levels.size <= RUG_LEVELS and _pixels_per_step(fig, grid.scale, hi - lo) >= 3:
+            ax.vlines(levels.astype(np.float64), 0, 0.025, transform=ax.get_xaxis_transform(), color="0.2",
+                      lw=0.5, gid="level", label="levels")
+    ax.set_xlabel("floating point (inputs)")
+    ax.set_ylabel("count" + (" (log)" if log else ""))
+    if log:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.5)
+    below, above = stats["clipped_below"], stats["clipped_above"]
+    n = stats["elements"]
+    ax.text(0.01, 0.98, f"below nudged_min:\n{100 * below:.2f}% ({round(below * n):,})", transform=ax.transAxes,
+            ha="left", va="top", fontsize=8, color=C_CLIP, gid="clipped_below")
+    ax.text(0.99, 0.98, f"above nudged_max:\n{100 * above:.2f}% ({round(above * n):,})", transform=ax.transAxes,
+            ha="right", va="top", fontsize=8, color=C_CLIP, gid="clipped_above")
+    dropped = view.x.size - finite.size
+    note = f"{finite.size:,} values, {bins} bins" + (f"; {dropped:,} NaN/inf not binned" if dropped else "")
+    ax.text(0.995, 0.01, note, transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="0.3", gid="points")
+    if handles:
+        ax.legend(loc="center left", fontsize=7, framealpha=0.9)
+    ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Inputs and quantization grid"), 9), fontsize=9)
+    fig.qgcli_summary = {"plot": "hist", "op": data.op, "variant": data.variant, "elements": int(view.x.size),
+                         "points": int(finite.size), "bins": int(bins), "channel": view.channel,
+                         "clipped_below": below, "clipped_above": above, "grid": _grid_dict(view.grid)}
+    return fig
+
+
+min_, max_ = min, max  # the plotting functions shadow the builtins with TF's operand names
+
+
+# --- per-channel views ----------------------------------------------------------------------------------
+
+def _channel_series(ax, values, *, color, label, gid, bottom=None, offset=0.0, width=0.8, fill=True, alpha=1.0):
+    """One value per channel: bars up to BAR_CHANNELS channels, one step outline above (1024 stay readable)."""
+    values = np.asarray(values, np.float64)
+    depth = values.size
+    base = np.zeros(depth) if bottom is None else np.asarray(bottom, np.float64)
+    if depth <= BAR_CHANNELS:
+        artist = ax.bar(np.arange(depth) + offset, values - base, width=width, bottom=base, color=color if fill else "none",
+                        edgecolor=color, alpha=alpha, label=label, gid=gid, lw=0 if fill else 1.4)
+        for patch in artist.patches:
+            patch.set_gid(gid)
+        return artist
+    edges = np.arange(depth + 1) - 0.5
+    # With a bottom the outline closes over both ends (a range); without, an unfilled series is one line.
+    baseline = base if bottom is not None or fill else None
+    return ax.stairs(values, edges, baseline=baseline, fill=fill, color=color, alpha=alpha,
+                     label=label, gid=gid, lw=1.0)
+
+
+def _plural(n, word):
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _pad_ylim(ax, *arrays):
+    """y limits around the finite values with a 6% margin (bars with a bottom stick to their ends)."""
+    values = np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in arrays])
+    values = values[np.isfinite(values)]
+    if not values.size:
+        return
+    lo, hi = float(values.min()), float(values.max())
+    pad = 0.06 * (hi - lo) if hi > lo else 0.5
+    ax.set_ylim(lo - pad, hi + pad)
+
+
+def _wrapped(fig, text, fontsize):
+    """``text`` with each line wrapped to the figure's width (DejaVu Sans: about 0.5 em per character)."""
+    import textwrap
+
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.52 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+
+
+def _channel_axis(ax, depth, label):
+    ax.set_xlim(-0.6, depth - 0.4)
+    from matplotlib.ticker import MaxNLocator
+
+    if depth <= 32:
+        ax.set_xticks(range(depth))
+        if depth > 16:
+            ax.tick_params(axis="x", labelsize=7)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=16, integer=True))
+    ax.set_xlabel(label)
+
+
+def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1, title=None,
+             width=8.0, height=None):
+    """Per-channel view of FakeQuantWithMinMaxVarsPerChannel: ranges, clipped shares, min/max gradients.
+
+    Panels: the finite data range (grey) against the nudged range (outline) per channel; the share of
+    each channel clipped below (down) and above (up) the nudged range; with ``gradients``,
+    ``backprop_wrt_min`` and ``backprop_wrt_max`` per channel, from the gradient op.
+
+    >>> x = np.array([[-2.0, 0.5], [0.5, 3.0]], np.float32)
+    >>> fig = channels(x, np.array([-1.0, -1.0], np.float32), np.array([1.0, 1.0], np.float32))
+    >>> fig.qgcli_summary["clipped_below"], fig.qgcli_summary["clipped_above"]
+    ([0.5, 0.0], [0.0, 0.5])
+    """
+    from qgcli import ops
+    from qgcli.ops.analysis import clip_statistics
+    from qgcli.ops.fake_quant import as_float32
+
+    if np.ndim(to_numpy(min)) != 1:
+        raise OperandError(f"plot channels needs one min/max per channel (a vector), got shape "
+                           f"{list(np.shape(to_numpy(min)))}", operand="min")
+    xp = array_module(inputs, gradients)
+    x = as_float32(inputs, "inputs", xp)
+    g = xp.ones_like(x) if gradients is None else gradients
+    # The gradient op validates min/max/axis/shapes and gives backprop_wrt_min/max per channel.
+    _, dmin, dmax = ops.fake_quant_with_min_max_vars_per_channel_gradient(
+        g, x, min, max, num_bits=num_bits, narrow_range=narrow_range, axis=axis)
+    grid = ops.nudge(min, max, num_bits=num_bits, narrow_range=narrow_range)
+    xc = to_numpy(xp.moveaxis(x, axis, -1))
+    depth = xc.shape[-1]
+    rows = xc.reshape(-1, depth)
+    stats = clip_statistics(rows, grid)
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(rows), rows, np.nan)
+    if rows.shape[0]:
+        data_lo, data_hi = np.fmin.reduce(finite, axis=0), np.fmax.reduce(finite, axis=0)
+    else:
+        data_lo = data_hi = np.full(depth, np.nan, np.float32)
+    panels = 3 if gradients is not None else 2
+    fig = new_figure(width, height if height is not None else 1.0 + 2.4 * panels)
+    axes = fig.subplots(panels, 1, sharex=True)
+    ax = axes[0]
+    _channel_series(ax, data_hi, bottom=data_lo, color="0.55", alpha=0.8, label="data range (finite)", gid="data_range")
+    _channel_series(ax, grid.nudged_max, bottom=grid.nudged_min, color=C_NUDGED, fill=False,
+                    label="nudged [min, max]", gid="nudged_range")
+    ax.axhline(0, color="k", lw=0.8)
+    _pad_ylim(ax, data_lo, data_hi, grid.nudged_min, grid.nudged_max)
+    ax.set_ylabel("value")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+    ax = axes[1]
+    below = 100 * np.asarray(stats["channel_clipped_below"])
+    above = 100 * np.asarray(stats["channel_clipped_above"])
+    _channel_series(ax, above, color=C_CLIP, label="above nudged max", gid="clipped_above")
+    _channel_series(ax, -below, color="tab:blue", label="below nudged min", gid="clipped_below")
+    ax.axhline(0, color="k", lw=0.8)
+    top = float(np.max(np.concatenate([above, below, [1.0]])))
+    ax.set_ylim(-1.1 * top, 1.1 * top)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{abs(v):g}")
+    ax.set_ylabel("clipped (%)")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+    if gradients is not None:
+        ax = axes[2]
+        dmin_np, dmax_np = to_numpy(dmin), to_numpy(dmax)
+        bars = depth <= BAR_CHANNELS
+        _channel_series(ax, dmin_np, color="tab:blue", label="backprop_wrt_min", gid="backprop_wrt_min",
+                        offset=-0.2 if bars else 0.0, width=0.4, fill=bars)
+        _channel_series(ax, dmax_np, color=C_CLIP, label="backprop_wrt_max", gid="backprop_wrt_max",
+                        offset=0.2 if bars else 0.0, width=0.4, fill=bars)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_ylabel("sum of gradients")
+        ax.legend(**_PANEL_LEGEND)
+        ax.grid(True, axis="y", alpha=0.5)
+    _channel_axis(axes[-1], depth, f"channel (axis {axis})")
+    bits = f"num_bits={num_bits}{', narrow range' if narrow_range else ''}"
+    fig.suptitle(_wrapped(fig, title if title is not None else
+                          f"FakeQuantWithMinMaxVarsPerChannel: {_plural(depth, 'channel')} x {rows.shape[0]:,} values, "
+                          f"{bits}",
+                          10), fontsize=10)
+    fig.qgcli_summary = {"plot": "channels", "op": "FakeQuantWithMinMaxVarsPerChannel", "channels": int(depth),
+                         "elements": int(rows.size), "points": int(depth),
+                         "clipped_below": stats["channel_clipped_below"],
+                         "clipped_above": stats["channel_clipped_above"], "grid": _grid_dict(grid),
+                         "backprops": gradients is not None}
+    return fig
+
+
+def channel_vectors(vectors, *, title=None, width=8.0, height=None):
+    """One panel per per-channel vector (e.g. ``scale_backprop`` / ``offset_backprop`` of ``bn-grad``).
+
+    >>> fig = channel_vectors({"scale_backprop": np.array([1.0, -2.0], np.float32)})
+    >>> [float(p.get_height()) for p in fig.axes[0].patches]
+    [1.0, -2.0]
+    """
+    if not vectors:
+        raise QgcliError("no per-channel vector to plot")
+    arrays = {}
+    for name, value in vectors.items():
+        value = np.asarray(to_numpy(value))
+        if value.ndim != 1:
+            raise OperandError(f"must be one value per channel (rank 1), got shape {list(value.shape)}", operand=name)
+        if value.dtype.kind not in "fiu" and value.dtype.name != "bfloat16":
+            raise OperandError(f"dtype {value.dtype} is not a real number type", operand=name)
+        arrays[name] = value.astype(np.float64)
+    fig = new_figure(width, height if height is not None else 1.0 + 2.4 * len(arrays))
+    axes = np.atleast_1d(fig.subplots(len(arrays), 1, sharex=True))
+    colors = ["tab:blue", "tab:red", "tab:purple", "tab:olive"]
+    for k, (ax, (name, value)) in enumerate(zip(axes, arrays.items())):
+        _channel_series(ax, value, color=colors[k % len(colors)], label=name, gid=name)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_ylabel(name)
+        ax.grid(True, axis="y", alpha=0.5)
+    depth = max(v.size for v in arrays.values())
+    _channel_axis(axes[-1], depth, "channel")
+    fig.suptitle(_wrapped(fig, title if title is not None else f"{', '.join(arrays)} per channel ({_plural(depth, 'channel')})",
+                          10), fontsize=10)
+    fig.qgcli_summary = {"plot": "channels", "vectors": list(arrays), "channels": int(depth), "points": int(depth)}
+    return fig
+
+
+# --- output --------------------------------------------------------------------------------------------
+
+def figure_format(path):
+    """'png', 'svg' or 'pdf' from the file name; an OutputError for anything else."""
+    ext = os.path.splitext(str(path))[1].lower()
+    if ext not in FIGURE_FORMATS:
+        shown = ext or "no extension"
+        raise OutputError(f"cannot tell the figure format from {shown!r} in {path}; use .png, .svg or .pdf",
+                          operand="--output")
+    return FIGURE_FORMATS[ext]
+
+
+def save_figure(fig, path, dpi=100):
+    """Write ``fig`` to ``path`` atomically (temp file + rename), format from the extension.
+
+    SVG and PDF carry no creation date and SVG ids are salted with a fixed string, so the same figure
+    gives the same bytes.  The pixel size of a PNG is the figure size times ``dpi``.
+    """
+    import matplotlib
+
+    from qgcli.io import _atomic_file
+
+    fmt = figure_format(path)
+    metadata = {"png": {}, "svg": {"Date": None}, "pdf": {"CreationDate": None}}[fmt]
+
+    def write(tmp):
+        with matplotlib.rc_context({"svg.hashsalt": "qgcli"}):
+            fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata)
+
+    _atomic_file(str(path), write)
+    return fmt
