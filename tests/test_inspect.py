@@ -268,3 +268,30 @@ def test_progress_helper():
     assert not p.shown and buf.getvalue() == ""
     assert not progress_enabled(quiet=True)
     assert not progress_enabled(stream=io.StringIO())
+
+
+def test_h5_odd_datasets_do_not_stop_the_listing(cli, tmp_path):
+    other = tmp_path / "source.h5"
+    with h5py.File(other, "w") as f:
+        f["data"] = np.arange(4.0)
+    path = tmp_path / "odd.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("empty", data=h5py.Empty("f4"))
+        f["record"] = np.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")])
+        f["cplx"] = np.array([1 + 2j, np.nan])
+        f["label"] = "hello"
+        f["named_type"] = np.dtype("f4")
+        f.attrs["big"] = np.arange(100)
+        f.attrs["not_a_number"] = np.nan
+        layout = h5py.VirtualLayout(shape=(4,), dtype="f8")
+        layout[:] = h5py.VirtualSource(str(other), "data", shape=(4,))
+        f.create_virtual_dataset("virtual", layout)
+    (f,) = inspect_json(cli, path)["files"]
+    assert f["attributes"] == {"big": "<array int64 [100]>", "not_a_number": None}
+    t = {t["name"]: t for t in f["tensors"]}
+    assert t["empty"]["shape"] is None and t["empty"]["dtype"] == "float32" and t["empty"]["error"] is None
+    assert t["record"]["min"] is None and t["record"]["shape"] == [1]
+    assert (t["cplx"]["nan"], t["cplx"]["zeros"], t["cplx"]["min"]) == (1, 0, None)
+    assert t["label"]["dtype"] == "|S5" and t["label"]["mean"] is None
+    assert "virtual dataset reading" in t["virtual"]["error"] and t["virtual"]["min"] is None
+    assert {"path": "named_type", "kind": "datatype", "target": "float32"} in f["links"]

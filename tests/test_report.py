@@ -342,3 +342,12 @@ def test_cli_missing_operand(cli, tmp_path):
     np.savez(path, inputs=X)
     r = cli("report", path)
     assert r.exit_code == 2 and "min: missing operand" in r.stderr
+
+
+def test_cli_ok_verdicts(cli):
+    doc = run_json(cli, NOTEBOOK, "--threshold", "0.3")
+    assert doc["flagged"] == [] and doc["rows"][0]["flagged"] is False
+    assert doc["verdict"].startswith("Verdict: OK, the tensor loses 13.1% of its gradient mass, not more than 30%")
+    doc = run_json(cli, PER_CHANNEL, "--threshold", "0.9")
+    assert doc["flagged"] == []
+    assert doc["verdict"].startswith("Verdict: OK, no channel loses more than 90% of its gradient mass (worst: ch 3,")

@@ -238,6 +238,9 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
                 if d["error"]:
                     entry["tensors"].append(_tensor_entry(d["path"], None, "unknown", {}, error=d["error"]))
                     continue
+                if d["shape"] is None:  # an HDF5 empty (null dataspace) dataset: no values to read
+                    entry["tensors"].append(_tensor_entry(d["path"], None, d["dtype"], d["attributes"]))
+                    continue
                 todo.append((d["path"], d["shape"], d["dtype"], d["attributes"]))
         if spec.key is not None and not todo and not entry["tensors"]:
             raise OperandError(f"{label} has no tensor or group {spec.key!r}", operand="FILE")
@@ -327,7 +330,7 @@ def render_inspect(console, doc):
                 attrs = f"  ({escape(_attr_text(g['attributes']))})" if g["attributes"] else ""
                 console.print(f"  group {escape(g['path'])}/{attrs}")
         for lk in f["links"]:
-            how = "not followed" if lk["kind"] in ("external", "soft") else "listed once"
+            how = {"external": "not followed", "soft": "not followed", "hard": "listed once"}.get(lk["kind"], "not a tensor")
             console.print(f"  {lk['kind']} link {escape(lk['path'])} -> {escape(lk['target'])} ({how})")
         for note in notes:
             console.print(f"  [yellow]{escape(note)}[/]")
@@ -437,7 +440,8 @@ def verdict(report, threshold):
         if flagged:
             lost = "loses " + share + " of its gradient mass" if report.has_gradients else "clips " + share
             return f"Verdict: the tensor {lost} (more than {thr}): {clip}{gain}."
-        return f"Verdict: OK, the tensor stays under {thr} ({clip}){gain}."
+        lost = "loses " + share + " of its gradient mass" if report.has_gradients else "clips " + share
+        return f"Verdict: OK, the tensor {lost}, not more than {thr} ({clip}){gain}."
     if flagged:
         names = ", ".join(f"ch {c} {100 * col[metric][c]:.1f}%" for c in flagged[:3])
         more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
