@@ -400,6 +400,7 @@ def test_bad_operands_name_the_operand(change, operand, words):
 @pytest.mark.parametrize("kwargs,words", [
     ({"epsilon": -1e-3}, "epsilon: must be a finite number >= 0"),
     ({"epsilon": float("nan")}, "epsilon: must be a finite number >= 0"),
+    ({"epsilon": 1e39}, "epsilon: must be a finite number >= 0"),
     ({"epsilon": "small"}, "epsilon: must be a number"),
     ({"data_format": "NHCW"}, "data_format: unknown data format 'NHCW'"),
     ({"variance_kind": "std"}, "variance_kind: unknown kind 'std'"),
@@ -424,6 +425,8 @@ def test_version_rules():
         "FusedBatchNormGradV3"
     with pytest.raises(OperandError, match="x: dtype float16 needs FusedBatchNormGradV2 or V3"):
         bn.batch_norm_grad_version("v1", x_dtype=np.dtype(np.float16))
+    with pytest.raises(OperandError, match="y_backprop: dtype bfloat16 needs FusedBatchNormGradV2 or V3"):
+        bn.batch_norm_grad_version("v1", x_dtype="float32", y_backprop_dtype=np.dtype(BF16))
     with pytest.raises(QgcliError, match="data_format: NDHWC needs FusedBatchNormGradV3"):
         bn.batch_norm_grad_version("v2", data_format="NDHWC")
     with pytest.raises(OperandError, match="reserve_space_3: only FusedBatchNormGradV3 has this input"):

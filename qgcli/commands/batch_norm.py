@@ -69,8 +69,8 @@ def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, versio
     from qgcli.backend import to_numpy
     from qgcli.ops import batch_norm as bn
 
-    x_dtype = getattr(raw["x"], "dtype", None)
-    bn.batch_norm_grad_version(version, x_dtype=x_dtype, data_format=data_format)
+    bn.batch_norm_grad_version(version, x_dtype=getattr(raw["x"], "dtype", None), data_format=data_format,
+                               y_backprop_dtype=getattr(raw["y_backprop"], "dtype", None))
     convention = {"kind": None, "variance_kind": variance_kind}
     rs2 = raw["reserve_space_2"]
     # CuPy has no bfloat16: widen on the host, compute, round back on the host.

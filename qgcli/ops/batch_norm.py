@@ -75,7 +75,8 @@ VERSIONS = {
 }
 
 
-def batch_norm_grad_version(version="v3", *, x_dtype=None, data_format=None, reserve_space_3=False):
+def batch_norm_grad_version(version="v3", *, x_dtype=None, data_format=None, reserve_space_3=False,
+                            y_backprop_dtype=None):
     """The :class:`BatchNormGradVersion` for ``version`` ("v1", "v2", "v3"), checked against the operands.
 
     Applies TF's registration rules: V1 takes float32 only, V2/V3 also float16 and bfloat16; only V3
@@ -88,11 +89,12 @@ def batch_norm_grad_version(version="v3", *, x_dtype=None, data_format=None, res
     if key not in VERSIONS:
         raise QgcliError(f"unknown version {version!r}; use v1, v2 or v3", operand="version")
     spec = VERSIONS[key]
-    if x_dtype is not None and str(x_dtype) not in spec.x_dtypes and str(x_dtype) in VERSIONS["v3"].x_dtypes:
-        raise OperandError(
-            f"dtype {x_dtype} needs FusedBatchNormGradV2 or V3; {spec.op} takes {', '.join(spec.x_dtypes)} only",
-            operand="x",
-        )
+    for operand, dtype in (("x", x_dtype), ("y_backprop", y_backprop_dtype)):
+        if dtype is not None and str(dtype) not in spec.x_dtypes and str(dtype) in VERSIONS["v3"].x_dtypes:
+            raise OperandError(
+                f"dtype {dtype} needs FusedBatchNormGradV2 or V3; {spec.op} takes {', '.join(spec.x_dtypes)} only",
+                operand=operand,
+            )
     if data_format is not None and data_format in DATA_FORMATS and data_format not in spec.data_formats:
         raise QgcliError(f"{data_format} needs FusedBatchNormGradV3; {spec.op} takes NHWC or NCHW",
                          operand="data_format")
@@ -128,7 +130,7 @@ def _check_epsilon(epsilon):
         eps = float(epsilon)
     except (TypeError, ValueError):
         raise QgcliError(f"must be a number, got {epsilon!r}", operand="epsilon") from None
-    if not np.isfinite(eps) or eps < 0:
+    if not np.isfinite(eps) or eps < 0 or eps > float(np.finfo(_F32).max):
         raise QgcliError(f"must be a finite number >= 0, got {eps!r}", operand="epsilon")
     # TF's attribute is a 32-bit float (1e-4 is stored as 9.999999747378752e-05).
     return float(_F32(eps))
