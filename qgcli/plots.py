@@ -301,8 +301,10 @@ def _staircase_axes(ax, view, max_points):
         levels = grid_levels(view.grid)
         if levels.size <= LINE_LEVELS:
             for k, level in enumerate(levels):
-                ax.axhline(float(level), color=C_OUTPUTS, ls=(0, (1, 3)), lw=0.9, alpha=0.7, gid="level",
-                           label="levels" if k == 0 else "_nolegend_")
+                h = ax.axhline(float(level), color=C_OUTPUTS, ls=(0, (1, 3)), lw=0.9, alpha=0.7, gid="level",
+                               label=f"{levels.size} levels" if k == 0 else "_nolegend_")
+                if k == 0:
+                    handles.append(h)
         if levels.size <= TICK_LEVELS:
             ax.set_yticks([float(v) for v in levels])
     _points_note(ax, idx.size, total, total - int(np.isfinite(view.x).sum()))

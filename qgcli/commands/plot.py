@@ -101,8 +101,9 @@ def _operand_options(*, gradients_help=None, channel=True, range_=True):
 
 def _figure_options(width, height):
     def decorate(f):
-        f = click.option("--height", type=click.FloatRange(1, 50), default=height, show_default=True,
-                         help="Figure height in inches.")(f)
+        f = click.option("--height", type=click.FloatRange(1, 50), default=height, show_default=height is not None,
+                         help="Figure height in inches." + ("" if height is not None else
+                                                            "  [default: 1 + 2.4 per panel]"))(f)
         f = click.option("--width", type=click.FloatRange(1, 50), default=width, show_default=True,
                          help="Figure width in inches.")(f)
         f = click.option("--title", default=None, help="Replace the title (the default names the op and grid).")(f)
