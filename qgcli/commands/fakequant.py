@@ -12,6 +12,7 @@ from qgcli.commands._common import (
     to_device,
     write_outputs,
 )
+from qgcli.commands.nudge import estimator_options, run_semantics, semantics_options
 
 TF_OPS = {
     "args": "FakeQuantWithMinMaxArgs",
@@ -164,10 +165,6 @@ def _fake_quant_command(command, bundle, specs, output, force, num_bits, narrow_
             attrs.update(min=float(mn), max=float(mx))
         raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
         summary = build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output)
-        if plot:  # refuse a bad figure path before any output is written
-            from qgcli.commands.plot import check_figure_output
-
-            check_figure_output(plot, inputs=operands.input_paths(), force=force, option="--plot")
         write_outputs(outputs, output, operands=operands, force=force, attrs=attrs)
         if plot:
             from qgcli.commands.plot import write_ste_plot_for
@@ -201,14 +198,22 @@ Examples:
 @click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
 @click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
 @fake_quant_attribute_options
+@semantics_options
 @output_options
 @report_options
-def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force, as_json, quiet, device):
+def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force, as_json, quiet, device,
+              semantics, scale, zero_point, quant_min, quant_max):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
 
     Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
-    options, which override the bundle. Writes the output 'outputs'.
+    options, which override the bundle. Writes the output 'outputs'. With --semantics torch: PyTorch's
+    fake_quantize_per_{tensor,channel}_affine on the operands inputs, scale, zero_point.
     """
+    if run_semantics("fakequant", bundle=bundle, specs={"inputs": inputs, "min": min_, "max": max_},
+                     semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min,
+                     quant_max=quant_max, output=output, force=force, num_bits=num_bits, narrow_range=narrow_range,
+                     variant=variant, axis=axis, as_json=as_json, quiet=quiet, device=device, with_gradients=False):
+        return
     _fake_quant_command("fakequant", bundle, {"inputs": inputs, "min": min_, "max": max_}, output, force,
                         num_bits, narrow_range, variant, axis, as_json, quiet, device, with_gradients=False)
 
@@ -220,16 +225,28 @@ def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
 @click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
 @click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
 @fake_quant_attribute_options
+@semantics_options
+@estimator_options
 @output_options
 @click.option("--plot", metavar="FIG", default=None, help="Also draw the STE figure to FIG (.png/.svg/.pdf).")
 @report_options
 def fakequant_grad(bundle, gradients, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force,
-                   plot, as_json, quiet, device):
+                   plot, as_json, quiet, device, semantics, scale, zero_point, quant_min, quant_max, estimator,
+                   grad_factor):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
     gives the nudged range, the clipped shares and the share of gradient mass the STE mask blocks.
+    --estimator picks another backward pass (backprops_wrt_input plus backprop_wrt_scale/_zero_point
+    for lsq, backprop_wrt_alpha for pact); --semantics torch runs PyTorch's op (lsq: its learnable op).
     """
+    if run_semantics("fakequant-grad", bundle=bundle,
+                     specs={"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
+                     semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min,
+                     quant_max=quant_max, estimator=estimator, grad_factor=grad_factor, output=output, force=force,
+                     num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis, as_json=as_json,
+                     quiet=quiet, device=device, with_gradients=True, plot=plot):
+        return
     _fake_quant_command("fakequant-grad", bundle, {"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
                         output, force, num_bits, narrow_range, variant, axis, as_json, quiet, device,
                         with_gradients=True, plot=plot)
