@@ -165,6 +165,10 @@ def _fake_quant_command(command, bundle, specs, output, force, num_bits, narrow_
             attrs.update(min=float(mn), max=float(mx))
         raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
         summary = build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output)
+        if plot:  # refuse a bad figure path before any output is written
+            from qgcli.commands.plot import check_figure_output
+
+            check_figure_output(plot, inputs=operands.input_paths(), force=force, option="--plot")
         write_outputs(outputs, output, operands=operands, force=force, attrs=attrs)
         if plot:
             from qgcli.commands.plot import write_ste_plot_for
