@@ -192,6 +192,10 @@ def tf_view(inputs, min, max, *, num_bits=8, narrow_range=False, variant="vars",
         raise OperandError(f"unknown variant {variant!r}", operand="variant")
     outputs = _quantize(x, grid, variant == "vars", xp)
     inside, below, above = _masks(x, grid, xp)
+    if grid.passthrough.any():
+        # min == max == 0: TF's gradient passes through (whatever _masks reports for statistics there).
+        pt = xp.asarray(grid.passthrough)
+        inside, below, above = inside | pt, below & ~pt, above & ~pt
     xf = flush_subnormals(x, xp)
     with _quiet(xp):
         residual = xp.subtract(outputs, xf, dtype=_F32)
