@@ -367,7 +367,7 @@ def _write_npz(fh, arrays):
     np.savez(fh, **{k: np.asarray(v) for k, v in arrays.items()})
 
 
-def _atomic_file(dest, writer):
+def atomic_write(dest, writer):
     """Run ``writer(path)`` on a temporary file beside ``dest``, then rename it over ``dest``.
 
     The temporary file is removed on any failure or interrupt, so ``dest`` is either absent, the old
@@ -380,6 +380,7 @@ def _atomic_file(dest, writer):
         writer(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file 0600; outputs get the usual mode
         os.replace(tmp, dest)
     except BaseException:
         try:
@@ -404,12 +405,12 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
         out.flush()
         return
     if kind == "h5":
-        _atomic_file(dest, lambda p: _write_h5(p, arrays, attrs, compression))
+        atomic_write(dest, lambda p: _write_h5(p, arrays, attrs, compression))
     elif kind == "npz":
         def write(path):
             with open(path, "wb") as fh:
                 _write_npz(fh, arrays)
-        _atomic_file(dest, write)
+        atomic_write(dest, write)
     elif kind == "npy":
         if len(arrays) != 1:
             raise OutputError(
@@ -418,11 +419,17 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
                 operand="--output",
             )
         (array,) = arrays.values()
-        _atomic_file(dest, lambda p: _write_npy(p, array))
+        atomic_write(dest, lambda p: _write_npy(p, array))
     else:
         os.makedirs(dest, exist_ok=True)
         for name, array in arrays.items():
-            _atomic_file(os.path.join(dest, name + ".npy"), lambda p, a=array: _write_npy(p, a))
+            atomic_write(os.path.join(dest, name + ".npy"), lambda p, a=array: _write_npy(p, a))
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_npy(path, array):

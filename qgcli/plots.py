@@ -690,7 +690,7 @@ def save_figure(fig, path, dpi=100):
     """
     import matplotlib
 
-    from qgcli.io import _atomic_file
+    from qgcli.io import atomic_write
 
     fmt = figure_format(path)
     metadata = {"png": {}, "svg": {"Date": None}, "pdf": {"CreationDate": None}}[fmt]
@@ -699,5 +699,5 @@ def save_figure(fig, path, dpi=100):
         with matplotlib.rc_context({"svg.hashsalt": "qgcli"}):
             fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata)
 
-    _atomic_file(str(path), write)
+    atomic_write(str(path), write)
     return fmt

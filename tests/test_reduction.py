@@ -39,7 +39,7 @@ def eigen_sum_reference(a, first=0):
 def test_matches_reference_bitwise(n):
     rng = np.random.default_rng(n)
     a = (rng.standard_normal((n, 3)) * np.exp(rng.uniform(-8, 8, (n, 3)))).astype(f32)
-    got = eigen_column_sums(a, np)
+    got = eigen_column_sums(a, np, threads=1)
     want = np.array([eigen_sum_reference(a[:, c]) for c in range(3)], f32)
     assert got.dtype == f32
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -52,4 +52,34 @@ def test_order_matters_so_the_test_can_fail():
     naive = np.float32(0)
     for v in a[:, 0]:
         naive = np.float32(naive + v)
-    assert eigen_column_sums(a, np)[0] != naive
+    assert eigen_column_sums(a, np, threads=1)[0] != naive
+
+
+def test_sharded_reductions_match_tensorflow(monkeypatch):
+    """Large gradients whose min/max sums TF's thread pool shards (golden sums from make_golden_reduction.py)."""
+    import json
+    import os
+    import sys
+
+    from conftest import GOLDEN
+    from qgcli import ops
+
+    sys.path.insert(0, GOLDEN)
+    from make_golden_reduction import make_inputs
+
+    monkeypatch.setenv("QGCLI_TF_THREADS", "2")  # the golden sums were made with 2 intra-op threads
+    with open(os.path.join(GOLDEN, "reduction.json")) as fh:
+        cases = json.load(fh)["cases"]
+    sharded = 0
+    for case in cases:
+        n, d = case["rows"], case["depth"]
+        g, x = make_inputs(n, d)
+        if d == 1:
+            _, dmin, dmax = ops.fake_quant_with_min_max_vars_gradient(g, x, -1.0, 1.0)
+        else:
+            _, dmin, dmax = ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, -np.ones(d), np.ones(d))
+        for name, got in (("backprop_wrt_min", dmin), ("backprop_wrt_max", dmax)):
+            want = np.array(case[name], np.uint32)
+            assert np.asarray(got, f32).reshape(-1).view(np.uint32).tolist() == want.tolist(), (n, d, name)
+        sharded += n > 50150
+    assert sharded >= 4

@@ -161,13 +161,13 @@ def _check_ranges(grid, where=""):
         if bad.any():
             i = int(np.argmax(bad))
             at = f" at channel {i}" if grid.per_channel else ""
-            raise OperandError(f"is {values[i]}{at}; the range must be finite", operand=name)
+            raise OperandError(f"is {float(values[i])}{at}; the range must be finite", operand=name)
     reversed_ = (mn > mx) | ((mn == mx) & ~np.atleast_1d(grid.passthrough))
     if reversed_.any():
         i = int(np.argmax(reversed_))
         at = f" at channel {i}" if grid.per_channel else ""
         raise OperandError(
-            f"{mn[i]!r} is not below max {mx[i]!r}{at}; TensorFlow would return meaningless values "
+            f"{float(mn[i]):g} is not below max {float(mx[i]):g}{at}; TensorFlow would return meaningless values "
             "(only min == max == 0 is allowed: it passes zeros forward and gradients through)",
             operand="min",
         )
@@ -219,6 +219,14 @@ def _on_device(grid, xp, *names):
 
 def _quantize(x, grid, divide, xp):
     """Forward fake quantization of float32 ``x`` (channels on the last axis for per-channel grids)."""
+    if xp is np:
+        from qgcli.ops import blocked
+
+        depth = x.shape[-1] if grid.per_channel else 1
+        params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
+        passthrough = grid.passthrough if grid.passthrough.any() else None
+        x2 = np.ascontiguousarray(x).reshape(-1, depth)
+        return blocked.quantize(x2, (*params, passthrough), divide, grid.needs_flush()).reshape(x.shape)
     nmin, nmax, scale, inv, qz = _on_device(grid, xp, "nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")
     with _quiet(xp):
         out = xp.minimum(x, nmax)  # NaN propagates through both, as Eigen's cwiseMin/cwiseMax
@@ -254,6 +262,21 @@ def _masks(x, grid, xp):
 
 
 def _backprops(gradients, x, grid, xp, *, reduce):
+    if xp is np:
+        from qgcli.ops import blocked
+
+        depth = x.shape[-1] if grid.per_channel else 1
+        lo, hi = grid.mask_bounds()
+        passthrough = grid.passthrough if grid.passthrough.any() else None
+        res = blocked.backprops(
+            np.ascontiguousarray(gradients).reshape(-1, depth), np.ascontiguousarray(x).reshape(-1, depth),
+            lo, hi, passthrough, reduce=reduce, kind="chip" if grid.per_channel else "flat")
+        if not reduce:
+            return res.reshape(x.shape)
+        dx, dmin, dmax = res
+        if not grid.per_channel:
+            dmin, dmax = dmin.reshape(()), dmax.reshape(())
+        return dx.reshape(x.shape), dmin, dmax
     g = flush_subnormals(gradients, xp)
     inside, below, above = _masks(x, grid, xp)
     with _quiet(xp):
@@ -280,9 +303,9 @@ def _args_grid(min, max, num_bits, narrow_range):
     # TF attributes are 32-bit floats, compared under DAZ (so [-1e-40, 0] is an empty range).
     mn, mx = (flush_subnormals(np.asarray(v, _F32), np)[()] for v in (min, max))
     if not (np.isfinite(mn) and np.isfinite(mx)):
-        raise OperandError(f"the range [{mn}, {mx}] must be finite", operand="min")
+        raise OperandError(f"the range [{float(mn):g}, {float(mx):g}] must be finite", operand="min")
     if not mn < mx:
-        raise OperandError(f"min has to be smaller than max, was: {mn} >= {mx}", operand="min")
+        raise OperandError(f"min has to be smaller than max, was: {float(mn):g} >= {float(mx):g}", operand="min")
     return nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
 
 

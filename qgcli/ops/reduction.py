@@ -1,55 +1,149 @@
 """Float32 sums in the order TensorFlow's CPU kernels use, so reductions match bit for bit.
 
-TensorFlow's fake-quant gradients reduce ``g * mask`` with Eigen's full reduction (AVX build): eight-lane
-packets, four packet accumulators over blocks of 32 values, a recursive split of vectors longer than
-8 * 1024 values at a packet-aligned midpoint (tf_semantics.md §1.5).  We emulate that order exactly while
-vectorising across columns, so a per-channel reduction of ``[n, d]`` values costs a handful of NumPy calls
-per 8192-row leaf, whatever ``d``.
+TensorFlow's fake-quant gradients reduce ``g * mask`` with Eigen's full reduction (AVX build,
+tf_semantics.md §1.5):
+
+* ``InnerMostDimReducer``: eight-lane packets, four packet accumulators over blocks of 32 values, whole
+  packets left over added to the first accumulator, a scalar tail; vectors longer than 8 * 1024 values are
+  split recursively at a packet-aligned midpoint (absolute index), the halves added left to right;
+* ``FullReducer<ThreadPoolDevice>``: when Eigen's cost model grants more than one thread, the vector is
+  cut into ``floor(n / threads)``-sized shards, each reduced as above, and the shard sums are added to the
+  sum of the leftover tail in shard order.
+
+The reduction is planned once as a list of *leaves* (runs of at most 8192 values) and a recipe to combine
+the leaf sums.  Leaves are summed in batches: consecutive leaves of equal length form one
+``[leaves, length, columns]`` view, so a 25-million-element vector costs a few dozen NumPy calls, and
+columns (channels) are vectorised too.  Callers may compute leaf sums block by block and combine them at
+the end (see :func:`combine`), which keeps the working set small.
 """
+import os
+from dataclasses import dataclass
+
+import numpy as np
 
 PACKET = 8  # float32 lanes of an AVX packet
 LEAF = PACKET * 1024  # Eigen's kLeafSize, in values
+# TensorCostModel<ThreadPoolDevice>: threads = (n * cost - startup) / per_thread + 0.9, capped.
+_STARTUP_CYCLES = 100_000.0
+_PER_THREAD_CYCLES = 100_000.0
+# Cost per value of (gradients * mask).sum() in Eigen's model, pinned against TF 2.21 with 2 threads: a flat
+# vector is sharded from 50,151 values on, a per-channel (strided chip) column from 44,801 rows on.
+COST_PER_VALUE = {"flat": 4.1875, "chip": 4.6875}
 
 
-def _leaf_sum(a, xp):
-    """Eigen's packet reduction of each column of ``a`` (at most ``LEAF`` rows)."""
-    n, d = a.shape
+def tf_threads():
+    """Intra-op threads TensorFlow would use here: its default is the machine's CPU count."""
+    value = os.environ.get("QGCLI_TF_THREADS")
+    return max(1, int(value)) if value else (os.cpu_count() or 1)
+
+
+def eigen_threads(n, cost, max_threads):
+    threads = (n * cost - _STARTUP_CYCLES) / _PER_THREAD_CYCLES + 0.9
+    return int(min(max_threads, max(1, int(threads))))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Leaves ``(start, length)`` in order, and the nested recipe that adds their sums like Eigen."""
+
+    leaves: tuple
+    recipe: tuple  # ("shards", tail_recipe_or_None, [shard recipes]) / ("tree", left, right_or_None) / ("leaf", i)
+
+
+def plan(n, *, kind="flat", threads=None):
+    """Plan the Eigen-order reduction of ``n`` values (``kind``: "flat" vector or strided "chip")."""
+    leaves = []
+
+    def tree(first, count):
+        if count <= LEAF:
+            leaves.append((first, count))
+            return ("leaf", len(leaves) - 1)
+        split = PACKET * -(-(first + -(-count // 2)) // PACKET)
+        n_left = min(split - first, count)
+        left = tree(first, n_left)
+        right = tree(split, count - n_left) if n_left < count else None
+        return ("tree", left, right)
+
+    threads = tf_threads() if threads is None else threads
+    used = eigen_threads(n, COST_PER_VALUE[kind], threads) if n else 1
+    if used == 1:
+        recipe = tree(0, n)
+        return Plan(tuple(leaves), recipe)
+    block = int(np.floor(np.float32(n) / np.float32(used)))  # Eigen computes this in float
+    n_blocks = n // block
+    shards = [tree(i * block, block) for i in range(n_blocks)]
+    # Eigen reduces the leftover tail before adding the shards to it, so it comes last in memory order
+    # but first in the sum.
+    tail = tree(n_blocks * block, n - n_blocks * block) if n_blocks * block < n else None
+    return Plan(tuple(leaves), ("shards", tail, shards))
+
+
+def leaf_sums(a, leaves, xp):
+    """Eigen packet sums of ``a`` ([rows, columns], float32) over each leaf ``(start, length)``.
+
+    ``leaves`` are consecutive and must tile ``a`` from its first row; returns ``[len(leaves), columns]``.
+    """
+    out = []
+    i = 0
+    while i < len(leaves):
+        start, length = leaves[i]
+        j = i
+        while j + 1 < len(leaves) and leaves[j + 1][1] == length:
+            j += 1
+        count = j - i + 1
+        base = start - leaves[0][0]
+        view = a[base : base + count * length].reshape(count, length, a.shape[1])
+        out.append(_batched_leaf_sum(view, xp))
+        i = j + 1
+    return xp.concatenate(out, axis=0) if len(out) > 1 else out[0]
+
+
+def _batched_leaf_sum(a, xp):
+    """Eigen's packet reduction of ``a[k, :, c]`` for every leaf k and column c (``a``: [leaves, n, columns])."""
+    m, n, d = a.shape
     f32 = xp.float32
-    p0 = xp.zeros((PACKET, d), f32)
+    p0 = xp.zeros((m, PACKET, d), f32)
     start = 0
     if n >= 4 * PACKET:
         v4 = n // (4 * PACKET) * (4 * PACKET)
-        body = a[:v4].reshape(v4 // (4 * PACKET), 4, PACKET, d)
-        # Reducing over the outermost axis adds whole slabs one after another: the same sequential
-        # order as Eigen's four accumulators, each lane on its own; start from +0.0 as Eigen does.
-        acc = xp.add.reduce(body, axis=0, initial=f32(0))
-        p0 = ((acc[0] + acc[1]) + acc[2]) + acc[3]
+        body = a[:, :v4].reshape(m, v4 // (4 * PACKET), 4, PACKET, d)
+        # Reducing over a non-innermost axis adds whole slabs one after another: Eigen's sequential
+        # accumulator order, lane by lane (NumPy's pairwise summation applies only to the inner loop).
+        acc = xp.add.reduce(body, axis=1, initial=f32(0))
+        p0 = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]
         start = v4
     whole = n // PACKET * PACKET
     for j in range(start, whole, PACKET):
-        p0 = p0 + a[j : j + PACKET]
-    tail = xp.zeros(d, f32)
+        p0 = p0 + a[:, j : j + PACKET]
+    tail = xp.zeros((m, d), f32)
     for j in range(whole, n):
-        tail = tail + a[j]
-    half = p0[:4] + p0[4:]
-    return tail + ((half[0] + half[2]) + (half[1] + half[3]))
+        tail = tail + a[:, j]
+    half = p0[:, :4] + p0[:, 4:]
+    return tail + ((half[:, 0] + half[:, 2]) + (half[:, 1] + half[:, 3]))
 
 
-def _tree_sum(a, first, xp):
-    n = a.shape[0]
-    if n <= LEAF:
-        return _leaf_sum(a, xp)
-    split = PACKET * -(-(first + -(-n // 2)) // PACKET)
-    n_left = min(split - first, n)
-    acc = xp.float32(0) + _tree_sum(a[:n_left], first, xp)
-    if n_left < n:
-        acc = acc + _tree_sum(a[n_left:], split, xp)
+def combine(recipe, sums, xp):
+    """Add leaf sums (``[leaves, columns]``) following a plan's recipe."""
+    f32 = xp.float32
+    kind = recipe[0]
+    if kind == "leaf":
+        return sums[recipe[1]]
+    if kind == "tree":
+        acc = f32(0) + combine(recipe[1], sums, xp)
+        return acc + combine(recipe[2], sums, xp) if recipe[2] is not None else acc
+    _, tail, shards = recipe
+    acc = combine(tail, sums, xp) if tail is not None else xp.zeros(sums.shape[1], f32)
+    for shard in shards:
+        acc = acc + combine(shard, sums, xp)
     return acc
 
 
-def eigen_column_sums(a, xp):
+def eigen_column_sums(a, xp, *, kind="flat", threads=None):
     """Sum each column of the float32 matrix ``a`` ([n, d]) as Eigen's full reduction would.
 
     Returns a float32 vector of length ``d``.
     """
-    return _tree_sum(a, 0, xp).astype(xp.float32, copy=False)
+    p = plan(a.shape[0], kind=kind, threads=threads)
+    if not p.leaves or a.shape[0] == 0:
+        return xp.zeros(a.shape[1], xp.float32)
+    return combine(p.recipe, leaf_sums(a, p.leaves, xp), xp).astype(xp.float32, copy=False)

@@ -1,0 +1,158 @@
+"""Blocked, multi-threaded CPU execution of the fake-quant element-wise pipeline (NumPy only).
+
+The ops are memory-bound. Running TensorFlow's chain of float32 operations over the whole tensor would
+stream it through memory once per operation and allocate full-size temporaries; instead each block of
+rows goes through the whole chain while it sits in cache, writing straight into the preallocated output,
+and blocks run on a small thread pool (NumPy releases the GIL inside ufuncs).  Arithmetic and its order
+are exactly those of :mod:`qgcli.ops.fake_quant`'s array-module path, so results are bit-identical.
+
+Gradient blocks are aligned with the leaves of the Eigen reduction plan (:mod:`qgcli.ops.reduction`), so
+``backprop_wrt_min/max`` come from leaf sums computed block by block and combined at the end: no
+full-size ``g * mask`` temporary ever exists.
+"""
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from qgcli.ops import reduction
+
+_F32 = np.float32
+BLOCK_ELEMENTS = 1 << 17  # 512 KiB of float32 per operand: the chain stays in L2/L3
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def workers():
+    value = os.environ.get("QGCLI_THREADS")
+    return max(1, int(value)) if value else max(1, min(os.cpu_count() or 1, 8))
+
+
+def _map(fn, items):
+    global _pool
+    items = list(items)
+    if len(items) <= 1 or workers() == 1:
+        return [fn(item) for item in items]
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != workers():
+            _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="qgcli")
+    return list(_pool.map(fn, items))
+
+
+def _row_ranges(rows, row_elements):
+    step = max(1, BLOCK_ELEMENTS // max(1, row_elements))
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _has_subnormal(a):
+    """Whether ``a`` (float32) holds a nonzero value below the smallest normal float32."""
+    magnitude = a.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    # zero wraps to 0xFFFFFFFF; subnormals 1..0x7FFFFF land below 0x7FFFFF; normals, inf, NaN above.
+    return bool(np.any((magnitude - np.uint32(1)) < np.uint32(0x7FFFFF)))
+
+
+def quantize(x2, params, divide, flush):
+    """Fake-quantize ``x2`` ([rows, channels] float32, C-contiguous) with per-channel or scalar params.
+
+    ``params``: nudged_min, nudged_max, scale, inv_scale, quant_zero, passthrough (broadcastable on the
+    last axis).  Returns a new array.
+    """
+    from qgcli.ops.fake_quant import flush_subnormals
+
+    nmin, nmax, scale, inv, qz, passthrough = params
+    out = np.empty_like(x2)
+
+    def run(rng):
+        r0, r1 = rng
+        xb, ob = x2[r0:r1], out[r0:r1]
+        with np.errstate(all="ignore"):
+            np.minimum(xb, nmax, out=ob)
+            np.maximum(ob, nmin, out=ob)
+            if flush:
+                np.copyto(ob, flush_subnormals(ob, np))
+            np.subtract(ob, nmin, out=ob)
+            if divide:
+                np.divide(ob, scale, out=ob)
+            else:
+                np.multiply(ob, inv, out=ob)
+            np.subtract(ob, qz, out=ob)
+            np.add(ob, _F32(0.5), out=ob)
+            np.floor(ob, out=ob)
+            np.multiply(ob, scale, out=ob)
+            if passthrough is not None:
+                np.copyto(ob, _F32(0), where=passthrough)
+
+    _map(run, _row_ranges(x2.shape[0], x2.shape[1]))
+    return out
+
+
+def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind):
+    """``g * inside`` and, with ``reduce``, Eigen-order column sums of ``g * below`` and ``g * above``.
+
+    ``g2``/``x2``: [rows, channels] float32, C-contiguous; ``lo``/``hi``: DAZ-adjusted mask bounds;
+    ``passthrough``: boolean per channel (min == max == 0) or None.
+    """
+    from qgcli.ops.fake_quant import flush_subnormals
+
+    rows, depth = x2.shape
+    dx = np.empty_like(g2)
+    if rows == 0:
+        return (dx, np.zeros(depth, _F32), np.zeros(depth, _F32)) if reduce else dx
+    keep = None if passthrough is None else ~passthrough
+    if reduce:
+        p = reduction.plan(rows, kind=kind)
+        blocks = _leaf_blocks(p.leaves, depth)
+    else:
+        blocks = [(r0, r1, ()) for r0, r1 in _row_ranges(rows, depth)]
+
+    def run(block):
+        r0, r1, leaves = block
+        gb, xb, db = g2[r0:r1], x2[r0:r1], dx[r0:r1]
+        if _has_subnormal(gb):
+            gb = flush_subnormals(gb, np)
+        inside = np.greater_equal(xb, lo)
+        mask = np.less_equal(xb, hi)
+        np.logical_and(inside, mask, out=inside)
+        if keep is not None:
+            np.logical_and(inside, keep, out=inside)
+        with np.errstate(all="ignore"):
+            np.multiply(gb, inside, out=db)  # a product, as TF: g * 0 keeps -0.0 and NaN
+            if passthrough is not None:
+                np.copyto(db, g2[r0:r1], where=passthrough)  # TF copies these gradients untouched
+            if not leaves:
+                return None
+            product = np.empty_like(gb)
+            sums = []
+            for compare, bound in ((np.less, lo), (np.greater, hi)):
+                compare(xb, bound, out=mask)
+                if keep is not None:
+                    np.logical_and(mask, keep, out=mask)
+                np.multiply(gb, mask, out=product)
+                sums.append(reduction.leaf_sums(product, leaves, np))
+        return sums
+
+    results = _map(run, blocks)
+    if not reduce:
+        return dx
+    sums_min = np.concatenate([r[0] for r in results]) if results else np.zeros((0, depth), _F32)
+    sums_max = np.concatenate([r[1] for r in results]) if results else np.zeros((0, depth), _F32)
+    dmin = reduction.combine(p.recipe, sums_min, np).astype(_F32, copy=False)
+    dmax = reduction.combine(p.recipe, sums_max, np).astype(_F32, copy=False)
+    if passthrough is not None:  # TF writes 0 for these channels (a NaN gradient times 0 would not be)
+        dmin, dmax = np.where(passthrough, _F32(0), dmin), np.where(passthrough, _F32(0), dmax)
+    return dx, dmin, dmax
+
+
+def _leaf_blocks(leaves, depth):
+    """Group consecutive leaves into blocks of about BLOCK_ELEMENTS values: ``(row0, row1, leaves)``."""
+    blocks, current, size = [], [], 0
+    for leaf in leaves:
+        current.append(leaf)
+        size += leaf[1] * depth
+        if size >= BLOCK_ELEMENTS:
+            blocks.append(current)
+            current, size = [], 0
+    if current:
+        blocks.append(current)
+    return [(b[0][0], b[-1][0] + b[-1][1], tuple(b)) for b in blocks]
