@@ -701,3 +701,168 @@ def save_figure(fig, path, dpi=100):
 
     atomic_write(str(path), write)
     return fmt
+
+
+# --- estimators overlaid (qgcli plot estimators) -----------------------------------------------------------
+
+#: The estimators drawn when none are named.
+DEFAULT_ESTIMATORS = ("ste", "identity", "scaled:0.9", "pact", "ewgs:1")
+_EST_STYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
+def _estimator_view(inputs, min, max, *, semantics, scale, zero_point, quant_min, quant_max, num_bits, narrow_range,
+                    variant, axis, learnable=False):
+    """The :class:`qgcli.ops.estimators.Quantized` view of ``inputs`` under TF's or PyTorch's semantics."""
+    from qgcli.ops import estimators as est
+    from qgcli.ops import torch_semantics as ts
+
+    if semantics == "torch":
+        return ts.quantized_view(inputs, scale, zero_point, quant_min, quant_max, axis=axis, learnable=learnable)
+    return est.tf_view(inputs, min, max, num_bits=num_bits, narrow_range=narrow_range,
+                       variant=infer_variant(variant, min), axis=-1 if axis is None else axis)
+
+
+def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTIMATORS, semantics="tf", scale=None,
+               zero_point=None, quant_min=0, quant_max=255, num_bits=8, narrow_range=False, variant=None, axis=None,
+               channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=7.2, height=None):
+    """The staircase with several gradient estimators' gradient functions overlaid (peers.md §6.5).
+
+    Top panel: inputs vs fake-quantized outputs and, on a twin axis, each estimator's gradient function
+    ``d outputs / d inputs`` (its input gradient for an upstream gradient of ones).  With ``gradients``, a
+    second panel draws each estimator's ``backprops_wrt_input`` for that upstream gradient, labelled with its
+    cosine similarity to the STE's and its range gradients (LSQ's scale / zero point, PACT's alpha).
+    ``semantics`` "tf" takes ``min``/``max`` (TF's nudged grid), "torch" ``scale``/``zero_point``/
+    ``quant_min``/``quant_max`` (``axis``: the channel axis of a 1-d scale).  ``channel`` picks one channel
+    (of the channel axis, or of ``axis`` for a per-tensor grid); otherwise everything is drawn flattened.
+
+    >>> fig = estimators(np.array([-9.0, -1.0, 0.5, 5.0], np.float32), -6.0, 6.0, num_bits=2,
+    ...                  names=("ste", "identity"))
+    >>> [line.get_ydata().tolist() for line in fig.axes[1].get_lines()]
+    [[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
+    """
+    from qgcli.ops import estimators as est
+
+    parsed = [est.parse_estimator(n) if isinstance(n, str) else n for n in names]
+    if not parsed:
+        raise QgcliError("name at least one estimator", operand="--estimator")
+    x = np.asarray(to_numpy(inputs))
+    common = dict(semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min, quant_max=quant_max,
+                  num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis)
+    view = _estimator_view(x, min, max, **common)
+    learnable_view = (_estimator_view(x, min, max, learnable=True, **common)
+                      if semantics == "torch" and any(p.name == "lsq" for p in parsed) else None)
+    ones = np.ones(x.shape, np.float32)
+    g = None if gradients is None else np.asarray(to_numpy(gradients))
+    functions, backprops, extras = {}, {}, {}
+    for p in parsed:
+        v = learnable_view if (p.name == "lsq" and learnable_view is not None) else view
+        functions[p.text] = est.apply_estimator(p, ones, v)[0]["backprops_wrt_input"]
+        if g is not None:
+            outs, _ = est.apply_estimator(p, g, v)
+            backprops[p.text] = outs.pop("backprops_wrt_input")
+            extras[p.text] = {k: to_numpy(a).astype(np.float64).tolist() for k, a in outs.items()}
+
+    # Everything channel-last (the view's layout), then one channel or all of it flattened.
+    channel_axis = view.axis if view.axis is not None else (None if channel is None else (-1 if axis is None else axis))
+    if channel_axis is not None and x.ndim and not -x.ndim <= channel_axis < x.ndim:
+        raise OperandError(f"{channel_axis} is out of range for inputs of rank {x.ndim}", operand="axis")
+    last = (lambda a: np.moveaxis(np.asarray(to_numpy(a)), channel_axis, -1)) if channel_axis is not None else (
+        lambda a: np.asarray(to_numpy(a)))  # noqa: E731
+    xs_all, out_all = last(x).astype(np.float32), last(view.restore(view.outputs))
+    if channel is not None:
+        if x.ndim == 0:
+            raise OperandError("is a scalar; there is no channel to select", operand="--channel")
+        depth = xs_all.shape[-1]
+        if not -depth <= channel < depth:
+            raise OperandError(f"{channel} is out of range for {depth} channels", operand="--channel")
+        channel %= depth
+        pick = lambda a: np.ascontiguousarray(last(a)[..., channel]).reshape(-1)  # noqa: E731
+    else:
+        pick = lambda a: last(a).reshape(-1)  # noqa: E731
+    xf, outf = pick(x).astype(np.float32), pick(view.restore(view.outputs))
+    if channel is not None and view.axis is not None:  # range gradients of the channel drawn
+        extras = {k: {n: v[channel] for n, v in e.items()} for k, e in extras.items()}
+    funcs = {k: pick(v) for k, v in functions.items()}
+    bps = {k: pick(v) for k, v in backprops.items()}
+    one_grid = view.axis is None or channel is not None
+    idx = subsample(xf, outf, *funcs.values(), max_points=max_points)
+    xs = xf[idx]
+
+    fig = new_figure(width, height if height is not None else (7.6 if g is not None else 4.8))
+    axes = fig.subplots(2 if g is not None else 1, 1, sharex=True, squeeze=False)[:, 0]
+    ax = axes[0]
+    (line,) = ax.plot(xs, outf[idx], ls="-" if one_grid else "none", marker="+", color=C_OUTPUTS, gid="outputs",
+                      label=f"outputs ({'PyTorch' if semantics == 'torch' else 'TensorFlow'})")
+    handles = [line]
+    ax.set_ylabel("de-quantized (outputs)")
+    ax.axhline(0, color="k", lw=1.0)
+    ax.axvline(0, color="k", lw=1.0)
+    ax.grid(True)
+    if one_grid:
+        lo, hi = (np.atleast_1d(to_numpy(b)) for b in (view.lo, view.hi))
+        k = 0 if view.axis is None else channel
+        for j, bound in enumerate((lo[k], hi[k])):
+            h = ax.axvline(float(bound), color=C_NUDGED, ls=":", lw=1.4, gid="grid_bound",
+                           label=("nudged min/max" if semantics == "tf" else "grid min/max") if j == 0 else "_nolegend_")
+            if j == 0:
+                handles.append(h)
+    ax2 = ax.twinx()
+    ax2.set_ylabel("gradient function (dy = 1)")
+    n = len(funcs)
+    for j, (name, f) in enumerate(funcs.items()):
+        # Thick-to-thin so that estimators that coincide (ste and lsq, say) all stay visible.
+        (h,) = ax2.plot(xs, f[idx], ls=_EST_STYLES[j % len(_EST_STYLES)] if one_grid else "none",
+                        marker=None if one_grid else ".", ms=2, lw=1.0 + 1.6 * (n - 1 - j) / ((n - 1) or 1),
+                        color=f"C{(j + 1) % 10}", gid=f"estimator:{name}", label=f"{name}")
+        handles.append(h)
+    finite = np.concatenate([f[idx][np.isfinite(f[idx])] for f in funcs.values()] + [np.zeros(1)])
+    # (min and max are this function's range operands)
+    top = float(np.maximum(1.0, finite.max()))
+    ax2.set_ylim(float(np.minimum(0.0, finite.min())) - 0.05 * top, 1.08 * top)
+    ax.legend(handles=handles, **_LEGEND)
+    _points_note(ax, idx.size, xf.size, xf.size - int(np.isfinite(xf).sum()))
+    cosines = {}
+    if g is not None:
+        ax3 = axes[1]
+        ref = bps.get("ste")
+        if ref is None:
+            ref = pick(est.apply_estimator("ste", g, view)[0]["backprops_wrt_input"])
+        ref64 = np.where(np.isfinite(ref), ref, 0).astype(np.float64)
+        for j, (name, b) in enumerate(bps.items()):
+            b64 = np.where(np.isfinite(b), b, 0).astype(np.float64)
+            denom = float(np.linalg.norm(b64) * np.linalg.norm(ref64))
+            cosines[name] = float(b64 @ ref64 / denom) if denom else None
+            extra = "; ".join(f"{k.replace('backprop_wrt_', 'd')}={_fmt(np.sum(v))}" for k, v in extras[name].items())
+            label = f"{name} (cos vs ste {cosines[name]:.4f})" if cosines[name] is not None else name
+            ax3.plot(xs, b[idx], ls="none", marker="ox+^vsd"[j % 7], ms=3, mfc="none", color=f"C{(j + 1) % 10}",
+                     gid=f"backprops:{name}", label=label + (f"; {extra}" if extra else ""))
+        ax3.set_ylabel("backprops_wrt_input")
+        ax3.axhline(0, color="k", lw=1.0)
+        ax3.grid(True)
+        ax3.legend(fontsize=7, loc="best", framealpha=0.9)
+        ax3.set_xlabel("floating point (inputs)")
+    else:
+        ax.set_xlabel("floating point (inputs)")
+    where = f", channel {channel}" if channel is not None else ""
+    if title is None:
+        if semantics == "torch":
+            title = f"Gradient estimators{where}\nPyTorch fake_quantize, quant_min={quant_min}, quant_max={quant_max}"
+        else:
+            grid = view_grid = None
+            try:
+                from qgcli.ops import nudge as _nudge
+
+                view_grid = _nudge(min, max, num_bits=num_bits, narrow_range=narrow_range)
+                grid = channel_grid(view_grid, channel) if (view_grid.per_channel and channel is not None) else view_grid
+            except QgcliError:
+                grid = None
+            words = _grid_words(grid) if grid is not None and not grid.per_channel else (
+                f"num_bits={num_bits}, {np.size(to_numpy(min))} per-channel grids, flattened (--channel K for one)")
+            title = f"Gradient estimators{where}\n{words}"
+    ax.set_title(_wrapped(fig, title, 9), fontsize=9)
+    fig.qgcli_summary = {
+        "plot": "estimators", "op": "TensorFlow" if semantics == "tf" else "PyTorch", "semantics": semantics,
+        "estimators": [p.text for p in parsed], "elements": int(xf.size), "points": int(idx.size),
+        "channel": channel, "cosine_vs_ste": cosines or None, "range_gradients": extras or None,
+    }
+    return fig

@@ -2,6 +2,7 @@
 reference implementation where one exists (PyTorch's learnable op for LSQ, a port of the EWGS reference code),
 hypothesis properties, and ``fakequant-grad --estimator`` on the CLI.
 """
+import json
 import math
 import os
 
@@ -371,3 +372,59 @@ def test_cli_torch_semantics_with_other_estimators(cli, tmp_path):
     dx, ds, dz = ts.fake_quantize_learnable_per_tensor_affine_gradient(g, x, np.float32(0.05), np.float32(128), 0, 255)
     np.testing.assert_array_equal(lsq["backprops_wrt_input"], dx)
     assert lsq["backprop_wrt_scale"] == ds and lsq["backprop_wrt_zero_point"] == dz
+
+
+# --- qgcli plot estimators ----------------------------------------------------------------------------------
+
+def test_plot_estimators_draws_each_gradient_function():
+    from qgcli import plots
+
+    x = np.linspace(-10, 10, 81).astype(F32)
+    dy = np.cos(x).astype(F32)
+    fig = plots.estimators(x, -6.0, 6.0, gradients=dy, num_bits=2, names=("ste", "scaled:0.5,0.25", "pact", "lsq"))
+    lines = {ln.get_gid(): ln for a in fig.axes for ln in a.get_lines() if ln.get_gid()}
+    v = est.tf_view(x, -6.0, 6.0, num_bits=2)
+    order = np.argsort(x, kind="stable")
+    ones = np.ones_like(x)
+    for name in ("ste", "scaled:0.5,0.25", "pact", "lsq"):
+        np.testing.assert_array_equal(lines[f"estimator:{name}"].get_ydata(),
+                                      est.apply_estimator(name, ones, v)[0]["backprops_wrt_input"][order])
+        np.testing.assert_array_equal(lines[f"backprops:{name}"].get_ydata(),
+                                      est.apply_estimator(name, dy, v)[0]["backprops_wrt_input"][order])
+    s = fig.qgcli_summary
+    assert s["estimators"] == ["ste", "scaled:0.5,0.25", "pact", "lsq"] and s["points"] == 81
+    assert s["cosine_vs_ste"]["ste"] == pytest.approx(1.0) and s["cosine_vs_ste"]["scaled:0.5,0.25"] < 1
+    _, ds, dz = est.lsq(dy, v)
+    assert s["range_gradients"]["lsq"] == {"backprop_wrt_scale": float(ds), "backprop_wrt_zero_point": float(dz)}
+
+
+def test_cli_plot_estimators(cli, tmp_path):
+    out = tmp_path / "est.png"
+    r = cli("plot", "estimators", NOTEBOOK, "--num-bits", "2", "-e", "ste", "-e", "ewgs:2", "-o", out, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["estimators"] == ["ste", "ewgs:2"] and doc["size_px"] == [720, 760]  # two panels: the bundle's gradients
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    r = cli("plot", "estimators", PER_CHANNEL, "--channel", "2", "-o", tmp_path / "pc.svg", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["estimators"] == ["ste", "identity", "scaled:0.9", "pact", "ewgs:1"]
+    with h5py.File(NOTEBOOK, "r") as f:
+        np.savez(tmp_path / "b.npz", inputs=f["inputs"][()], gradients=f["gradients"][()])
+    r = cli("plot", "estimators", tmp_path / "b.npz", "--semantics", "torch", "--scale", "0.05", "--zero-point", "128",
+            "-e", "lsq", "-e", "ste", "-o", tmp_path / "pt.pdf", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["op"] == "PyTorch"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-e", "bogus"], "Error: --estimator: unknown estimator 'bogus'"),
+    (["--scale", "0.1"], "'--scale': only applies to --semantics torch"),
+    (["--semantics", "torch", "--scale", "0.1", "--zero-point", "0", "--min", "-1"], "'--min': applies to --semantics tf"),
+    (["--channel", "1", "--axis", "0"], "--channel: 1 is out of range for 1 channels"),
+])
+def test_cli_plot_estimators_errors(cli, tmp_path, args, message):
+    out = tmp_path / "e.png"
+    r = cli("plot", "estimators", NOTEBOOK, "-o", out, *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and not out.exists()

@@ -325,3 +325,89 @@ def channels(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, vari
 
     _run("plot channels", bundle, specs, output=output, force=force, dpi=dpi, width=width, height=height,
          as_json=as_json, quiet=quiet, device=device, draw=draw)
+
+
+# --- plot estimators: several gradient estimators overlaid on the staircase --------------------------------
+
+from qgcli.commands.nudge import semantics_options  # noqa: E402  (click only, like this module)
+
+
+@plot.command("estimators", epilog="""\b
+Examples:
+  qgcli plot estimators samples/notebook.h5 --num-bits 2 -o estimators.png
+  qgcli plot estimators samples/notebook.h5 --num-bits 2 -e ste -e scaled:0.9 -e ewgs:2 -e pact -o est.svg
+  qgcli plot estimators samples/per_channel.h5 --channel 3 -e ste -e lsq -e pact -o ch3.png
+  qgcli plot estimators --inputs x.npy --gradients g.npy --semantics torch --scale 0.05 --zero-point 128 -o pt.png
+""")
+@_operand_options(gradients_help="Upstream gradient (also read from the bundle): adds a panel with each "
+                                 "estimator's backprops_wrt_input, its cosine similarity to the STE's and its range "
+                                 "gradients.")
+@semantics_options
+@click.option("-e", "--estimator", "estimator_names", metavar="NAME[:PARAMS]", multiple=True,
+              help="An estimator to draw (repeat the option): ste, identity, scaled:G[,E], lsq, pact, ewgs:DELTA. "
+                   "Default: ste, identity, scaled:0.9, pact, ewgs:1.")
+@_MAX_POINTS
+@_figure_options(7.2, None)
+@report_options
+def estimators(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, variant, axis, channel, semantics, scale,
+               zero_point, quant_min, quant_max, estimator_names, max_points, output, force, dpi, title, width, height,
+               as_json, quiet, device):
+    """The staircase with several gradient estimators' gradient functions overlaid.
+
+    Top: inputs vs outputs and, on a twin axis, each estimator's gradient function (its input gradient
+    for an upstream gradient of ones). With gradients (--gradients or in the bundle): a second panel
+    with each estimator's backprops_wrt_input. --semantics torch draws PyTorch's fake_quantize on
+    --scale/--zero-point instead of TensorFlow's nudged min/max grid.
+    """
+    import numpy as np
+
+    from qgcli import plots
+    from qgcli.commands._common import to_device
+    from qgcli.commands.nudge import _zero_point_from_literal, torch_layout
+    from qgcli.ops.estimators import parse_estimator
+    from qgcli.ops.fake_quant import quant_range
+
+    names = [parse_estimator(e) for e in estimator_names] or list(plots.DEFAULT_ESTIMATORS)
+    _check_pixels(width, height or 7.6, dpi)
+    specs = {"inputs": inputs, "gradients": gradients, "min": min_, "max": max_, "scale": scale,
+             "zero_point": zero_point}
+    operands = Operands(bundle, specs, literal_ok=("min", "max", "scale", "zero_point"))
+    try:
+        check_figure_output(output, inputs=operands.input_paths(), force=force)
+        common = dict(names=names, channel=channel, max_points=max_points, title=title, width=width, height=height,
+                      num_bits=num_bits, narrow_range=narrow_range)
+        if semantics == "torch":
+            for option, value in (("--min", min_), ("--max", max_), ("--variant", variant)):
+                if value is not None:
+                    raise click.BadParameter("applies to --semantics tf only", param_hint=f"'{option}'")
+            x = operands.get("inputs")
+            g = operands.get("gradients", required=False)
+            s = np.asarray(operands.get("scale"))
+            z = np.asarray(_zero_point_from_literal(zero_point, operands.get("zero_point")))
+            channel_axis, _ = torch_layout(s.shape, np.shape(x), axis)
+            if channel_axis is None:
+                s, z = s.reshape(()), z.reshape(())
+            qmin, qmax = quant_range(num_bits, narrow_range)
+            x, g = to_device([x, g], device)[1]
+            fig = plots.estimators(x, gradients=g, semantics="torch", scale=s, zero_point=z,
+                                   quant_min=qmin if quant_min is None else quant_min,
+                                   quant_max=qmax if quant_max is None else quant_max,
+                                   axis=channel_axis if channel_axis is not None else axis, **common)
+        else:
+            for option, value in (("--scale", scale), ("--zero-point", zero_point), ("--quant-min", quant_min),
+                                  ("--quant-max", quant_max)):
+                if value is not None:
+                    raise click.BadParameter("only applies to --semantics torch", param_hint=f"'{option}'")
+            x, mn, mx, var = _load_range(operands, variant, axis, channel)
+            g = operands.get("gradients", required=False)
+            x, g = to_device([x, g], device)[1]
+            fig = plots.estimators(x, mn, mx, gradients=g, semantics="tf", variant=var, axis=axis, **common)
+        fmt = save_checked(fig, output, dpi)
+    finally:
+        operands.close()
+    w, h = (float(v) for v in fig.get_size_inches())
+    size = [int(round(w * dpi)), int(round(h * dpi))]
+    summary = json_safe({"command": "plot estimators", "output": output, "format": fmt,
+                         "size_px": size if fmt == "png" else None, "size_in": [w, h], "dpi": dpi,
+                         **fig.qgcli_summary})
+    emit(summary, as_json=as_json, quiet=quiet, render=_render, output=output)
