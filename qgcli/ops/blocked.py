@@ -40,6 +40,22 @@ def _map(fn, items):
     return list(_pool.map(fn, items))
 
 
+_local = threading.local()
+
+
+def _scratch(name, shape, dtype):
+    """A per-thread reusable buffer: fresh large allocations cost page faults on every block."""
+    size = int(np.prod(shape))
+    key = (name, np.dtype(dtype).str)
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(key)
+    if buf is None or buf.size < size:
+        buf = buffers[key] = np.empty(max(size, BLOCK_ELEMENTS), dtype)
+    return buf[:size].reshape(shape)
+
+
 def _row_ranges(rows, row_elements):
     step = max(1, BLOCK_ELEMENTS // max(1, row_elements))
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
@@ -47,9 +63,10 @@ def _row_ranges(rows, row_elements):
 
 def _has_subnormal(a):
     """Whether ``a`` (float32) holds a nonzero value below the smallest normal float32."""
-    magnitude = a.view(np.uint32) & np.uint32(0x7FFFFFFF)
-    # zero wraps to 0xFFFFFFFF; subnormals 1..0x7FFFFF land below 0x7FFFFF; normals, inf, NaN above.
-    return bool(np.any((magnitude - np.uint32(1)) < np.uint32(0x7FFFFF)))
+    magnitude = np.abs(a)
+    small = magnitude < np.finfo(np.float32).tiny
+    # Most gradients have no zeros and no subnormals: one cheap test; zeros need a second look.
+    return bool(small.any()) and bool(np.any(small & (magnitude != 0)))
 
 
 def quantize(x2, params, divide, flush):
@@ -111,24 +128,27 @@ def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind):
         gb, xb, db = g2[r0:r1], x2[r0:r1], dx[r0:r1]
         if _has_subnormal(gb):
             gb = flush_subnormals(gb, np)
-        inside = np.greater_equal(xb, lo)
-        mask = np.less_equal(xb, hi)
+        inside = np.greater_equal(xb, lo, out=_scratch("inside", xb.shape, bool))
+        mask = np.less_equal(xb, hi, out=_scratch("mask", xb.shape, bool))
         np.logical_and(inside, mask, out=inside)
         if keep is not None:
             np.logical_and(inside, keep, out=inside)
+        weight = _scratch("weight", gb.shape, _F32)  # masks as float32: a float*float product is 3x faster than float*bool
+        np.copyto(weight, inside)
         with np.errstate(all="ignore"):
-            np.multiply(gb, inside, out=db)  # a product, as TF: g * 0 keeps -0.0 and NaN
+            np.multiply(gb, weight, out=db)  # a product, as TF: g * 0 keeps -0.0 and NaN
             if passthrough is not None:
                 np.copyto(db, g2[r0:r1], where=passthrough)  # TF copies these gradients untouched
             if not leaves:
                 return None
-            product = np.empty_like(gb)
+            product = _scratch("product", gb.shape, _F32)
             sums = []
             for compare, bound in ((np.less, lo), (np.greater, hi)):
                 compare(xb, bound, out=mask)
                 if keep is not None:
                     np.logical_and(mask, keep, out=mask)
-                np.multiply(gb, mask, out=product)
+                np.copyto(weight, mask)
+                np.multiply(gb, weight, out=product)
                 sums.append(reduction.leaf_sums(product, leaves, np))
         return sums
 
