@@ -15,12 +15,14 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from qgcli.errors import FileFormatError, OperandError, OutputError
+from qgcli.errors import FileFormatError, OperandError, OutputError, QgcliError
 
 H5_SUFFIXES = (".h5", ".hdf5")
 NPZ_SUFFIXES = (".npz",)
@@ -146,7 +148,9 @@ class Container:
         if found != kind:
             what = "empty" if not head else f"not an {kind} file" + (f" (looks like {found})" if found else "")
             raise FileFormatError(f"{path} is {what}")
-        return cls(path, path, kind)
+        container = cls(path, path, kind)
+        container._opened()  # a damaged .npz/.h5 fails here, as a FileFormatError naming the file
+        return container
 
     def __enter__(self):
         return self
@@ -171,36 +175,31 @@ class Container:
 
                     self._handle = h5py.File(src, "r")
                 elif self.kind == "npz":
-                    self._handle = np.load(src, allow_pickle=False)
+                    # zipfile itself, not np.load: each member is then read by the checked .npy reader.
+                    self._handle = zipfile.ZipFile(src)
                 else:
                     self._handle = "npy"
-            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            except QgcliError:
+                raise
+            except CORRUPT_FILE_ERRORS as exc:
                 self._fail(f"cannot open as {self.kind}: {_reason(exc)}")
         return self._handle
 
     def names(self):
-        """The tensor names (npz keys; HDF5 dataset paths, walking groups but never external links)."""
+        """The tensor names (npz keys; HDF5 dataset paths through hard links, never soft or external links)."""
         handle = self._opened()
         if self.kind == "npy":
             return []
         if self.kind == "npz":
-            return list(handle.files)
+            return list(_npz_members(handle))
+        import h5py
+
         names = []
-
-        def walk(group, prefix):
-            for name in group:
-                link = group.get(name, getlink=True)
-                import h5py
-
-                if isinstance(link, h5py.ExternalLink):
-                    continue
-                obj = group.get(name)
-                if isinstance(obj, h5py.Dataset):
-                    names.append(prefix + name)
-                elif isinstance(obj, h5py.Group):
-                    walk(obj, prefix + name + "/")
-
-        walk(handle, "")
+        try:
+            # HDF5's object visitor follows hard links only and visits each object once (so cycles end).
+            handle.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        except CORRUPT_FILE_ERRORS as exc:
+            self._fail(f"cannot list its datasets: {_reason(exc)}")
         return names
 
     def read(self, key=None):
@@ -216,67 +215,203 @@ class Container:
                 self._fail(f"holds {len(names)} tensors ({', '.join(names[:8])}); name one with :KEY")
             key = names[0]
         if self.kind == "npz":
-            if key not in handle.files:
-                self._fail(f"has no key {key!r} (keys: {', '.join(handle.files) or 'none'})")
-            try:
-                return handle[key]
-            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-                self._fail(f"key {key!r} cannot be read: {_reason(exc)}")
+            members = _npz_members(handle)
+            if key not in members:
+                self._fail(f"has no key {key!r} (keys: {', '.join(members) or 'none'})")
+            return _read_npz_member(handle, members[key], key, self.label)
         return _read_h5_dataset(handle, key, self.label)
 
     def has(self, key):
         if self.kind == "npz":
-            return key in self._opened().files
+            return key in _npz_members(self._opened())
         if self.kind == "h5":
-            handle = self._opened()
             try:
-                return key in handle
-            except Exception:
-                return False
+                _h5_resolve(self._opened(), key, self.label)
+                return True
+            except FileFormatError as exc:
+                # Present but unreadable (an external link, say): say so when it is read, not "missing".
+                return not isinstance(exc, _NoSuchObject)
         return False
+
+
+# Exceptions that damaged or hostile bytes raise from zipfile, zlib, NumPy's header parser and h5py
+# (HDF5 errors surface as OSError, KeyError, ValueError, RuntimeError, TypeError or IndexError).
+# Readers turn them into a FileFormatError naming the file; a MemoryError is not among them.
+CORRUPT_FILE_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError,
+                       NotImplementedError, OverflowError, SyntaxError, zipfile.BadZipFile, zlib.error)
+
+
+class _NoSuchObject(FileFormatError):
+    """A key names nothing in an HDF5 file."""
 
 
 def _reason(exc):
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "allow_pickle" in text or "Object arrays" in text:
         return "it holds pickled Python objects, which qgcli never loads"
-    return text
+    if isinstance(exc, RecursionError):
+        return "its structure nests too deeply (a cycle?)"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)  # ast's "<ast.Call object at 0x7f...>": no addresses
+
+
+def _memory_limit():
+    """Bytes of physical memory: a tensor declaring more cannot be read, whatever the file claims."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 1 << 62
+
+
+def _gib(n):
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def _check_memory(nbytes, what):
+    limit = _memory_limit()
+    if nbytes > limit:
+        raise FileFormatError(f"{what} declares {_gib(nbytes)} of data, more than this machine's memory ({_gib(limit)})")
+
+
+def _npy_stream(fh, available, what):
+    """Read one .npy array from the binary stream ``fh`` holding ``available`` bytes.
+
+    The header is checked before any data is allocated: no object dtype (that would mean unpickling),
+    no negative dimension, and no more data promised than the stream holds, so a 100-byte file cannot
+    make qgcli allocate terabytes.  NumPy parses the header with ``ast.literal_eval`` (never ``eval``).
+    """
+    fmt = np.lib.format
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NumPy warns about Python-2 headers; one line on stderr is ours
+            version = fmt.read_magic(fh)
+            if version == (1, 0):
+                shape, _, dtype = fmt.read_array_header_1_0(fh)
+            elif version in ((2, 0), (3, 0)):
+                # 3.0 differs from 2.0 only in the header's text encoding: same shape, same item size.
+                shape, _, dtype = fmt.read_array_header_2_0(fh)
+            else:
+                raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+            if dtype.hasobject:
+                raise FileFormatError(f"{what} holds pickled Python objects, which qgcli never loads")
+            if any(d < 0 for d in shape):
+                raise ValueError(f"the header gives a negative dimension in shape {list(shape)}")
+            nbytes = dtype.itemsize
+            for d in shape:
+                nbytes *= d
+            have = available - fh.tell()
+            if nbytes > have:
+                raise ValueError(f"truncated: the header promises {nbytes} bytes of data, the file holds {max(have, 0)}")
+            _check_memory(nbytes, what)
+            fh.seek(0)
+            return fmt.read_array(fh, allow_pickle=False)
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{what}: cannot read .npy: {_reason(exc)}") from None
 
 
 def _load_npy(source, label):
+    if isinstance(source, bytes):
+        return _npy_stream(_io.BytesIO(source), len(source), label)
     try:
-        if isinstance(source, bytes):
-            return np.load(_io.BytesIO(source), allow_pickle=False)
-        return np.load(source, allow_pickle=False, mmap_mode=None)
-    except (ValueError, OSError, EOFError) as exc:
-        raise FileFormatError(f"{label}: cannot read .npy: {_reason(exc)}") from None
+        with open(source, "rb") as fh:
+            return _npy_stream(fh, os.fstat(fh.fileno()).st_size, label)
+    except OSError as exc:
+        raise FileFormatError(f"{label}: cannot read .npy: {exc.strerror or exc}") from None
+
+
+def _npz_members(zf):
+    """key -> member name, as np.load names them (``x.npy`` is key ``x``)."""
+    try:
+        names = zf.namelist()
+    except CORRUPT_FILE_ERRORS:
+        return {}
+    return {(n[:-4] if n.endswith(".npy") else n): n for n in names}
+
+
+def _read_npz_member(zf, member, key, label):
+    what = f"{label}: key {key!r}"
+    try:
+        info = zf.getinfo(member)
+        with zf.open(info) as fh:
+            if fh.read(6) != _MAGIC["npy"]:
+                raise FileFormatError(f"{what} is not an .npy array")
+            fh.seek(0)
+            return _npy_stream(fh, info.file_size, what)
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{what} cannot be read: {_reason(exc)}") from None
+
+
+_MAX_SOFT_LINKS = 16  # HDF5's own limit on soft-link hops (H5L_NUM_LINKS)
+
+
+def _h5_resolve(handle, key, label):
+    """The object at ``key``, walking the path one link at a time so that nothing outside the file is opened.
+
+    Hard links are followed, soft links by their target path within the file (at most 16 hops, so a
+    cycle ends), and an external link is refused before HDF5 would open the file it names.
+    """
+    import h5py
+    from h5py import h5l
+
+    todo = [p for p in reversed(key.split("/")) if p and p != "."]
+    node, hops = handle, 0
+    try:
+        while todo:
+            part = todo.pop()
+            name = part.encode("utf-8", "surrogateescape")
+            if not isinstance(node, h5py.Group) or not node.id.links.exists(name):
+                raise _NoSuchObject(f"{label}: has no dataset {key!r}")
+            kind = node.id.links.get_info(name).type
+            if kind == h5l.TYPE_EXTERNAL:
+                target = node.id.links.get_val(name)[0].decode("utf-8", "replace")
+                raise FileFormatError(f"{label}: {key!r} is an external link to {target}; qgcli does not follow it")
+            if kind == h5l.TYPE_SOFT:
+                hops += 1
+                if hops > _MAX_SOFT_LINKS:
+                    raise FileFormatError(f"{label}: {key!r} goes through more than {_MAX_SOFT_LINKS} soft links")
+                target = node.id.links.get_val(name).decode("utf-8", "surrogateescape")
+                if target.startswith("/"):
+                    node = handle
+                todo.extend(p for p in reversed(target.split("/")) if p and p != ".")
+                continue
+            if kind != h5l.TYPE_HARD:
+                raise FileFormatError(f"{label}: {key!r} is a user-defined link; qgcli does not follow it")
+            node = node[part]
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{label}: cannot resolve {key!r}: {_reason(exc)}") from None
+    return node
 
 
 def _read_h5_dataset(handle, key, label):
     import h5py
 
-    # Walk the path link by link: an external link would silently read another file.
-    node = handle
-    for part in [p for p in key.split("/") if p]:
-        if not isinstance(node, h5py.Group) or part not in node:
-            raise FileFormatError(f"{label}: has no dataset {key!r}")
-        link = node.get(part, getlink=True)
-        if isinstance(link, h5py.ExternalLink):
-            raise FileFormatError(f"{label}: {key!r} is an external link to {link.filename}; qgcli does not follow it")
-        node = node[part]
-    if not isinstance(node, h5py.Dataset):
-        raise FileFormatError(f"{label}: {key!r} is a group, not a dataset")
-    if node.is_virtual:
-        for source in node.virtual_sources():
-            if source.file_name not in (".", handle.filename):
-                raise FileFormatError(
-                    f"{label}: {key!r} is a virtual dataset reading {source.file_name}; qgcli does not follow it"
-                )
+    node = _h5_resolve(handle, key, label)
     try:
+        if not isinstance(node, h5py.Dataset):
+            raise FileFormatError(f"{label}: {key!r} is a group, not a dataset")
+        if node.is_virtual:
+            for source in node.virtual_sources():
+                if source.file_name not in (".", handle.filename):
+                    raise FileFormatError(
+                        f"{label}: {key!r} is a virtual dataset reading {source.file_name}; qgcli does not follow it"
+                    )
+        if node.external:
+            # Raw data in other files ("external storage") would let a file read /etc/passwd as uint8.
+            raise FileFormatError(f"{label}: {key!r} keeps its data in the external file {node.external[0][0]}; "
+                                  "qgcli does not follow it")
+        _check_memory(int(node.size or 0) * node.dtype.itemsize, f"{label}: {key!r}")
         data = node[()]
-    except (OSError, ValueError, TypeError) as exc:
+        bfloat16 = node.attrs.get("dtype") in ("bfloat16", b"bfloat16")
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
         raise FileFormatError(f"{label}: dataset {key!r} cannot be read: {_reason(exc)}") from None
-    if node.attrs.get("dtype") in ("bfloat16", b"bfloat16") and data.dtype == np.uint16:
+    if bfloat16 and getattr(data, "dtype", None) == np.uint16:
         import ml_dtypes
 
         data = data.view(ml_dtypes.bfloat16)
@@ -314,8 +449,13 @@ def _same_file(a, b):
 
 
 def check_output(dest, *, inputs=(), force=False, names=()):
-    """Refuse an output that is an input, exists (without ``force``) or lies in a missing directory."""
-    kind = output_kind(dest)
+    """Refuse an output that is an input, exists (without ``force``) or lies in a missing or read-only
+    directory; for ``DIR/`` the same for each ``DIR/name.npy`` of ``names``."""
+    try:
+        kind = output_kind(dest)
+    except FileFormatError:
+        raise OutputError(f"cannot tell the output format of {dest!r}: use FILE.h5, FILE.npz, FILE.npy, DIR/ or -",
+                          operand="--output") from None
     if kind == "stdout":
         return kind
     targets = [os.path.join(dest, n + ".npy") for n in names] if kind == "dir" else [dest]
@@ -324,21 +464,30 @@ def check_output(dest, *, inputs=(), force=False, names=()):
             if source and os.path.exists(source) and os.path.exists(target) and _same_file(source, target):
                 raise OutputError(f"{target} is also an input; qgcli never overwrites its inputs", operand="--output")
     if kind == "dir":
-        parent = os.path.dirname(os.path.abspath(dest.rstrip("/") or "."))
-        if not os.path.isdir(dest) and not os.path.isdir(parent):
+        directory = dest.rstrip("/") or "/"
+        if os.path.lexists(directory) and not os.path.isdir(directory):
+            raise OutputError(f"{directory} is a file, not a directory", operand="--output")
+        parent = os.path.dirname(os.path.abspath(directory))
+        if not os.path.isdir(directory) and not os.path.isdir(parent):
             raise OutputError(f"directory {parent} does not exist", operand="--output")
-        existing = [t for t in targets if os.path.exists(t)]
+        existing = [t for t in targets if os.path.lexists(t)]
         if existing and not force:
             raise OutputError(f"{existing[0]} exists; use --force to replace it", operand="--output")
+        for target in existing:
+            if os.path.isdir(target):
+                raise OutputError(f"{target} is a directory", operand="--output")
+        writable = directory if os.path.isdir(directory) else parent
+        if not os.access(writable, os.W_OK | os.X_OK):
+            raise OutputError(f"directory {writable} is not writable", operand="--output")
         return kind
     parent = os.path.dirname(os.path.abspath(dest))
     if not os.path.isdir(parent):
         raise OutputError(f"directory {parent} does not exist", operand="--output")
     if os.path.isdir(dest):
         raise OutputError(f"{dest} is a directory; end it with / to write one .npy per output", operand="--output")
-    if os.path.exists(dest) and not force:
+    if os.path.lexists(dest) and not force:
         raise OutputError(f"{dest} exists; use --force to replace it", operand="--output")
-    if not os.access(parent, os.W_OK):
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"directory {parent} is not writable", operand="--output")
     return kind
 
@@ -370,24 +519,78 @@ def _write_npz(fh, arrays):
 def atomic_write(dest, writer):
     """Run ``writer(path)`` on a temporary file beside ``dest``, then rename it over ``dest``.
 
-    The temporary file is removed on any failure or interrupt, so ``dest`` is either absent, the old
-    file, or complete.
+    The temporary file (``.qgcli-*.tmp``, hidden) is removed on any failure or interrupt, so ``dest`` is
+    either absent, the old file, or complete; only a SIGKILL, which no process can catch, can leave a
+    temporary file behind, never a partial ``dest``.
     """
+    tmp = _stage(dest, writer)
+    _commit([(tmp, dest)])
+
+
+def _stage(dest, writer):
+    """Write ``dest``'s future content to a synced temporary file in its directory; returns its path."""
     parent = os.path.dirname(os.path.abspath(dest))
-    fd, tmp = tempfile.mkstemp(prefix=".qgcli-", suffix=".tmp", dir=parent)
-    os.close(fd)
+    try:  # --force keeps the mode of the file it replaces; a new file gets the usual 0666 & ~umask
+        mode = os.stat(dest).st_mode & 0o777
+    except OSError:
+        mode = 0o666 & ~_umask()
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".qgcli-", suffix=".tmp", dir=parent)
+        os.close(fd)
         writer(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file 0600; outputs get the usual mode
-        os.replace(tmp, dest)
-    except BaseException:
+        fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+            os.fsync(fd)  # the data is on disk before the rename makes it visible
+        finally:
+            os.close(fd)
+        os.chmod(tmp, mode)  # mkstemp makes the file 0600
+    except BaseException as exc:
+        if tmp is not None:
+            _unlink(tmp)
+        error = _as_os_error(exc, dest)
+        if error is not None and error is not exc:
+            raise error from None
         raise
+    return tmp
+
+
+def _commit(staged):
+    """Rename each staged ``(tmp, dest)`` into place, then sync the directories (so the renames survive a
+    power cut); on failure the temporaries not yet renamed are removed."""
+    try:
+        for tmp, dest in staged:
+            os.replace(tmp, dest)
+    except BaseException:
+        for tmp, _ in staged:
+            _unlink(tmp)
+        raise
+    for parent in {os.path.dirname(os.path.abspath(d)) for _, d in staged}:
+        try:
+            fd = os.open(parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # some file systems cannot sync a directory; the rename itself is still atomic
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _as_os_error(exc, dest):
+    """An OSError for a failed write (HDF5 reports a full disk as RuntimeError/OSError "... errno = 28 ...");
+    None when ``exc`` is no I/O failure."""
+    match = re.search(r"errno = (\d+)", str(exc)) if isinstance(exc, (OSError, RuntimeError)) else None
+    if match and not (isinstance(exc, OSError) and exc.errno):
+        number = int(match.group(1))
+        return OSError(number, os.strerror(number), dest)
+    return exc if isinstance(exc, OSError) else None
 
 
 def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
@@ -421,9 +624,25 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
         (array,) = arrays.values()
         atomic_write(dest, lambda p: _write_npy(p, array))
     else:
+        # Every file is written and synced first, then all are renamed: an interrupt leaves no partial set,
+        # and a directory this call created is removed again if nothing could be written to it.
+        created = not os.path.isdir(dest)
         os.makedirs(dest, exist_ok=True)
-        for name, array in arrays.items():
-            atomic_write(os.path.join(dest, name + ".npy"), lambda p, a=array: _write_npy(p, a))
+        staged = []
+        try:
+            for name, array in arrays.items():
+                target = os.path.join(dest, name + ".npy")
+                staged.append((_stage(target, lambda p, a=array: _write_npy(p, a)), target))
+            _commit(staged)
+        except BaseException:
+            for tmp, _ in staged:
+                _unlink(tmp)
+            if created:
+                try:
+                    os.rmdir(dest)
+                except OSError:
+                    pass
+            raise
 
 
 def _umask():
@@ -433,5 +652,18 @@ def _umask():
 
 
 def _write_npy(path, array):
-    with open(path, "wb") as fh:  # a file object: np.save would append ".npy" to a path
-        np.save(fh, np.asarray(array), allow_pickle=False)
+    """An .npy file written with plain ``write`` calls, so that a full disk raises OSError(ENOSPC/EFBIG)
+    (``np.save`` uses ``tofile``, whose short write says only "N requested and M written")."""
+    fmt = np.lib.format
+    array = np.asarray(array)
+    if array.dtype.hasobject:
+        raise OutputError("object arrays are never written", operand="--output")
+    header = fmt.header_data_from_array_1_0(array)
+    data = array.T if header["fortran_order"] else array
+    data = np.ascontiguousarray(data).reshape(-1)
+    with open(path, "wb") as fh:
+        try:
+            fmt.write_array_header_1_0(fh, header)
+        except ValueError:  # a header over 64 KiB (thousands of dimensions) needs format 2.0
+            fmt.write_array_header_2_0(fh, header)
+        fh.write(data.view(np.uint8).data)
