@@ -428,3 +428,24 @@ def test_cli_plot_estimators_errors(cli, tmp_path, args, message):
     r = cli("plot", "estimators", NOTEBOOK, "-o", out, *args)
     assert r.exit_code == 2, r.output
     assert message in r.output and not out.exists()
+
+
+def test_estimators_on_any_array_module(xp):
+    from qgcli.backend import to_numpy
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(0, 3, (6, 5)).astype(F32)
+    dy = rng.normal(0, 1, x.shape).astype(F32)
+    views = {
+        "tf": lambda a: est.tf_view(a, -4.0, 3.0, num_bits=3),
+        "tf-pc": lambda a: est.tf_view(a, [-1.0] * 5, [1.0, 2.0, 3.0, 4.0, 5.0], variant="per-channel"),
+        "torch": lambda a: ts.quantized_view(a, np.float32(0.1), np.int32(3), -8, 7),
+        "torch-lsq": lambda a: ts.quantized_view(a, np.full(6, 0.2, F32), np.arange(6, dtype=F32) - 3, -8, 7, axis=0,
+                                                 learnable=True),
+    }
+    for label, make in views.items():
+        for name in ("ste", "identity", "scaled:0.9,0.1", "lsq", "pact", "ewgs:1"):
+            want, _ = est.apply_estimator(name, dy, make(x))
+            got, _ = est.apply_estimator(name, xp.asarray(dy), make(xp.asarray(x)))
+            for k in want:
+                np.testing.assert_array_equal(bits(to_numpy(got[k])), bits(want[k]), err_msg=f"{label} {name} {k}")

@@ -379,3 +379,32 @@ def test_compare_with_tensorflow_explains_nudging():
     r = ts.compare_with_tensorflow(x, 1.0, 6.0)
     assert "nudging" in r["grids"]["reasons"][0][0]
     assert set(np.unique(r["forward_reason"][r["forward_reason"] != 0])) == {1}
+
+
+# --- any array module (NumPy here; CuPy where a GPU exists) ----------------------------------------------
+
+def _xp_cases():
+    picked, seen = [], set()
+    for c in OP_CASES:
+        key = (c[1]["op"], c[1]["cpu_capability"], c[2]["zero_point"].dtype.kind)
+        if "error" not in c[1] and key not in seen:
+            seen.add(key)
+            picked.append(c)
+    return picked
+
+
+def test_ops_on_any_array_module(xp):
+    from qgcli.backend import to_numpy
+
+    for name, attrs, data in _xp_cases():
+        on = {k: (xp.asarray(v) if k in ("inputs", "gradients") else v) for k, v in data.items()}
+        result = run_case(attrs, on)
+        for key in ("outputs", "backprops_wrt_input"):
+            assert type(result[key]) is type(on["inputs"]), (name, key)
+            assert_bitwise(to_numpy(result[key]), data[key], f"{name} {key}")
+        if "backprop_wrt_scale" in result:
+            expected = run_case(attrs, data)["backprop_wrt_scale"]
+            np.testing.assert_allclose(to_numpy(result["backprop_wrt_scale"]), expected, rtol=1e-6)
+    x = xp.asarray(np.linspace(-8, 8, 33, dtype=np.float32))
+    r = ts.compare_with_tensorflow(x, -6.0, 6.0, num_bits=2)
+    assert int((to_numpy(r["forward_reason"]) == 2).sum()) == 2

@@ -212,7 +212,7 @@ def _dequantize(q, z, s, quant_min, quant_max, xp):
     (what both the float and the double code paths of PyTorch's kernels amount to)."""
     with _quiet(xp):
         c = xp.fmin(xp.fmax(q.astype(_F64), float(quant_min)), float(quant_max))
-        return ((c - z.astype(_F64) if hasattr(z, "astype") else c - float(z)) * xp.asarray(s, dtype=_F64)).astype(_F32)
+        return ((c - xp.asarray(z, dtype=_F64)) * xp.asarray(s, dtype=_F64)).astype(_F32)
 
 
 def _mask(q, quant_min, quant_max):
@@ -380,7 +380,8 @@ def fake_quantize_learnable_per_tensor_affine_gradient(gradients, inputs, scale,
     with _quiet(xp):
         t = fma32(x, inv, _F32(zp), xp) if fma else xp.add(_F32(zp), xp.multiply(x, inv, dtype=_F32), dtype=_F32)
     q = _x86_int64(xp.rint(t), xp)
-    dx, ds, dz = _learnable_elements(g, x, s, inv, np.asarray(zp, _F32), _F32(quant_min - zp), _F32(quant_max - zp),
+    # Scalars, not 0-d arrays: CuPy takes NumPy scalars as operands but not NumPy arrays.
+    dx, ds, dz = _learnable_elements(g, x, _F32(s), inv, _F32(zp), _F32(quant_min - zp), _F32(quant_max - zp),
                                      q, quant_min, quant_max, grad_factor, fma, xp)
     return dx, _sum_to(ds, s_raw.shape, None, xp), _sum_to(dz, s_raw.shape, None, xp)
 
