@@ -22,7 +22,6 @@ import numpy as np
 
 from qgcli.backend import array_module
 from qgcli.errors import OperandError, QgcliError
-from qgcli.ops.reduction import eigen_column_sums
 
 _F32 = np.float32
 _TINY = np.finfo(np.float32).tiny  # smallest normal float32, 2**-126
@@ -211,40 +210,21 @@ def _prepare_per_channel(inputs, min, max, num_bits, narrow_range, axis, xp):
     return grid, axis
 
 
-# --- element-wise kernels (any array module) ---------------------------------------------------------
-
-def _on_device(grid, xp, *names):
-    return [xp.asarray(getattr(grid, n)) for n in names]
-
+# --- element-wise work: blocked NumPy kernels on the CPU, fused CUDA kernels on CuPy arrays ------------
 
 def _quantize(x, grid, divide, xp):
     """Forward fake quantization of float32 ``x`` (channels on the last axis for per-channel grids)."""
+    depth = x.shape[-1] if grid.per_channel else 1
+    x2 = xp.ascontiguousarray(x).reshape(-1, depth)
     if xp is np:
         from qgcli.ops import blocked
 
-        depth = x.shape[-1] if grid.per_channel else 1
         params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
         passthrough = grid.passthrough if grid.passthrough.any() else None
-        x2 = np.ascontiguousarray(x).reshape(-1, depth)
         return blocked.quantize(x2, (*params, passthrough), divide, grid.needs_flush()).reshape(x.shape)
-    nmin, nmax, scale, inv, qz = _on_device(grid, xp, "nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")
-    with _quiet(xp):
-        out = xp.minimum(x, nmax)  # NaN propagates through both, as Eigen's cwiseMin/cwiseMax
-        xp.maximum(out, nmin, out=out)
-        if grid.needs_flush():
-            out = flush_subnormals(out, xp)
-        xp.subtract(out, nmin, out=out)
-        if divide:
-            xp.divide(out, scale, out=out)
-        else:
-            xp.multiply(out, inv, out=out)
-        xp.subtract(out, qz, out=out)
-        xp.add(out, _F32(0.5), out=out)
-        xp.floor(out, out=out)
-        xp.multiply(out, scale, out=out)
-    if grid.passthrough.any():
-        out = xp.where(xp.asarray(grid.passthrough), _F32(0), out)
-    return out
+    from qgcli.ops import cuda
+
+    return cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape)
 
 
 def _masks(x, grid, xp):
@@ -262,39 +242,26 @@ def _masks(x, grid, xp):
 
 
 def _backprops(gradients, x, grid, xp, *, reduce):
+    depth = x.shape[-1] if grid.per_channel else 1
+    g2 = xp.ascontiguousarray(gradients).reshape(-1, depth)
+    x2 = xp.ascontiguousarray(x).reshape(-1, depth)
+    kind = "chip" if grid.per_channel else "flat"
     if xp is np:
         from qgcli.ops import blocked
 
-        depth = x.shape[-1] if grid.per_channel else 1
         lo, hi = grid.mask_bounds()
         passthrough = grid.passthrough if grid.passthrough.any() else None
-        res = blocked.backprops(
-            np.ascontiguousarray(gradients).reshape(-1, depth), np.ascontiguousarray(x).reshape(-1, depth),
-            lo, hi, passthrough, reduce=reduce, kind="chip" if grid.per_channel else "flat")
-        if not reduce:
-            return res.reshape(x.shape)
-        dx, dmin, dmax = res
-        if not grid.per_channel:
-            dmin, dmax = dmin.reshape(()), dmax.reshape(())
-        return dx.reshape(x.shape), dmin, dmax
-    g = flush_subnormals(gradients, xp)
-    inside, below, above = _masks(x, grid, xp)
-    with _quiet(xp):
-        dx = xp.multiply(g, inside, dtype=_F32)  # a product, as TF: g * 0 keeps -0.0 and NaN
-        if grid.passthrough.any():
-            # TF copies the gradient of a min == max == 0 channel untouched (no arithmetic, no flush).
-            dx = xp.where(xp.asarray(grid.passthrough), gradients, dx)
-        if not reduce:
-            return dx
-        depth = x.shape[-1] if grid.per_channel else 1
-        dmin = eigen_column_sums(xp.multiply(g, below, dtype=_F32).reshape(-1, depth), xp)
-        dmax = eigen_column_sums(xp.multiply(g, above, dtype=_F32).reshape(-1, depth), xp)
-    if grid.passthrough.any():
-        pt = xp.asarray(grid.passthrough.reshape(-1))
-        dmin, dmax = xp.where(pt, _F32(0), dmin), xp.where(pt, _F32(0), dmax)
+        res = blocked.backprops(g2, x2, lo, hi, passthrough, reduce=reduce, kind=kind)
+    else:
+        from qgcli.ops import cuda
+
+        res = cuda.backprops(g2, x2, grid, reduce=reduce, kind=kind)
+    if not reduce:
+        return res.reshape(x.shape)
+    dx, dmin, dmax = res
     if not grid.per_channel:
         dmin, dmax = dmin.reshape(()), dmax.reshape(())
-    return dx, dmin, dmax
+    return dx.reshape(x.shape), dmin, dmax
 
 
 # --- the six TensorFlow ops ------------------------------------------------------------------------
