@@ -2,9 +2,11 @@
 
 Each command is a short adapter (parse -> load -> one op call -> save -> render) living in
 ``qgcli/commands/``.  Errors a user can cause end as one line on stderr and exit code 2; runtime failures
-(a full disk, say) exit 1; Ctrl-C exits 130.  No traceback reaches the user unless QGCLI_DEBUG=1.
+(a full disk, say) exit 1; Ctrl-C exits 130, SIGTERM 143 and SIGHUP 129, each after removing temporary
+files.  No traceback reaches the user unless QGCLI_DEBUG=1.
 """
 import os
+import signal
 import sys
 
 import click
@@ -25,8 +27,13 @@ class QgcliGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        restore = _trap_termination()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except Terminated as exc:
+            if exc.signum == signal.SIGINT:
+                _fail("interrupted; no output was left half-written", 130)
+            _fail(f"terminated by {exc.name}; no output was left half-written", 128 + exc.signum)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
@@ -34,8 +41,7 @@ class QgcliGroup(click.Group):
         except click.ClickException as exc:
             _fail(exc.format_message(), exc.exit_code)
         except (click.exceptions.Abort, KeyboardInterrupt):
-            click.echo("Aborted (interrupted).", err=True)
-            sys.exit(130)
+            _fail("interrupted; no output was left half-written", 130)
         except BrokenPipeError:
             # The reader went away (e.g. `| head`); stop quietly, as Unix tools do.
             _silence_stdout()
@@ -53,9 +59,55 @@ class QgcliGroup(click.Group):
             _fail(f"I/O error{name}: {exc.strerror or exc}", 1)
         except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback for users
             _internal(exc)
+        finally:
+            restore()
         if isinstance(rv, int):
             sys.exit(rv)
         sys.exit(0)
+
+    def invoke(self, ctx):
+        # Ctrl-C inside a command: click would print an empty line and raise Abort; one line is ours to print.
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Terminated(signal.SIGINT) from None
+
+
+class Terminated(BaseException):
+    """SIGTERM, SIGHUP (or SIGINT inside a command), raised like KeyboardInterrupt so that temporary files
+    are removed on the way out."""
+
+    def __init__(self, signum):
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+def _trap_termination():
+    """Turn SIGTERM/SIGHUP (``timeout``, a closed terminal, a job scheduler) into :class:`Terminated`;
+    returns a function that puts the previous handlers back."""
+
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    previous = {}
+    for sig in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)):
+        if sig is None:
+            continue
+        try:
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):  # an ignored signal stays ignored (nohup)
+                previous[sig] = signal.signal(sig, raise_terminated)
+        except (ValueError, OSError):  # not the main thread: leave signals alone
+            pass
+
+    def restore():
+        for sig, handler in previous.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+    return restore
 
 
 def _silence_stdout():

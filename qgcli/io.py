@@ -13,8 +13,8 @@ output is replaced only with ``force``, and an input is never an output.
 import io as _io
 import os
 import re
+import secrets
 import sys
-import tempfile
 import warnings
 import zipfile
 import zlib
@@ -536,7 +536,17 @@ def _stage(dest, writer):
         mode = 0o666 & ~_umask()
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".qgcli-", suffix=".tmp", dir=parent)
+        # Not tempfile.mkstemp: its name is known only after the file exists, and an interrupt in between
+        # would leave the file behind.  Here the name is set first, so cleanup always knows it.
+        for _ in range(100):
+            tmp = os.path.join(parent, f".qgcli-{secrets.token_hex(8)}.tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:
+                tmp = None
+        else:
+            raise FileExistsError(f"no free temporary file name in {parent}")
         os.close(fd)
         writer(tmp)
         fd = os.open(tmp, os.O_RDONLY)
@@ -544,7 +554,7 @@ def _stage(dest, writer):
             os.fsync(fd)  # the data is on disk before the rename makes it visible
         finally:
             os.close(fd)
-        os.chmod(tmp, mode)  # mkstemp makes the file 0600
+        os.chmod(tmp, mode)  # created 0600 while being written
     except BaseException as exc:
         if tmp is not None:
             _unlink(tmp)
