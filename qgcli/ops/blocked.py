@@ -110,21 +110,42 @@ def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind):
     ``g2``/``x2``: [rows, channels] float32, C-contiguous; ``lo``/``hi``: DAZ-adjusted mask bounds;
     ``passthrough``: boolean per channel (min == max == 0) or None.
     """
+    rows, depth = x2.shape
+    if rows == 0:
+        dx = np.empty_like(g2)
+        return (dx, np.zeros(depth, _F32), np.zeros(depth, _F32)) if reduce else dx
+    if not reduce:
+        return backprop_rows(g2, x2, lo, hi, passthrough)[0]
+    p = reduction.plan(rows, kind=kind)
+    dx, sums_min, sums_max = backprop_rows(g2, x2, lo, hi, passthrough, leaves=p.leaves)
+    return (dx, *finish_sums(p, sums_min, sums_max, passthrough))
+
+
+def finish_sums(plan, sums_min, sums_max, passthrough):
+    """Add leaf sums along the plan; min == max == 0 channels get 0, as TF writes."""
+    dmin = reduction.combine(plan.recipe, sums_min, np).astype(_F32, copy=False)
+    dmax = reduction.combine(plan.recipe, sums_max, np).astype(_F32, copy=False)
+    if passthrough is not None:  # a NaN gradient times a 0 mask would not give TF's 0
+        dmin, dmax = np.where(passthrough, _F32(0), dmin), np.where(passthrough, _F32(0), dmax)
+    return dmin, dmax
+
+
+def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
+    """``(dx, leaf sums below, leaf sums above)`` for these rows; ``leaves`` (absolute ``(start, length)``,
+    tiling exactly these rows) or None for ``dx`` alone."""
     from qgcli.ops.fake_quant import flush_subnormals
 
     rows, depth = x2.shape
     dx = np.empty_like(g2)
-    if rows == 0:
-        return (dx, np.zeros(depth, _F32), np.zeros(depth, _F32)) if reduce else dx
     keep = None if passthrough is None else ~passthrough
-    if reduce:
-        p = reduction.plan(rows, kind=kind)
-        blocks = _leaf_blocks(p.leaves, depth)
+    if leaves:
+        first = leaves[0][0]
+        blocks = [(r0 - first, r1 - first, lv) for r0, r1, lv in _leaf_blocks(leaves, depth)]
     else:
         blocks = [(r0, r1, ()) for r0, r1 in _row_ranges(rows, depth)]
 
     def run(block):
-        r0, r1, leaves = block
+        r0, r1, block_leaves = block
         gb, xb, db = g2[r0:r1], x2[r0:r1], dx[r0:r1]
         if _has_subnormal(gb):
             gb = flush_subnormals(gb, np)
@@ -133,13 +154,13 @@ def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind):
         np.logical_and(inside, mask, out=inside)
         if keep is not None:
             np.logical_and(inside, keep, out=inside)
-        weight = _scratch("weight", gb.shape, _F32)  # masks as float32: a float*float product is 3x faster than float*bool
+        weight = _scratch("weight", gb.shape, _F32)  # float*float is 3x faster than float*bool
         np.copyto(weight, inside)
         with np.errstate(all="ignore"):
             np.multiply(gb, weight, out=db)  # a product, as TF: g * 0 keeps -0.0 and NaN
             if passthrough is not None:
                 np.copyto(db, g2[r0:r1], where=passthrough)  # TF copies these gradients untouched
-            if not leaves:
+            if not block_leaves:
                 return None
             product = _scratch("product", gb.shape, _F32)
             sums = []
@@ -149,19 +170,13 @@ def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind):
                     np.logical_and(mask, keep, out=mask)
                 np.copyto(weight, mask)
                 np.multiply(gb, weight, out=product)
-                sums.append(reduction.leaf_sums(product, leaves, np))
+                sums.append(reduction.leaf_sums(product, block_leaves, np))
         return sums
 
     results = _map(run, blocks)
-    if not reduce:
-        return dx
-    sums_min = np.concatenate([r[0] for r in results]) if results else np.zeros((0, depth), _F32)
-    sums_max = np.concatenate([r[1] for r in results]) if results else np.zeros((0, depth), _F32)
-    dmin = reduction.combine(p.recipe, sums_min, np).astype(_F32, copy=False)
-    dmax = reduction.combine(p.recipe, sums_max, np).astype(_F32, copy=False)
-    if passthrough is not None:  # TF writes 0 for these channels (a NaN gradient times 0 would not be)
-        dmin, dmax = np.where(passthrough, _F32(0), dmin), np.where(passthrough, _F32(0), dmax)
-    return dx, dmin, dmax
+    if not leaves:
+        return dx, None, None
+    return dx, np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
 
 
 def _leaf_blocks(leaves, depth):

@@ -1,0 +1,170 @@
+"""Out-of-core execution: HDF5 tensors larger than the memory budget are streamed block by block.
+
+Blocks of the first axis are read from the input datasets, computed with the same kernels as the
+in-memory path and written straight into the output dataset, so peak memory is a few blocks whatever
+the tensor's size.  Fake-quant gradients re-cut the rows into whole leaves of TF's reduction plan, so
+``backprop_wrt_min/max`` keep Eigen's summation order and match the in-memory result bit for bit;
+batch-norm gradients make two passes (per-channel float64 sums, then ``x_backprop``).
+"""
+import os
+import re
+
+import numpy as np
+
+from qgcli.errors import QgcliError
+
+_F32 = np.float32
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def physical_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def parse_memory_limit(text):
+    """Bytes from ``"2G"``, ``"512M"``, ``"1.5g"``, ``"1000000"`` or a fraction of RAM like ``"25%"``.
+
+    None or "" gives the default: a quarter of the machine's memory.
+    """
+    if text is None or text == "":
+        return physical_memory() // 4
+    value = str(text).strip().lower()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(%|[kmgt]?)i?b?", value)
+    if not match:
+        raise QgcliError(f"cannot read {text!r}; use a size like 512M, 2G or 25%", operand="--memory-limit")
+    number, unit = float(match.group(1)), match.group(2)
+    limit = int(physical_memory() * number / 100) if unit == "%" else int(number * _UNITS[unit])
+    if limit < (1 << 20):
+        raise QgcliError(f"{text!r} is below 1M; qgcli needs room for a few blocks", operand="--memory-limit")
+    return limit
+
+
+def block_items(dataset_shape, itemsize, budget, copies):
+    """How many first-axis items to read at once so ``copies`` block-sized arrays fit in a slice of ``budget``."""
+    per_item = max(1, int(np.prod(dataset_shape[1:], dtype=np.int64)) * itemsize)
+    return max(1, min(int(dataset_shape[0]), budget // (8 * copies * per_item)))
+
+
+def _create(out, name, shape, dtype, attrs, compression):
+    options = {}
+    if compression and len(shape) and int(np.prod(shape)):
+        options = {"compression": compression, "chunks": True}
+    ds = out.create_dataset(name, shape=shape, dtype=dtype, **options)
+    for key, value in attrs.items():
+        ds.attrs[key] = value
+    return ds
+
+
+def _rows(block, depth):
+    return np.ascontiguousarray(block, dtype=_F32).reshape(-1, depth)
+
+
+class _LeafCutter:
+    """Collects rows as they are read and hands them out again as whole leaves of a reduction plan."""
+
+    def __init__(self, leaves, depth):
+        self.leaves = list(leaves)
+        self.next = 0
+        self.depth = depth
+        self.pending = []  # arrays of rows not yet part of a complete leaf, per operand
+
+    def push(self, *arrays):
+        self.pending = [np.concatenate([p, a]) if len(p) else a for p, a in zip(self.pending, arrays)] \
+            if self.pending else list(arrays)
+        available = len(self.pending[0])
+        take, count = 0, 0
+        while self.next + count < len(self.leaves) and take + self.leaves[self.next + count][1] <= available:
+            take += self.leaves[self.next + count][1]
+            count += 1
+        if not count:
+            return None
+        chunk = [p[:take] for p in self.pending]
+        self.pending = [p[take:] for p in self.pending]
+        leaves = tuple(self.leaves[self.next:self.next + count])
+        self.next += count
+        return chunk, leaves
+
+
+def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compression, budget, progress=None):
+    """Stream a Vars/PerChannel/Args gradient from HDF5 datasets into the open HDF5 file ``out``.
+
+    ``kind``: "flat" (per tensor) or "chip" (per channel, channels on the last axis); ``None`` for the
+    Args op (no min/max sums).  Returns ``{"backprop_wrt_min": ..., "backprop_wrt_max": ...}`` (or {}).
+    """
+    from qgcli.ops import blocked, reduction
+
+    shape = tuple(inputs.shape)
+    depth = shape[-1] if kind == "chip" else 1
+    rows = int(np.prod(shape, dtype=np.int64)) // max(depth, 1)
+    name = "backprops" if kind is None else "backprops_wrt_input"
+    dx_ds = _create(out, name, shape, _F32, attrs, compression)
+    lo, hi = grid.mask_bounds()
+    passthrough = grid.passthrough if grid.passthrough.any() else None
+    step = block_items(shape, 4, budget, copies=6) if shape else 1
+    if kind is None or not shape:
+        for i in range(0, shape[0] if shape else 1, step):
+            sl = slice(i, i + step) if shape else ()
+            g, x = _rows(gradients[sl], depth), _rows(inputs[sl], depth)
+            dx_ds[sl] = blocked.backprop_rows(g, x, lo, hi, passthrough)[0].reshape(dx_ds[sl].shape)
+            _tick(progress, g.nbytes * 2)
+        return {}
+    plan = reduction.plan(rows, kind=kind)
+    cutter = _LeafCutter(plan.leaves, depth)
+    sums_min, sums_max = [], []
+    dx_pending, written = [], 0
+    per_item = rows // shape[0] if shape[0] else 0
+    for i in range(0, shape[0], step):
+        ready = cutter.push(_rows(gradients[i:i + step], depth), _rows(inputs[i:i + step], depth))
+        if ready is None:
+            continue
+        (g, x), leaves = ready
+        dx, smin, smax = blocked.backprop_rows(g, x, lo, hi, passthrough, leaves=leaves)
+        sums_min.append(smin)
+        sums_max.append(smax)
+        dx_pending.append(dx)
+        written = _flush_rows(dx_ds, dx_pending, written, per_item, final=False)
+        _tick(progress, g.nbytes * 2)
+    written = _flush_rows(dx_ds, dx_pending, written, per_item, final=True)
+    dmin, dmax = blocked.finish_sums(plan, np.concatenate(sums_min), np.concatenate(sums_max), passthrough)
+    if kind == "flat":
+        dmin, dmax = dmin.reshape(()), dmax.reshape(())
+    return {"backprop_wrt_min": dmin, "backprop_wrt_max": dmax}
+
+
+def _flush_rows(ds, pending, written, per_item, *, final):
+    """Write whole first-axis items from the pending dx rows into ``ds``; keep the remainder."""
+    if not pending:
+        return written
+    rows = np.concatenate(pending) if len(pending) > 1 else pending[0]
+    items = len(rows) // per_item if per_item else 0
+    if final:
+        assert items * per_item == len(rows)
+    if items:
+        ds[written:written + items] = rows[:items * per_item].reshape((items,) + ds.shape[1:])
+    pending[:] = [rows[items * per_item:]] if items * per_item < len(rows) else []
+    return written + items
+
+
+def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compression, budget, progress=None):
+    """Stream a fake-quant forward from an HDF5 dataset into ``out['outputs']``."""
+    from qgcli.ops import blocked
+
+    shape = tuple(inputs.shape)
+    depth = shape[-1] if per_channel else 1
+    ds = _create(out, "outputs", shape, _F32, attrs, compression)
+    params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
+    passthrough = grid.passthrough if grid.passthrough.any() else None
+    step = block_items(shape, 4, budget, copies=3) if shape else 1
+    for i in range(0, shape[0] if shape else 1, step):
+        sl = slice(i, i + step) if shape else ()
+        x = _rows(inputs[sl], depth)
+        ds[sl] = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush()).reshape(ds[sl].shape)
+        _tick(progress, x.nbytes)
+
+
+def _tick(progress, nbytes):
+    if progress is not None:
+        progress(nbytes)

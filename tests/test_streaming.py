@@ -1,0 +1,76 @@
+"""Out-of-core streaming gives bit-for-bit the in-memory results, with blocks far smaller than the tensor."""
+import h5py
+import numpy as np
+import pytest
+
+from qgcli import ops, streaming
+from qgcli.errors import QgcliError
+from qgcli.ops import fake_quant
+
+f32 = np.float32
+
+
+def _file(tmp_path, **arrays):
+    path = tmp_path / "in.h5"
+    with h5py.File(path, "w") as f:
+        for k, v in arrays.items():
+            f[k] = v
+    return path
+
+
+@pytest.mark.parametrize("shape, per_channel", [((37, 29, 61), False), ((9, 13, 11, 48), True),
+                                                ((5001, 3), True), ((60001,), False)])
+def test_streamed_gradient_equals_in_memory(tmp_path, shape, per_channel):
+    rng = np.random.default_rng(sum(shape))
+    x = (rng.standard_normal(shape) * 2).astype(f32)
+    g = (rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape))).astype(f32)
+    depth = shape[-1] if per_channel else None
+    mn = -rng.uniform(0.5, 2, depth).astype(f32) if per_channel else f32(-1.5)
+    mx = rng.uniform(0.5, 2, depth).astype(f32) if per_channel else f32(1.0)
+    if per_channel:
+        want = ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, mn, mx)
+        grid, _ = fake_quant._prepare_per_channel(x, mn, mx, 8, False, -1, np)
+    else:
+        want = ops.fake_quant_with_min_max_vars_gradient(g, x, mn, mx)
+        grid = fake_quant._prepare_per_tensor(x, mn, mx, 8, False, np)
+    src = _file(tmp_path, gradients=g, inputs=x)
+    with h5py.File(src, "r") as f, h5py.File(tmp_path / "out.h5", "w") as out:
+        sums = streaming.fake_quant_gradient(f["gradients"], f["inputs"], grid, out,
+                                             kind="chip" if per_channel else "flat", attrs={}, compression=None,
+                                             budget=1 << 20)  # ~1 MiB: dozens of blocks
+        dx = out["backprops_wrt_input"][()]
+    np.testing.assert_array_equal(dx.view(np.uint32), want[0].view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(sums["backprop_wrt_min"]).view(np.uint32), want[1].view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(sums["backprop_wrt_max"]).view(np.uint32), want[2].view(np.uint32))
+
+
+def test_streamed_forward_equals_in_memory(tmp_path):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((41, 7, 5, 16)) * 3).astype(f32)
+    mn, mx = -np.linspace(0.5, 2, 16).astype(f32), np.linspace(0.7, 3, 16).astype(f32)
+    grid, _ = fake_quant._prepare_per_channel(x, mn, mx, 4, True, -1, np)
+    src = _file(tmp_path, inputs=x)
+    with h5py.File(src, "r") as f, h5py.File(tmp_path / "out.h5", "w") as out:
+        streaming.fake_quant_forward(f["inputs"], grid, False, out, per_channel=True, attrs={"op": "x"},
+                                     compression="gzip", budget=1 << 20)
+        got = out["outputs"][()]
+        assert out["outputs"].compression == "gzip"
+    want = ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx, num_bits=4, narrow_range=True)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("text, expected", [("2G", 2 << 30), ("512m", 512 << 20), ("1.5GiB", int(1.5 * (1 << 30))),
+                                            ("3000000", 3000000)])
+def test_memory_limit_parsing(text, expected):
+    assert streaming.parse_memory_limit(text) == expected
+
+
+def test_memory_limit_default_and_percent():
+    assert streaming.parse_memory_limit(None) == streaming.physical_memory() // 4
+    assert streaming.parse_memory_limit("50%") == streaming.physical_memory() // 2
+
+
+@pytest.mark.parametrize("text", ["lots", "-1G", "2X", "10"])
+def test_memory_limit_errors_name_the_option(text):
+    with pytest.raises(QgcliError, match="--memory-limit"):
+        streaming.parse_memory_limit(text)
