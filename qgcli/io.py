@@ -42,6 +42,7 @@ class Spec:
     path: str | None = None
     key: str | None = None
     literal: np.ndarray | None = None
+    literal_ok: bool = False  # a literal was allowed here (for a better message when the text is neither)
 
     @property
     def is_stdin(self):
@@ -61,8 +62,10 @@ def parse_literal(text):
 def parse_spec(text, *, allow_literal=False):
     """Parse a SPEC string (see the module doc); never touches the file system except to tell
     a literal from an existing file of the same name."""
-    if not isinstance(text, str) or not text:
-        raise OperandError("an empty SPEC names no tensor", operand="spec")
+    if not isinstance(text, str):
+        raise OperandError("a SPEC must be a string", operand="spec")
+    if not text:
+        return Spec(text, path="")  # refused when loaded, where the error can name the operand
     if text == "-":
         return Spec(text)
     if text.startswith("-:"):
@@ -73,12 +76,12 @@ def parse_spec(text, *, allow_literal=False):
             return Spec(text, literal=literal)
     lower = text.lower()
     if lower.endswith(_KNOWN_SUFFIXES):
-        return Spec(text, path=text)
+        return Spec(text, path=text, literal_ok=allow_literal)
     # Split at the last ':' that follows a container suffix, so 'a:b.h5:x/y' is file 'a:b.h5', key 'x/y'.
     for i in range(len(text) - 1, -1, -1):
         if text[i] == ":" and lower[:i].endswith(_CONTAINER_SUFFIXES):
-            return Spec(text, path=text[:i], key=text[i + 1 :] or None)
-    return Spec(text, path=text)
+            return Spec(text, path=text[:i], key=text[i + 1 :] or None, literal_ok=allow_literal)
+    return Spec(text, path=text, literal_ok=allow_literal)
 
 
 def file_kind(path):
@@ -128,6 +131,8 @@ class Container:
     @classmethod
     def open(cls, path=None, stdin=None):
         """Open ``path`` (or the stdin stream when ``path`` is None), checking that the bytes match the type."""
+        if path == "":
+            raise FileFormatError("an empty SPEC names no tensor")
         if path is None:
             data = stdin.read()
             kind = _sniff(data)
@@ -220,6 +225,12 @@ class Container:
                 self._fail(f"has no key {key!r} (keys: {', '.join(members) or 'none'})")
             return _read_npz_member(handle, members[key], key, self.label)
         return _read_h5_dataset(handle, key, self.label)
+
+    def dataset(self, key):
+        """The h5py Dataset under ``key``, unread (for streaming); None for npy/npz containers."""
+        if self.kind != "h5":
+            return None
+        return _h5_dataset(self._opened(), key, self.label)
 
     def has(self, key):
         if self.kind == "npz":
@@ -387,7 +398,8 @@ def _h5_resolve(handle, key, label):
     return node
 
 
-def _read_h5_dataset(handle, key, label):
+def _h5_dataset(handle, key, label):
+    """The checked h5py Dataset under ``key``: no group, no virtual or external data outside the file."""
     import h5py
 
     node = _h5_resolve(handle, key, label)
@@ -404,6 +416,16 @@ def _read_h5_dataset(handle, key, label):
             # Raw data in other files ("external storage") would let a file read /etc/passwd as uint8.
             raise FileFormatError(f"{label}: {key!r} keeps its data in the external file {node.external[0][0]}; "
                                   "qgcli does not follow it")
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{label}: dataset {key!r} cannot be read: {_reason(exc)}") from None
+    return node
+
+
+def _read_h5_dataset(handle, key, label):
+    node = _h5_dataset(handle, key, label)
+    try:
         _check_memory(int(node.size or 0) * node.dtype.itemsize, f"{label}: {key!r}")
         data = node[()]
         bfloat16 = node.attrs.get("dtype") in ("bfloat16", b"bfloat16")
@@ -422,6 +444,10 @@ def load_spec(spec, stdin=None, default_key=None):
     """The array a :class:`Spec` names (``default_key``: key to use in a container when the SPEC has none)."""
     if spec.literal is not None:
         return spec.literal
+    if (spec.literal_ok and spec.path and not spec.path.lower().endswith(_KNOWN_SUFFIXES)
+            and not os.path.exists(spec.path)):
+        raise FileFormatError(f"{spec.text!r} is neither a number, a comma-separated list of numbers nor a tensor "
+                              "file (.npy, .npz:KEY, .h5:DATASET)")
     with Container.open(spec.path, stdin) as container:
         key = spec.key
         if key is None and default_key is not None and container.has(default_key):
