@@ -107,9 +107,15 @@ def _batched_leaf_sum(a, xp):
     if n >= 4 * PACKET:
         v4 = n // (4 * PACKET) * (4 * PACKET)
         body = a[:, :v4].reshape(m, v4 // (4 * PACKET), 4, PACKET, d)
-        # Reducing over a non-innermost axis adds whole slabs one after another: Eigen's sequential
-        # accumulator order, lane by lane (NumPy's pairwise summation applies only to the inner loop).
-        acc = xp.add.reduce(body, axis=1, initial=f32(0))
+        if m > 1 and 4 * PACKET * d < 1024:
+            # Few channels: put the block index outermost so each step adds m * 32 * d contiguous values
+            # (a copy in cache, but NumPy's inner loop is then long enough to run at full speed).
+            body = xp.ascontiguousarray(body.transpose(1, 0, 2, 3, 4))
+            acc = xp.add.reduce(body, axis=0, initial=f32(0))
+        else:
+            acc = xp.add.reduce(body, axis=1, initial=f32(0))
+        # Either way whole slabs are added one after another: Eigen's sequential accumulator order, lane
+        # by lane (NumPy's pairwise summation applies only along the innermost, reduced axis).
         p0 = ((acc[:, 0] + acc[:, 1]) + acc[:, 2]) + acc[:, 3]
         start = v4
     whole = n // PACKET * PACKET
