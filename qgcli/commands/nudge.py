@@ -372,6 +372,10 @@ def explain_grid(mn, mx, *, num_bits=8, narrow_range=False):
     from qgcli.errors import OperandError
     from qgcli.ops import fake_quant, torch_semantics as ts
 
+    for name, value in (("min", mn), ("max", mx)):
+        dtype = np.asarray(value).dtype
+        if dtype.kind not in "fiu" and dtype.name != "bfloat16":
+            raise OperandError(f"dtype {dtype} is not a real number type", operand=name)
     mn32 = np.asarray(mn).astype(np.float32)
     mx32 = np.asarray(mx).astype(np.float32)
     for name, a in (("min", mn32), ("max", mx32)):
