@@ -168,3 +168,77 @@ def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compres
 def _tick(progress, nbytes):
     if progress is not None:
         progress(nbytes)
+
+
+def _read_float(ds, sl):
+    """A block of an HDF5 dataset, bfloat16 restored from its uint16 storage."""
+    block = ds[sl]
+    if ds.attrs.get("dtype") in ("bfloat16", b"bfloat16") and block.dtype == np.uint16:
+        import ml_dtypes
+
+        block = block.view(ml_dtypes.bfloat16)
+    return block
+
+
+def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, out, *, epsilon, data_format,
+                        is_training, variance_kind, attrs, compression, budget, progress=None):
+    """FusedBatchNormGrad streamed from HDF5 datasets in two passes; ``x_backprop`` goes into ``out``.
+
+    Pass 1 accumulates the per-channel float64 sums, pass 2 writes ``x_backprop`` block by block (the same
+    functions as :func:`qgcli.ops.fused_batch_norm_grad`). Returns the per-channel outputs.
+    """
+    from qgcli.errors import OperandError
+    from qgcli.ops import batch_norm as bn
+
+    rank, channels_first = bn._check_format(data_format)
+    eps = bn._check_epsilon(epsilon)
+    bf16 = {n: ds.attrs.get("dtype") in ("bfloat16", b"bfloat16") for n, ds in (("x", x), ("y_backprop", y_backprop))}
+    for name, ds in (("x", x), ("y_backprop", y_backprop)):
+        if not (bn._is_float(ds.dtype) or bf16[name]):
+            raise OperandError(f"dtype {ds.dtype} is not a floating type (TF takes float32, float16 or bfloat16)",
+                               operand=name)
+    bn._check_rank(x, data_format, rank)
+    if tuple(y_backprop.shape) != tuple(x.shape):
+        raise OperandError(f"shape {list(y_backprop.shape)} differs from x shape {list(x.shape)}",
+                           operand="y_backprop")
+    shape = tuple(x.shape)
+    channels = shape[1] if channels_first else shape[-1]
+    scale = bn._channel_operand(scale, "scale", channels, data_format)
+    mean = bn._channel_operand(reserve_space_1, "reserve_space_1", channels, data_format)
+    var = bn._channel_operand(reserve_space_2, "reserve_space_2", channels, data_format)
+    bn._check_variance(var, variance_kind)
+    if bf16["x"]:
+        import ml_dtypes
+
+        out_dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        out_dtype = x.dtype if x.dtype.itemsize <= 4 else np.dtype(_F32)
+    step = block_items(shape, 8, budget, copies=6)
+    blocks = [slice(i, i + step) for i in range(0, shape[0], step)]
+    sum_dy, sum_dyxc = np.zeros(channels, np.float64), np.zeros(channels, np.float64)
+    for sl in blocks:
+        dy_b, x_b = _read_float(y_backprop, sl), _read_float(x, sl)
+        acb = bn._acb_shape(dy_b.shape, channels_first)
+        with np.errstate(all="ignore"):
+            s_dy, s_dyxc = bn._channel_sums(dy_b.reshape(acb), x_b.reshape(acb), mean, acb, np)
+        sum_dy += s_dy
+        sum_dyxc += s_dyxc
+        _tick(progress, dy_b.nbytes + x_b.nbytes)
+    n = int(np.prod(shape, dtype=np.int64)) // max(channels, 1)
+    coefs = bn.gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind)
+    storage = np.uint16 if out_dtype.name == "bfloat16" else out_dtype
+    ds = _create(out, "x_backprop", shape, storage, attrs, compression)
+    if out_dtype.name == "bfloat16":
+        ds.attrs["dtype"] = "bfloat16"
+    for sl in blocks:
+        dy_b, x_b = _read_float(y_backprop, sl), _read_float(x, sl)
+        acb = bn._acb_shape(dy_b.shape, channels_first)
+        dx_b = np.empty(dy_b.shape, out_dtype)
+        if n:
+            bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
+        ds[sl] = dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b
+        _tick(progress, dy_b.nbytes + x_b.nbytes)
+    zeros = np.zeros(channels, _F32)
+    if n == 0 or channels == 0:
+        return {"scale_backprop": zeros, "offset_backprop": zeros.copy()}
+    return {"scale_backprop": coefs.scale_backprop, "offset_backprop": coefs.offset_backprop}

@@ -74,3 +74,31 @@ def test_memory_limit_default_and_percent():
 def test_memory_limit_errors_name_the_option(text):
     with pytest.raises(QgcliError, match="--memory-limit"):
         streaming.parse_memory_limit(text)
+
+
+@pytest.mark.parametrize("data_format, training, dtype", [("NHWC", True, f32), ("NCHW", True, f32),
+                                                          ("NHWC", False, f32), ("NCDHW", True, np.float16)])
+def test_streamed_batch_norm_equals_in_memory(tmp_path, data_format, training, dtype):
+    rng = np.random.default_rng(7)
+    shape = (23, 5, 9, 7) if len(data_format) == 4 else (11, 5, 3, 4, 6)
+    channels = shape[1] if data_format[1] == "C" else shape[-1]
+    x = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    axes = tuple(i for i in range(len(shape)) if i != (1 if data_format[1] == "C" else len(shape) - 1))
+    mean = x.astype(np.float64).mean(axis=axes).astype(f32)
+    var = x.astype(np.float64).var(axis=axes).astype(f32)
+    scale = rng.uniform(0.5, 2, channels).astype(f32)
+    kw = dict(epsilon=1e-3, data_format=data_format, is_training=training)
+    want = ops.fused_batch_norm_grad(dy, x, scale, mean, var, **kw)
+    src = _file(tmp_path, y_backprop=dy, x=x)
+    with h5py.File(src, "r") as f, h5py.File(tmp_path / "out.h5", "w") as out:
+        small = streaming.batch_norm_gradient(f["y_backprop"], f["x"], scale, mean, var, out,
+                                              variance_kind="variance", attrs={}, compression=None,
+                                              budget=1 << 20, **kw)
+        dx = out["x_backprop"][()]
+    assert dx.dtype == want[0].dtype
+    # float64 channel sums are added in another grouping than in memory: equal to the last float64 bit,
+    # so the float32 results agree to within one unit in the last place (almost always exactly).
+    np.testing.assert_array_max_ulp(dx.astype(f32), want[0].astype(f32), maxulp=1)
+    np.testing.assert_array_max_ulp(small["scale_backprop"], want[1], maxulp=1)
+    np.testing.assert_array_equal(small["offset_backprop"], want[2])

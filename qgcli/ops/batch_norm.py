@@ -315,33 +315,55 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
         zeros = xp.zeros(channels, _F32)
         return xp.zeros(x.shape, out_dtype), zeros, zeros.copy()
 
+    x3, dy3 = x.reshape(acb), dy.reshape(acb)
+    with np.errstate(all="ignore"):  # inf/NaN data propagate, as in TF
+        sum_dy, sum_dyxc = (to_numpy(s) for s in _channel_sums(dy3, x3, mean, acb, xp))
+    coefs = gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind)
+    dx = xp.empty(x.shape, out_dtype)
+    x_backprop_blocks(dy3, x3, dx.reshape(acb), acb, coefs, xp)
+    return dx, xp.asarray(coefs.scale_backprop), xp.asarray(coefs.offset_backprop)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Per-channel float64 host vectors that turn the channel sums into ``x_backprop``."""
+
+    is_training: bool
+    coef1: np.ndarray
+    coef2: np.ndarray = None
+    dy_mean: np.ndarray = None
+    mean: np.ndarray = None
+    scale_backprop: np.ndarray = None
+    offset_backprop: np.ndarray = None
+
+
+def gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind="variance"):
+    """Coefficients from the per-channel float64 sums ``sum(dy)`` and ``sum(dy * (x - mean))`` over n values."""
     with np.errstate(all="ignore"):  # eps = 0 with a constant channel gives inf/NaN, as in TF
         # Per-channel coefficients in float64 on the host (C values), rounded to float32 once.
         inv = 1.0 / np.sqrt(var.astype(_F64) + eps) if variance_kind == "variance" else var.astype(_F64)
-        x3 = x.reshape(acb)
-        dy3 = dy.reshape(acb)
-        sum_dy, sum_dyxc = (to_numpy(s) for s in _channel_sums(dy3, x3, mean, acb, xp))
-        offset_backprop = sum_dy.astype(_F32)
-        scale_backprop = (sum_dyxc * inv).astype(_F32)
-        scale64 = scale.astype(_F64)
-        if is_training:
-            coef1 = scale64 * inv
-            coef2 = inv * inv * (sum_dyxc / n)
-            dy_mean = sum_dy / n
-        else:
-            coef1 = scale64 * inv
-        dx = xp.empty(x.shape, out_dtype)
-        dx3 = dx.reshape(acb)
-        col = (slice(None), None)
-        c1 = xp.asarray(coef1[col])
-        if is_training:
-            c2, dym, m64 = (xp.asarray(v[col]) for v in (coef2, dy_mean, mean.astype(_F64)))
-        g = xc = None
+        coef1 = scale.astype(_F64) * inv
+        common = dict(is_training=is_training, coef1=coef1, scale_backprop=(sum_dyxc * inv).astype(_F32),
+                      offset_backprop=sum_dy.astype(_F32))
+        if not is_training:
+            return Coefficients(**common)
+        return Coefficients(coef2=inv * inv * (sum_dyxc / n), dy_mean=sum_dy / n, mean=mean.astype(_F64), **common)
+
+
+def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp):
+    """Write ``x_backprop`` into ``dx3`` block by block ([A, C, B] views; dx3's dtype is the output dtype)."""
+    out_dtype = dx3.dtype
+    col = (slice(None), None)
+    c1 = xp.asarray(coefs.coef1[col])
+    if coefs.is_training:
+        c2, dym, m64 = (xp.asarray(v[col]) for v in (coefs.coef2, coefs.dy_mean, coefs.mean))
+    g = xc = None
+    with np.errstate(all="ignore"):
         for a, b in _blocks(acb, xp):
             dyb = dy3[a, :, b]
             if g is None or g.shape != dyb.shape:
                 g, xc = xp.empty(dyb.shape, _F64), xp.empty(dyb.shape, _F64)
-            if is_training:
+            if coefs.is_training:
                 # TF's order, coef1 * ((dy - mean(dy)) - (x - mean) * coef2), in float64: each x_backprop
                 # is then rounded once, to the float32 nearest the exact value for all but pathological data.
                 xp.subtract(x3[a, :, b], m64, out=xc)
@@ -352,7 +374,6 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
             else:
                 xp.multiply(dyb, c1, out=g)
             dx3[a, :, b] = g if out_dtype == _F32 else _round_once(g, out_dtype, xp)
-    return dx, xp.asarray(scale_backprop), xp.asarray(offset_backprop)
 
 
 def channel_norms(a, data_format="NHWC"):
