@@ -6,3 +6,7 @@ qgcli plot ste samples/notebook.h5 --num-bits 2 -o docs/notebook_ste.png --force
 qgcli plot ste samples/notebook.h5 --num-bits 2 --gradients samples/notebook.h5:gradients \
     -o docs/notebook_ste_backprop.png --force -q
 qgcli plot channels samples/per_channel.h5 -o docs/per_channel.png --force -q
+qgcli plot staircase samples/notebook.h5 --variant quantize-dequantize --dtype quint8 \
+    -o docs/notebook_quantize_dequantize.png --force -q
+qgcli plot estimators --inputs samples/notebook.h5:inputs --min -6 --max 6 --variant quantize-dequantize \
+    --dtype quint8 -e scaled:0.9 -o docs/notebook_custom_gradient.png --force -q

@@ -73,12 +73,15 @@ def infer_variant(variant, min):
     return "per-channel" if np.ndim(to_numpy(min)) >= 1 else "vars"
 
 
-def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1):
+def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1, quantize=None):
     """Forward outputs, the STE gradient function and (with ``gradients``) ``backprops_wrt_input``.
 
     This is the variant dispatch of every plot: add a variant here and all plots draw it.  The mask is
     the gradient op fed with ones, i.e. ``tf.gradients(outputs, inputs)``; ``backprops`` is the gradient
     op fed with ``gradients``.  Runs on the inputs' array module (NumPy or CuPy); returns NumPy arrays.
+    ``quantize-dequantize`` (TF's QuantizeV2 + Dequantize round trip, :mod:`qgcli.ops.quantize`) takes its
+    attributes from ``quantize`` (dtype, mode, round_mode, ensure_minimum_range); its mask is the STE over
+    the adjusted range [output_min, output_max] and its grid a :class:`qgcli.ops.quantize.RoundTripGrid`.
 
     >>> d = run_variant("vars", np.array([-9.0, 1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
     >>> d.outputs.tolist(), d.mask.tolist()
@@ -113,9 +116,23 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
         grid = ops.nudge(min, max, **attrs)
         x, outputs, mask = (xp.moveaxis(a, axis, -1) for a in (x, outputs, mask))
         backprops = None if backprops is None else xp.moveaxis(backprops, axis, -1)
+    elif variant == "quantize-dequantize":
+        from qgcli.ops import quantize as qdq
+
+        qaxis = None if np.ndim(to_numpy(min)) == 0 and np.ndim(to_numpy(max)) == 0 else axis
+        res, grid = qdq.plot_data(x, min, max, narrow_range=narrow_range, axis=qaxis, **(quantize or {}))
+        lo, hi = qdq.range_bounds(res.output_min, res.output_max, x.ndim, qaxis, xp)
+        outputs = res.outputs
+        mask = qdq.quantize_dequantize_backprops(ones, x, lo, hi)["backprops_wrt_input"]
+        backprops = None if g is None else qdq.quantize_dequantize_backprops(g, x, lo, hi)["backprops_wrt_input"]
+        if grid.per_channel:
+            x, outputs, mask = (xp.moveaxis(a, qaxis, -1) for a in (x, outputs, mask))
+            backprops = None if backprops is None else xp.moveaxis(backprops, qaxis, -1)
     else:
-        raise QgcliError(f"unknown variant {variant!r} (use {', '.join(TF_OPS)})", operand="--variant")
-    return FakeQuantData(variant, TF_OPS[variant], grid, to_numpy(x), to_numpy(outputs), to_numpy(mask),
+        raise QgcliError(f"unknown variant {variant!r} (use {', '.join(TF_OPS)}, quantize-dequantize)",
+                         operand="--variant")
+    op = TF_OPS.get(variant, "QuantizeV2+Dequantize")
+    return FakeQuantData(variant, op, grid, to_numpy(x), to_numpy(outputs), to_numpy(mask),
                          None if backprops is None else to_numpy(backprops))
 
 
@@ -166,7 +183,7 @@ class _View:
 
 def _select(data, channel):
     """Channel ``channel`` (last axis) of ``data``, or everything flattened."""
-    per_channel = data.variant == "per-channel"
+    per_channel = data.variant == "per-channel" or bool(data.grid.per_channel)
     depth = data.x.shape[-1] if data.x.ndim else None
     if channel is not None:
         if data.x.ndim == 0:
@@ -236,6 +253,8 @@ def _fmt(v):
 
 
 def _grid_words(grid):
+    if hasattr(grid, "words"):  # qgcli.ops.quantize.RoundTripGrid describes itself
+        return grid.words()
     levels = grid.quant_max - grid.quant_min + 1
     return (f"num_bits={grid.num_bits}{', narrow range' if grid.narrow_range else ''}: "
             f"[{_fmt(grid.min)}, {_fmt(grid.max)}] nudged to [{_fmt(grid.nudged_min)}, {_fmt(grid.nudged_max)}], "
@@ -255,6 +274,8 @@ def _title(view, what):
 def _grid_dict(grid):
     from qgcli.ops.analysis import grid_summary
 
+    if grid is not None and hasattr(grid, "summary"):
+        return grid.summary()
     return None if grid is None else grid_summary(grid)
 
 
@@ -275,7 +296,7 @@ def _mark_bounds(ax, grid, orientation="v"):
         handles.append(h)
     for k, value in enumerate((grid.nudged_min, grid.nudged_max)):
         h = line(float(value), color=C_NUDGED, ls=":", lw=1.6, gid="nudged_bound",
-                 label="nudged min/max" if k == 0 else "_nolegend_")
+                 label=getattr(grid, "bounds_label", "nudged min/max") if k == 0 else "_nolegend_")
         handles.append(h)
     return handles[0], handles[2]
 
@@ -298,14 +319,15 @@ def _staircase_axes(ax, view, max_points):
     ax.grid(True)
     if one_grid:
         handles += _mark_bounds(ax, view.grid)
-        levels = grid_levels(view.grid)
-        if levels.size <= LINE_LEVELS:
+        few = view.grid.quant_max - view.grid.quant_min < LINE_LEVELS  # 16/32-bit types: no level array
+        levels = grid_levels(view.grid) if few else np.zeros(0, np.float32)
+        if 0 < levels.size <= LINE_LEVELS:
             for k, level in enumerate(levels):
                 h = ax.axhline(float(level), color=C_OUTPUTS, ls=(0, (1, 3)), lw=0.9, alpha=0.7, gid="level",
                                label=f"{levels.size} levels" if k == 0 else "_nolegend_")
                 if k == 0:
                     handles.append(h)
-        if levels.size <= TICK_LEVELS:
+        if 0 < levels.size <= TICK_LEVELS:
             ax.set_yticks([float(v) for v in levels])
     _points_note(ax, idx.size, total, total - int(np.isfinite(view.x).sum()))
     return idx, handles
@@ -316,12 +338,12 @@ def _summary(kind, view, idx, **extra):
             "points": int(idx.size), "channel": view.channel, "grid": _grid_dict(view.grid), **extra}
 
 
-def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel):
+def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None):
     variant = infer_variant(variant, min)
     axis = -1 if axis is None else axis
     data = run_variant(variant, inputs, min, max, gradients=gradients, num_bits=num_bits,
-                       narrow_range=narrow_range, axis=axis)
-    if channel is not None and variant != "per-channel" and data.x.ndim:
+                       narrow_range=narrow_range, axis=axis, quantize=quantize)
+    if channel is not None and not data.grid.per_channel and data.x.ndim:
         # A per-tensor grid still lets one look at one channel's values: move that axis last.
         if isinstance(axis, bool) or not -data.x.ndim <= axis < data.x.ndim:
             raise OperandError(f"{axis} is out of range for inputs of rank {data.x.ndim}", operand="axis")
@@ -332,18 +354,20 @@ def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, ch
 
 
 def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
-              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8):
+              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None):
     """The quantization staircase: inputs vs fake-quantized outputs (the notebook's first figure).
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels marked.
     ``variant``: "args", "vars" or "per-channel" (default: per-channel for vector ``min``, else vars);
     ``channel`` selects one channel of ``axis``, else all elements are drawn flattened.
+    ``variant="quantize-dequantize"`` draws the notebook's tf.quantize + tf.dequantize round trip, with
+    ``quantize=dict(dtype=..., mode=..., round_mode=..., ensure_minimum_range=...)``.
 
     >>> fig = staircase(np.array([-9.0, -1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
     >>> fig.axes[0].get_lines()[0].get_ydata().tolist()
     [-8.0, 0.0, 4.0]
     """
-    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel)
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
     idx, handles = _staircase_axes(ax, view, max_points)
@@ -354,7 +378,7 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
 
 
 def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=False, variant=None, axis=-1,
-        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8):
+        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None):
     """The staircase plus the STE gradient function on a red twin axis (the notebook's second figure).
 
     With ``gradients``, also ``backprops_wrt_input`` in brown (the third figure): on the staircase's axis
@@ -365,7 +389,7 @@ def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=F
     >>> fig.axes[1].get_lines()[0].get_ydata().tolist()
     [0.0, 1.0, 0.0]
     """
-    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel)
+    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
     idx, handles = _staircase_axes(ax, view, max_points)
@@ -711,11 +735,18 @@ _EST_STYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 
 
 def _estimator_view(inputs, min, max, *, semantics, scale, zero_point, quant_min, quant_max, num_bits, narrow_range,
-                    variant, axis, learnable=False):
+                    variant, axis, learnable=False, quantize=None):
     """The :class:`qgcli.ops.estimators.Quantized` view of ``inputs`` under TF's or PyTorch's semantics."""
     from qgcli.ops import estimators as est
     from qgcli.ops import torch_semantics as ts
 
+    if variant == "quantize-dequantize":  # the round trip, over QuantizeV2's adjusted range
+        from qgcli.ops.quantize import quantize_dequantize_view
+
+        per_tensor = np.ndim(to_numpy(min)) == 0 and np.ndim(to_numpy(max)) == 0
+        return quantize_dequantize_view(inputs, min, max, narrow_range=narrow_range,
+                                        axis=None if per_tensor else (-1 if axis is None else axis),
+                                        **(quantize or {}))[0]
     if semantics == "torch":
         return ts.quantized_view(inputs, scale, zero_point, quant_min, quant_max, axis=axis, learnable=learnable)
     return est.tf_view(inputs, min, max, num_bits=num_bits, narrow_range=narrow_range,
@@ -724,7 +755,7 @@ def _estimator_view(inputs, min, max, *, semantics, scale, zero_point, quant_min
 
 def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTIMATORS, semantics="tf", scale=None,
                zero_point=None, quant_min=0, quant_max=255, num_bits=8, narrow_range=False, variant=None, axis=None,
-               channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=7.2, height=None):
+               channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=7.2, height=None, quantize=None):
     """The staircase with several gradient estimators' gradient functions overlaid (peers.md §6.5).
 
     Top panel: inputs vs fake-quantized outputs and, on a twin axis, each estimator's gradient function
@@ -747,7 +778,7 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
         raise QgcliError("name at least one estimator", operand="--estimator")
     x = np.asarray(to_numpy(inputs))
     common = dict(semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min, quant_max=quant_max,
-                  num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis)
+                  num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis, quantize=quantize)
     view = _estimator_view(x, min, max, **common)
     learnable_view = (_estimator_view(x, min, max, learnable=True, **common)
                       if semantics == "torch" and any(p.name == "lsq" for p in parsed) else None)
@@ -803,7 +834,8 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
         k = 0 if view.axis is None else channel
         for j, bound in enumerate((lo[k], hi[k])):
             h = ax.axvline(float(bound), color=C_NUDGED, ls=":", lw=1.4, gid="grid_bound",
-                           label=("nudged min/max" if semantics == "tf" else "grid min/max") if j == 0 else "_nolegend_")
+                           label=("grid min/max" if semantics != "tf" else "output_min/max (adjusted)"
+                                  if variant == "quantize-dequantize" else "nudged min/max") if j == 0 else "_nolegend_")
             if j == 0:
                 handles.append(h)
     ax2 = ax.twinx()
@@ -852,7 +884,12 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
             try:
                 from qgcli.ops import nudge as _nudge
 
-                view_grid = _nudge(min, max, num_bits=num_bits, narrow_range=narrow_range)
+                if variant == "quantize-dequantize":
+                    from qgcli.ops.quantize import round_trip_grid
+
+                    view_grid = round_trip_grid(min, max, narrow_range=narrow_range, **(quantize or {}))
+                else:
+                    view_grid = _nudge(min, max, num_bits=num_bits, narrow_range=narrow_range)
                 grid = channel_grid(view_grid, channel) if (view_grid.per_channel and channel is not None) else view_grid
             except QgcliError:
                 grid = None

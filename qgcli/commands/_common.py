@@ -33,10 +33,15 @@ def report_options(f):
 def fake_quant_attribute_options(f):
     """--num-bits, --narrow-range, --variant, --axis."""
     f = click.option("--axis", type=int, default=None,
-                     help="Channel axis for the per-channel variant (TF: the last axis, -1).")(f)
-    f = click.option("--variant", type=click.Choice(["args", "vars", "per-channel"]), default=None,
-                     help="TF op family; default: per-channel when min/max are vectors, else vars.")(f)
-    f = click.option("--narrow-range", is_flag=True, help="Use the grid [1, 2^num_bits - 1].")(f)
+                     help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
+                          "QuantizeV2's axis (one min/max per slice).")(f)
+    f = click.option("--variant", type=click.Choice(["args", "vars", "per-channel", "quantize-dequantize"]),
+                     default=None,
+                     help="TF op family; default: per-channel when min/max are vectors, else vars. "
+                          "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
+                          "(QuantizeV2/Dequantize; see --dtype, --mode).")(f)
+    f = click.option("--narrow-range", is_flag=True,
+                     help="Use the grid [1, 2^num_bits - 1] (quantize-dequantize: SCALED's [T_min + 1, T_max]).")(f)
     f = click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")(f)
     return f
 

@@ -13,6 +13,8 @@ from qgcli.commands._common import (
     write_outputs,
 )
 from qgcli.commands.nudge import estimator_options, run_semantics, semantics_options
+from qgcli.commands.quantize_dequantize import VARIANT as QD_VARIANT
+from qgcli.commands.quantize_dequantize import quantize_options, refuse_quantize_options, run_quantize_dequantize
 
 TF_OPS = {
     "args": "FakeQuantWithMinMaxArgs",
@@ -186,6 +188,7 @@ Examples:
   qgcli fakequant samples/notebook.h5 --num-bits 2 -o out.h5
   qgcli fakequant --inputs x.npy --min -6 --max 6 -o out.npz
   qgcli fakequant act.h5 --inputs act.h5:layer1/x --min -1,-2,-3 --max 1,2,3 -o out/
+  qgcli fakequant samples/notebook.h5 --variant quantize-dequantize --dtype quint8 -o qdq.h5
 """
 
 _FQG_EPILOG = """\b
@@ -193,6 +196,7 @@ Examples:
   qgcli fakequant-grad samples/per_channel.h5 -o grads.h5
   qgcli fakequant-grad samples/notebook.h5 --num-bits 2 -o - | qgcli inspect -
   qgcli fakequant-grad --gradients g.npy --inputs x.npy --min -6 --max 6 -o grads.npz --json
+  qgcli fakequant-grad samples/notebook.h5 --variant quantize-dequantize --estimator scaled:0.9 -o g.h5
 """
 
 
@@ -202,17 +206,29 @@ Examples:
 @click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
 @click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
 @fake_quant_attribute_options
+@quantize_options
 @semantics_options
 @output_options
 @report_options
 def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force, as_json, quiet, device,
-              semantics, scale, zero_point, quant_min, quant_max):
+              semantics, scale, zero_point, quant_min, quant_max, dtype, mode, round_mode, ensure_minimum_range):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
 
     Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
     options, which override the bundle. Writes the output 'outputs'. With --semantics torch: PyTorch's
-    fake_quantize_per_{tensor,channel}_affine on the operands inputs, scale, zero_point.
+    fake_quantize_per_{tensor,channel}_affine on the operands inputs, scale, zero_point. With
+    --variant quantize-dequantize: the notebook's tf.quantize + tf.dequantize (QuantizeV2 + Dequantize, --dtype,
+    --mode, --round-mode), writing outputs, quantized, output_min, output_max.
     """
+    qd = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
+    if variant == QD_VARIANT:
+        run_quantize_dequantize("fakequant", bundle=bundle, specs={"inputs": inputs, "min": min_, "max": max_},
+                                output=output, force=force, narrow_range=narrow_range, axis=axis, as_json=as_json,
+                                quiet=quiet, device=device, with_gradients=False, **qd,
+                                refuse={"--semantics": semantics, "--scale": scale, "--zero-point": zero_point,
+                                        "--quant-min": quant_min, "--quant-max": quant_max})
+        return
+    refuse_quantize_options(**qd)
     if run_semantics("fakequant", bundle=bundle, specs={"inputs": inputs, "min": min_, "max": max_},
                      semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min,
                      quant_max=quant_max, output=output, force=force, num_bits=num_bits, narrow_range=narrow_range,
@@ -229,6 +245,7 @@ def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
 @click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
 @click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
 @fake_quant_attribute_options
+@quantize_options
 @semantics_options
 @estimator_options
 @output_options
@@ -236,14 +253,27 @@ def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
 @report_options
 def fakequant_grad(bundle, gradients, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force,
                    plot, as_json, quiet, device, semantics, scale, zero_point, quant_min, quant_max, estimator,
-                   grad_factor):
+                   grad_factor, dtype, mode, round_mode, ensure_minimum_range):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
     gives the nudged range, the clipped shares and the share of gradient mass the STE mask blocks.
     --estimator picks another backward pass (backprops_wrt_input plus backprop_wrt_scale/_zero_point
     for lsq, backprop_wrt_alpha for pact); --semantics torch runs PyTorch's op (lsq: its learnable op).
+    --variant quantize-dequantize: the estimator over QuantizeV2's adjusted range [output_min, output_max] of
+    the notebook's round trip (its custom gradient 0.9 * dy is --estimator scaled:0.9).
     """
+    qd = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
+    if variant == QD_VARIANT:
+        run_quantize_dequantize("fakequant-grad", bundle=bundle,
+                                specs={"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
+                                output=output, force=force, narrow_range=narrow_range, axis=axis,
+                                estimator=estimator, grad_factor=grad_factor, plot=plot, as_json=as_json, quiet=quiet,
+                                device=device, with_gradients=True, **qd,
+                                refuse={"--semantics": semantics, "--scale": scale, "--zero-point": zero_point,
+                                        "--quant-min": quant_min, "--quant-max": quant_max})
+        return
+    refuse_quantize_options(**qd)
     if run_semantics("fakequant-grad", bundle=bundle,
                      specs={"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
                      semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min,

@@ -9,9 +9,12 @@ import os
 import click
 
 from qgcli.commands._common import Operands, emit, json_safe, report_options
+from qgcli.commands.quantize_dequantize import quantize_options
 
 # Variants the plots can draw; qgcli.plots.run_variant maps each to its ops.
 PLOT_VARIANTS = ("args", "vars", "per-channel")
+# staircase, ste and estimators also draw TF's QuantizeV2 + Dequantize round trip (the notebook's own fake quant).
+QD_VARIANT = "quantize-dequantize"
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 MAX_PIXELS = 20000  # per side: a typo in --dpi should not allocate gigabytes
 _TALLEST = 8.2  # default height of the tallest figure (three per-channel panels)
@@ -76,7 +79,7 @@ def write_ste_plot_for(plot, *, inputs, gradients, mn, mx, variant, num_bits, na
 
 # --- options ------------------------------------------------------------------------------------------
 
-def _operand_options(*, gradients_help=None, channel=True, range_=True):
+def _operand_options(*, gradients_help=None, channel=True, range_=True, variants=PLOT_VARIANTS):
     def decorate(f):
         if channel:
             f = click.option("--channel", type=int, default=None, metavar="K",
@@ -85,8 +88,10 @@ def _operand_options(*, gradients_help=None, channel=True, range_=True):
         if range_:
             f = click.option("--axis", type=int, default=None,
                              help="Channel axis (TF: the last axis, -1) for per-channel min/max and --channel.")(f)
-            f = click.option("--variant", type=click.Choice(PLOT_VARIANTS), default=None,
-                             help="TF op family; default: per-channel when min/max are vectors, else vars.")(f)
+            f = click.option("--variant", type=click.Choice(variants), default=None,
+                             help="TF op family; default: per-channel when min/max are vectors, else vars." + (
+                                 f" {QD_VARIANT}: the notebook's tf.quantize + tf.dequantize (--dtype, --mode...)."
+                                 if QD_VARIANT in variants else ""))(f)
             f = click.option("--narrow-range", is_flag=True, help="Use the grid [1, 2^num_bits - 1].")(f)
             f = click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")(f)
             f = click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar or one per channel.")(f)
@@ -129,7 +134,7 @@ def _load_range(operands, variant, axis, channel):
     from qgcli.commands.fakequant import load_fake_quant_operands
 
     _, inputs, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=False)
-    if axis is not None and variant != "per-channel" and channel is None:
+    if axis is not None and variant not in ("per-channel", QD_VARIANT) and channel is None:
         raise click.BadParameter("only applies to per-channel min/max or with --channel", param_hint="'--axis'")
     return inputs, mn, mx, variant
 
@@ -189,22 +194,37 @@ _MAX_POINTS = click.option("--max-points", type=click.IntRange(10, 10_000_000), 
                                 "sorted inputs, keeping every step edge; the figure says how many).")
 
 
-def _view_kwargs(num_bits, narrow_range, variant, axis, channel, title, width, height):
+def _view_kwargs(num_bits, narrow_range, variant, axis, channel, title, width, height, quantize=None):
     return dict(num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=-1 if axis is None else axis,
-                channel=channel, title=title, width=width, height=height)
+                channel=channel, title=title, width=width, height=height, **_quantize_kwargs(variant, quantize))
+
+
+def _quantize_kwargs(variant, given):
+    """``{"quantize": attrs}`` for the round trip; the QuantizeV2 options are refused for other variants."""
+    from qgcli.commands.quantize_dequantize import refuse_quantize_options
+
+    given = {k: v for k, v in (given or {}).items()}
+    if variant != QD_VARIANT:
+        refuse_quantize_options(**given)
+        return {}
+    defaults = {"dtype": "quint8", "mode": "MIN_COMBINED", "round_mode": "HALF_AWAY_FROM_ZERO",
+                "ensure_minimum_range": 0.01}
+    return {"quantize": {k: defaults[k] if given.get(k) is None else given[k] for k in defaults}}
 
 
 @plot.command("staircase", epilog="""\b
 Example:
   qgcli plot staircase samples/notebook.h5 --num-bits 2 -o staircase.png
   qgcli plot staircase samples/per_channel.h5 --channel 3 -o ch3.svg
+  qgcli plot staircase samples/notebook.h5 --variant quantize-dequantize --dtype quint8 -o roundtrip.png
 """)
-@_operand_options()
+@_operand_options(variants=PLOT_VARIANTS + (QD_VARIANT,))
+@quantize_options
 @_MAX_POINTS
 @_figure_options(6.4, 4.8)
 @report_options
 def staircase(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, channel, max_points, output, force,
-              dpi, title, width, height, as_json, quiet, device):
+              dpi, title, width, height, as_json, quiet, device, dtype, mode, round_mode, ensure_minimum_range):
     """Inputs vs fake-quantized outputs: the quantization staircase.
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels
@@ -216,7 +236,10 @@ def staircase(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
         x, mn, mx, var = _load_range(operands, variant, axis, channel)
         (x,) = on_device(x)
         return plots.staircase(x, mn, mx, max_points=max_points,
-                               **_view_kwargs(num_bits, narrow_range, var, axis, channel, title, width, height))
+                               **_view_kwargs(num_bits, narrow_range, var, axis, channel, title, width, height,
+                                              qd_options))
+
+    qd_options = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
 
     _run("plot staircase", bundle, {"inputs": inputs, "min": min_, "max": max_}, output=output, force=force, dpi=dpi,
          width=width, height=height, as_json=as_json, quiet=quiet, device=device, draw=draw)
@@ -226,14 +249,17 @@ def staircase(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
 Examples:
   qgcli plot ste samples/notebook.h5 --num-bits 2 -o ste.png
   qgcli plot ste samples/notebook.h5 --num-bits 2 --gradients samples/notebook.h5:gradients -o ste_backprop.png
+  qgcli plot ste samples/notebook.h5 --variant quantize-dequantize --dtype qint8 --mode SCALED -o qdq_ste.png
 """)
 @_operand_options(gradients_help="Upstream gradient: also draw backprops_wrt_input (brown), as the notebook does. "
-                                 "Only taken from this option, never from the bundle.")
+                                 "Only taken from this option, never from the bundle.",
+                  variants=PLOT_VARIANTS + (QD_VARIANT,))
+@quantize_options
 @_MAX_POINTS
 @_figure_options(6.4, 4.8)
 @report_options
 def ste(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, variant, axis, channel, max_points, output,
-        force, dpi, title, width, height, as_json, quiet, device):
+        force, dpi, title, width, height, as_json, quiet, device, dtype, mode, round_mode, ensure_minimum_range):
     """The staircase plus the STE gradient function (TF's mask) on a red twin axis.
 
     With --gradients, also the back-propagated gradient backprops_wrt_input in brown.
@@ -245,7 +271,10 @@ def ste(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, variant, 
         g = operands.get("gradients") if gradients is not None else None
         x, g = on_device(x, g)
         return plots.ste(x, mn, mx, gradients=g, max_points=max_points,
-                         **_view_kwargs(num_bits, narrow_range, var, axis, channel, title, width, height))
+                         **_view_kwargs(num_bits, narrow_range, var, axis, channel, title, width, height,
+                                        qd_options))
+
+    qd_options = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
 
     _run("plot ste", bundle, {"inputs": inputs, "gradients": gradients, "min": min_, "max": max_}, output=output,
          force=force, dpi=dpi, width=width, height=height, as_json=as_json, quiet=quiet, device=device, draw=draw)
@@ -338,10 +367,12 @@ Examples:
   qgcli plot estimators samples/notebook.h5 --num-bits 2 -e ste -e scaled:0.9 -e ewgs:2 -e pact -o est.svg
   qgcli plot estimators samples/per_channel.h5 --channel 3 -e ste -e lsq -e pact -o ch3.png
   qgcli plot estimators --inputs x.npy --gradients g.npy --semantics torch --scale 0.05 --zero-point 128 -o pt.png
+  qgcli plot estimators samples/notebook.h5 --variant quantize-dequantize --dtype quint8 -e scaled:0.9 -o nb5.png
 """)
 @_operand_options(gradients_help="Upstream gradient (also read from the bundle): adds a panel with each "
                                  "estimator's backprops_wrt_input, its cosine similarity to the STE's and its range "
-                                 "gradients.")
+                                 "gradients.", variants=PLOT_VARIANTS + (QD_VARIANT,))
+@quantize_options
 @semantics_options
 @click.option("-e", "--estimator", "estimator_names", metavar="NAME[:PARAMS]", multiple=True,
               help="An estimator to draw (repeat the option): ste, identity, scaled:G[,E], lsq, pact, ewgs:DELTA. "
@@ -351,7 +382,7 @@ Examples:
 @report_options
 def estimators(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, variant, axis, channel, semantics, scale,
                zero_point, quant_min, quant_max, estimator_names, max_points, output, force, dpi, title, width, height,
-               as_json, quiet, device):
+               as_json, quiet, device, dtype, mode, round_mode, ensure_minimum_range):
     """The staircase with several gradient estimators' gradient functions overlaid.
 
     Top: inputs vs outputs and, on a twin axis, each estimator's gradient function (its input gradient
@@ -377,7 +408,9 @@ def estimators(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, va
         common = dict(names=names, channel=channel, max_points=max_points, title=title, width=width, height=height,
                       num_bits=num_bits, narrow_range=narrow_range)
         if semantics == "torch":
-            for option, value in (("--min", min_), ("--max", max_), ("--variant", variant)):
+            for option, value in (("--min", min_), ("--max", max_), ("--variant", variant), ("--dtype", dtype),
+                                  ("--mode", mode), ("--round-mode", round_mode),
+                                  ("--ensure-minimum-range", ensure_minimum_range)):
                 if value is not None:
                     raise click.BadParameter("applies to --semantics tf only", param_hint=f"'{option}'")
             x = operands.get("inputs")
@@ -401,7 +434,9 @@ def estimators(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, va
             x, mn, mx, var = _load_range(operands, variant, axis, channel)
             g = operands.get("gradients", required=False)
             x, g = to_device([x, g], device)[1]
-            fig = plots.estimators(x, mn, mx, gradients=g, semantics="tf", variant=var, axis=axis, **common)
+            fig = plots.estimators(x, mn, mx, gradients=g, semantics="tf", variant=var, axis=axis, **common,
+                                   **_quantize_kwargs(var, dict(dtype=dtype, mode=mode, round_mode=round_mode,
+                                                                ensure_minimum_range=ensure_minimum_range)))
         fmt = save_checked(fig, output, dpi)
     finally:
         operands.close()

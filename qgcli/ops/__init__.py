@@ -15,6 +15,13 @@ from qgcli.ops.fake_quant import (
     nudge,
     quant_range,
 )
+from qgcli.ops.quantize import (
+    QuantizeDequantizeResult,
+    dequantize,
+    quantize_dequantize,
+    quantize_dequantize_gradient,
+    quantize_v2,
+)
 
 __all__ = [
     "Grid",
@@ -29,4 +36,9 @@ __all__ = [
     "fused_batch_norm_grad",
     "nudge",
     "quant_range",
+    "QuantizeDequantizeResult",
+    "dequantize",
+    "quantize_dequantize",
+    "quantize_dequantize_gradient",
+    "quantize_v2",
 ]
