@@ -547,7 +547,7 @@ def atomic_write(dest, writer):
 
     The temporary file (``.qgcli-*.tmp``, hidden) is removed on any failure or interrupt, so ``dest`` is
     either absent, the old file, or complete; only a SIGKILL, which no process can catch, can leave a
-    temporary file behind, never a partial ``dest``.
+    temporary file (or ``.qgcli-*.tmpdir``) behind, never a partial ``dest``.
     """
     tmp = _stage(dest, writer)
     _commit([(tmp, dest)])
@@ -602,14 +602,18 @@ def _commit(staged):
             _unlink(tmp)
         raise
     for parent in {os.path.dirname(os.path.abspath(d)) for _, d in staged}:
+        _fsync_directory(parent)
+
+
+def _fsync_directory(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
         try:
-            fd = os.open(parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass  # some file systems cannot sync a directory; the rename itself is still atomic
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; a rename is still atomic
 
 
 def _unlink(path):
@@ -659,11 +663,10 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
             )
         (array,) = arrays.values()
         atomic_write(dest, lambda p: _write_npy(p, array))
+    elif not os.path.isdir(dest):
+        _write_new_directory(dest, arrays)
     else:
-        # Every file is written and synced first, then all are renamed: an interrupt leaves no partial set,
-        # and a directory this call created is removed again if nothing could be written to it.
-        created = not os.path.isdir(dest)
-        os.makedirs(dest, exist_ok=True)
+        # An existing directory: every file is written and synced first, then all are renamed together.
         staged = []
         try:
             for name, array in arrays.items():
@@ -673,12 +676,46 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
         except BaseException:
             for tmp, _ in staged:
                 _unlink(tmp)
-            if created:
-                try:
-                    os.rmdir(dest)
-                except OSError:
-                    pass
             raise
+
+
+def _write_new_directory(dest, arrays):
+    """``DIR/`` that does not exist yet: built as a hidden ``.qgcli-*.tmpdir`` beside it and renamed into
+    place in one step, so DIR appears with all its files or not at all (even after a SIGKILL)."""
+    directory = os.path.abspath(dest.rstrip("/") or dest)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmpdir = None
+    try:
+        for _ in range(100):
+            tmpdir = os.path.join(parent, f".qgcli-{secrets.token_hex(8)}.tmpdir")  # named before it exists
+            try:
+                os.mkdir(tmpdir, 0o700)
+                break
+            except FileExistsError:
+                tmpdir = None
+        else:
+            raise FileExistsError(f"no free temporary directory name in {parent}")
+        staged = []
+        for name, array in arrays.items():
+            target = os.path.join(tmpdir, name + ".npy")
+            staged.append((_stage(target, lambda p, a=array: _write_npy(p, a)), target))
+        for tmp, target in staged:
+            os.replace(tmp, target)
+        os.chmod(tmpdir, 0o777 & ~_umask())
+        _fsync_directory(tmpdir)
+        os.rename(tmpdir, directory)  # atomic; fails if DIR appeared meanwhile and is not empty
+        tmpdir = None
+        _fsync_directory(parent)
+    except BaseException as exc:
+        if tmpdir is not None:
+            import shutil
+
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        error = _as_os_error(exc, dest)
+        if error is not None and error is not exc:
+            raise error from None
+        raise
 
 
 def _umask():
