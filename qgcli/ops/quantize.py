@@ -141,37 +141,47 @@ def _std_max(a, b):
 
 
 def _round_half_away(v, xp):
-    """``std::round`` in float32: ties go away from zero (exact: ``v - trunc(v)`` has no rounding error)."""
+    """``std::round`` in float32: ties go away from zero.
+
+    Exact: ``f = v - trunc(v)`` has no rounding error and ``2 * f`` neither, so ``trunc(2 * f)`` is the
+    sign of ``v`` where ``|f| >= 0.5`` and 0 elsewhere; infinities and NaN come back unchanged.
+    """
     t = xp.trunc(v)
-    frac = v - t
-    return xp.where(xp.abs(frac) >= _F32(0.5), t + xp.sign(v), t)
+    if getattr(t, "ndim", 0) == 0:  # scalars: no in-place work
+        return t + xp.fmax(xp.trunc((v - t) * _F32(2)), _F32(-1))
+    f = xp.subtract(v, t)
+    xp.multiply(f, _F32(2), out=f)
+    xp.trunc(f, out=f)
+    xp.fmax(f, _F32(-1), out=f)  # inf - inf is NaN: any finite step keeps +-inf (fmax drops the NaN)
+    return xp.add(t, f, out=t)
 
 
-def _to_qtype(v, qtype, how, xp, *, packet_nan=0):
+def _to_qtype(v, qtype, how, xp, *, packet_body=0):
     """Convert float32 ``v`` to the integer type as the compiled kernel does on x86.
 
     ``"trunc"``: ``cvttss2si`` (truncation; NaN and out-of-range give ``-2**31``) then the type's low bits.
     ``"lrint"``: qint32's float constructor, ``lrint`` to 64 bits then the low 32 bits (NaN gives 0, ``2**31``
     wraps to ``-2**31``); ``v`` is integral here.
-    ``packet_nan=P``: Eigen converts whole packets of floats to qint8/qint16 with saturating packs, so a NaN
-    there becomes the type's minimum; only the last ``size % P`` elements go through the scalar cast (NaN -> 0).
-    That is what TensorFlow gives for tensors it evaluates in one block (below ~20000 elements; larger ones
-    are split across threads at boundaries that are not multiples of P, so their NaN results vary).
+    ``packet_body``: Eigen converts whole packets of floats to qint8/qint16 with saturating packs, so a NaN in
+    the first ``packet_body`` elements (row-major) becomes the type's minimum; the scalar tail casts NaN to 0.
     """
     if how == "lrint":
         bad = ~xp.isfinite(v)
-        wide = xp.where(bad, _F32(0), v).astype(np.int64)
-        return wide.astype(np.int32)
-    bad = xp.isnan(v) | (v >= _F32(2.0**31)) | (v < _F32(-(2.0**31)))
-    narrow = xp.where(bad, _F32(0), v).astype(np.int32)
-    narrow = xp.where(bad, _INT32_MIN, narrow)
+        if bool(bad.any()):
+            v = xp.where(bad, _F32(0), v)
+        return v.astype(np.int64).astype(np.int32)
+    bad = ~(xp.abs(v) < _F32(2.0**31))  # NaN, and beyond int32 (-2**31 itself converts to -2**31 either way)
+    if bool(bad.any()):
+        narrow = xp.where(bad, _F32(0), v).astype(np.int32)
+        narrow = xp.where(bad, _INT32_MIN, narrow)
+    else:
+        narrow = v.astype(np.int32)
     out = xp.ascontiguousarray(narrow.astype(qtype.numpy_dtype))  # low bits kept, as a C cast does
-    if packet_nan:
-        nan = xp.isnan(v).reshape(-1)  # row-major order, as TF's flat view
-        body = nan.size - nan.size % packet_nan
-        if body and bool(nan[:body].any()):
+    if packet_body and bool(bad.any()):
+        nan = xp.isnan(v).reshape(-1)[:packet_body]  # row-major order, as TF's flat view
+        if bool(nan.any()):
             flat = out.reshape(-1)
-            flat[:body] = xp.where(nan[:body], qtype.numpy_dtype(qtype.min), flat[:body])
+            flat[:packet_body] = xp.where(nan, qtype.numpy_dtype(qtype.min), flat[:packet_body])
     return out
 
 
@@ -363,34 +373,70 @@ def _quantize_kernel(x, rng, round_mode, axis, xp):
     else:
         offset = None
         flush = _needs_flush(lo_h, hi_h, scale_h)
-    ftz = (lambda a: _ftz(a, xp)) if flush else (lambda a: a)
     nd = x.ndim
     lo, hi, scale = (_broadcastable(v, nd, axis, xp) for v in (lo_h, hi_h, scale_h))
-    with _quiet(xp):
-        v = ftz(x)
-        if rng.mode == "MIN_FIRST":
-            v = ftz(v * scale)
-            v = _round_half_away(v, xp)
-            v = ftz(v - _F32(offset))
-            # Eigen's cwiseMax/cwiseMin keep a NaN from the left operand, as np.maximum/np.minimum do.
-            lower = _F32(max(float(qt.min), -2.147483648e09))
-            upper = _F32(min(float(np.float32(qt.max)), 2.147483520e09))
-            v = xp.minimum(xp.maximum(v, lower), upper)
-            return _to_qtype(v, qt, "trunc", xp)
-        v = xp.maximum(xp.minimum(v, hi), lo)  # NaN propagates, as Eigen's cwiseMin/cwiseMax
-        if rng.mode == "MIN_COMBINED":
-            v = ftz(ftz(v - lo) * scale)
-            if not qt.signed:
-                return _to_qtype(v + _F32(0.5), qt, "trunc", xp)  # the unsigned "fast path": + 0.5 and cast
-            half = _F32((float(qt.max) - float(qt.min) + 1) / 2.0)
-            v = _round_half_away(v - half, xp)
-        else:
-            v = ftz(v * scale)
-            v = xp.rint(v) if round_mode == "HALF_TO_EVEN" else _round_half_away(v, xp)
-        # Only the per-tensor kernel is vectorised (per-slice chips run the scalar cast everywhere); TF's
-        # HALF_TO_EVEN functor leaves the 8-wide packet loop out, so only whole 4-packet blocks (32) vectorise.
-        packet = 0 if not (qt.signed and qt.bits < 32 and axis is None) else 32 if round_mode == "HALF_TO_EVEN" else 8
-        return _to_qtype(v, qt, "lrint" if qt.name == "qint32" else "trunc", xp, packet_nan=packet)
+    # Only the per-tensor kernel is vectorised (per-slice chips run the scalar cast everywhere); TF's
+    # HALF_TO_EVEN functor leaves the 8-wide packet loop out, so only whole 4-packet blocks (32) vectorise.
+    packet = 32 if round_mode == "HALF_TO_EVEN" else 8
+    vectorised = qt.signed and qt.bits < 32 and axis is None and rng.mode != "MIN_FIRST"
+    body = x.size - x.size % packet if vectorised else 0
+
+    def elements(v, packet_body):
+        with _quiet(xp):
+            return _quantize_elements(v, qt, rng.mode, round_mode, lo, hi, scale, offset, flush, packet_body, xp)
+
+    return _blocked(elements, x, body, qt.numpy_dtype, per_tensor=axis is None, xp=xp)
+
+
+def _quantize_elements(v, qt, mode, round_mode, lo, hi, scale, offset, flush, packet_body, xp):
+    ftz = (lambda a: _ftz(a, xp)) if flush else (lambda a: a)
+    v = ftz(v)
+    if mode == "MIN_FIRST":
+        v = ftz(v * scale)
+        v = _round_half_away(v, xp)
+        v = ftz(xp.subtract(v, _F32(offset), out=v))
+        # Eigen's cwiseMax/cwiseMin keep a NaN from the left operand, as np.maximum/np.minimum do.
+        lower = _F32(max(float(qt.min), -2.147483648e09))
+        upper = _F32(min(float(np.float32(qt.max)), 2.147483520e09))
+        v = xp.minimum(xp.maximum(v, lower, out=v), upper, out=v)
+        return _to_qtype(v, qt, "trunc", xp)
+    v = xp.minimum(v, hi)
+    xp.maximum(v, lo, out=v)  # NaN propagates, as Eigen's cwiseMin/cwiseMax
+    if mode == "MIN_COMBINED":
+        v = ftz(xp.subtract(v, lo, out=v))
+        v = ftz(xp.multiply(v, scale, out=v))
+        if not qt.signed:  # the unsigned "fast path": + 0.5 and a truncating cast
+            return _to_qtype(xp.add(v, _F32(0.5), out=v), qt, "trunc", xp)
+        half = _F32((float(qt.max) - float(qt.min) + 1) / 2.0)
+        v = _round_half_away(xp.subtract(v, half, out=v), xp)
+    else:
+        v = ftz(xp.multiply(v, scale, out=v))
+        v = xp.rint(v, out=v) if round_mode == "HALF_TO_EVEN" else _round_half_away(v, xp)
+    return _to_qtype(v, qt, "lrint" if qt.name == "qint32" else "trunc", xp, packet_body=packet_body)
+
+
+def _blocked(elements, x, body, out_dtype, *, per_tensor, xp):
+    """Run ``elements(block, packet_body)`` over ``x``: in cache-sized blocks on a thread pool for large
+    per-tensor NumPy work (results are identical: every operation is element-wise), else in one go."""
+    try:
+        from qgcli.ops.blocked import BLOCK_ELEMENTS, _map
+    except ImportError:  # pragma: no cover - the blocked executor is optional
+        BLOCK_ELEMENTS, _map = None, None
+    if x.ndim == 0:  # the element kernels work in place on arrays of rank >= 1
+        return elements(x.reshape(1), body).reshape(())
+    if xp is not np or not per_tensor or _map is None or x.size <= 2 * BLOCK_ELEMENTS:
+        return elements(x, body)
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty(x.shape, out_dtype)
+    out_flat = out.reshape(-1)
+
+    def work(start):
+        stop = min(start + BLOCK_ELEMENTS, flat.size)
+        with np.errstate(all="ignore"):  # errstate is per thread
+            out_flat[start:stop] = elements(flat[start:stop], max(0, min(body - start, stop - start)))
+
+    _map(work, range(0, flat.size, BLOCK_ELEMENTS))
+    return out
 
 
 # --- Dequantize -------------------------------------------------------------------------------------------
@@ -459,24 +505,34 @@ def _dequantize_constants(qt, mode, narrow_range, lo, hi):
 def _dequantize_kernel(q, qt, mode, narrow_range, lo, hi, axis, xp):
     offset, scale_h, add_h = _dequantize_constants(qt, mode, narrow_range, lo, hi)
     flush = _needs_flush(scale_h, *(c for c in (add_h,) if c is not None))
-    ftz = (lambda a: _ftz(a, xp)) if flush else (lambda a: a)
     nd = q.ndim
     scale = _broadcastable(scale_h, nd, axis, xp)
-    with _quiet(xp):
-        v = q.astype(_F32)  # int -> float rounds to nearest even (qint32), as C++ does
-        if mode == "MIN_COMBINED":
-            if qt.signed:
-                v = v + offset
-            v = ftz(v * scale)
-            return ftz(v + _broadcastable(add_h, nd, axis, xp))
-        if mode == "SCALED":
-            if qt.name == "qint32" and axis is None:
-                # TF's per-tensor kernel casts qint32 -> int -> float, and Eigen's QInt32 -> int goes through
-                # float: values that round to 2**31 come back as -2**31 (cvttss2si's overflow answer).  The
-                # per-slice kernel casts straight to float.
-                v = xp.where(v >= _F32(2.0**31), _F32(-(2.0**31)), v)
-            return ftz(v * scale)
-        return ftz(_F32(add_h) + ftz(v * scale))
+    add = None if add_h is None else _broadcastable(add_h, nd, axis, xp)
+
+    def elements(block, _):
+        with _quiet(xp):
+            return _dequantize_elements(block, qt, mode, offset, scale, add, flush, axis is None, xp)
+
+    return _blocked(elements, q, 0, _F32, per_tensor=axis is None, xp=xp)
+
+
+def _dequantize_elements(q, qt, mode, offset, scale, add, flush, per_tensor, xp):
+    ftz = (lambda a: _ftz(a, xp)) if flush else (lambda a: a)
+    v = q.astype(_F32)  # int -> float rounds to nearest even (qint32), as C++ does
+    if mode == "MIN_COMBINED":
+        if qt.signed:
+            xp.add(v, offset, out=v)
+        v = ftz(xp.multiply(v, scale, out=v))
+        return ftz(xp.add(v, add, out=v))
+    if mode == "SCALED":
+        if qt.name == "qint32" and per_tensor:
+            # TF's per-tensor kernel casts qint32 -> int -> float, and Eigen's QInt32 -> int goes through
+            # float: values that round to 2**31 come back as -2**31 (cvttss2si's overflow answer).  The
+            # per-slice kernel casts straight to float.
+            v = xp.where(v >= _F32(2.0**31), _F32(-(2.0**31)), v)
+        return ftz(xp.multiply(v, scale, out=v))
+    v = ftz(xp.multiply(v, scale, out=v))
+    return ftz(xp.add(add, v, out=v))
 
 
 # --- the round trip and its gradient ---------------------------------------------------------------------
