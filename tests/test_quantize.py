@@ -476,3 +476,21 @@ def test_plot_refuses_quantize_options_for_other_variants(cli, tmp_path):
     r = cli("plot", "ste", NOTEBOOK, "--num-bits", "2", "--mode", "SCALED", "-o", tmp_path / "f.png")
     assert r.exit_code == 2 and "only applies to --variant quantize-dequantize" in " ".join(r.stderr.split())
     assert not (tmp_path / "f.png").exists()
+
+
+def test_large_tensors_run_in_blocks_with_the_same_results():
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(300_003) * 4).astype(f32)  # above two blocks: the threaded block path
+    for dtype, mode, rmode in (("qint8", "MIN_COMBINED", "HALF_AWAY_FROM_ZERO"), ("qint16", "SCALED", "HALF_TO_EVEN"),
+                               ("quint8", "MIN_FIRST", "HALF_AWAY_FROM_ZERO")):
+        whole = q.quantize_dequantize(x, -1.3, 5.7, dtype=dtype, mode=mode, round_mode=rmode)
+        parts = [q.quantize_dequantize(x[i:i + 70_000], -1.3, 5.7, dtype=dtype, mode=mode, round_mode=rmode)
+                 for i in range(0, x.size, 70_000)]
+        np.testing.assert_array_equal(whole.quantized, np.concatenate([p.quantized for p in parts]))
+        np.testing.assert_array_equal(whole.outputs, np.concatenate([p.outputs for p in parts]))
+    # NaN keeps Eigen's packet rule at its global position: whole packets up to 300000, scalar tail after.
+    y = x.copy()
+    at = [0, 131_071, 131_072, 299_999, 300_000, 300_002]
+    y[at] = np.nan
+    got = q.quantize_v2(y, -6.0, 6.0, dtype="qint8")[0][at].tolist()
+    assert got == [-128, -128, -128, -128, 0, 0]
