@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import sys
+import tokenize
 import warnings
 import zipfile
 import zlib
@@ -134,7 +135,7 @@ class Container:
         if path == "":
             raise FileFormatError("an empty SPEC names no tensor")
         if path is None:
-            data = stdin.read()
+            data = (stdin if stdin is not None else Stdin()).read()
             kind = _sniff(data)
             if kind not in ("npy", "npz"):
                 raise FileFormatError("stdin is not an .npy or .npz stream")
@@ -249,7 +250,8 @@ class Container:
 # (HDF5 errors surface as OSError, KeyError, ValueError, RuntimeError, TypeError or IndexError).
 # Readers turn them into a FileFormatError naming the file; a MemoryError is not among them.
 CORRUPT_FILE_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError,
-                       NotImplementedError, OverflowError, SyntaxError, zipfile.BadZipFile, zlib.error)
+                       NotImplementedError, OverflowError, SyntaxError, zipfile.BadZipFile, zlib.error,
+                       tokenize.TokenError)  # NumPy re-tokenizes a header it cannot parse (Python 2 files)
 
 
 class _NoSuchObject(FileFormatError):

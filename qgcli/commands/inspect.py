@@ -226,7 +226,10 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
             todo = [(n, None, None, {}) for n in container.names() if spec.key is None or n == spec.key]
             npz_source = stdin.read() if spec.path is None else spec.path
         else:
-            groups, datasets, links = _h5_structure(spec.path)
+            try:
+                groups, datasets, links = _h5_structure(spec.path)
+            except io.CORRUPT_FILE_ERRORS as exc:  # damaged HDF5 metadata: one clean error, not a traceback
+                raise OperandError(f"{label}: cannot list its structure: {io._reason(exc)}", operand="FILE") from None
             entry["attributes"] = groups[0]["attributes"]
             entry["groups"] = [g for g in groups if spec.key is None or _matches(g["path"], spec.key)
                                or g["path"] == "/"]
