@@ -46,6 +46,11 @@ def load_fake_quant_operands(operands, variant, *, with_gradients):
         mn = np.array(-6.0) if mn is None else mn
         mx = np.array(6.0) if mx is None else mx
         for name, value in (("min", mn), ("max", mx)):
+            dtype = np.asarray(value).dtype
+            if dtype.kind not in "fiu" and dtype.name != "bfloat16":
+                from qgcli.errors import OperandError
+
+                raise OperandError(f"dtype {dtype} is not a real number type", operand=name)
             if np.ndim(value) != 0:
                 raise click.BadParameter(f"must be a scalar for --variant args, got shape {list(np.shape(value))}",
                                          param_hint=f"'--{name}'")

@@ -200,6 +200,10 @@ def _prepare_per_channel(inputs, min, max, num_bits, narrow_range, axis, xp):
     mn = _range_operand(min, "min", 1, xp)
     mx = _range_operand(max, "max", 1, xp)
     depth = inputs.shape[axis]
+    if depth == 0:
+        # TF returns an empty result here; every summary, report and plot would divide by zero channels.
+        raise OperandError(f"have no channels (axis {axis} has length 0); per-channel quantization needs one or more",
+                           operand="inputs")
     for name, arr in (("min", mn), ("max", mx)):
         if arr.shape[0] != depth:
             raise OperandError(
