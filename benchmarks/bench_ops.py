@@ -269,63 +269,111 @@ def _no_grad(torch, f):
     return run
 
 
-def framework_times(kind, data_dir, sizes, ops, repeats, min_time, threads, check_dir=None):
-    """Time ``kind`` ("tf" or "torch") on every size; optionally save its small-size outputs for checks."""
-    result = {"times": {}, "errors": {}}
-    for size in sizes:
-        d = load_data(data_dir, size)
+class LocalRunner:
+    """Times one framework's ops in this process; the callables of one size are kept at a time."""
+
+    def __init__(self, kind, data_dir, threads):
+        self.kind, self.data_dir, self.threads = kind, data_dir, threads
+        self.size, self.calls, self.info = None, None, None
+
+    def _calls(self, size):
+        if size != self.size:
+            self.calls = None
+            gc.collect()
+            d = load_data(self.data_dir, size)
+            self.calls, self.info = (tf_callables if self.kind == "tf" else torch_callables)(d, self.threads)
+            self.size = size
+        return self.calls
+
+    def request(self, req):
+        """``{"cmd": "time"|"save"|"info", ...}`` -> reply dict (``error`` on failure, ``fatal`` if unusable)."""
         try:
-            calls, info = (tf_callables if kind == "tf" else torch_callables)(d, threads)
+            if req["cmd"] == "info":
+                self._calls(req["size"])
+                return {"info": self.info}
+            calls = self._calls(req["size"])
         except Exception as exc:  # noqa: BLE001 - a broken install is reported, not fatal
-            result["errors"]["import"] = f"{type(exc).__name__}: {exc}"
-            return result
-        result["info"] = info
-        for name in ops:
-            if name not in calls:
-                continue
-            try:
-                result["times"].setdefault(name, {})[size] = measure(calls[name], repeats, min_time)
-                if check_dir and kind == "tf" and size == "small" and name in CHECKED:
-                    out = calls[name]()
-                    out = out if isinstance(out, list) else [out]
-                    np.savez(os.path.join(check_dir, f"tf_{name}.npz"), *[np.asarray(o) for o in out])
-            except Exception as exc:  # noqa: BLE001
-                result["errors"][f"{name}/{size}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-        del calls, d
-        gc.collect()
-    return result
+            return {"error": f"{type(exc).__name__}: {exc}", "fatal": True}
+        name = req["op"]
+        if name not in calls:
+            return {"absent": True}
+        try:
+            if req["cmd"] == "time":
+                return measure(calls[name], req["repeats"], req["min_time"])
+            out = calls[name]()
+            out = out if isinstance(out, list) else [out]
+            np.savez(req["path"], *[np.asarray(o) for o in out])
+            return {"saved": req["path"]}
+        except Exception as exc:  # noqa: BLE001
+            return {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+
+    def close(self):
+        self.calls = None
 
 
-def run_framework(kind, python, args, data_dir, sizes, ops, check_dir):
-    """Time a framework in-process if it imports here, else in a worker under ``python``; None to skip."""
+class WorkerRunner:
+    """The same requests, answered by this script in worker mode under another interpreter (a venv)."""
+
+    def __init__(self, kind, python, data_dir, threads):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), "--worker", kind, "--data", data_dir, "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+
+    def request(self, req):
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            for line in self.proc.stdout:  # skip anything a library prints on stdout
+                if line.startswith(_REPLY):
+                    return json.loads(line[len(_REPLY):])
+        except (BrokenPipeError, OSError):
+            pass
+        self.log.seek(0)
+        tail = [ln for ln in self.log.read().strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        return {"error": f"worker exited ({self.proc.poll()}): {tail[0]}", "fatal": True}
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+
+
+_REPLY = "@@bench_ops@@ "
+
+
+def serve(kind, data_dir, threads):
+    """Worker mode: answer one JSON request per line on stdin, one reply line on stdout."""
+    runner = LocalRunner(kind, data_dir, threads)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # stray prints must not corrupt the replies
+    for line in sys.stdin:
+        if line.strip():
+            out.write(_REPLY + json.dumps(runner.request(json.loads(line))) + "\n")
+            out.flush()
+    return 0
+
+
+def open_runner(kind, python, data_dir, threads, first_size):
+    """A runner for ``kind`` (in-process if it imports here, else a worker under ``python``), or a note."""
     module = "tensorflow" if kind == "tf" else "torch"
     if python:
         if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-            return None, f"--{kind}-python {python}: not an executable file; {module} skipped"
-        result_path = os.path.join(data_dir, f"result_{kind}.json")
-        cmd = [python, os.path.abspath(__file__), "--worker", kind, "--data", data_dir, "--result", result_path,
-               "--sizes", ",".join(sizes), "--ops", ",".join(ops), "--repeats", str(args.repeats),
-               "--min-time", str(args.min_time), "--threads", str(args.threads)]
-        if check_dir:
-            cmd += ["--check-dir", check_dir]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0 or not os.path.exists(result_path):
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return None, f"{module} worker under {python} failed (exit {proc.returncode}): {tail[0]}"
-        with open(result_path) as fh:
-            result = json.load(fh)
-        result.setdefault("info", {})["python"] = python
+            return None, None, f"--{kind}-python {python}: not an executable file; {module} skipped"
+        runner, where = WorkerRunner(kind, python, data_dir, threads), python
     else:
         import importlib.util
 
         if importlib.util.find_spec(module) is None:
-            return None, f"{module} is not importable here and --{kind}-python was not given; skipped"
-        result = framework_times(kind, data_dir, sizes, ops, args.repeats, args.min_time, args.threads,
-                                 check_dir)
-        result.setdefault("info", {})["python"] = sys.executable + " (in-process)"
-    if "import" in result.get("errors", {}):
-        return None, f"{module}: {result['errors']['import']}; skipped"
-    return result, None
+            return None, None, f"{module} is not importable here and --{kind}-python was not given; skipped"
+        runner, where = LocalRunner(kind, data_dir, threads), sys.executable + " (in-process)"
+    reply = runner.request({"cmd": "info", "size": first_size})
+    if "error" in reply:
+        runner.close()
+        return None, None, f"{module} under {where}: {reply['error']}; skipped"
+    return runner, dict(reply["info"], python=where), None
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -476,13 +524,14 @@ def parse(argv):
                    help="Keep timing an op until this many seconds have passed (default 0.5).")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="TensorFlow intra-op / PyTorch threads (default: os.cpu_count()).")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="Repeat the whole measurement; each op keeps its fastest median (default 1).")
     p.add_argument("--no-memory", action="store_true", help="Skip the peak-memory subprocesses.")
     p.add_argument("--no-check", action="store_true", help="Skip the comparison with TensorFlow's outputs.")
     p.add_argument("--json", metavar="PATH", help="Also save the results as JSON.")
     p.add_argument("--worker", choices=["tf", "torch", "mem"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--check-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sizes = [s for s in args.sizes.split(",") if s]
     args.ops = [o for o in args.ops.split(",") if o]
@@ -498,15 +547,20 @@ def parse(argv):
 
 
 def worker_main(args):
-    if args.worker == "mem":
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        result = memory_worker(args.data, args.sizes[0], args.ops[0])
-    else:
-        result = framework_times(args.worker, args.data, args.sizes, args.ops, args.repeats, args.min_time,
-                                 args.threads, args.check_dir)
+    if args.worker != "mem":
+        return serve(args.worker, args.data, args.threads)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = memory_worker(args.data, args.sizes[0], args.ops[0])
     with open(args.result, "w") as fh:
         json.dump(result, fh)
     return 0
+
+
+def _keep_best(table_, name, size, m):
+    """Across rounds, keep each op's least disturbed median."""
+    old = table_.setdefault(name, {}).get(size)
+    if old is None or m["median"] < old["median"]:
+        table_[name][size] = m
 
 
 def main(argv=None):
@@ -523,46 +577,68 @@ def main(argv=None):
     check_dir = None if args.no_check or "small" not in args.sizes else os.path.join(data_dir, "check")
     if check_dir:
         os.makedirs(check_dir)
-    notes = []
+    notes, runners, infos = [], {}, {}
+    times = {"qgcli": {}, "tf": {}, "torch": {}}
+    floor = {}
     try:
         print(f"# bench_ops: qgcli {__version__}, NumPy {np.__version__}, Python {platform.python_version()}, "
               f"os.cpu_count()={os.cpu_count()}, qgcli threads={blocked.workers()}, "
               f"loadavg {load_start[0]:.2f}", file=sys.stderr)
         make_data(data_dir, args.sizes)
-
-        floor, qg = {}, {}
-        for size in args.sizes:
-            floor[size] = copy_time(SIZES[size], args.repeats, args.min_time)
-            d = load_data(data_dir, size)
-            calls = qgcli_callables(d)
-            for name in args.ops:
-                qg.setdefault(name, {})[size] = measure(calls[name], args.repeats, args.min_time)
-                print(f"  qgcli {name:<24} {size:<5} {qg[name][size]['median']:.4g} s", file=sys.stderr)
-            del calls, d
-            gc.collect()
-        # The copy again after the ops: the floor is the faster of the two (less disturbed) readings.
-        for size in args.sizes:
-            again = copy_time(SIZES[size], args.repeats, args.min_time)
-            if again["median"] < floor[size]["median"]:
-                floor[size] = again
-
-        frameworks = {}
         for kind, python in (("tf", args.tf_python), ("torch", args.torch_python)):
-            print(f"  timing {kind} ...", file=sys.stderr)
-            result, note = run_framework(kind, python, args, data_dir, args.sizes, args.ops,
-                                         check_dir if kind == "tf" else None)
-            frameworks[kind] = result
+            runners[kind], infos[kind], note = open_runner(kind, python, data_dir, args.threads, args.sizes[0])
             if note:
                 notes.append(note)
-            for k, v in (result or {}).get("errors", {}).items():
-                notes.append(f"{kind} {k}: {v}")
 
-        checks = check_against_tf(data_dir, check_dir) if (check_dir and frameworks["tf"]) else []
+        # Per op, qgcli, TensorFlow and PyTorch run back to back, so a change in the machine's load
+        # between ops disturbs all three alike; the ratios are of timings seconds apart.
+        for rnd in range(args.rounds):
+            for size in args.sizes:
+                _keep_best(floor, "copy", size, copy_time(SIZES[size], args.repeats, args.min_time))
+                d = load_data(data_dir, size)
+                calls = qgcli_callables(d)
+                for name in args.ops:
+                    _keep_best(times["qgcli"], name, size, measure(calls[name], args.repeats, args.min_time))
+                    line = f"  round {rnd + 1} {size:<5} {name:<24} qgcli {times['qgcli'][name][size]['median']:.4g}"
+                    for kind, runner in runners.items():
+                        if runner is None:
+                            continue
+                        reply = runner.request({"cmd": "time", "size": size, "op": name, "repeats": args.repeats,
+                                                "min_time": args.min_time})
+                        if "error" in reply:
+                            notes.append(f"{kind} {name}/{size}: {reply['error']}")
+                            if reply.get("fatal"):
+                                runner.close()
+                                runners[kind] = None
+                        elif "median" in reply:
+                            _keep_best(times[kind], name, size, reply)
+                            line += f" | {kind} {reply['median']:.4g}"
+                    print(line, file=sys.stderr)
+                del calls, d
+                gc.collect()
+                # The copy again after the ops: the floor is the faster (less disturbed) reading.
+                _keep_best(floor, "copy", size, copy_time(SIZES[size], args.repeats, args.min_time))
+        floor = floor.get("copy", {})
+
+        checks = []
+        if check_dir and runners.get("tf"):
+            for name in CHECKED:
+                if name in args.ops:
+                    runners["tf"].request({"cmd": "save", "size": "small", "op": name,
+                                           "path": os.path.join(check_dir, f"tf_{name}.npz")})
+            checks = check_against_tf(data_dir, check_dir)
+        for runner in runners.values():
+            if runner is not None:
+                runner.close()
         memory = [] if args.no_memory or "big" not in args.sizes else measure_memory(data_dir, "big", args.ops)
     finally:
+        for runner in runners.values():
+            if runner is not None:
+                runner.close()
         shutil.rmtree(data_dir, ignore_errors=True)
 
-    rows = build_rows(args.sizes, args.ops, qg, floor, frameworks["tf"], frameworks["torch"])
+    frameworks = {k: ({"times": times[k], "info": infos.get(k)} if infos.get(k) else None) for k in ("tf", "torch")}
+    rows = build_rows(args.sizes, args.ops, times["qgcli"], floor, frameworks["tf"], frameworks["torch"])
     load_end = os.getloadavg()
     machine = {
         "cpu_count": os.cpu_count(), "qgcli_threads": blocked.workers(), "platform": platform.platform(),
@@ -570,6 +646,7 @@ def main(argv=None):
         "qgcli": __version__, "loadavg_start": load_start, "loadavg_end": load_end,
         "tf": (frameworks["tf"] or {}).get("info"), "torch": (frameworks["torch"] or {}).get("info"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
+        "rounds": args.rounds, "repeats": args.repeats, "min_time": args.min_time,
     }
 
     print(f"\nqgcli {__version__} | NumPy {np.__version__} | {machine['processor']} | "
@@ -581,7 +658,10 @@ def main(argv=None):
             print(f"{label} {info.get('version')} ({', '.join(f'{k}={v}' for k, v in info.items() if k != 'version')})")
     print(f"floor: np.copyto of one tensor: " + ", ".join(
         f"{s} {floor[s]['median']:.4g} s ({mb(np.prod(SIZES[s]) * 4)})" for s in args.sizes)
-          + "; floor = t_copy * (tensors read + written) / 2; medians of >= %d timed calls" % args.repeats)
+          + "; floor = t_copy * (tensors read + written) / 2")
+    print(f"medians of >= {args.repeats} timed calls (>= {args.min_time:g} s) after warm-up"
+          + (f"; best median of {args.rounds} rounds per op" if args.rounds > 1 else "")
+          + "; per op, qgcli, TF and PyTorch timed back to back")
     print()
     print(table(rows))
     print("\nPyTorch column: " + "; ".join(f"{o[0]} = {o[4]}" for o in OPS if o[4] and o[0] in args.ops)
