@@ -145,6 +145,8 @@ def _data_operand(a, name, xp):
     if not _is_float(a.dtype):
         raise OperandError(f"dtype {a.dtype} is not a floating type (TF takes float32, float16 or bfloat16)",
                            operand=name)
+    if a.dtype.itemsize > 4:  # TF has no float64 kernel: round to float32 first, as a cast would (and as said)
+        a = a.astype(_F32)
     return a
 
 
@@ -297,8 +299,10 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
     if variance_kind not in VARIANCE_KINDS:
         raise QgcliError(f"unknown kind {variance_kind!r}; use variance or inv-std", operand="variance_kind")
     xp = array_module(y_backprop, x)
-    x = _data_operand(x, "x", xp)
-    dy = _data_operand(y_backprop, "y_backprop", xp)
+    # C order first: the float64 channel sums (and so the last bit of x_backprop) must not depend on the
+    # memory layout of the same values (a Fortran-order .npy, a strided view).
+    x = xp.ascontiguousarray(_data_operand(x, "x", xp))
+    dy = xp.ascontiguousarray(_data_operand(y_backprop, "y_backprop", xp))
     _check_rank(x, data_format, rank)
     if dy.shape != x.shape:
         raise OperandError(f"shape {list(dy.shape)} differs from x shape {list(x.shape)}", operand="y_backprop")
