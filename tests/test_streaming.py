@@ -102,3 +102,62 @@ def test_streamed_batch_norm_equals_in_memory(tmp_path, data_format, training, d
     np.testing.assert_array_max_ulp(dx.astype(f32), want[0].astype(f32), maxulp=1)
     np.testing.assert_array_max_ulp(small["scale_backprop"], want[1], maxulp=1)
     np.testing.assert_array_equal(small["offset_backprop"], want[2])
+
+
+# --- through the CLI -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def big_bundle(tmp_path):
+    """Per-channel fake-quant and batch-norm operands of 2 MiB each: above a 1M memory limit."""
+    rng = np.random.default_rng(11)
+    shape = (64, 16, 32, 16)
+    x = (rng.standard_normal(shape) * 2).astype(f32)
+    g = rng.standard_normal(shape).astype(f32)
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        f["inputs"], f["gradients"], f["x"], f["y_backprop"] = x, g, x, g
+        f["min"], f["max"] = -np.linspace(0.5, 3, 16).astype(f32), np.linspace(0.5, 3, 16).astype(f32)
+        f["scale"] = np.linspace(0.5, 1.5, 16).astype(f32)
+        f["reserve_space_1"] = x.mean(axis=(0, 1, 2)).astype(f32)
+        f["reserve_space_2"] = x.var(axis=(0, 1, 2)).astype(f32)
+    return path
+
+
+def _read(path):
+    with h5py.File(path, "r") as f:
+        return {k: f[k][()] for k in f}, {k: f[k].compression for k in f}
+
+
+@pytest.mark.parametrize("command", ["fakequant", "fakequant-grad"])
+def test_cli_streams_when_inputs_exceed_the_limit(cli, big_bundle, tmp_path, command):
+    import json
+
+    streamed, memory = tmp_path / "s.h5", tmp_path / "m.h5"
+    r = cli(command, big_bundle, "-o", streamed, "--memory-limit", "1M", "--json", "--compression", "gzip")
+    assert r.exit_code == 0, r.output
+    assert "streamed" in json.loads(r.stdout)["notes"][0]
+    r = cli(command, big_bundle, "-o", memory, "-q")
+    assert r.exit_code == 0, r.output
+    (a, comp), (b, _) = _read(streamed), _read(memory)
+    assert set(a) == set(b)
+    for name in b:
+        np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32), err_msg=name)
+    assert "gzip" in comp.values()
+
+
+def test_cli_streams_bn_grad(cli, big_bundle, tmp_path):
+    r = cli("bn-grad", big_bundle, "-o", tmp_path / "s.h5", "--memory-limit", "1M", "-q")
+    assert r.exit_code == 0, r.output
+    r = cli("bn-grad", big_bundle, "-o", tmp_path / "m.h5", "-q")
+    assert r.exit_code == 0, r.output
+    (a, _), (b, _) = _read(tmp_path / "s.h5"), _read(tmp_path / "m.h5")
+    for name in b:
+        np.testing.assert_array_max_ulp(a[name], b[name], maxulp=1)
+
+
+def test_cli_streaming_needs_an_h5_output(cli, big_bundle, tmp_path):
+    r = cli("fakequant-grad", big_bundle, "-o", tmp_path / "s.npz", "--memory-limit", "1M")
+    assert r.exit_code == 2 and "--output" in r.stderr and ".h5" in r.stderr
+    assert not (tmp_path / "s.npz").exists()
+    r = cli("fakequant-grad", big_bundle, "-o", tmp_path / "s.h5", "--memory-limit", "a lot")
+    assert r.exit_code == 2 and "--memory-limit" in r.stderr

@@ -30,6 +30,16 @@ def report_options(f):
     return f
 
 
+def streaming_options(f):
+    """--memory-limit, --compression."""
+    f = click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None,
+                     help="Compress HDF5 outputs (chunked datasets).")(f)
+    f = click.option("--memory-limit", metavar="SIZE", default=None,
+                     help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
+                          "default: a quarter of the machine's memory.")(f)
+    return f
+
+
 def fake_quant_attribute_options(f):
     """--num-bits, --narrow-range, --variant, --axis."""
     f = click.option("--axis", type=int, default=None,
@@ -75,6 +85,7 @@ class Operands:
             if text is not None:
                 self._specs[name] = io.parse_spec(text, allow_literal=name in literal_ok)
         self.sources = {}
+        self._opened = []  # containers kept open for streamed datasets
 
     @staticmethod
     def _error(operand, message):
@@ -85,6 +96,29 @@ class Operands:
     def input_paths(self):
         paths = [self.bundle_path] + [s.path for s in self._specs.values()]
         return [p for p in paths if p]
+
+    def dataset(self, name):
+        """The unread h5py Dataset behind operand ``name``, or None when it is not in an HDF5 file."""
+        from qgcli.errors import FileFormatError
+
+        try:
+            if name in self._specs:
+                spec = self._specs[name]
+                if spec.path is None or self._io.file_kind(spec.path) != "h5":
+                    return None
+                container = self._io.Container.open(spec.path, self.stdin)
+                self._opened.append(container)
+                key = spec.key or (name if container.has(name) else None)
+                if key is None:
+                    return None
+                self.sources[name] = spec.text
+                return container.dataset(key)
+            if self._bundle_container is not None and self._bundle_container.has(name):
+                self.sources[name] = f"{self.bundle_text}:{name}"
+                return self._bundle_container.dataset(name)
+        except FileFormatError as exc:
+            raise self._error(name, str(exc)) from None
+        return None
 
     def has(self, name):
         if name in self._specs:
@@ -114,6 +148,8 @@ class Operands:
     def close(self):
         if self._bundle_container is not None:
             self._bundle_container.close()
+        for container in self._opened:
+            container.close()
 
 
 def to_device(arrays, device):

@@ -8,6 +8,7 @@ from qgcli.commands._common import (
     json_safe,
     output_options,
     report_options,
+    streaming_options,
     to_device,
     write_outputs,
 )
@@ -208,9 +209,11 @@ Examples:
 @click.option("--all-outputs", is_flag=True,
               help="Also write TF's unused placeholder outputs (reserve_space_3/4, V3: 4/5), shaped [0].")
 @output_options
+@streaming_options
 @report_options
 def bn_grad(bundle, y_backprop, x_, scale, reserve_space_1, reserve_space_2, reserve_space_3, epsilon, data_format,
-            is_training, variance_kind, version, all_outputs, output, force, as_json, quiet, device):
+            is_training, variance_kind, version, all_outputs, output, force, as_json, quiet, device, memory_limit,
+            compression):
     """Run TensorFlow's FusedBatchNormGrad{,V2,V3}: gradients of batch normalisation.
 
     Operands come from BUNDLE (an .h5/.npz with datasets y_backprop, x, scale, reserve_space_1,
@@ -224,6 +227,15 @@ def bn_grad(bundle, y_backprop, x_, scale, reserve_space_1, reserve_space_2, res
              "reserve_space_2": reserve_space_2, "reserve_space_3": reserve_space_3}
     operands = Operands(bundle, specs, literal_ok=("scale", "reserve_space_1", "reserve_space_2", "reserve_space_3"))
     try:
+        from qgcli.commands._streamed import run_bn_grad_streamed, streaming_plan
+
+        plan = streaming_plan(operands, ["y_backprop", "x"], memory_limit, output) if device == "cpu" else None
+        if plan is not None:
+            summary = run_bn_grad_streamed(operands, plan, epsilon=epsilon, data_format=data_format,
+                                           is_training=is_training, variance_kind=variance_kind, version=version,
+                                           all_outputs=all_outputs, output=output, force=force,
+                                           compression=compression, quiet=quiet)
+            return emit(summary, as_json=as_json, quiet=quiet, render=render_summary, output=output)
         raw, notes = _load(operands, version, variance_kind, is_training, reserve_space_3 is not None)
         if data_format is None:
             data_format = "NDHWC" if getattr(raw["x"], "ndim", 0) == 5 else "NHWC"
@@ -243,7 +255,7 @@ def bn_grad(bundle, y_backprop, x_, scale, reserve_space_1, reserve_space_2, res
         summary = build_summary(op, attrs, operands, raw, outputs, convention, notes, output)
         if all_outputs:
             outputs.update(placeholder_outputs(version))
-        write_outputs(outputs, output, operands=operands, force=force, attrs=attrs)
+        write_outputs(outputs, output, operands=operands, force=force, attrs=attrs, compression=compression)
     finally:
         operands.close()
     if all_outputs:

@@ -9,6 +9,7 @@ from qgcli.commands._common import (
     output_options,
     percent,
     report_options,
+    streaming_options,
     to_device,
     write_outputs,
 )
@@ -138,10 +139,11 @@ def render_summary(console, s):
     else:
         table.add_row("range", *(_fmt(grid[k]) for k in ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")))
     console.print(table)
-    line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
-    if "gradient_blocked" in stats:
-        line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
-    console.print(line)
+    if stats is not None:
+        line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
+        if "gradient_blocked" in stats:
+            line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
+        console.print(line)
     for note in s["notes"]:
         console.print(f"[yellow]note:[/] {note}")
     if s["output"] and s["output"] != "-":
@@ -155,9 +157,21 @@ def _fmt(v):
 
 
 def _fake_quant_command(command, bundle, specs, output, force, num_bits, narrow_range, variant, axis,
-                        as_json, quiet, device, with_gradients, plot=None):
+                        as_json, quiet, device, with_gradients, plot=None, memory_limit=None, compression=None):
     operands = Operands(bundle, specs, literal_ok=("min", "max"))
     try:
+        plan = None
+        if device == "cpu":
+            from qgcli.commands._streamed import run_fake_quant_streamed, streaming_plan
+
+            plan = streaming_plan(operands, ["gradients", "inputs"] if with_gradients else ["inputs"],
+                                  memory_limit, output)
+        if plan is not None:
+            summary = run_fake_quant_streamed(command, operands, plan, variant=variant, num_bits=num_bits,
+                                              narrow_range=narrow_range, axis=axis, output=output, force=force,
+                                              compression=compression, quiet=quiet, with_gradients=with_gradients,
+                                              plot=plot)
+            return emit(summary, as_json=as_json, quiet=quiet, render=render_summary, output=output)
         gradients, inputs, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=with_gradients)
         if axis is not None and variant != "per-channel":
             raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
@@ -176,7 +190,7 @@ def _fake_quant_command(command, bundle, specs, output, force, num_bits, narrow_
             from qgcli.commands.plot import check_figure_output
 
             check_figure_output(plot, inputs=operands.input_paths(), force=force, option="--plot")
-        write_outputs(outputs, output, operands=operands, force=force, attrs=attrs)
+        write_outputs(outputs, output, operands=operands, force=force, attrs=attrs, compression=compression)
         if plot:
             from qgcli.commands.plot import write_ste_plot_for
 
@@ -214,9 +228,11 @@ Examples:
 @quantize_options
 @semantics_options
 @output_options
+@streaming_options
 @report_options
 def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force, as_json, quiet, device,
-              semantics, scale, zero_point, quant_min, quant_max, dtype, mode, round_mode, ensure_minimum_range):
+              semantics, scale, zero_point, quant_min, quant_max, dtype, mode, round_mode, ensure_minimum_range,
+              memory_limit, compression):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
 
     Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
@@ -240,7 +256,8 @@ def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
                      variant=variant, axis=axis, as_json=as_json, quiet=quiet, device=device, with_gradients=False):
         return
     _fake_quant_command("fakequant", bundle, {"inputs": inputs, "min": min_, "max": max_}, output, force,
-                        num_bits, narrow_range, variant, axis, as_json, quiet, device, with_gradients=False)
+                        num_bits, narrow_range, variant, axis, as_json, quiet, device, with_gradients=False,
+                        memory_limit=memory_limit, compression=compression)
 
 
 @click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="TF fake-quant gradients (STE masks, min/max sums).")
@@ -254,11 +271,12 @@ def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
 @semantics_options
 @estimator_options
 @output_options
+@streaming_options
 @click.option("--plot", metavar="FIG", default=None, help="Also draw the STE figure to FIG (.png/.svg/.pdf).")
 @report_options
 def fakequant_grad(bundle, gradients, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force,
                    plot, as_json, quiet, device, semantics, scale, zero_point, quant_min, quant_max, estimator,
-                   grad_factor, dtype, mode, round_mode, ensure_minimum_range):
+                   grad_factor, dtype, mode, round_mode, ensure_minimum_range, memory_limit, compression):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
@@ -288,4 +306,4 @@ def fakequant_grad(bundle, gradients, inputs, min_, max_, num_bits, narrow_range
         return
     _fake_quant_command("fakequant-grad", bundle, {"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
                         output, force, num_bits, narrow_range, variant, axis, as_json, quiet, device,
-                        with_gradients=True, plot=plot)
+                        with_gradients=True, plot=plot, memory_limit=memory_limit, compression=compression)
