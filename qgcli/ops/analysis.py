@@ -12,39 +12,52 @@ def _share(count, total):
     return float(count) / float(total) if total else 0.0
 
 
+_STAT_BLOCK = 1 << 18  # elements per block: masks and float64 magnitudes stay small
+
+
 def clip_statistics(inputs, grid, gradients=None):
     """Shares of elements below / above the nudged range and of gradient mass the STE mask blocks.
 
     ``inputs`` (and ``gradients``) are float32 with channels last for a per-channel ``grid``.  Returns a
     dict of plain floats for the whole tensor, plus per-channel lists for a per-channel grid.
-    Blocked gradient mass is ``sum(|g| * (1 - mask)) / sum(|g|)`` (0 when the gradient is all zero).
+    Blocked gradient mass is ``sum(|g| * (1 - mask)) / sum(|g|)`` over finite gradients (0 when the
+    gradient is all zero).  Works block by block: no full-size temporary.
     """
     xp = array_module(inputs)
-    inside, below, above = _masks(inputs, grid, xp)
-    axes = tuple(range(inputs.ndim - 1)) if grid.per_channel else None
+    depth = inputs.shape[-1] if grid.per_channel and inputs.ndim else 1
+    x2 = inputs.reshape(-1, depth)
+    g2 = None if gradients is None else gradients.reshape(-1, depth)
+    counts = np.zeros((3, depth), np.int64)  # below, above, nan
+    mass = np.zeros((2, depth), np.float64)  # total |g|, blocked |g|
+    rows = x2.shape[0]
+    step = max(1, _STAT_BLOCK // max(depth, 1)) if xp is np else max(rows, 1)
+    for r in range(0, rows, step):
+        xb = x2[r:r + step]
+        inside, below, above = _masks(xb, grid, xp)
+        counts[0] += to_numpy(below.sum(axis=0))
+        counts[1] += to_numpy(above.sum(axis=0))
+        counts[2] += to_numpy(xp.isnan(xb).sum(axis=0))
+        if g2 is not None:
+            mag = xp.abs(g2[r:r + step].astype(np.float64))
+            mag[~xp.isfinite(mag)] = 0.0
+            mass[0] += to_numpy(mag.sum(axis=0))
+            mag[inside] = 0.0
+            mass[1] += to_numpy(mag.sum(axis=0))
     n = inputs.size
     stats = {
         "elements": int(n),
-        "clipped_below": _share(int(below.sum()), n),
-        "clipped_above": _share(int(above.sum()), n),
-        "nan": _share(int(xp.isnan(inputs).sum()), n),
+        "clipped_below": _share(int(counts[0].sum()), n),
+        "clipped_above": _share(int(counts[1].sum()), n),
+        "nan": _share(int(counts[2].sum()), n),
     }
-    per_rows = n // inputs.shape[-1] if grid.per_channel and inputs.ndim else n
     if grid.per_channel:
-        stats["channel_clipped_below"] = [c / per_rows if per_rows else 0.0 for c in to_numpy(below.sum(axis=axes)).tolist()]
-        stats["channel_clipped_above"] = [c / per_rows if per_rows else 0.0 for c in to_numpy(above.sum(axis=axes)).tolist()]
-    if gradients is not None:
-        mag = xp.abs(gradients.astype(np.float64))
-        mag = xp.where(xp.isfinite(mag), mag, 0.0)
-        blocked = xp.where(inside, 0.0, mag)
-        total = float(mag.sum())
-        stats["gradient_blocked"] = float(blocked.sum()) / total if total else 0.0
+        stats["channel_clipped_below"] = [c / rows if rows else 0.0 for c in counts[0].tolist()]
+        stats["channel_clipped_above"] = [c / rows if rows else 0.0 for c in counts[1].tolist()]
+    if g2 is not None:
+        total = float(mass[0].sum())
+        stats["gradient_blocked"] = float(mass[1].sum()) / total if total else 0.0
         if grid.per_channel:
-            tot_c = to_numpy(mag.sum(axis=axes))
-            blk_c = to_numpy(blocked.sum(axis=axes))
-            stats["channel_gradient_blocked"] = [
-                float(b / t) if t else 0.0 for b, t in zip(blk_c.tolist(), tot_c.tolist())
-            ]
+            stats["channel_gradient_blocked"] = [float(b / t) if t else 0.0 for t, b in zip(*mass.tolist())]
     return stats
 
 
