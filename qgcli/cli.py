@@ -12,6 +12,7 @@ import sys
 import click
 
 from qgcli import __version__
+from qgcli.signals import Terminated, install as install_signal_handlers, raise_pending
 
 _EPILOG = """\b
 Examples:
@@ -27,9 +28,10 @@ class QgcliGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        restore = _trap_termination()
+        restore = install_signal_handlers()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            raise_pending()  # a signal Python swallowed (in a __del__) still ends in exit 128 + N
         except Terminated as exc:
             if exc.signum == signal.SIGINT:
                 _fail("interrupted; no output was left half-written", 130)
@@ -61,9 +63,7 @@ class QgcliGroup(click.Group):
             _internal(exc)
         finally:
             restore()
-        if isinstance(rv, int):
-            sys.exit(rv)
-        sys.exit(0)
+        _exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):
         # Ctrl-C inside a command: click would print an empty line and raise Abort; one line is ours to print.
@@ -71,43 +71,6 @@ class QgcliGroup(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Terminated(signal.SIGINT) from None
-
-
-class Terminated(BaseException):
-    """SIGTERM, SIGHUP (or SIGINT inside a command), raised like KeyboardInterrupt so that temporary files
-    are removed on the way out."""
-
-    def __init__(self, signum):
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-        super().__init__(self.name)
-
-
-def _trap_termination():
-    """Turn SIGTERM/SIGHUP (``timeout``, a closed terminal, a job scheduler) into :class:`Terminated`;
-    returns a function that puts the previous handlers back."""
-
-    def raise_terminated(signum, frame):
-        raise Terminated(signum)
-
-    previous = {}
-    for sig in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)):
-        if sig is None:
-            continue
-        try:
-            if signal.getsignal(sig) in (signal.SIG_DFL, None):  # an ignored signal stays ignored (nohup)
-                previous[sig] = signal.signal(sig, raise_terminated)
-        except (ValueError, OSError):  # not the main thread: leave signals alone
-            pass
-
-    def restore():
-        for sig, handler in previous.items():
-            try:
-                signal.signal(sig, handler)
-            except (ValueError, OSError):
-                pass
-
-    return restore
 
 
 def _silence_stdout():
@@ -122,6 +85,20 @@ def _fail(message, code, ctx=None):
     message = " ".join(str(message).split())  # one line, whatever the source
     hint = f" (see '{ctx.command_path} --help')" if ctx is not None and code == 2 else ""
     click.echo(f"Error: {message}{hint}", err=True)
+    _exit(code)
+
+
+def _exit(code):
+    io = sys.modules.get("qgcli.io")
+    if io is not None and io.hdf5_left_open():
+        # A full disk left HDF5 unable to close the file it was writing (its temporary file is already
+        # removed); HDF5's own exit handler would then crash with SIGSEGV, so leave without it.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
     sys.exit(code)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgcli.errors import FileFormatError, OperandError, OutputError, QgcliError
+from qgcli.signals import raise_pending
 
 H5_SUFFIXES = (".h5", ".hdf5")
 NPZ_SUFFIXES = (".npz",)
@@ -520,10 +521,17 @@ def check_output(dest, *, inputs=(), force=False, names=()):
     return kind
 
 
-def _write_h5(fh, arrays, attrs, compression=None):
+def open_h5_for_writing(path):
+    """``h5py.File(path, "w")`` without a chunk cache.  Outputs are written once, so the cache buys
+    nothing, and with HDF5 2.0 a write that fails while the cache holds chunks (a full disk) crashes the
+    process with SIGSEGV instead of raising."""
     import h5py
 
-    with h5py.File(fh, "w") as f:
+    return h5py.File(path, "w", rdcc_nbytes=0)
+
+
+def _write_h5(fh, arrays, attrs, compression=None):
+    with open_h5_for_writing(fh) as f:
         for key, value in attrs.items():
             f.attrs[key] = value
         for name, array in arrays.items():
@@ -563,6 +571,7 @@ def _stage(dest, writer):
     except OSError:
         mode = 0o666 & ~_umask()
     tmp = None
+    hdf5_files = _open_hdf5_files()
     try:
         # Not tempfile.mkstemp: its name is known only after the file exists, and an interrupt in between
         # would leave the file behind.  Here the name is set first, so cleanup always knows it.
@@ -586,6 +595,10 @@ def _stage(dest, writer):
     except BaseException as exc:
         if tmp is not None:
             _unlink(tmp)
+        if _open_hdf5_files() > hdf5_files:
+            # HDF5 could not close the file it failed to write (a full disk).  Touching its objects again
+            # (even freeing them) can crash HDF5 2.0, so they are kept, and the CLI exits with os._exit.
+            _hdf5_left_open.append(exc)
         error = _as_os_error(exc, dest)
         if error is not None and error is not exc:
             raise error from None
@@ -593,10 +606,31 @@ def _stage(dest, writer):
     return tmp
 
 
+_hdf5_left_open = []
+
+
+def _open_hdf5_files():
+    """How many files HDF5 holds open (0 when h5py was never imported)."""
+    h5py = sys.modules.get("h5py")
+    if h5py is None:
+        return 0
+    try:
+        return h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)
+    except Exception:  # noqa: BLE001 - HDF5 in a bad state: count it as one more
+        return 1 << 30
+
+
+def hdf5_left_open():
+    """True when a failed write left an HDF5 file that HDF5 could not close: the process should end with
+    ``os._exit`` (HDF5's exit handler would crash on it)."""
+    return bool(_hdf5_left_open)
+
+
 def _commit(staged):
     """Rename each staged ``(tmp, dest)`` into place, then sync the directories (so the renames survive a
     power cut); on failure the temporaries not yet renamed are removed."""
     try:
+        raise_pending()  # a Ctrl-C that Python swallowed in a __del__ still stops the output
         for tmp, dest in staged:
             os.replace(tmp, dest)
     except BaseException:
@@ -646,6 +680,7 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
         buf = _io.BytesIO()
         _write_npz(buf, arrays)
         out = stdout if stdout is not None else sys.stdout.buffer
+        raise_pending()
         out.write(buf.getvalue())
         out.flush()
         return
@@ -706,6 +741,7 @@ def _write_new_directory(dest, arrays):
             os.replace(tmp, target)
         os.chmod(tmpdir, 0o777 & ~_umask())
         _fsync_directory(tmpdir)
+        raise_pending()
         os.rename(tmpdir, directory)  # atomic; fails if DIR appeared meanwhile and is not empty
         tmpdir = None
         _fsync_directory(parent)

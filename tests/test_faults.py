@@ -6,7 +6,8 @@ and equal to the library's result; after a catchable signal or a write error no 
 after SIGKILL, which nothing can catch, at most hidden ``.qgcli-*.tmp`` files (``.tmpdir`` for a new
 ``DIR/``) remain, never a partial output under the final name.
 
-Processes run four at a time to keep CI short.  CI kills 8 runs writing 8 MiB outputs; ``QGCLI_LONG=1``
+Processes run four at a time to keep CI short.  CI kills 12 runs writing 8 MiB outputs (two of each
+output kind: .h5, .h5 streamed block by block, .h5 gzip-compressed, .npz, DIR/, .npy); ``QGCLI_LONG=1``
 runs the campaign (60 kills by default, ``QGCLI_KILLS``; 64 MiB outputs) and prints its tally:
 ``QGCLI_LONG=1 pytest -m slow -s tests/test_faults.py``.
 """
@@ -28,11 +29,13 @@ from conftest import ROOT
 
 LONG = os.environ.get("QGCLI_LONG", "") not in ("", "0")
 TEMP_GLOB = ".qgcli-*.tmp*"  # files .tmp, new output directories .tmpdir
-FORMATS = {  # kind -> (command, output name)
-    "h5": ("fakequant-grad", "out.h5"),
-    "npz": ("fakequant-grad", "out.npz"),
-    "dir": ("fakequant-grad", "outdir/"),
-    "npy": ("fakequant", "out.npy"),
+FORMATS = {  # kind -> (command, output name, options)
+    "h5": ("fakequant-grad", "out.h5", []),
+    "npz": ("fakequant-grad", "out.npz", []),
+    "dir": ("fakequant-grad", "outdir/", []),
+    "npy": ("fakequant", "out.npy", []),
+    "h5-streamed": ("fakequant-grad", "out.h5", ["--memory-limit", "1M"]),  # written block by block
+    "h5-gzip": ("fakequant-grad", "out.h5", ["--compression", "gzip"]),  # chunked: HDF5's chunk path
 }
 
 
@@ -51,7 +54,8 @@ def big(tmp_path_factory):
         f["inputs"], f["gradients"], f["min"], f["max"] = x, g, mn, mx
     grads = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"),
                      ops.fake_quant_with_min_max_vars_gradient(g, x, mn, mx)))
-    want = {"h5": grads, "npz": grads, "dir": grads, "npy": {"outputs": ops.fake_quant_with_min_max_vars(x, mn, mx)}}
+    want = {"h5": grads, "npz": grads, "dir": grads, "h5-streamed": grads, "h5-gzip": grads,
+            "npy": {"outputs": ops.fake_quant_with_min_max_vars(x, mn, mx)}}
     return path, want
 
 
@@ -72,7 +76,7 @@ def temps(directory):
 
 def read_output(path, kind):
     """The arrays of a written output (raises if it is not a complete, readable file)."""
-    if kind == "h5":
+    if kind.startswith("h5"):
         with h5py.File(path, "r") as f:
             return {k: f[k][()] for k in f}
     if kind == "npz":
@@ -136,11 +140,11 @@ def kill_batch(bundle, want, tmp_path, first, count, rng, duration):
     runs = []
     for i in range(first, first + count):
         kind = list(FORMATS)[i % len(FORMATS)]
-        command, name = FORMATS[kind]
+        command, name, options = FORMATS[kind]
         work = tmp_path / f"k{i}"
         work.mkdir()
-        run = Run([command, bundle, "-o", os.path.join(str(work), name), "-q"], work, os.path.join(str(work), name),
-                  kind)
+        run = Run([command, bundle, *options, "-o", os.path.join(str(work), name), "-q"], work,
+                  os.path.join(str(work), name), kind)
         if rng.random() < 0.5:  # anywhere in the run ...
             run.signal_at = run.t0 + rng.uniform(0, duration)
         else:  # ... or while the output is being written
@@ -173,8 +177,8 @@ def kill_campaign(big, tmp_path, kills, seed, duration):
 
 
 def test_sigkill_never_leaves_a_partial_output(big, tmp_path):
-    results = kill_campaign(big, tmp_path, kills=8, seed=20261129, duration=2.0)
-    assert len(results) == 8
+    results = kill_campaign(big, tmp_path, kills=12, seed=20261129, duration=2.0)
+    assert len(results) == 12
 
 
 @pytest.mark.slow
@@ -207,8 +211,8 @@ def _limit(nbytes):
 def test_disk_full_is_a_clean_error(big, tmp_path):
     """Every output kind (and a figure) past a file-size limit: exit 1, one line, nothing left."""
     bundle, _ = big
-    cases = {kind: [cmd, bundle, "-o", os.path.join(str(tmp_path / kind), name)]
-             for kind, (cmd, name) in FORMATS.items()}
+    cases = {kind: [cmd, bundle, *options, "-o", os.path.join(str(tmp_path / kind), name)]
+             for kind, (cmd, name, options) in FORMATS.items()}
     cases["png"] = ["plot", "hist", bundle, "--dpi", "200", "-o", str(tmp_path / "png" / "h.png")]
     runs = {}
     for kind, args in cases.items():
@@ -240,13 +244,15 @@ def test_disk_full_is_a_clean_error(big, tmp_path):
 def test_signals_while_writing(big, tmp_path):
     bundle, _ = big
     plan = [("h5", signal.SIGINT), ("npz", signal.SIGINT), ("dir", signal.SIGINT), ("h5", signal.SIGTERM),
-            ("dir", signal.SIGTERM), ("npy", signal.SIGHUP)]
+            ("dir", signal.SIGTERM), ("npy", signal.SIGHUP), ("h5-streamed", signal.SIGINT),
+            ("h5-gzip", signal.SIGTERM)]
     runs = []
     for i, (kind, sig) in enumerate(plan):
-        command, name = FORMATS[kind]
+        command, name, options = FORMATS[kind]
         work = tmp_path / f"s{i}"
         work.mkdir()
-        run = Run([command, bundle, "-o", os.path.join(str(work), name)], work, os.path.join(str(work), name), kind)
+        run = Run([command, bundle, *options, "-o", os.path.join(str(work), name)], work,
+                  os.path.join(str(work), name), kind)
         run.signal_at, run.sig = "write", sig
         runs.append(run)
     end = time.monotonic() + 120

@@ -59,7 +59,7 @@ def write_streamed(output, operands, force, attrs, compute, *, quiet, total_byte
     small = {}
 
     def write(path):
-        with h5py.File(path, "w") as out, Progress("streaming", total=total_bytes, unit="bytes", quiet=quiet) as bar:
+        with io.open_h5_for_writing(path) as out, Progress("streaming", total=total_bytes, unit="bytes", quiet=quiet) as bar:
             for key, value in attrs.items():
                 out.attrs[key] = value
             small.update(compute(out, bar.advance))
