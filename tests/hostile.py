@@ -146,6 +146,9 @@ def make_hostile(d):
         g = f.create_group("a")
         g["again"] = g  # a group that contains itself
         f["min"] = f32(-1)
+    with h5py.File(p("stream.h5"), "w") as f:  # 2 MiB of operands: streamed under --memory-limit 1M
+        f["inputs"] = f["gradients"] = RNG.standard_normal((256, 1024)).astype(f32)
+        f["min"], f["max"] = f32(-1), f32(1)
     with h5py.File(p("odd_types.h5"), "w") as f:
         f["string"] = "hello"
         f["compound"] = np.zeros(3, dtype=[("a", "<f4"), ("b", "<i4")])

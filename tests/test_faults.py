@@ -301,3 +301,27 @@ def test_ignored_sigterm_stays_ignored(big, tmp_path):
     code, _, err = run.finish()
     assert code == 0 and run.sent is not None, err
     assert_complete(target, "h5", want["h5"])
+
+
+def test_a_swallowed_signal_still_stops_the_output(tmp_path):
+    """Python drops an exception raised in a ``__del__`` (h5py frees objects there): the signal handler
+    records the signal, and the writer refuses to rename the finished file into place."""
+    from qgcli import io, signals
+
+    restore = signals.install()
+    try:
+        class Victim:
+            def __del__(self):
+                signals._handler(signal.SIGINT, None)  # what Ctrl-C does when it lands in a __del__
+
+        Victim()  # the Terminated raised in __del__ is swallowed (and not printed)
+        assert signals.pending() == signal.SIGINT
+        for dest in ("o.npz", "o.h5", "d/"):
+            with pytest.raises(signals.Terminated):
+                io.save_outputs({"a": np.zeros(3, np.float32)}, os.path.join(str(tmp_path), dest))
+        assert os.listdir(tmp_path) == []
+    finally:
+        restore()
+    assert signals.pending() is None
+    io.save_outputs({"a": np.zeros(3, np.float32)}, str(tmp_path / "o.npz"))  # outside the CLI: no effect
+    assert os.listdir(tmp_path) == ["o.npz"]

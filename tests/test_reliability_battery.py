@@ -154,6 +154,17 @@ ROWS = [
      "below min"),
     ("qdq-gradients-vs-inputs", ["fakequant-grad", *FQ, "--gradients", "{d}/x5.npy", "--variant",
                                  "quantize-dequantize", "-o", "{o}/o.h5"], 2, "gradients", "differs from inputs"),
+    # --- streaming (--memory-limit) and --compression
+    ("memory-limit-unreadable", ["fakequant", *FQ, "--memory-limit", "lots", "-o", "{o}/o.h5"], 2,
+     "--memory-limit", "cannot read 'lots'"),
+    ("memory-limit-too-small", ["bn-grad", *BN_ALL, "--memory-limit", "10k", "-o", "{o}/o.h5"], 2,
+     "--memory-limit", "below 1M"),
+    ("streaming-needs-h5-output", ["fakequant-grad", "{d}/stream.h5", "--memory-limit", "1M", "-o", "{o}/o.npz"],
+     2, "--output", "streaming writes .h5 outputs only"),
+    ("streaming-to-stdout", ["fakequant", "{d}/stream.h5", "--memory-limit", "1M", "-o", "-"], 2, "--output",
+     "streaming writes .h5 outputs only"),
+    ("compression-unknown", ["fakequant", *FQ, "--compression", "zstd", "-o", "{o}/o.h5"], 2, "--compression",
+     "'zstd' is not one of"),
     # --- outputs that must not be written
     ("output-exists", ["bn-grad", *BN_ALL, "-o", "{d}/ok.npz"], 2, "--output", "exists; use --force"),
     ("output-is-input", ["fakequant", "{d}/ok.h5", "-o", "{d}/ok.h5", "--force"], 2, "--output",
