@@ -168,6 +168,8 @@ def write_outputs(outputs, dest, *, operands, force, attrs, compression=None):
     attrs = {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
     try:
         io.save_outputs({k: to_numpy(v) for k, v in outputs.items()}, dest, attrs=attrs, compression=compression)
+    except BrokenPipeError:
+        raise  # `-o - | head`: the reader went away; the CLI stops quietly, as Unix tools do
     except OSError as exc:
         raise click.ClickException(f"cannot write {dest}: {exc.strerror or exc}") from None
 
