@@ -314,5 +314,6 @@ def test_a_reader_that_goes_away_is_not_an_error_message(hostile):
     proc = subprocess.Popen([sys.executable, "-m", "qgcli", "fakequant", "--inputs", f"{hostile}/x.npy", "--min", "-1",
                              "--max", "1", "-o", "-", "-q"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()
-    err = proc.stderr.read()
+    with proc.stderr:
+        err = proc.stderr.read()
     assert proc.wait(timeout=120) in (0, 1) and err == b"", err
