@@ -75,19 +75,21 @@ def test_big_endian_hdf5_dataset(cli, tmp_path):
     same_bits(got["outputs"], ops.fake_quant_with_min_max_vars(x, -1.0, 1.5))
 
 
-def _views(a):
-    """Non-contiguous views of ``a`` (3-d) and the contiguous arrays they equal."""
-    big = np.repeat(a, 2, axis=1)
-    return [(big[:, ::2], a), (np.asfortranarray(a), a), (a[::-1][::-1], a),
-            (np.swapaxes(np.ascontiguousarray(np.swapaxes(a, 0, 1)), 0, 1), a)]
+def _views(a, xp):
+    """Non-contiguous arrays on ``xp``'s device equal to ``a`` (3-d), with a contiguous copy of each."""
+    a = xp.asarray(a)
+    big = xp.repeat(a, 2, axis=1)
+    views = [big[:, ::2], xp.asfortranarray(a), a[::-1][::-1], xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(a, 0, 1)),
+                                                                             0, 1)]
+    assert not any(v.flags.c_contiguous for v in views[:2] + views[3:])
+    return [(v, xp.ascontiguousarray(v)) for v in views]
 
 
 def test_non_contiguous_views_in_every_fake_quant_op(xp):
     x = RNG.standard_normal((5, 6, 4)).astype(f32) * 2
     g = RNG.standard_normal((5, 6, 4)).astype(f32)
     mn, mx = -np.linspace(0.5, 2, 4).astype(f32), np.linspace(1, 3, 4).astype(f32)
-    for (xv, xc), (gv, gc) in zip(_views(x), _views(g)):
-        xv, xc, gv, gc = (xp.asarray(a) if xp is not np else a for a in (xv, xc, gv, gc))
+    for (xv, xc), (gv, gc) in zip(_views(x, xp), _views(g, xp)):
         pairs = [
             (ops.fake_quant_with_min_max_args(xv, -1.5, 2.0), ops.fake_quant_with_min_max_args(xc, -1.5, 2.0)),
             (ops.fake_quant_with_min_max_args_gradient(gv, xv, -1.5, 2.0),
@@ -113,12 +115,11 @@ def test_non_contiguous_views_in_batch_norm_grad(xp):
     dy = RNG.standard_normal((2, 3, 5, 4)).astype(f32)
     scale, mean = np.linspace(0.5, 2, 4).astype(f32), x.mean(axis=(0, 1, 2))
     var = x.var(axis=(0, 1, 2))
-    wide = np.repeat(x, 2, axis=2)[:, :, ::2]
-    dy_f = np.asfortranarray(dy)
+    wide = xp.repeat(xp.asarray(x), 2, axis=2)[:, :, ::2]  # made on the device: still non-contiguous there
+    dy_f = xp.asfortranarray(xp.asarray(dy))
     assert not wide.flags.c_contiguous and not dy_f.flags.c_contiguous
-    to = (lambda a: xp.asarray(a)) if xp is not np else (lambda a: a)
-    got = ops.fused_batch_norm_grad(to(dy_f), to(wide), to(scale), to(mean), to(var))
-    want = ops.fused_batch_norm_grad(to(dy), to(x), to(scale), to(mean), to(var))
+    got = ops.fused_batch_norm_grad(dy_f, wide, scale, mean, var)
+    want = ops.fused_batch_norm_grad(xp.asarray(dy), xp.asarray(x), scale, mean, var)
     for a, b in zip(got, want):
         same_bits(_host(a), _host(b))
 
