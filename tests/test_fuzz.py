@@ -6,7 +6,7 @@ allocation.  Loaders are fed random bytes, mutations of valid files (bytes set, 
 duplicated, mostly in the header/metadata) and valid containers with hostile contents (hand-written
 .npy headers, odd zip members, HDF5 files with random links, dtypes and shapes).
 
-CI runs 150 examples per parser strategy and 50 per loader strategy (derandomized: the same ones each run).  ``QGCLI_LONG=1`` runs the campaign
+CI runs 150 examples per parser strategy and 30 per loader strategy (derandomized: the same ones each run).  ``QGCLI_LONG=1`` runs the campaign
 (``QGCLI_FUZZ_EXAMPLES``, default 20000 per loader): ``QGCLI_LONG=1 pytest -m slow tests/test_fuzz.py``.
 """
 import io
@@ -27,7 +27,7 @@ from qgcli.errors import QgcliError
 
 LONG = os.environ.get("QGCLI_LONG", "") not in ("", "0")
 CI = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-CI_LOADERS = settings(CI, max_examples=50)  # files on disk, h5py, inspect: ~10 ms an example
+CI_LOADERS = settings(CI, max_examples=30)  # files on disk, h5py, inspect: ~10 ms an example
 CAMPAIGN = settings(max_examples=int(os.environ.get("QGCLI_FUZZ_EXAMPLES", 20000)), deadline=None,
                     suppress_health_check=list(HealthCheck))
 campaign = [pytest.mark.slow, pytest.mark.skipif(not LONG, reason="long campaign: set QGCLI_LONG=1")]
