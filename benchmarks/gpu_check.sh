@@ -25,26 +25,31 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-exec > >(tee "$OUT/gpu_check.log") 2>&1
 PY=${PYTHON:-python3}
 T0=$(date +%s)
 STATUS=()
 step() { echo; echo "=== $* (at $(( $(date +%s) - T0 )) s)"; }
 record() { STATUS+=("$1: $2"); echo "--- $1: $2"; }
 
+main() {
 step "environment"
 date -u '+%Y-%m-%d %H:%M:%S UTC'
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || echo "nvidia-smi failed"
 echo "host: $(nproc) CPUs, $(uname -m), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git') $(git status --porcelain 2>/dev/null | wc -l) changed files"
 "$PY" - <<'EOF'
-import importlib, platform
+import importlib, importlib.metadata, platform
 print("python", platform.python_version())
 for name in ["numpy", "cupy", "torch", "h5py", "click", "rich", "matplotlib", "ml_dtypes", "pytest", "hypothesis"]:
     try:
-        m = importlib.import_module(name)
-        print(f"{name} {getattr(m, '__version__', '?')}")
+        importlib.import_module(name)
     except Exception as exc:
         print(f"{name}: MISSING ({type(exc).__name__}: {exc})")
+        continue
+    dists = importlib.metadata.packages_distributions().get(name, [name])
+    try:
+        print(name, ", ".join(f"{d} {importlib.metadata.version(d)}" for d in dists))
+    except importlib.metadata.PackageNotFoundError:
+        print(name, "(version unknown)")
 try:
     import cupy
     print("cupy CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver", cupy.cuda.runtime.driverGetVersion(),
@@ -131,6 +136,11 @@ step "summary"
     for s in "${STATUS[@]}"; do echo "$s"; done
 } | tee "$OUT/summary.txt"
 for s in "${STATUS[@]}"; do
-    [[ $s == *FAILED* || $s == *"pip failed"* ]] && exit 1
+    [[ $s == *FAILED* || $s == *"pip failed"* ]] && return 1
 done
-exit 0
+return 0
+}
+
+# A pipe, not exec > >(tee): the log is complete when the script returns.
+main 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
