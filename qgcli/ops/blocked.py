@@ -149,13 +149,13 @@ def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
         gb, xb, db = g2[r0:r1], x2[r0:r1], dx[r0:r1]
         if _has_subnormal(gb):
             gb = flush_subnormals(gb, np)
-        inside = np.greater_equal(xb, lo, out=_scratch("inside", xb.shape, bool))
-        mask = np.less_equal(xb, hi, out=_scratch("mask", xb.shape, bool))
-        np.logical_and(inside, mask, out=inside)
+        # Masks are computed straight into float32 (1.0 / 0.0): a float*float product is 3x faster than
+        # float*bool, and no separate cast pass is needed.
+        weight = np.greater_equal(xb, lo, out=_scratch("weight", xb.shape, _F32))
+        upper = np.less_equal(xb, hi, out=_scratch("upper", xb.shape, _F32))
+        np.multiply(weight, upper, out=weight)
         if keep is not None:
-            np.logical_and(inside, keep, out=inside)
-        weight = _scratch("weight", gb.shape, _F32)  # float*float is 3x faster than float*bool
-        np.copyto(weight, inside)
+            np.multiply(weight, keep, out=weight)
         with np.errstate(all="ignore"):
             np.multiply(gb, weight, out=db)  # a product, as TF: g * 0 keeps -0.0 and NaN
             if passthrough is not None:
@@ -165,10 +165,9 @@ def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
             product = _scratch("product", gb.shape, _F32)
             sums = []
             for compare, bound in ((np.less, lo), (np.greater, hi)):
-                compare(xb, bound, out=mask)
+                compare(xb, bound, out=weight)
                 if keep is not None:
-                    np.logical_and(mask, keep, out=mask)
-                np.copyto(weight, mask)
+                    np.multiply(weight, keep, out=weight)
                 np.multiply(gb, weight, out=product)
                 sums.append(reduction.leaf_sums(product, block_leaves, np))
         return sums
