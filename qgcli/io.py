@@ -252,7 +252,8 @@ class Container:
 # Readers turn them into a FileFormatError naming the file; a MemoryError is not among them.
 CORRUPT_FILE_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError,
                        NotImplementedError, OverflowError, SyntaxError, zipfile.BadZipFile, zlib.error,
-                       tokenize.TokenError)  # NumPy re-tokenizes a header it cannot parse (Python 2 files)
+                       tokenize.TokenError,  # NumPy re-tokenizes a header it cannot parse (Python 2 files)
+                       SystemError)  # h5py: an HDF5 error inside a link-visit callback leaks out as SystemError
 
 
 class _NoSuchObject(FileFormatError):
