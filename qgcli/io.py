@@ -269,7 +269,7 @@ def _reason(exc):
     return re.sub(r" at 0x[0-9a-fA-F]+", "", text)  # ast's "<ast.Call object at 0x7f...>": no addresses
 
 
-def _memory_limit():
+def physical_memory():
     """Bytes of physical memory: a tensor declaring more cannot be read, whatever the file claims."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -282,7 +282,7 @@ def _gib(n):
 
 
 def _check_memory(nbytes, what):
-    limit = _memory_limit()
+    limit = physical_memory()
     if nbytes > limit:
         raise FileFormatError(f"{what} declares {_gib(nbytes)} of data, more than this machine's memory ({_gib(limit)})")
 

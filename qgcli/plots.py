@@ -799,7 +799,7 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
         raise OperandError(f"{channel_axis} is out of range for inputs of rank {x.ndim}", operand="axis")
     last = (lambda a: np.moveaxis(np.asarray(to_numpy(a)), channel_axis, -1)) if channel_axis is not None else (
         lambda a: np.asarray(to_numpy(a)))  # noqa: E731
-    xs_all, out_all = last(x).astype(np.float32), last(view.restore(view.outputs))
+    xs_all = last(x).astype(np.float32)
     if channel is not None:
         if x.ndim == 0:
             raise OperandError("is a scalar; there is no channel to select", operand="--channel")

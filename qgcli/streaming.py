@@ -6,22 +6,15 @@ the tensor's size.  Fake-quant gradients re-cut the rows into whole leaves of TF
 ``backprop_wrt_min/max`` keep Eigen's summation order and match the in-memory result bit for bit;
 batch-norm gradients make two passes (per-channel float64 sums, then ``x_backprop``).
 """
-import os
 import re
 
 import numpy as np
 
 from qgcli.errors import QgcliError
+from qgcli.io import physical_memory
 
 _F32 = np.float32
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def physical_memory():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
 
 
 def parse_memory_limit(text):

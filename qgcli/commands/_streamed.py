@@ -48,7 +48,6 @@ def write_streamed(output, operands, force, attrs, compute, *, quiet, total_byte
 
     ``compute`` returns the small outputs (name -> array) to store beside the streamed ones.
     """
-    import h5py
     import numpy as np
 
     from qgcli import __version__, io

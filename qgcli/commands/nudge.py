@@ -8,7 +8,7 @@ it first and fall back to their TensorFlow path when it declines).  Only click i
 """
 import click
 
-from qgcli.commands._common import Operands, emit, json_safe, output_options, percent, report_options
+from qgcli.commands._common import Operands, emit, json_safe, percent, report_options
 
 SEMANTICS = ("tf", "torch")
 

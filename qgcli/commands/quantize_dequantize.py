@@ -144,7 +144,7 @@ def _compute(command, operands, gradients, inputs, mn, mx, attrs, axis, est, gra
     kw = dict(dtype=attrs["dtype"], mode=attrs["mode"], round_mode=attrs["round_mode"],
               narrow_range=attrs["narrow_range"], axis=axis, ensure_minimum_range=attrs["ensure_minimum_range"])
     details = None
-    x = q._as_float32(inputs, "inputs", xp)
+    x = q.as_float32(inputs, "inputs", xp)
     if gradients is None:
         result = q.quantize_dequantize(x, mn, mx, **kw)
         outputs = result.as_dict()
@@ -186,7 +186,7 @@ def build_summary(command, operands, raw, x, gradients, result, attrs, axis, out
     stats = {"elements": n, "clipped_below": below / n if n else 0.0, "clipped_above": above / n if n else 0.0,
              "nan": nan / n if n else 0.0}
     if gradients is not None:
-        mag = xp.abs(q._as_float32(gradients, "gradients", xp).astype(np.float64))
+        mag = xp.abs(q.as_float32(gradients, "gradients", xp).astype(np.float64))
         mag = xp.where(xp.isfinite(mag), mag, 0.0)
         total = float(mag.sum())
         stats["gradient_blocked"] = float(xp.where(inside, 0.0, mag).sum()) / total if total else 0.0

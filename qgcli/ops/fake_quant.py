@@ -175,7 +175,7 @@ def _check_ranges(grid, where=""):
 def _channel_last(a, axis):
     if axis in (-1, a.ndim - 1):
         return a
-    return a.__array_namespace__().moveaxis(a, axis, -1) if hasattr(a, "__array_namespace__") else np.moveaxis(a, axis, -1)
+    return array_module(a).moveaxis(a, axis, -1)
 
 
 def _normalise_axis(axis, ndim):

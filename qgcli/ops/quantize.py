@@ -40,6 +40,7 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
+from qgcli.ops.fake_quant import as_float32
 
 _F32 = np.float32
 _TINY = np.finfo(np.float32).tiny  # smallest normal float32
@@ -214,13 +215,6 @@ def _check_attrs(mode, round_mode):
                          operand="round_mode")
 
 
-def _as_float32(a, operand, xp):
-    a = xp.asarray(a)
-    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
-        raise OperandError(f"dtype {a.dtype} is not a real floating type", operand=operand)
-    return a.astype(_F32, copy=False)
-
-
 def _host_range(value, name):
     arr = np.asarray(to_numpy(value))
     if arr.dtype.kind not in "fiu" and arr.dtype.name != "bfloat16":
@@ -348,7 +342,7 @@ def quantize_v2(inputs, min_range, max_range, *, dtype="quint8", mode="MIN_COMBI
     ([0, 128, 255], -6.0, 6.0)
     """
     xp = array_module(inputs)
-    x = _as_float32(inputs, "inputs", xp)
+    x = as_float32(inputs, "inputs", xp)
     qt = qtype_of(dtype)
     _check_attrs(mode, round_mode)
     axis = _normalise_axis(axis, x.ndim)
@@ -582,8 +576,8 @@ def quantize_dequantize_gradient(gradients, inputs, output_min, output_max, *, a
     array([0., 1., 1.], dtype=float32)
     """
     xp = array_module(gradients, inputs)
-    g = _as_float32(gradients, "gradients", xp)
-    x = _as_float32(inputs, "inputs", xp)
+    g = as_float32(gradients, "gradients", xp)
+    x = as_float32(inputs, "inputs", xp)
     if g.shape != x.shape:
         raise OperandError(f"shape {list(g.shape)} differs from inputs shape {list(x.shape)}", operand="gradients")
     lo, hi = range_bounds(output_min, output_max, x.ndim, axis, xp)
@@ -600,8 +594,8 @@ def quantize_dequantize_backprops(gradients, inputs, lo, hi):
     Other estimators go through :func:`quantize_dequantize_view` and :mod:`qgcli.ops.estimators`.
     """
     xp = array_module(gradients, inputs)
-    g = _as_float32(gradients, "gradients", xp)
-    x = _as_float32(inputs, "inputs", xp)
+    g = as_float32(gradients, "gradients", xp)
+    x = as_float32(inputs, "inputs", xp)
     if g.shape != x.shape:
         raise OperandError(f"shape {list(g.shape)} differs from inputs shape {list(x.shape)}", operand="gradients")
     with _quiet(xp):
@@ -698,7 +692,7 @@ def plot_data(inputs, min_range, max_range, *, dtype="quint8", mode="MIN_COMBINE
               narrow_range=False, axis=None, ensure_minimum_range=0.01):
     """``(result, grid)``: the round trip and its :class:`RoundTripGrid` (what plots draw and label)."""
     xp = array_module(inputs)
-    x = _as_float32(inputs, "inputs", xp)
+    x = as_float32(inputs, "inputs", xp)
     kw = dict(dtype=dtype, mode=mode, narrow_range=narrow_range, ensure_minimum_range=ensure_minimum_range)
     result = quantize_dequantize(x, min_range, max_range, round_mode=round_mode, axis=axis, **kw)
     mn, mx = _slice_ranges(min_range, max_range, x.shape, _normalise_axis(axis, x.ndim))
@@ -718,7 +712,7 @@ def quantize_dequantize_view(inputs, min_range, max_range, *, dtype="quint8", mo
     from qgcli.ops.estimators import Quantized
 
     xp = array_module(inputs)
-    x = _as_float32(inputs, "inputs", xp)
+    x = as_float32(inputs, "inputs", xp)
     result = quantize_dequantize(x, min_range, max_range, dtype=dtype, mode=mode, round_mode=round_mode,
                                  narrow_range=narrow_range, axis=axis, ensure_minimum_range=ensure_minimum_range)
     axis = _normalise_axis(axis, x.ndim)

@@ -44,7 +44,7 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError
-from qgcli.ops.fake_quant import _quiet, as_float32
+from qgcli.ops.fake_quant import _normalise_axis, _quiet, as_float32
 
 _F32 = np.float32
 _F64 = np.float64
@@ -114,16 +114,6 @@ def _check_learnable_range(quant_min, quant_max):
     if not quant_min <= 0 <= quant_max:
         raise OperandError(f"PyTorch's learnable fake-quant gradients need quant_min <= 0 <= quant_max, got "
                            f"[{quant_min}, {quant_max}]", operand="quant_min")
-
-
-def _normalise_axis(axis, ndim):
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise OperandError(f"must be an integer, got {axis!r}", operand="axis")
-    if ndim < 1:
-        raise OperandError("per-channel quantization needs inputs of rank >= 1, got a scalar", operand="inputs")
-    if not -ndim <= axis < ndim:
-        raise OperandError(f"{axis} is out of range for inputs of rank {ndim}", operand="axis")
-    return int(axis) % ndim
 
 
 def _channel_params(x, arrays, axis, xp):
