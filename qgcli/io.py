@@ -430,18 +430,33 @@ def _h5_dataset(handle, key, label):
 def _read_h5_dataset(handle, key, label):
     node = _h5_dataset(handle, key, label)
     try:
+        if node.dtype.hasobject:
+            # Variable-length strings and sequences and references live in HDF5's global heap; no tensor
+            # is stored that way, and a damaged heap made HDF5 loop forever on the read (fuzzing found it).
+            raise FileFormatError(f"{label}: {key!r} holds {_h5_object_kind(node.dtype)}, not a tensor; "
+                                  "qgcli does not read it")
         _check_memory(int(node.size or 0) * node.dtype.itemsize, f"{label}: {key!r}")
         data = node[()]
-        bfloat16 = node.attrs.get("dtype") in ("bfloat16", b"bfloat16")
+        bfloat16 = getattr(data, "dtype", None) == np.uint16 and node.attrs.get("dtype") in ("bfloat16", b"bfloat16")
     except QgcliError:
         raise
     except CORRUPT_FILE_ERRORS as exc:
         raise FileFormatError(f"{label}: dataset {key!r} cannot be read: {_reason(exc)}") from None
-    if bfloat16 and getattr(data, "dtype", None) == np.uint16:
+    if bfloat16:
         import ml_dtypes
 
         data = data.view(ml_dtypes.bfloat16)
     return np.asarray(data)
+
+
+def _h5_object_kind(dtype):
+    import h5py
+
+    if h5py.check_string_dtype(dtype) is not None:
+        return "variable-length strings"
+    if h5py.check_vlen_dtype(dtype) is not None:
+        return "variable-length sequences"
+    return "HDF5 references" if h5py.check_ref_dtype(dtype) is not None else f"objects ({dtype})"
 
 
 def load_spec(spec, stdin=None, default_key=None):

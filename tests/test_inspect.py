@@ -292,6 +292,7 @@ def test_h5_odd_datasets_do_not_stop_the_listing(cli, tmp_path):
     assert t["empty"]["shape"] is None and t["empty"]["dtype"] == "float32" and t["empty"]["error"] is None
     assert t["record"]["min"] is None and t["record"]["shape"] == [1]
     assert (t["cplx"]["nan"], t["cplx"]["zeros"], t["cplx"]["min"]) == (1, 0, None)
-    assert t["label"]["dtype"] == "|S5" and t["label"]["mean"] is None
+    # variable-length strings are listed, not read (a damaged global heap can hang HDF5's read)
+    assert t["label"]["dtype"] == "object" and "variable-length strings" in t["label"]["error"]
     assert "virtual dataset reading" in t["virtual"]["error"] and t["virtual"]["min"] is None
     assert {"path": "named_type", "kind": "datatype", "target": "float32"} in f["links"]

@@ -76,7 +76,7 @@ ROWS = [
                            "-o", "{o}/o.h5"], 2, "inputs", "declares"),  # refused whether loaded or streamed
     # --- wrong dtypes
     ("dtype-string-h5", ["plot", "staircase", "--inputs", "{d}/odd_types.h5:string", "--min", "-1", "--max", "1",
-                         "-o", "{o}/s.png"], 2, "inputs", "dtype"),
+                         "-o", "{o}/s.png"], 2, "inputs", "holds variable-length strings, not a tensor"),
     ("dtype-compound-h5", ["fakequant", "--inputs", "{d}/odd_types.h5:compound", "--min", "-1", "--max", "1",
                            "-o", "{o}/o.h5"], 2, "inputs", "dtype"),
     ("dtype-null-dataspace", ["bn-grad", *BN_ALL[:2], "--x", "{d}/odd_types.h5:null", *BN, "-o", "{o}/o.h5"],
