@@ -204,7 +204,9 @@ class Container:
         names = []
         try:
             # HDF5's object visitor follows hard links only and visits each object once (so cycles end).
-            handle.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+            handle.visititems(lambda name, obj: names.append(
+                name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name)
+                if isinstance(obj, h5py.Dataset) else None)
         except CORRUPT_FILE_ERRORS as exc:
             self._fail(f"cannot list its datasets: {_reason(exc)}")
         return names
@@ -371,6 +373,8 @@ def _h5_resolve(handle, key, label):
     import h5py
     from h5py import h5l
 
+    if isinstance(key, bytes):  # a link name that is not UTF-8 (h5py hands those out as bytes)
+        key = key.decode("utf-8", "surrogateescape")
     todo = [p for p in reversed(key.split("/")) if p and p != "."]
     node, hops = handle, 0
     try:
@@ -394,7 +398,7 @@ def _h5_resolve(handle, key, label):
                 continue
             if kind != h5l.TYPE_HARD:
                 raise FileFormatError(f"{label}: {key!r} is a user-defined link; qgcli does not follow it")
-            node = node[part]
+            node = node[name]
     except QgcliError:
         raise
     except CORRUPT_FILE_ERRORS as exc:
