@@ -242,8 +242,8 @@ def backprops(g2, x2, grid, *, reduce, kind, launch=None):
     launch("qg_fq_leaves", leaves * depth, g2, x2, np.int64(depth), starts, lengths, lo, hi,
            slots_min, slots_max, sums_min, sums_max)
     # The leaf sums are few: add them on the host along Eigen's tree/shard recipe.
-    dmin = reduction.combine(plan.recipe, launch.to_host(sums_min), np).astype(np.float32)
-    dmax = reduction.combine(plan.recipe, launch.to_host(sums_max), np).astype(np.float32)
+    dmin = reduction.combine(plan, launch.to_host(sums_min), np).astype(np.float32)
+    dmax = reduction.combine(plan, launch.to_host(sums_max), np).astype(np.float32)
     if grid.passthrough.any():
         dmin = np.where(grid.passthrough, np.float32(0), dmin)
         dmax = np.where(grid.passthrough, np.float32(0), dmax)

@@ -16,6 +16,7 @@ the leaf sums.  Leaves are summed in batches: consecutive leaves of equal length
 columns (channels) are vectorised too.  Callers may compute leaf sums block by block and combine them at
 the end (see :func:`combine`), which keeps the working set small.
 """
+import functools
 import os
 from dataclasses import dataclass
 
@@ -44,14 +45,22 @@ def eigen_threads(n, cost, max_threads):
 
 @dataclass(frozen=True)
 class Plan:
-    """Leaves ``(start, length)`` in order, and the nested recipe that adds their sums like Eigen."""
+    """Leaves ``(start, length)`` in order, the nested recipe that adds their sums like Eigen, and that
+    recipe compiled into a few vectorised steps (see :func:`combine`)."""
 
     leaves: tuple
-    recipe: tuple  # ("shards", tail_recipe_or_None, [shard recipes]) / ("tree", left, right_or_None) / ("leaf", i)
+    recipe: tuple  # ("shards", tail_recipe_or_None, (shard recipes)) / ("tree", left, right_or_None) / ("leaf", i)
+    levels: tuple = ()  # ((nodes, lefts, rights), ...) by height: node = (0 + left) + right
+    roots: tuple = ()  # (tail or None, shard roots...) for "shards"; (root,) otherwise
 
 
 def plan(n, *, kind="flat", threads=None):
     """Plan the Eigen-order reduction of ``n`` values (``kind``: "flat" vector or strided "chip")."""
+    return _plan(int(n), kind, tf_threads() if threads is None else threads)
+
+
+@functools.lru_cache(maxsize=32)  # a 25-million-value plan has thousands of leaves: build it once
+def _plan(n, kind, threads):
     leaves = []
 
     def tree(first, count):
@@ -64,18 +73,66 @@ def plan(n, *, kind="flat", threads=None):
         right = tree(split, count - n_left) if n_left < count else None
         return ("tree", left, right)
 
-    threads = tf_threads() if threads is None else threads
     used = eigen_threads(n, COST_PER_VALUE[kind], threads) if n else 1
     if used == 1:
         recipe = tree(0, n)
-        return Plan(tuple(leaves), recipe)
-    block = int(np.floor(np.float32(n) / np.float32(used)))  # Eigen computes this in float
-    n_blocks = n // block
-    shards = [tree(i * block, block) for i in range(n_blocks)]
-    # Eigen reduces the leftover tail before adding the shards to it, so it comes last in memory order
-    # but first in the sum.
-    tail = tree(n_blocks * block, n - n_blocks * block) if n_blocks * block < n else None
-    return Plan(tuple(leaves), ("shards", tail, shards))
+    else:
+        block = int(np.floor(np.float32(n) / np.float32(used)))  # Eigen computes this in float
+        n_blocks = n // block
+        shards = tuple(tree(i * block, block) for i in range(n_blocks))
+        # Eigen reduces the leftover tail before adding the shards to it, so it comes last in memory order
+        # but first in the sum.
+        tail = tree(n_blocks * block, n - n_blocks * block) if n_blocks * block < n else None
+        recipe = ("shards", tail, shards)
+    return Plan(tuple(leaves), recipe, *_compile(recipe, len(leaves)))
+
+
+def _compile(recipe, n_leaves):
+    """Group the recipe's tree nodes by height, so each height is added in one vectorised step.
+
+    Values live in one array: leaf sums first, then tree nodes, then a row of zeros (index ``-1``) standing
+    in for a missing right half: ``(0 + left) + 0`` is ``0 + left``, since ``0 + left`` is never -0.0.
+    """
+    nodes = []  # (height, left, right)
+
+    def visit(r):
+        if r is None:
+            return None
+        if r[0] == "leaf":
+            return r[1], 0
+        left, h_left = visit(r[1])
+        right, h_right = visit(r[2]) if r[2] is not None else (-1, 0)
+        nodes.append((max(h_left, h_right) + 1, left, right))
+        return n_leaves + len(nodes) - 1, nodes[-1][0]
+
+    if recipe[0] == "shards":
+        roots = tuple(None if r is None else visit(r)[0] for r in (recipe[1], *recipe[2]))
+    else:
+        roots = (visit(recipe)[0],)
+    heights = sorted({h for h, _, _ in nodes})
+    levels = []
+    for height in heights:
+        members = [(n_leaves + i, left, right) for i, (h, left, right) in enumerate(nodes) if h == height]
+        levels.append(tuple(np.array(column, np.intp) for column in zip(*members)))
+    return tuple(levels), roots
+
+
+def combine(plan, sums, xp):
+    """Add leaf sums (``[leaves, columns]``, float32) following the plan's recipe; returns ``[columns]``."""
+    f32 = xp.float32
+    n_leaves, columns = sums.shape
+    n_nodes = sum(len(level[0]) for level in plan.levels)
+    values = xp.zeros((n_leaves + n_nodes + 1, columns), f32)
+    values[:n_leaves] = sums
+    for targets, lefts, rights in plan.levels:
+        values[targets] = (f32(0) + values[lefts]) + values[rights]
+    if plan.recipe[0] != "shards":
+        return values[plan.roots[0]]
+    tail, *shards = plan.roots
+    acc = values[tail] if tail is not None else xp.zeros(columns, f32)
+    for root in shards:
+        acc = acc + values[root]
+    return acc
 
 
 def leaf_sums(a, leaves, xp):
@@ -128,22 +185,6 @@ def _batched_leaf_sum(a, xp):
     return tail + ((half[:, 0] + half[:, 2]) + (half[:, 1] + half[:, 3]))
 
 
-def combine(recipe, sums, xp):
-    """Add leaf sums (``[leaves, columns]``) following a plan's recipe."""
-    f32 = xp.float32
-    kind = recipe[0]
-    if kind == "leaf":
-        return sums[recipe[1]]
-    if kind == "tree":
-        acc = f32(0) + combine(recipe[1], sums, xp)
-        return acc + combine(recipe[2], sums, xp) if recipe[2] is not None else acc
-    _, tail, shards = recipe
-    acc = combine(tail, sums, xp) if tail is not None else xp.zeros(sums.shape[1], f32)
-    for shard in shards:
-        acc = acc + combine(shard, sums, xp)
-    return acc
-
-
 def eigen_column_sums(a, xp, *, kind="flat", threads=None):
     """Sum each column of the float32 matrix ``a`` ([n, d]) as Eigen's full reduction would.
 
@@ -152,4 +193,4 @@ def eigen_column_sums(a, xp, *, kind="flat", threads=None):
     p = plan(a.shape[0], kind=kind, threads=threads)
     if not p.leaves or a.shape[0] == 0:
         return xp.zeros(a.shape[1], xp.float32)
-    return combine(p.recipe, leaf_sums(a, p.leaves, xp), xp).astype(xp.float32, copy=False)
+    return combine(p, leaf_sums(a, p.leaves, xp), xp).astype(xp.float32, copy=False)
