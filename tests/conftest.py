@@ -34,6 +34,18 @@ def xp(request):
     return cupy
 
 
+@pytest.fixture(params=["auto", "baseline", "numpy"])
+def kernels(request, monkeypatch):
+    """Run a CPU test under each kernel build: compiled (AVX2 where the CPU has it), compiled for baseline
+    x86-64, and the NumPy kernels.  Returns the variant that actually ran (see qgcli.ops.native)."""
+    from qgcli.ops import native
+
+    monkeypatch.setenv("QGCLI_NATIVE", {"auto": "", "baseline": "baseline", "numpy": "0"}[request.param])
+    if request.param != "numpy" and native.library() is None:
+        pytest.skip("the compiled kernels are not built here")
+    return native.variant()
+
+
 @pytest.fixture
 def runner():
     from click.testing import CliRunner

@@ -273,7 +273,7 @@ def test_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("fmt,shape", [("NHWC", (6, 50, 40, 7)), ("NCHW", (3, 9, 70, 80)), ("NCHW", (5, 3, 2, 2))])
-def test_blocking_does_not_change_results(monkeypatch, fmt, shape):
+def test_blocking_does_not_change_results(kernels, monkeypatch, fmt, shape):
     rng = np.random.default_rng(9)
     x = rng.standard_normal(shape).astype(f32)
     dy = rng.standard_normal(shape).astype(f32)

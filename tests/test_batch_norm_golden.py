@@ -114,7 +114,7 @@ def assert_correctly_rounded(out, ref, dtype):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_golden_case(golden, name):
+def test_golden_case(kernels, golden, name):
     first = golden[name]
     inputs = case(first)
     refs = {k: read(first, "ref64_" + k) for k in OUT} if "ref64_x_backprop" in first else None

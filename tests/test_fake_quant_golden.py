@@ -55,7 +55,7 @@ def test_the_golden_file_is_substantial():
 
 
 @pytest.mark.parametrize("name, attrs, data", CASES, ids=[c[0] for c in CASES])
-def test_matches_tensorflow(name, attrs, data):
+def test_matches_tensorflow(kernels, name, attrs, data):
     op = attrs["op"]
     refused = "error" in attrs or str(attrs.get("description", "")).startswith("tf-garbage:")
     if refused:

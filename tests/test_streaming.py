@@ -20,7 +20,7 @@ def _file(tmp_path, **arrays):
 
 @pytest.mark.parametrize("shape, per_channel", [((37, 29, 61), False), ((9, 13, 11, 48), True),
                                                 ((5001, 3), True), ((60001,), False)])
-def test_streamed_gradient_equals_in_memory(tmp_path, shape, per_channel):
+def test_streamed_gradient_equals_in_memory(kernels, tmp_path, shape, per_channel):
     rng = np.random.default_rng(sum(shape))
     x = (rng.standard_normal(shape) * 2).astype(f32)
     g = (rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape))).astype(f32)
@@ -44,7 +44,7 @@ def test_streamed_gradient_equals_in_memory(tmp_path, shape, per_channel):
     np.testing.assert_array_equal(np.asarray(sums["backprop_wrt_max"]).view(np.uint32), want[2].view(np.uint32))
 
 
-def test_streamed_forward_equals_in_memory(tmp_path):
+def test_streamed_forward_equals_in_memory(kernels, tmp_path):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((41, 7, 5, 16)) * 3).astype(f32)
     mn, mx = -np.linspace(0.5, 2, 16).astype(f32), np.linspace(0.7, 3, 16).astype(f32)
@@ -78,7 +78,7 @@ def test_memory_limit_errors_name_the_option(text):
 
 @pytest.mark.parametrize("data_format, training, dtype", [("NHWC", True, f32), ("NCHW", True, f32),
                                                           ("NHWC", False, f32), ("NCDHW", True, np.float16)])
-def test_streamed_batch_norm_equals_in_memory(tmp_path, data_format, training, dtype):
+def test_streamed_batch_norm_equals_in_memory(kernels, tmp_path, data_format, training, dtype):
     rng = np.random.default_rng(7)
     shape = (23, 5, 9, 7) if len(data_format) == 4 else (11, 5, 3, 4, 6)
     channels = shape[1] if data_format[1] == "C" else shape[-1]

@@ -216,8 +216,41 @@ def _blocks(acb, xp):
                 yield slice(a, a + 1), slice(b, b + step)
 
 
+def _native(xp, *arrays):
+    """The compiled kernels when they apply: float32, C-contiguous NumPy arrays (else None)."""
+    from qgcli.ops import native
+
+    if xp is not np or not all(a.dtype == _F32 and a.flags.c_contiguous for a in arrays):
+        return None
+    return native.library()
+
+
+def _native_chunks(acb):
+    """Slices of A (about 2**20 values each) for the compiled kernels, run on the thread pool."""
+    step = max(1, (1 << 20) // max(1, acb[1] * acb[2]))
+    return [slice(a, min(a + step, acb[0])) for a in range(0, acb[0], step)]
+
+
 def _channel_sums(dy3, x3, mean, acb, xp):
     """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))``, accumulated in float64."""
+    lib = _native(xp, dy3, x3)
+    if lib is not None:
+        from qgcli.ops.blocked import _map
+        from qgcli.ops.native import address
+
+        mean64 = np.ascontiguousarray(mean, _F64)
+        row = 4 * acb[1] * acb[2]
+
+        def run(a):
+            sums = np.zeros((2, acb[1]), _F64)
+            lib.qg_bn_sums(address(dy3, _F32) + a.start * row, address(x3, _F32) + a.start * row, a.stop - a.start,
+                           acb[1], acb[2], address(mean64, _F64), address(sums, _F64))
+            return sums
+
+        total = np.zeros((2, acb[1]), _F64)
+        for part in _map(run, _native_chunks(acb)):  # added in chunk order: the same bits on any thread count
+            total += part
+        return total[0], total[1]
     sum_dy = xp.zeros(acb[1], _F64)
     sum_dyxc = xp.zeros(acb[1], _F64)
     mean64 = xp.asarray(mean[:, None], _F64)
@@ -357,6 +390,23 @@ def gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_trainin
 def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp):
     """Write ``x_backprop`` into ``dx3`` block by block ([A, C, B] views; dx3's dtype is the output dtype)."""
     out_dtype = dx3.dtype
+    lib = _native(xp, dy3, x3, dx3)
+    if lib is not None:
+        from qgcli.ops.blocked import _map
+        from qgcli.ops.native import address
+
+        zeros = np.zeros(acb[1], _F64)
+        table = np.stack([zeros if v is None else v.astype(_F64)
+                          for v in (coefs.coef1, coefs.coef2, coefs.dy_mean, coefs.mean)])
+        row = 4 * acb[1] * acb[2]
+
+        def run(a):
+            offset = a.start * row
+            lib.qg_bn_dx(address(dy3, _F32) + offset, address(x3, _F32) + offset, address(dx3, _F32) + offset,
+                         a.stop - a.start, acb[1], acb[2], address(table, _F64), int(coefs.is_training))
+
+        _map(run, _native_chunks(acb))
+        return
     col = (slice(None), None)
     c1 = xp.asarray(coefs.coef1[col])
     if coefs.is_training:

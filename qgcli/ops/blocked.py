@@ -5,6 +5,8 @@ stream it through memory once per operation and allocate full-size temporaries; 
 rows goes through the whole chain while it sits in cache, writing straight into the preallocated output,
 and blocks run on a small thread pool (NumPy releases the GIL inside ufuncs).  Arithmetic and its order
 are exactly those of :mod:`qgcli.ops.fake_quant`'s array-module path, so results are bit-identical.
+Where the compiled kernels are built (:mod:`qgcli.ops.native`) each block is one C call instead of a
+chain of ufuncs: the same arithmetic in one pass.
 
 Gradient blocks are aligned with the leaves of the Eigen reduction plan (:mod:`qgcli.ops.reduction`), so
 ``backprop_wrt_min/max`` come from leaf sums computed block by block and combined at the end: no
@@ -16,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from qgcli.ops import reduction
+from qgcli.ops import native, reduction
 
 _F32 = np.float32
 BLOCK_ELEMENTS = 1 << 17  # 512 KiB of float32 per operand: the chain stays in L2/L3
@@ -79,6 +81,19 @@ def quantize(x2, params, divide, flush):
 
     nmin, nmax, scale, inv, qz, passthrough = params
     out = np.empty_like(x2)
+    lib = native.library()
+    if lib is not None:
+        rows, depth = x2.shape
+        table = _table((nmin, nmax, scale, inv, qz, passthrough), depth)
+        x_at, out_at, table_at = (native.address(a, _F32) for a in (x2, out, table))
+
+        def run_native(rng):
+            r0, r1 = rng
+            offset = 4 * r0 * depth
+            lib.qg_quantize(x_at + offset, out_at + offset, r1 - r0, depth, table_at, int(divide), int(flush))
+
+        _map(run_native, _row_ranges(rows, depth))
+        return out
 
     def run(rng):
         r0, r1 = rng
@@ -123,8 +138,9 @@ def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind):
 
 def finish_sums(plan, sums_min, sums_max, passthrough):
     """Add leaf sums along the plan; min == max == 0 channels get 0, as TF writes."""
-    dmin = reduction.combine(plan.recipe, sums_min, np).astype(_F32, copy=False)
-    dmax = reduction.combine(plan.recipe, sums_max, np).astype(_F32, copy=False)
+    depth = sums_min.shape[1]
+    both = reduction.combine(plan, np.concatenate([sums_min, sums_max], axis=1), np).astype(_F32, copy=False)
+    dmin, dmax = both[:depth], both[depth:]
     if passthrough is not None:  # a NaN gradient times a 0 mask would not give TF's 0
         dmin, dmax = np.where(passthrough, _F32(0), dmin), np.where(passthrough, _F32(0), dmax)
     return dmin, dmax
@@ -136,6 +152,9 @@ def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
     from qgcli.ops.fake_quant import flush_subnormals
 
     rows, depth = x2.shape
+    lib = native.library()
+    if lib is not None:
+        return _backprop_rows_native(lib, g2, x2, lo, hi, passthrough, leaves)
     dx = np.empty_like(g2)
     keep = None if passthrough is None else ~passthrough
     if leaves:
@@ -176,6 +195,44 @@ def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
     if not leaves:
         return dx, None, None
     return dx, np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results])
+
+
+def _table(values, depth):
+    """Per-tensor (0-d) or per-channel parameters as the rows of one float32 [len(values), depth] array
+    (None: a row of zeros), as the compiled kernels take them."""
+    table = np.empty((len(values), depth), _F32)
+    for row, value in zip(table, values):
+        row[...] = 0 if value is None else value
+    return table
+
+
+def _backprop_rows_native(lib, g2, x2, lo, hi, passthrough, leaves):
+    rows, depth = x2.shape
+    dx = np.empty_like(g2)
+    bounds = _table((lo, hi, passthrough), depth)
+    g_at, x_at, dx_at, bounds_at = (native.address(a, _F32) for a in (g2, x2, dx, bounds))
+    if not leaves:
+        def run_dx(rng):
+            r0, r1 = rng
+            offset = 4 * r0 * depth
+            lib.qg_backprop(g_at + offset, x_at + offset, dx_at + offset, r1 - r0, depth, bounds_at)
+
+        _map(run_dx, _row_ranges(rows, depth))
+        return dx, None, None
+    first = leaves[0][0]
+
+    def run(block):
+        r0, _, block_leaves = block
+        offset = 4 * (r0 - first) * depth
+        lengths = np.array([length for _, length in block_leaves], np.int64)
+        sums = np.empty((2, len(block_leaves), depth), _F32)
+        if lib.qg_backprop_leaves(g_at + offset, x_at + offset, dx_at + offset, depth, len(lengths),
+                                  native.address(lengths, np.int64), bounds_at, native.address(sums, _F32)):
+            raise MemoryError("no memory for the per-channel sums of a gradient block")
+        return sums
+
+    sums = np.concatenate(_map(run, _leaf_blocks(leaves, depth)), axis=1)
+    return dx, sums[0], sums[1]
 
 
 def _leaf_blocks(leaves, depth):

@@ -42,7 +42,9 @@ def quant_range(num_bits=8, narrow_range=False):
 def flush_subnormals(a, xp=None):
     """``a`` (float32) with subnormals replaced by zeros of the same sign, as x86 FTZ/DAZ does."""
     xp = xp or array_module(a)
-    return xp.where(xp.abs(a) < _TINY, xp.copysign(_F32(0), a), a)
+    # A product with the mask (True -> 1.0, False -> 0.0): subnormals become signed zeros, everything else,
+    # NaN included, is unchanged; half the ufunc calls of a where/copysign.
+    return a * (xp.abs(a) >= _TINY)
 
 
 def _quiet(xp):
@@ -110,7 +112,7 @@ def nudge(min, max, *, num_bits=8, narrow_range=False):
         # std::round on a value >= quant_min >= 0: half away from zero is floor(v + 0.5), exact in float64.
         rounded = np.floor(zp_from_min.astype(np.float64) + 0.5)
         zero_point = np.where(zp_from_min < qmin, quant_min, np.where(zp_from_min > qmax, quant_max, rounded))
-        zero_point = np.nan_to_num(zero_point, nan=0.0).astype(_F32)
+        zero_point = np.where(np.isnan(zero_point), 0.0, zero_point).astype(_F32)
         nudged_min = flush_subnormals((qmin - zero_point) * scale, np)
         nudged_max = flush_subnormals((qmax - zero_point) * scale, np)
         quant_zero = np.floor(flush_subnormals(flush_subnormals(-nudged_min * inv_scale, np) + _F32(0.5), np))

@@ -1,0 +1,287 @@
+/* Compiled CPU kernels for qgcli (optional: without them the NumPy path in blocked.py runs, same bits).
+ *
+ * Plain C functions called through ctypes (which releases the GIL, so Python's thread pool keeps both
+ * cores busy).  Each call handles one block of rows in a single pass: the fake-quant gradient writes
+ * backprops_wrt_input *and* accumulates Eigen's packet sums of the below/above products while the block is
+ * in cache.  The arithmetic is TensorFlow's operation for operation in float32 (tf_semantics.md §1),
+ * compiled with -ffp-contract=off so no a * b + c becomes an FMA.  On x86-64 the file is built twice,
+ * for baseline x86-64 and with -mavx2 (the loader picks the one the CPU runs): the same bits, but only
+ * AVX2's roundps and wider vectors keep the forward pass at memory speed.  The module init at the end
+ * only exists so setuptools can build this as an extension; Python never imports it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QG_TINY 1.17549435e-38f /* smallest normal float32 */
+#define QG_INTEGRAL 8388608.0f  /* 2**23: every float32 at or above it is an integer */
+
+/* x86 FTZ/DAZ, as TF's threads run: a subnormal becomes a zero of the same sign. */
+static inline float qg_flush(float v) { return fabsf(v) < QG_TINY ? copysignf(0.0f, v) : v; }
+
+/* floorf as one instruction where the target has SSE4.1's roundps; otherwise the same value without a
+ * libm call (an exact trunc-and-correct), so the loops still vectorize on baseline x86-64. */
+static inline float qg_floor(float v) {
+#if defined(__SSE4_1__) || !defined(__x86_64__)
+    return floorf(v);
+#else
+    int small = fabsf(v) < QG_INTEGRAL; /* larger floats, infinities and NaN are their own floor */
+    float c = small ? v : 0.0f;
+    float t = (float)(int32_t)c;
+    t = t > c ? t - 1.0f : t;
+    return small ? copysignf(t, v) : v;
+#endif
+}
+
+/* TF: floor(((clamp(x) - nudged_min) * inv_scale - quant_zero) + 0.5) * scale; Vars divides by scale. */
+static inline float qg_forward(float x, float nmin, float nmax, float scale, float inv, float qz,
+                               float passthrough, int divide, int flush) {
+    float v = (nmax < x) ? nmax : x; /* Eigen cwiseMin: a NaN input stays NaN */
+    v = (v < nmin) ? nmin : v;       /* cwiseMax */
+    if (flush) v = qg_flush(v);
+    v = v - nmin;
+    v = divide ? v / scale : v * inv;
+    v = qg_floor((v - qz) + 0.5f) * scale;
+    return passthrough != 0.0f ? 0.0f : v;
+}
+
+/* The loops with `divide` and `flush` constant, so each variant vectorizes without branches. */
+static inline __attribute__((always_inline)) void qg_quantize_rows(
+    const float *restrict x, float *restrict out, int64_t rows, int64_t depth, const float *restrict nmin,
+    const float *restrict nmax, const float *restrict scale, const float *restrict inv,
+    const float *restrict qz, const float *restrict passthrough, const int divide, const int flush) {
+    if (depth == 1) {
+        float a = nmin[0], b = nmax[0], s = scale[0], i = inv[0], q = qz[0], p = passthrough[0];
+        for (int64_t k = 0; k < rows; ++k) out[k] = qg_forward(x[k], a, b, s, i, q, p, divide, flush);
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < depth; ++c)
+            out[r * depth + c] = qg_forward(x[r * depth + c], nmin[c], nmax[c], scale[c], inv[c], qz[c],
+                                            passthrough[c], divide, flush);
+}
+
+/* params: [6][depth] rows nudged_min, nudged_max, scale, inv_scale, quant_zero, passthrough (1.0 or 0.0). */
+void qg_quantize(const float *restrict x, float *restrict out, int64_t rows, int64_t depth,
+                 const float *restrict params, int divide, int flush) {
+    const float *nmin = params, *nmax = params + depth, *scale = params + 2 * depth, *inv = params + 3 * depth,
+                *qz = params + 4 * depth, *passthrough = params + 5 * depth;
+    if (divide && flush) qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 1, 1);
+    else if (divide) qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 1, 0);
+    else if (flush) qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 0, 1);
+    else qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 0, 0);
+}
+
+/* g * (lo <= x <= hi) as a product (g * 0 keeps -0.0 and NaN, as TF); min == max == 0 channels copy g. */
+static inline float qg_dx(float g, float x, float lo, float hi, float passthrough) {
+    float v = qg_flush(g) * ((x >= lo && x <= hi) ? 1.0f : 0.0f);
+    return passthrough != 0.0f ? g : v;
+}
+
+static inline float qg_below(float g, float x, float lo) { return qg_flush(g) * ((x < lo) ? 1.0f : 0.0f); }
+static inline float qg_above(float g, float x, float hi) { return qg_flush(g) * ((x > hi) ? 1.0f : 0.0f); }
+
+/* bounds: [3][depth] rows lo, hi (the DAZ-adjusted mask bounds) and passthrough (1.0 or 0.0). */
+void qg_backprop(const float *restrict g, const float *restrict x, float *restrict dx, int64_t rows, int64_t depth,
+                 const float *restrict bounds) {
+    const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
+    if (depth == 1) {
+        for (int64_t k = 0; k < rows; ++k) dx[k] = qg_dx(g[k], x[k], lo[0], hi[0], passthrough[0]);
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < depth; ++c) {
+            int64_t k = r * depth + c;
+            dx[k] = qg_dx(g[k], x[k], lo[c], hi[c], passthrough[c]);
+        }
+}
+
+/* Eigen's end of a leaf: p0 = ((acc0 + acc1) + acc2) + acc3 lane by lane (0 without a 32-value body),
+ * leftover whole packets added to p0, the scalar tail summed alone, then
+ * tail + ((p0[0] + p0[4]) + (p0[2] + p0[6])) + ((p0[1] + p0[5]) + (p0[3] + p0[7])). */
+static inline float qg_leaf_total(const float *restrict p0, float tail) {
+    float h0 = p0[0] + p0[4], h1 = p0[1] + p0[5], h2 = p0[2] + p0[6], h3 = p0[3] + p0[7];
+    return tail + ((h0 + h2) + (h1 + h3));
+}
+
+/* One value per row (per-tensor gradient, or a single channel): a leaf is `length` consecutive values. */
+static void qg_leaf_flat(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length, float lo, float hi,
+                         float passthrough, float *restrict sum_min, float *restrict sum_max) {
+    float acc_min[32] = {0}, acc_max[32] = {0};
+    int64_t body = length / 32 * 32, whole = length / 8 * 8;
+    for (int64_t j = 0; j < body; j += 32)
+        for (int s = 0; s < 32; ++s) {
+            float gv = g[j + s], xv = x[j + s];
+            dx[j + s] = qg_dx(gv, xv, lo, hi, passthrough);
+            acc_min[s] += qg_below(gv, xv, lo);
+            acc_max[s] += qg_above(gv, xv, hi);
+        }
+    float p_min[8], p_max[8];
+    for (int l = 0; l < 8; ++l) {
+        p_min[l] = body ? ((acc_min[l] + acc_min[8 + l]) + acc_min[16 + l]) + acc_min[24 + l] : 0.0f;
+        p_max[l] = body ? ((acc_max[l] + acc_max[8 + l]) + acc_max[16 + l]) + acc_max[24 + l] : 0.0f;
+    }
+    float t_min = 0.0f, t_max = 0.0f;
+    for (int64_t j = body; j < length; ++j) {
+        dx[j] = qg_dx(g[j], x[j], lo, hi, passthrough);
+        float b = qg_below(g[j], x[j], lo), a = qg_above(g[j], x[j], hi);
+        if (j < whole) {
+            p_min[j & 7] += b;
+            p_max[j & 7] += a;
+        } else {
+            t_min += b;
+            t_max += a;
+        }
+    }
+    *sum_min = qg_leaf_total(p_min, t_min);
+    *sum_max = qg_leaf_total(p_max, t_max);
+}
+
+/* Rows of `depth` channels: the same packet sums, down each column.  `acc` holds 2 * 41 * depth floats. */
+static void qg_leaf_columns(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length, int64_t depth,
+                            const float *restrict lo, const float *restrict hi, const float *restrict passthrough, float *restrict acc,
+                            float *restrict sums_min, float *restrict sums_max) {
+    float *restrict acc_min = acc, *acc_max = acc + 32 * depth;           /* [32][depth] each */
+    float *restrict p_min = acc + 64 * depth, *p_max = acc + 72 * depth;  /* [8][depth] each */
+    float *restrict t_min = acc + 80 * depth, *t_max = acc + 81 * depth;  /* [depth] each */
+    int64_t body = length / 32 * 32, whole = length / 8 * 8;
+    memset(acc, 0, sizeof(float) * 82 * (size_t)depth);
+    for (int64_t j = 0; j < body; ++j) {
+        const float *restrict gr = g + j * depth, *xr = x + j * depth;
+        float *restrict dr = dx + j * depth, *am = acc_min + (j & 31) * depth, *ax = acc_max + (j & 31) * depth;
+        for (int64_t c = 0; c < depth; ++c) {
+            dr[c] = qg_dx(gr[c], xr[c], lo[c], hi[c], passthrough[c]);
+            am[c] += qg_below(gr[c], xr[c], lo[c]);
+            ax[c] += qg_above(gr[c], xr[c], hi[c]);
+        }
+    }
+    if (body)
+        for (int l = 0; l < 8; ++l)
+            for (int64_t c = 0; c < depth; ++c) {
+                const float *restrict m = acc_min + c, *a = acc_max + c;
+                p_min[l * depth + c] = ((m[l * depth] + m[(8 + l) * depth]) + m[(16 + l) * depth]) + m[(24 + l) * depth];
+                p_max[l * depth + c] = ((a[l * depth] + a[(8 + l) * depth]) + a[(16 + l) * depth]) + a[(24 + l) * depth];
+            }
+    for (int64_t j = body; j < length; ++j) {
+        const float *restrict gr = g + j * depth, *xr = x + j * depth;
+        float *restrict dr = dx + j * depth;
+        float *restrict pm = j < whole ? p_min + (j & 7) * depth : t_min, *pa = j < whole ? p_max + (j & 7) * depth : t_max;
+        for (int64_t c = 0; c < depth; ++c) {
+            dr[c] = qg_dx(gr[c], xr[c], lo[c], hi[c], passthrough[c]);
+            pm[c] += qg_below(gr[c], xr[c], lo[c]);
+            pa[c] += qg_above(gr[c], xr[c], hi[c]);
+        }
+    }
+    for (int64_t c = 0; c < depth; ++c) {
+        float lanes_min[8], lanes_max[8];
+        for (int l = 0; l < 8; ++l) {
+            lanes_min[l] = p_min[l * depth + c];
+            lanes_max[l] = p_max[l * depth + c];
+        }
+        sums_min[c] = qg_leaf_total(lanes_min, t_min[c]);
+        sums_max[c] = qg_leaf_total(lanes_max, t_max[c]);
+    }
+}
+
+/* backprops_wrt_input for the rows of `n_leaves` consecutive leaves (lengths in rows) starting at g/x/dx,
+ * and each leaf's Eigen sums of the below/above products into sums ([2][n_leaves][depth]); bounds as in
+ * qg_backprop.
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int qg_backprop_leaves(const float *restrict g, const float *restrict x, float *restrict dx, int64_t depth,
+                       int64_t n_leaves, const int64_t *restrict lengths, const float *restrict bounds,
+                       float *restrict sums) {
+    const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
+    float *sums_min = sums, *sums_max = sums + n_leaves * depth;
+    float *restrict acc = NULL;
+    if (depth > 1 && !(acc = malloc(sizeof(float) * 82 * (size_t)depth))) return -1;
+    for (int64_t i = 0; i < n_leaves; ++i) {
+        if (depth == 1)
+            qg_leaf_flat(g, x, dx, lengths[i], lo[0], hi[0], passthrough[0], sums_min + i, sums_max + i);
+        else
+            qg_leaf_columns(g, x, dx, lengths[i], depth, lo, hi, passthrough, acc, sums_min + i * depth,
+                            sums_max + i * depth);
+        g += lengths[i] * depth;
+        x += lengths[i] * depth;
+        dx += lengths[i] * depth;
+    }
+    free(acc);
+    return 0;
+}
+
+/* --- FusedBatchNormGrad on [A, C, B] float32 blocks (channels-last: B == 1), float64 arithmetic ------ */
+
+/* Adds this block's per-channel sum(dy) and sum(dy * (x - mean)) to sums[0] and sums[1] ([2][C]). */
+void qg_bn_sums(const float *restrict dy, const float *restrict x, int64_t a_len, int64_t c_len, int64_t b_len,
+                const double *restrict mean, double *restrict sums) {
+    double *sum_dy = sums, *sum_dyxc = sums + c_len;
+    if (b_len == 1) { /* channels last: run along the channels of each row */
+        for (int64_t a = 0; a < a_len; ++a)
+            for (int64_t c = 0; c < c_len; ++c) {
+                double d = (double)dy[a * c_len + c];
+                sum_dy[c] += d;
+                sum_dyxc[c] += d * ((double)x[a * c_len + c] - mean[c]);
+            }
+        return;
+    }
+    for (int64_t a = 0; a < a_len; ++a)
+        for (int64_t c = 0; c < c_len; ++c) {
+            const float *restrict d = dy + (a * c_len + c) * b_len, *v = x + (a * c_len + c) * b_len;
+            double s = 0.0, sx = 0.0, m = mean[c];
+            for (int64_t b = 0; b < b_len; ++b) {
+                s += (double)d[b];
+                sx += (double)d[b] * ((double)v[b] - m);
+            }
+            sum_dy[c] += s;
+            sum_dyxc[c] += sx;
+        }
+}
+
+/* x_backprop = coef1 * ((dy - dy_mean) - (x - mean) * coef2) in training, coef1 * dy in inference; each
+ * value rounded once to float32, the same operations in the same order as the NumPy path.  coefs: [4][C]
+ * rows coef1, coef2, dy_mean, mean (the last three unused in inference). */
+void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict dx, int64_t a_len, int64_t c_len,
+              int64_t b_len, const double *restrict coefs, int training) {
+    const double *coef1 = coefs, *coef2 = coefs + c_len, *dy_mean = coefs + 2 * c_len, *mean = coefs + 3 * c_len;
+    if (b_len == 1) {
+        for (int64_t a = 0; a < a_len; ++a)
+            for (int64_t c = 0; c < c_len; ++c) {
+                double d = (double)dy[a * c_len + c];
+                dx[a * c_len + c] = (float)(training ? ((d - dy_mean[c]) - ((double)x[a * c_len + c] - mean[c]) * coef2[c]) * coef1[c]
+                                                     : d * coef1[c]);
+            }
+        return;
+    }
+    for (int64_t a = 0; a < a_len; ++a)
+        for (int64_t c = 0; c < c_len; ++c) {
+            int64_t base = (a * c_len + c) * b_len;
+            double c1 = coef1[c], c2 = training ? coef2[c] : 0.0, dm = training ? dy_mean[c] : 0.0,
+                   m = training ? mean[c] : 0.0;
+            for (int64_t b = 0; b < b_len; ++b) {
+                double d = (double)dy[base + b];
+                dx[base + b] = (float)(training ? ((d - dm) - ((double)x[base + b] - m) * c2) * c1 : d * c1);
+            }
+        }
+}
+
+/* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
+int qg_cpu_has_avx2(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* Only so that setuptools can build this file as an extension module; qgcli loads it with ctypes. */
+#include <Python.h>
+#ifndef QG_MODULE
+#define QG_MODULE _kernels
+#endif
+#define QG_CAT(a, b) a##b
+#define QG_INIT(module) QG_CAT(PyInit_, module)
+#define QG_STR(module) #module
+#define QG_NAME(module) QG_STR(module)
+static struct PyModuleDef qg_module = {PyModuleDef_HEAD_INIT, QG_NAME(QG_MODULE), NULL, -1, NULL};
+PyMODINIT_FUNC QG_INIT(QG_MODULE)(void) { return PyModule_Create(&qg_module); }

@@ -1,0 +1,83 @@
+"""The optional compiled CPU kernels (``qgcli/ops/_kernels.c``), loaded with ctypes.
+
+:func:`library` returns the loaded kernels, or None when they were not built (no C compiler at install
+time) or ``QGCLI_NATIVE=0`` is set; callers then run the NumPy kernels, which give the same bits.  The
+AVX2 build is used where the CPU has AVX2, unless ``QGCLI_NATIVE=baseline``.  ctypes releases the GIL
+during each call, so blocks still run on both cores.
+"""
+import ctypes
+import importlib.machinery
+import os
+import threading
+
+import numpy as np
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# Arrays are passed as raw addresses (see address()): ctypes' own array checks cost more than a small op.
+_SIGNATURES = {
+    "qg_quantize": (None, [_P, _P, _I64, _I64, _P, _INT, _INT]),
+    "qg_backprop": (None, [_P, _P, _P, _I64, _I64, _P]),
+    "qg_backprop_leaves": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _P]),
+    "qg_bn_sums": (None, [_P, _P, _I64, _I64, _I64, _P, _P]),
+    "qg_bn_dx": (None, [_P, _P, _P, _I64, _I64, _I64, _P, _INT]),
+    "qg_cpu_has_avx2": (_INT, []),
+}
+_lock = threading.Lock()
+_loaded = {}  # build name -> CDLL, or None where it is missing or does not load
+
+
+def library():
+    """The compiled kernels, or None (not built, or disabled with ``QGCLI_NATIVE=0``)."""
+    choice = os.environ.get("QGCLI_NATIVE", "")
+    if choice == "0":
+        return None
+    baseline = _build("_kernels")
+    if baseline is None or choice == "baseline" or not _has_avx2(baseline):
+        return baseline
+    return _build("_kernels_avx2") or baseline
+
+
+_avx2 = {}
+
+
+def _has_avx2(baseline):
+    if "cpu" not in _avx2:
+        _avx2["cpu"] = bool(baseline.qg_cpu_has_avx2())
+    return _avx2["cpu"]
+
+
+def address(a, dtype):
+    """The address of ``a``'s data, after checking what the C code assumes: its dtype and C order."""
+    if a.dtype != dtype or not a.flags.c_contiguous:
+        raise TypeError(f"the compiled kernels need a C-contiguous {np.dtype(dtype)} array, got {a.dtype}")
+    return a.__array_interface__["data"][0]
+
+
+def variant():
+    """Which kernels :func:`library` runs: "avx2", "baseline" or "numpy" (for benchmarks and reports)."""
+    lib = library()
+    return "numpy" if lib is None else ("avx2" if lib is _loaded.get("_kernels_avx2") else "baseline")
+
+
+def _build(name):
+    if name not in _loaded:
+        with _lock:
+            if name not in _loaded:
+                _loaded[name] = _load(name)
+    return _loaded[name]
+
+
+def _load(name):
+    here = os.path.dirname(__file__)
+    paths = [os.path.join(here, name + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    path = next((p for p in paths if os.path.exists(p)), None)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    for fn_name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, fn_name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

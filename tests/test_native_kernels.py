@@ -1,0 +1,137 @@
+"""The compiled kernels (qgcli/ops/_kernels.c) against the NumPy kernels: the same bits on every path.
+
+TF's golden cases run under every kernel build (the ``kernels`` fixture); these add shapes the golden file
+has few of: leaf and shard boundaries of the Eigen plan, many channels, min == max == 0 channels, the
+subnormal-flush forward, and the thread count.
+"""
+import shutil
+import sysconfig
+
+import numpy as np
+import pytest
+
+from qgcli import ops
+from qgcli.ops import native
+
+f32 = np.float32
+
+
+def test_kernels_are_built_where_a_compiler_exists():
+    # pip builds them with the C compiler Python was built with; a silent fallback would only be slower.
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) here")
+    assert native.library() is not None, "qgcli/ops/_kernels.c was not built (pip install -e . rebuilds it)"
+
+
+def test_environment_switch(monkeypatch):
+    monkeypatch.setenv("QGCLI_NATIVE", "0")
+    assert native.library() is None and native.variant() == "numpy"
+    monkeypatch.setenv("QGCLI_NATIVE", "baseline")
+    assert native.variant() in ("baseline", "numpy")
+
+
+def hostile(rng, shape, scale=2.0):
+    """Normal values with NaN, +-inf, signed zeros, subnormals and values on the nudged bounds mixed in."""
+    x = (rng.standard_normal(shape) * scale).astype(f32)
+    flat = x.reshape(-1)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 3e-39, -1.5, 1.0, 2.5, -2.0], f32)
+    picks = rng.integers(0, flat.size, size=max(1, flat.size // 50))
+    flat[picks] = rng.choice(specials, size=picks.size)
+    return x
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a, f32), np.asarray(b, f32)
+    assert a.shape == b.shape
+    nan = np.isnan(a)
+    assert np.array_equal(nan, np.isnan(b))  # NaN signs are not part of TF's semantics
+    assert np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan])
+
+
+def both(monkeypatch, fn):
+    monkeypatch.setenv("QGCLI_NATIVE", "0")
+    want = fn()
+    monkeypatch.setenv("QGCLI_NATIVE", "")
+    got = fn()
+    return got, want
+
+
+needs_kernels = pytest.mark.skipif(native.library() is None, reason="the compiled kernels are not built here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 31, 33, 8191, 8192, 8193, 16_391, 50_150, 50_151, 50_152, 131_075])
+def test_per_tensor_gradient_at_leaf_and_shard_boundaries(monkeypatch, n):
+    rng = np.random.default_rng(n)
+    g, x = hostile(rng, n), hostile(rng, n)
+    for lo_hi in ((-1.5, 1.0), (0.0, 2.5), (-2.0, 0.0), (0.0, 0.0)):
+        got, want = both(monkeypatch, lambda: ops.fake_quant_with_min_max_vars_gradient(g, x, *lo_hi))
+        for a, b in zip(got, want):
+            same_bits(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, depth", [(44_800, 3), (44_801, 3), (8193, 64), (300, 1), (7, 3000)])
+def test_per_channel_gradient_and_forward(monkeypatch, rows, depth):
+    rng = np.random.default_rng(rows + depth)
+    g, x = hostile(rng, (rows, depth)), hostile(rng, (rows, depth))
+    mn = -rng.uniform(0.5, 2, depth).astype(f32)
+    mx = rng.uniform(0.5, 2, depth).astype(f32)
+    mn[::5], mx[::5] = 0.0, 0.0  # TF's min == max == 0: forward zeros, gradient copied
+    mn[1::7] = 0.0  # ranges starting at 0
+    for bits, narrow in ((8, False), (2, True), (16, False)):
+        kw = dict(num_bits=bits, narrow_range=narrow)
+        got, want = both(monkeypatch, lambda: ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, mn, mx, **kw))
+        for a, b in zip(got, want):
+            same_bits(a, b)
+        got, want = both(monkeypatch, lambda: ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx, **kw))
+        same_bits(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("lo_hi", [(-6.0, 6.0), (-1e-30, 1e-30), (0.25, 3.0), (-7.0, -0.5)])
+def test_per_tensor_forward_and_args_gradient(monkeypatch, lo_hi):
+    # (-1e-30, 1e-30): a grid step this small makes the forward flush subnormal clamped values, as TF.
+    rng = np.random.default_rng(3)
+    x, g = hostile(rng, (3, 4099), scale=lo_hi[1] * 2), hostile(rng, (3, 4099))
+    for bits in (2, 8, 16):
+        for fn in (lambda: ops.fake_quant_with_min_max_vars(x, *lo_hi, num_bits=bits),
+                   lambda: ops.fake_quant_with_min_max_args(x, *lo_hi, num_bits=bits),
+                   lambda: ops.fake_quant_with_min_max_args_gradient(g, x, *lo_hi, num_bits=bits)):
+            got, want = both(monkeypatch, fn)
+            same_bits(got, want)
+
+
+@needs_kernels
+def test_thread_count_does_not_change_bits(monkeypatch):
+    rng = np.random.default_rng(5)
+    g, x = hostile(rng, (8, 8, 40, 24)), hostile(rng, (8, 8, 40, 24))
+    mn, mx = np.full(24, -1.0, f32), np.full(24, 1.5, f32)
+    results = []
+    for threads in ("1", "2", "5"):
+        monkeypatch.setenv("QGCLI_THREADS", threads)
+        results.append(ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, mn, mx)
+                       + (ops.fused_batch_norm_grad(g, x, np.ones(24, f32), mn, mx + 2)[0],))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            same_bits(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt, shape", [("NHWC", (4, 33, 17, 40)), ("NCHW", (3, 6, 50, 70)), ("NCDHW", (1, 3, 4, 5, 1001))])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_matches_the_numpy_path(monkeypatch, fmt, shape, training):
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(f32)
+    dy = rng.standard_normal(shape).astype(f32)
+    c = shape[1] if fmt[1] == "C" else shape[-1]
+    axes = tuple(i for i in range(len(shape)) if i != (1 if fmt[1] == "C" else len(shape) - 1))
+    mean, var = x.mean(axis=axes, dtype=np.float64).astype(f32), x.var(axis=axes, dtype=np.float64).astype(f32)
+    scale = rng.uniform(0.5, 2, c).astype(f32)
+    got, want = both(monkeypatch, lambda: ops.fused_batch_norm_grad(dy, x, scale, mean, var, epsilon=1e-3,
+                                                                    data_format=fmt, is_training=training))
+    # Both sum in float64, in different orders: the float32 results may differ in the last bit only.
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == f32
+        assert np.max(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))) <= 1
