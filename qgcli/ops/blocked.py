@@ -102,7 +102,7 @@ def quantize(x2, params, divide, flush):
             np.minimum(xb, nmax, out=ob)
             np.maximum(ob, nmin, out=ob)
             if flush:
-                np.copyto(ob, flush_subnormals(ob, np))
+                np.copyto(ob, flush_subnormals(ob))
             np.subtract(ob, nmin, out=ob)
             if divide:
                 np.divide(ob, scale, out=ob)
@@ -167,7 +167,7 @@ def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
         r0, r1, block_leaves = block
         gb, xb, db = g2[r0:r1], x2[r0:r1], dx[r0:r1]
         if _has_subnormal(gb):
-            gb = flush_subnormals(gb, np)
+            gb = flush_subnormals(gb)
         # Masks are computed straight into float32 (1.0 / 0.0): a float*float product is 3x faster than
         # float*bool, and no separate cast pass is needed.
         weight = np.greater_equal(xb, lo, out=_scratch("weight", xb.shape, _F32))

@@ -196,7 +196,7 @@ def tf_view(inputs, min, max, *, num_bits=8, narrow_range=False, variant="vars",
         # min == max == 0: TF's gradient passes through (whatever _masks reports for statistics there).
         pt = xp.asarray(grid.passthrough)
         inside, below, above = inside | pt, below & ~pt, above & ~pt
-    xf = flush_subnormals(x, xp)
+    xf = flush_subnormals(x)
     with _quiet(xp):
         residual = xp.subtract(outputs, xf, dtype=_F32)
         inv = (_F32(1) / grid.scale).astype(_F32)
@@ -222,7 +222,7 @@ def _upstream(gradients, view, xp):
 
 
 def _finish(a, view, xp):
-    return flush_subnormals(a, xp) if view.flush else a
+    return flush_subnormals(a) if view.flush else a
 
 
 def _reduce(a, view, xp):
@@ -242,7 +242,7 @@ def straight_through(gradients, view):
     xp = array_module(view.inputs)
     g = _upstream(gradients, view, xp)
     with _quiet(xp):
-        dy = flush_subnormals(g, xp) if view.flush else g
+        dy = flush_subnormals(g) if view.flush else g
         return view.restore(xp.multiply(dy, view.inside, dtype=_F32))
 
 
@@ -266,7 +266,7 @@ def scaled(gradients, view, gain=1.0, leak=None):
     xp = array_module(view.inputs)
     g = _upstream(gradients, view, xp)
     with _quiet(xp):
-        dy = flush_subnormals(g, xp) if view.flush else g
+        dy = flush_subnormals(g) if view.flush else g
         factor = xp.where(view.inside, _F32(gain), _F32(leak))
         return view.restore(_finish(xp.multiply(dy, factor, dtype=_F32), view, xp))
 
@@ -285,7 +285,7 @@ def ewgs(gradients, view, delta):
     xp = array_module(view.inputs)
     g = _upstream(gradients, view, xp)
     with _quiet(xp):
-        dy = flush_subnormals(g, xp) if view.flush else g
+        dy = flush_subnormals(g) if view.flush else g
         width = xp.subtract(view.hi, view.lo, dtype=_F32)
         diff = xp.where(view.inside, xp.divide(-view.residual, width, dtype=_F32), _F32(0))
         factor = xp.add(_F32(1), xp.multiply(xp.multiply(_F32(delta), xp.sign(dy), dtype=_F32), diff, dtype=_F32),
@@ -309,7 +309,7 @@ def pact(gradients, view):
     xp = array_module(view.inputs)
     g = _upstream(gradients, view, xp)
     with _quiet(xp):
-        dy = flush_subnormals(g, xp) if view.flush else g
+        dy = flush_subnormals(g) if view.flush else g
         top = view.inputs >= view.hi
         dx = xp.multiply(dy, view.inside & ~top, dtype=_F32)
         dalpha = _reduce(xp.multiply(dy, top, dtype=_F32), view, xp)
@@ -349,7 +349,7 @@ def lsq(gradients, view, grad_factor=None):
     g = _upstream(gradients, view, xp)
     gf = _F32(grad_factor)
     with _quiet(xp):
-        dy = flush_subnormals(g, xp) if view.flush else g
+        dy = flush_subnormals(g) if view.flush else g
         dx = xp.multiply(dy, view.inside, dtype=_F32)
         small = xp.subtract(_F32(view.quant_min), view.zero_point, dtype=_F32)
         big = xp.subtract(_F32(view.quant_max), view.zero_point, dtype=_F32)

@@ -16,6 +16,7 @@ bounds) these functions refuse with an :class:`~qgcli.errors.OperandError`; ``mi
 TensorFlow's meaning (forward gives zeros, gradient passes through).
 """
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,12 +40,13 @@ def quant_range(num_bits=8, narrow_range=False):
     return (1 if narrow_range else 0), (1 << int(num_bits)) - 1
 
 
-def flush_subnormals(a, xp=None):
-    """``a`` (float32) with subnormals replaced by zeros of the same sign, as x86 FTZ/DAZ does."""
-    xp = xp or array_module(a)
-    # A product with the mask (True -> 1.0, False -> 0.0): subnormals become signed zeros, everything else,
-    # NaN included, is unchanged; half the ufunc calls of a where/copysign.
-    return a * (xp.abs(a) >= _TINY)
+def flush_subnormals(a):
+    """``a`` (float32) with subnormals replaced by zeros of the same sign, as x86 FTZ/DAZ does.
+
+    A product with the mask (True -> 1.0, False -> 0.0): subnormals become signed zeros, everything else,
+    NaN included, is unchanged.  Operators only, so it works on NumPy/CuPy arrays and float32 scalars.
+    """
+    return a * (abs(a) >= _TINY)
 
 
 def _quiet(xp):
@@ -100,29 +102,31 @@ def nudge(min, max, *, num_bits=8, narrow_range=False):
     quant_min, quant_max = quant_range(num_bits, narrow_range)
     from qgcli.backend import to_numpy
 
-    mn = flush_subnormals(np.asarray(to_numpy(min), _F32), np)
-    mx = flush_subnormals(np.asarray(to_numpy(max), _F32), np)
+    # 0-d ranges become float32 scalars: their operators cost a tenth of a 0-d array's ufunc calls, and
+    # float32 scalar arithmetic rounds exactly as float32 array arithmetic does.
+    mn = flush_subnormals(np.asarray(to_numpy(min), _F32)[()])
+    mx = flush_subnormals(np.asarray(to_numpy(max), _F32)[()])
     qmin, qmax = _F32(quant_min), _F32(quant_max)
     levels = _F32(qmax - qmin)
     with np.errstate(all="ignore"):
-        width = flush_subnormals(mx - mn, np)
-        scale = flush_subnormals(width / levels, np)
-        inv_scale = flush_subnormals(levels / width, np)
-        zp_from_min = flush_subnormals(qmin - flush_subnormals(mn / scale, np), np)
-        # std::round on a value >= quant_min >= 0: half away from zero is floor(v + 0.5), exact in float64.
-        rounded = np.floor(zp_from_min.astype(np.float64) + 0.5)
-        zero_point = np.where(zp_from_min < qmin, quant_min, np.where(zp_from_min > qmax, quant_max, rounded))
-        zero_point = np.where(np.isnan(zero_point), 0.0, zero_point).astype(_F32)
-        nudged_min = flush_subnormals((qmin - zero_point) * scale, np)
-        nudged_max = flush_subnormals((qmax - zero_point) * scale, np)
-        quant_zero = np.floor(flush_subnormals(flush_subnormals(-nudged_min * inv_scale, np) + _F32(0.5), np))
+        width = flush_subnormals(mx - mn)
+        scale = flush_subnormals(width / levels)
+        inv_scale = flush_subnormals(levels / width)
+        zp_from_min = flush_subnormals(qmin - flush_subnormals(mn / scale))
+        # std::round on a value >= quant_min >= 0: half away from zero is floor(v + 0.5), exact in float64;
+        # clamping the rounded value equals TF's clamp-then-round, since quant_min/max are integers.
+        rounded = np.floor(np.float64(0.5) + zp_from_min)
+        zero_point = np.minimum(np.maximum(rounded, quant_min), quant_max)
+        zero_point = np.where(zero_point == zero_point, zero_point, 0.0).astype(_F32)  # NaN -> 0, as TF
+        nudged_min = flush_subnormals((qmin - zero_point) * scale)
+        nudged_max = flush_subnormals((qmax - zero_point) * scale)
+        quant_zero = np.floor(flush_subnormals(flush_subnormals(-nudged_min * inv_scale) + _F32(0.5)))
+    f32 = functools.partial(np.asarray, dtype=_F32)
     return Grid(
-        min=mn, max=mx, num_bits=int(num_bits), narrow_range=bool(narrow_range),
-        quant_min=quant_min, quant_max=quant_max,
-        scale=scale.astype(_F32), inv_scale=inv_scale.astype(_F32),
-        zero_point_from_min=zp_from_min.astype(_F32), zero_point=zero_point,
-        nudged_min=nudged_min.astype(_F32), nudged_max=nudged_max.astype(_F32),
-        quant_zero=quant_zero.astype(_F32), passthrough=(mn == 0) & (mx == 0),
+        min=f32(mn), max=f32(mx), num_bits=int(num_bits), narrow_range=bool(narrow_range),
+        quant_min=quant_min, quant_max=quant_max, scale=f32(scale), inv_scale=f32(inv_scale),
+        zero_point_from_min=f32(zp_from_min), zero_point=zero_point, nudged_min=f32(nudged_min),
+        nudged_max=f32(nudged_max), quant_zero=f32(quant_zero), passthrough=np.asarray((mn == 0) & (mx == 0)),
     )
 
 
@@ -274,7 +278,7 @@ def _backprops(gradients, x, grid, xp, *, reduce):
 
 def _args_grid(min, max, num_bits, narrow_range):
     # TF attributes are 32-bit floats, compared under DAZ (so [-1e-40, 0] is an empty range).
-    mn, mx = (flush_subnormals(np.asarray(v, _F32), np)[()] for v in (min, max))
+    mn, mx = (flush_subnormals(np.asarray(v, _F32))[()] for v in (min, max))
     if not (np.isfinite(mn) and np.isfinite(mx)):
         raise OperandError(f"the range [{float(mn):g}, {float(mx):g}] must be finite", operand="min")
     if not mn < mx:
