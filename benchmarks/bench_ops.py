@@ -569,7 +569,7 @@ def main(argv=None):
         return worker_main(args)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
     from qgcli import __version__
-    from qgcli.ops import blocked
+    from qgcli.ops import blocked, native
 
     load_start = os.getloadavg()
     started = time.time()
@@ -583,7 +583,7 @@ def main(argv=None):
     try:
         print(f"# bench_ops: qgcli {__version__}, NumPy {np.__version__}, Python {platform.python_version()}, "
               f"os.cpu_count()={os.cpu_count()}, qgcli threads={blocked.workers()}, "
-              f"loadavg {load_start[0]:.2f}", file=sys.stderr)
+              f"kernels={native.variant()}, loadavg {load_start[0]:.2f}", file=sys.stderr)
         make_data(data_dir, args.sizes)
         for kind, python in (("tf", args.tf_python), ("torch", args.torch_python)):
             runners[kind], infos[kind], note = open_runner(kind, python, data_dir, args.threads, args.sizes[0])
@@ -641,7 +641,8 @@ def main(argv=None):
     rows = build_rows(args.sizes, args.ops, times["qgcli"], floor, frameworks["tf"], frameworks["torch"])
     load_end = os.getloadavg()
     machine = {
-        "cpu_count": os.cpu_count(), "qgcli_threads": blocked.workers(), "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "qgcli_threads": blocked.workers(), "kernels": native.variant(),
+        "platform": platform.platform(),
         "processor": _cpu_model(), "python": platform.python_version(), "numpy": np.__version__,
         "qgcli": __version__, "loadavg_start": load_start, "loadavg_end": load_end,
         "tf": (frameworks["tf"] or {}).get("info"), "torch": (frameworks["torch"] or {}).get("info"),
@@ -650,7 +651,7 @@ def main(argv=None):
     }
 
     print(f"\nqgcli {__version__} | NumPy {np.__version__} | {machine['processor']} | "
-          f"os.cpu_count()={os.cpu_count()} | qgcli threads {blocked.workers()} | "
+          f"os.cpu_count()={os.cpu_count()} | qgcli threads {blocked.workers()} | kernels {native.variant()} | "
           f"loadavg {load_start[0]:.2f} -> {load_end[0]:.2f}")
     for kind, label in (("tf", "TensorFlow"), ("torch", "PyTorch")):
         info = machine[kind]
