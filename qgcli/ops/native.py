@@ -29,21 +29,21 @@ _loaded = {}  # build name -> CDLL, or None where it is missing or does not load
 def library():
     """The compiled kernels, or None (not built, or disabled with ``QGCLI_NATIVE=0``)."""
     choice = os.environ.get("QGCLI_NATIVE", "")
+    if choice not in _chosen:
+        _chosen[choice] = _choose(choice)
+    return _chosen[choice]
+
+
+_chosen = {}  # QGCLI_NATIVE value -> the library it selects
+
+
+def _choose(choice):
     if choice == "0":
         return None
     baseline = _build("_kernels")
-    if baseline is None or choice == "baseline" or not _has_avx2(baseline):
+    if baseline is None or choice == "baseline" or not baseline.qg_cpu_has_avx2():
         return baseline
     return _build("_kernels_avx2") or baseline
-
-
-_avx2 = {}
-
-
-def _has_avx2(baseline):
-    if "cpu" not in _avx2:
-        _avx2["cpu"] = bool(baseline.qg_cpu_has_avx2())
-    return _avx2["cpu"]
 
 
 def address(a, dtype):

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Peak memory (RSS) and wall time of qgcli on HDF5 inputs twice the memory budget: streamed vs in memory.
+#
+#   benchmarks/bench_streaming.sh [--limit 512M] [--shape 128,64,64,256]
+#
+# Writes a per-channel fake-quant bundle and a batch-norm bundle whose two big float32 tensors are each
+# as large as --limit (default: [128,64,64,256] = 512 MiB each, 1 GiB in all), then runs under
+# /usr/bin/time -v:
+#   qgcli fakequant-grad big_pc.h5 -o out.h5 --memory-limit LIMIT -q     (streamed: inputs exceed LIMIT)
+#   qgcli fakequant-grad big_pc.h5 -o out.h5 --memory-limit 64G -q       (in memory)
+# and the same for bn-grad, printing "Maximum resident set size" and the elapsed time of each, and
+# checks that streamed and in-memory outputs are identical.  TMPDIR: where the ~4 GB of files go (removed
+# at the end).  QGCLI: the qgcli executable (default: the console script next to this python).
+set -euo pipefail
+
+LIMIT=512M
+SHAPE=128,64,64,256
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --limit) LIMIT="$2"; shift 2 ;;
+        --shape) SHAPE="$2"; shift 2 ;;
+        -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "bench_streaming.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
+    esac
+done
+QGCLI=${QGCLI:-$(python -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "qgcli"))')}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+python - "$WORK" "$SHAPE" <<'EOF'
+import sys
+
+import h5py
+import numpy as np
+
+work, shape = sys.argv[1], tuple(int(s) for s in sys.argv[2].split(","))
+rng = np.random.default_rng(2026)
+c = shape[-1]
+with h5py.File(f"{work}/big_pc.h5", "w") as f, h5py.File(f"{work}/big_bn.h5", "w") as b:
+    for name in ("inputs", "gradients"):
+        ds = f.create_dataset(name, shape, np.float32)
+        for i in range(shape[0]):  # one item at a time: this script must not need the memory either
+            ds[i] = rng.standard_normal(shape[1:], np.float32) * (2 if name == "inputs" else 1)
+    f["min"], f["max"] = np.full(c, -2.5, np.float32), np.full(c, 3.0, np.float32)
+    for name, src in (("x", "inputs"), ("y_backprop", "gradients")):
+        ds = b.create_dataset(name, shape, np.float32)
+        for i in range(shape[0]):
+            ds[i] = f[src][i]
+    b["scale"] = np.ones(c, np.float32)
+    b["reserve_space_1"], b["reserve_space_2"] = np.zeros(c, np.float32), np.full(c, 4.0, np.float32)
+EOF
+ls -l "$WORK"/*.h5
+
+run() {  # label, output, qgcli args...
+    local label=$1 out=$2
+    shift 2
+    /usr/bin/time -v "$QGCLI" "$@" -o "$out" -q 2>"$WORK/time.txt" >/dev/null
+    printf '%-44s peak RSS %6d MiB   elapsed %s\n' "$label" \
+        $(( $(awk -F': ' '/Maximum resident set size/ {print $2}' "$WORK/time.txt") / 1024 )) \
+        "$(awk -F': ' '/Elapsed \(wall clock\)/ {print $2}' "$WORK/time.txt")"
+}
+
+run "fakequant-grad streamed (--memory-limit $LIMIT)" "$WORK/fq_s.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit "$LIMIT"
+run "fakequant-grad in memory (--memory-limit 64G)" "$WORK/fq_m.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit 64G
+run "bn-grad streamed (--memory-limit $LIMIT)" "$WORK/bn_s.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit "$LIMIT"
+run "bn-grad in memory (--memory-limit 64G)" "$WORK/bn_m.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit 64G
+
+python - "$WORK" <<'EOF'
+import sys
+
+import h5py
+import numpy as np
+
+work = sys.argv[1]
+for streamed, in_memory in (("fq_s", "fq_m"), ("bn_s", "bn_m")):
+    with h5py.File(f"{work}/{streamed}.h5", "r") as a, h5py.File(f"{work}/{in_memory}.h5", "r") as b:
+        for name in a:
+            x, y = a[name], b[name]
+            if x.ndim == 0 or x.size < 1 << 20:
+                same = np.array_equal(x[()], y[()], equal_nan=True)
+                ulps = 0 if same else int(np.max(np.abs(x[()].view(np.int32).astype(np.int64) - y[()].view(np.int32))))
+            else:
+                ulps = 0
+                for i in range(x.shape[0]):
+                    d = np.abs(x[i].view(np.int32).astype(np.int64) - y[i].view(np.int32))
+                    ulps = max(ulps, int(d.max()))
+            print(f"{streamed} vs {in_memory} {name}: max difference {ulps} ulp")
+EOF
