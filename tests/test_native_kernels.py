@@ -35,6 +35,8 @@ def hostile(rng, shape, scale=2.0):
     """Normal values with NaN, +-inf, signed zeros, subnormals and values on the nudged bounds mixed in."""
     x = (rng.standard_normal(shape) * scale).astype(f32)
     flat = x.reshape(-1)
+    if not flat.size:
+        return x
     specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 3e-39, -1.5, 1.0, 2.5, -2.0], f32)
     picks = rng.integers(0, flat.size, size=max(1, flat.size // 50))
     flat[picks] = rng.choice(specials, size=picks.size)
@@ -135,3 +137,26 @@ def test_batch_norm_matches_the_numpy_path(monkeypatch, fmt, shape, training):
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == f32
         assert np.max(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))) <= 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape, per_channel", [((4099, 3), True), ((20_003,), False), ((5, 1), True), ((7,), False),
+                                                ((0, 4), True), ((0,), False)])
+def test_clip_statistics_match_the_numpy_path(monkeypatch, shape, per_channel):
+    from qgcli.ops.analysis import clip_statistics
+    from qgcli.ops.fake_quant import nudge
+
+    rng = np.random.default_rng(len(shape) + shape[0])
+    x, g = hostile(rng, shape), hostile(rng, shape)
+    depth = shape[-1]
+    if per_channel:
+        mn, mx = -rng.uniform(0.5, 2, depth).astype(f32), rng.uniform(0.5, 2, depth).astype(f32)
+        mn[0] = mx[0] = 0.0  # a min == max == 0 channel clips nothing
+        grid = nudge(mn, mx)
+    else:
+        grid = nudge(f32(-1.5), f32(1.0))
+    for grads in (g, None):
+        got, want = both(monkeypatch, lambda: clip_statistics(x, grid, grads))
+        assert got.keys() == want.keys()
+        for key in want:  # counts exactly; float64 masses summed in another order
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-12, atol=0, err_msg=key)

@@ -209,6 +209,30 @@ int qg_backprop_leaves(const float *restrict g, const float *restrict x, float *
     return 0;
 }
 
+/* Summary statistics of a block ([rows][depth]; bounds as in qg_backprop; g may be NULL), added to
+ * counts ([3][depth]: x below lo, x above hi, x NaN; none on passthrough channels) and mass ([2][depth]:
+ * sum |g| over finite g, and the part of it where x is not inside [lo, hi]), in float64. */
+void qg_clip_stats(const float *restrict x, const float *restrict g, int64_t rows, int64_t depth,
+                   const float *restrict bounds, int64_t *restrict counts, double *restrict mass) {
+    const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
+    int64_t *below = counts, *above = counts + depth, *nan = counts + 2 * depth;
+    double *total = mass, *blocked = mass + depth;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < depth; ++c) {
+            float v = x[r * depth + c];
+            int keep = passthrough[c] == 0.0f;
+            below[c] += keep && v < lo[c];
+            above[c] += keep && v > hi[c];
+            nan[c] += v != v;
+            if (g) {
+                double m = fabs((double)g[r * depth + c]);
+                m = m < INFINITY ? m : 0.0; /* NaN and infinities carry no mass */
+                total[c] += m;
+                blocked[c] += (keep && v >= lo[c] && v <= hi[c]) ? 0.0 : m;
+            }
+        }
+}
+
 /* --- FusedBatchNormGrad on [A, C, B] float32 blocks (channels-last: B == 1), float64 arithmetic ------ */
 
 /* Adds this block's per-channel sum(dy) and sum(dy * (x - mean)) to sums[0] and sums[1] ([2][C]). */

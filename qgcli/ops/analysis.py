@@ -27,22 +27,12 @@ def clip_statistics(inputs, grid, gradients=None):
     depth = inputs.shape[-1] if grid.per_channel and inputs.ndim else 1
     x2 = inputs.reshape(-1, depth)
     g2 = None if gradients is None else gradients.reshape(-1, depth)
-    counts = np.zeros((3, depth), np.int64)  # below, above, nan
-    mass = np.zeros((2, depth), np.float64)  # total |g|, blocked |g|
     rows = x2.shape[0]
-    step = max(1, _STAT_BLOCK // max(depth, 1)) if xp is np else max(rows, 1)
-    for r in range(0, rows, step):
-        xb = x2[r:r + step]
-        inside, below, above = _masks(xb, grid, xp)
-        counts[0] += to_numpy(below.sum(axis=0))
-        counts[1] += to_numpy(above.sum(axis=0))
-        counts[2] += to_numpy(xp.isnan(xb).sum(axis=0))
-        if g2 is not None:
-            mag = xp.abs(g2[r:r + step].astype(np.float64))
-            mag[~xp.isfinite(mag)] = 0.0
-            mass[0] += to_numpy(mag.sum(axis=0))
-            mag[inside] = 0.0
-            mass[1] += to_numpy(mag.sum(axis=0))
+    lib = _native(xp, x2, g2)
+    if lib is not None:
+        counts, mass = _native_clip_statistics(lib, x2, g2, grid)
+    else:
+        counts, mass = _clip_statistics_blocks(xp, x2, g2, grid)
     n = inputs.size
     stats = {
         "elements": int(n),
@@ -59,6 +49,75 @@ def clip_statistics(inputs, grid, gradients=None):
         if grid.per_channel:
             stats["channel_gradient_blocked"] = [float(b / t) if t else 0.0 for t, b in zip(*mass.tolist())]
     return stats
+
+
+def _native(xp, *arrays):
+    """The compiled kernels when they apply: float32, C-contiguous NumPy arrays (None entries skipped)."""
+    from qgcli.ops import native
+
+    if xp is not np or not all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays):
+        return None
+    return native.library()
+
+
+def _native_clip_statistics(lib, x2, g2, grid):
+    """(counts [3, depth], mass [2, depth]) with the compiled kernel, row blocks on the thread pool."""
+    from qgcli.ops.blocked import _table
+
+    lo, hi = grid.mask_bounds()
+    bounds = (lo, hi, grid.passthrough.astype(np.float32))
+    rows, depth = x2.shape
+    if depth > 1 or rows < 8:
+        return _native_clip_matrix(lib, x2, g2, _table(bounds, depth))
+    # One grid for every value: lay them out 8 wide, so the kernel's loop over columns vectorizes.
+    main = rows - rows % 8
+    wide = _native_clip_matrix(lib, x2[:main].reshape(-1, 8), None if g2 is None else g2[:main].reshape(-1, 8),
+                               _table(bounds, 8))
+    rest = _native_clip_matrix(lib, x2[main:], None if g2 is None else g2[main:], _table(bounds, 1))
+    return tuple(w.sum(axis=1, keepdims=True) + r for w, r in zip(wide, rest))
+
+
+def _native_clip_matrix(lib, x2, g2, bounds):
+    from qgcli.ops.blocked import _map, _row_ranges
+    from qgcli.ops.native import address
+
+    rows, depth = x2.shape
+    x_at, bounds_at = address(x2, np.float32), address(bounds, np.float32)
+    g_at = None if g2 is None else address(g2, np.float32)
+
+    def run(rng):
+        r0, r1 = rng
+        counts, mass = np.zeros((3, depth), np.int64), np.zeros((2, depth), np.float64)
+        offset = 4 * r0 * depth
+        lib.qg_clip_stats(x_at + offset, None if g_at is None else g_at + offset, r1 - r0, depth, bounds_at,
+                          address(counts, np.int64), address(mass, np.float64))
+        return counts, mass
+
+    counts, mass = np.zeros((3, depth), np.int64), np.zeros((2, depth), np.float64)
+    for part_counts, part_mass in _map(run, _row_ranges(rows, depth)):  # in block order: the same figures
+        counts += part_counts                                         # on any thread count
+        mass += part_mass
+    return counts, mass
+
+
+def _clip_statistics_blocks(xp, x2, g2, grid):
+    rows, depth = x2.shape
+    counts = np.zeros((3, depth), np.int64)  # below, above, nan
+    mass = np.zeros((2, depth), np.float64)  # total |g|, blocked |g|
+    step = max(1, _STAT_BLOCK // max(depth, 1)) if xp is np else max(rows, 1)
+    for r in range(0, rows, step):
+        xb = x2[r:r + step]
+        inside, below, above = _masks(xb, grid, xp)
+        counts[0] += to_numpy(below.sum(axis=0))
+        counts[1] += to_numpy(above.sum(axis=0))
+        counts[2] += to_numpy(xp.isnan(xb).sum(axis=0))
+        if g2 is not None:
+            mag = xp.abs(g2[r:r + step].astype(np.float64))
+            mag[~xp.isfinite(mag)] = 0.0
+            mass[0] += to_numpy(mag.sum(axis=0))
+            mag[inside] = 0.0
+            mass[1] += to_numpy(mag.sum(axis=0))
+    return counts, mass
 
 
 def grid_summary(grid):

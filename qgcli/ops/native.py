@@ -18,6 +18,7 @@ _SIGNATURES = {
     "qg_quantize": (None, [_P, _P, _I64, _I64, _P, _INT, _INT]),
     "qg_backprop": (None, [_P, _P, _P, _I64, _I64, _P]),
     "qg_backprop_leaves": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _P]),
+    "qg_clip_stats": (None, [_P, _P, _I64, _I64, _P, _P, _P]),
     "qg_bn_sums": (None, [_P, _P, _I64, _I64, _I64, _P, _P]),
     "qg_bn_dx": (None, [_P, _P, _P, _I64, _I64, _I64, _P, _INT]),
     "qg_cpu_has_avx2": (_INT, []),
