@@ -5,6 +5,7 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import QgcliError
+from qgcli.ops import native
 from qgcli.ops.fake_quant import _masks, nudge
 
 
@@ -28,7 +29,7 @@ def clip_statistics(inputs, grid, gradients=None):
     x2 = inputs.reshape(-1, depth)
     g2 = None if gradients is None else gradients.reshape(-1, depth)
     rows = x2.shape[0]
-    lib = _native(xp, x2, g2)
+    lib = native.for_arrays(xp, x2, g2)
     if lib is not None:
         counts, mass = _native_clip_statistics(lib, x2, g2, grid)
     else:
@@ -51,15 +52,6 @@ def clip_statistics(inputs, grid, gradients=None):
     return stats
 
 
-def _native(xp, *arrays):
-    """The compiled kernels when they apply: float32, C-contiguous NumPy arrays (None entries skipped)."""
-    from qgcli.ops import native
-
-    if xp is not np or not all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays):
-        return None
-    return native.library()
-
-
 def _native_clip_statistics(lib, x2, g2, grid):
     """(counts [3, depth], mass [2, depth]) with the compiled kernel, row blocks on the thread pool."""
     from qgcli.ops.blocked import _table
@@ -79,8 +71,7 @@ def _native_clip_statistics(lib, x2, g2, grid):
 
 def _native_clip_matrix(lib, x2, g2, bounds):
     from qgcli.ops.blocked import _map, _row_ranges
-    from qgcli.ops.native import address
-
+    address = native.address
     rows, depth = x2.shape
     x_at, bounds_at = address(x2, np.float32), address(bounds, np.float32)
     g_at = None if g2 is None else address(g2, np.float32)

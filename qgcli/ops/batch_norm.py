@@ -39,6 +39,7 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
+from qgcli.ops import native
 
 _F32 = np.float32
 _F64 = np.float64
@@ -216,15 +217,6 @@ def _blocks(acb, xp):
                 yield slice(a, a + 1), slice(b, b + step)
 
 
-def _native(xp, *arrays):
-    """The compiled kernels when they apply: float32, C-contiguous NumPy arrays (else None)."""
-    from qgcli.ops import native
-
-    if xp is not np or not all(a.dtype == _F32 and a.flags.c_contiguous for a in arrays):
-        return None
-    return native.library()
-
-
 def _native_chunks(acb):
     """Slices of A (about 2**20 values each) for the compiled kernels, run on the thread pool."""
     step = max(1, (1 << 20) // max(1, acb[1] * acb[2]))
@@ -233,10 +225,10 @@ def _native_chunks(acb):
 
 def _channel_sums(dy3, x3, mean, acb, xp):
     """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))``, accumulated in float64."""
-    lib = _native(xp, dy3, x3)
+    lib = native.for_arrays(xp, dy3, x3)
     if lib is not None:
         from qgcli.ops.blocked import _map
-        from qgcli.ops.native import address
+        address = native.address
 
         mean64 = np.ascontiguousarray(mean, _F64)
         row = 4 * acb[1] * acb[2]
@@ -390,10 +382,10 @@ def gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_trainin
 def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp):
     """Write ``x_backprop`` into ``dx3`` block by block ([A, C, B] views; dx3's dtype is the output dtype)."""
     out_dtype = dx3.dtype
-    lib = _native(xp, dy3, x3, dx3)
+    lib = native.for_arrays(xp, dy3, x3, dx3)
     if lib is not None:
         from qgcli.ops.blocked import _map
-        from qgcli.ops.native import address
+        address = native.address
 
         zeros = np.zeros(acb[1], _F64)
         table = np.stack([zeros if v is None else v.astype(_F64)

@@ -47,6 +47,13 @@ def _choose(choice):
     return _build("_kernels_avx2") or baseline
 
 
+def for_arrays(xp, *arrays):
+    """:func:`library` when the kernels apply to these arrays: NumPy, float32, C order (None entries skipped)."""
+    if xp is not np or not all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays):
+        return None
+    return library()
+
+
 def address(a, dtype):
     """The address of ``a``'s data, after checking what the C code assumes: its dtype and C order."""
     if a.dtype != dtype or not a.flags.c_contiguous:
