@@ -31,6 +31,15 @@ def test_environment_switch(monkeypatch):
     assert native.variant() in ("baseline", "numpy")
 
 
+@pytest.mark.skipif(native.library() is None, reason="the compiled kernels are not built here")
+def test_a_stale_build_is_not_called(monkeypatch):
+    # A build of an older C file (an editable install not rebuilt) would be called with wrong arguments.
+    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION + 1)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_chosen", {})
+    assert native.library() is None and native.variant() == "numpy"
+
+
 def hostile(rng, shape, scale=2.0):
     """Normal values with NaN, +-inf, signed zeros, subnormals and values on the nudged bounds mixed in."""
     x = (rng.standard_normal(shape) * scale).astype(f32)

@@ -288,6 +288,10 @@ void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict
         }
 }
 
+/* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
+ * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
+int qg_abi_version(void) { return 1; }
+
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {
 #if defined(__x86_64__) && defined(__GNUC__)

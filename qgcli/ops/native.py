@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+ABI_VERSION = 1  # qg_abi_version() of the C file these signatures describe
 # Arrays are passed as raw addresses (see address()): ctypes' own array checks cost more than a small op.
 _SIGNATURES = {
     "qg_quantize": (None, [_P, _P, _I64, _I64, _P, _INT, _INT]),
@@ -22,6 +23,7 @@ _SIGNATURES = {
     "qg_bn_sums": (None, [_P, _P, _I64, _I64, _I64, _P, _P]),
     "qg_bn_dx": (None, [_P, _P, _P, _I64, _I64, _I64, _P, _INT]),
     "qg_cpu_has_avx2": (_INT, []),
+    "qg_abi_version": (_INT, []),
 }
 _lock = threading.Lock()
 _loaded = {}  # build name -> CDLL, or None where it is missing or does not load
@@ -83,9 +85,9 @@ def _load(name):
         return None
     try:
         lib = ctypes.CDLL(path)
-    except OSError:
+        for fn_name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, fn_name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError):  # not loadable, or built from an older C file
         return None
-    for fn_name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, fn_name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+    return lib if lib.qg_abi_version() == ABI_VERSION else None
