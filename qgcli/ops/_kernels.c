@@ -83,8 +83,8 @@ static inline float qg_below(float g, float x, float lo) { return qg_flush(g) * 
 static inline float qg_above(float g, float x, float hi) { return qg_flush(g) * ((x > hi) ? 1.0f : 0.0f); }
 
 /* bounds: [3][depth] rows lo, hi (the DAZ-adjusted mask bounds) and passthrough (1.0 or 0.0). */
-void qg_backprop(const float *restrict g, const float *restrict x, float *restrict dx, int64_t rows, int64_t depth,
-                 const float *restrict bounds) {
+void qg_backprop(const float *restrict g, const float *restrict x, float *restrict dx, int64_t rows,
+                 int64_t depth, const float *restrict bounds) {
     const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
     if (depth == 1) {
         for (int64_t k = 0; k < rows; ++k) dx[k] = qg_dx(g[k], x[k], lo[0], hi[0], passthrough[0]);
@@ -99,15 +99,15 @@ void qg_backprop(const float *restrict g, const float *restrict x, float *restri
 
 /* Eigen's end of a leaf: p0 = ((acc0 + acc1) + acc2) + acc3 lane by lane (0 without a 32-value body),
  * leftover whole packets added to p0, the scalar tail summed alone, then
- * tail + ((p0[0] + p0[4]) + (p0[2] + p0[6])) + ((p0[1] + p0[5]) + (p0[3] + p0[7])). */
+ * tail + (((p0[0] + p0[4]) + (p0[2] + p0[6])) + ((p0[1] + p0[5]) + (p0[3] + p0[7]))). */
 static inline float qg_leaf_total(const float *restrict p0, float tail) {
     float h0 = p0[0] + p0[4], h1 = p0[1] + p0[5], h2 = p0[2] + p0[6], h3 = p0[3] + p0[7];
     return tail + ((h0 + h2) + (h1 + h3));
 }
 
 /* One value per row (per-tensor gradient, or a single channel): a leaf is `length` consecutive values. */
-static void qg_leaf_flat(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length, float lo, float hi,
-                         float passthrough, float *restrict sum_min, float *restrict sum_max) {
+static void qg_leaf_flat(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length,
+                         float lo, float hi, float passthrough, float *restrict sum_min, float *restrict sum_max) {
     float acc_min[32] = {0}, acc_max[32] = {0};
     int64_t body = length / 32 * 32, whole = length / 8 * 8;
     for (int64_t j = 0; j < body; j += 32)
@@ -139,9 +139,10 @@ static void qg_leaf_flat(const float *restrict g, const float *restrict x, float
 }
 
 /* Rows of `depth` channels: the same packet sums, down each column.  `acc` holds 2 * 41 * depth floats. */
-static void qg_leaf_columns(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length, int64_t depth,
-                            const float *restrict lo, const float *restrict hi, const float *restrict passthrough, float *restrict acc,
-                            float *restrict sums_min, float *restrict sums_max) {
+static void qg_leaf_columns(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length,
+                            int64_t depth, const float *restrict lo, const float *restrict hi,
+                            const float *restrict passthrough, float *restrict acc, float *restrict sums_min,
+                            float *restrict sums_max) {
     float *restrict acc_min = acc, *acc_max = acc + 32 * depth;           /* [32][depth] each */
     float *restrict p_min = acc + 64 * depth, *p_max = acc + 72 * depth;  /* [8][depth] each */
     float *restrict t_min = acc + 80 * depth, *t_max = acc + 81 * depth;  /* [depth] each */
@@ -160,13 +161,15 @@ static void qg_leaf_columns(const float *restrict g, const float *restrict x, fl
         for (int l = 0; l < 8; ++l)
             for (int64_t c = 0; c < depth; ++c) {
                 const float *restrict m = acc_min + c, *a = acc_max + c;
-                p_min[l * depth + c] = ((m[l * depth] + m[(8 + l) * depth]) + m[(16 + l) * depth]) + m[(24 + l) * depth];
-                p_max[l * depth + c] = ((a[l * depth] + a[(8 + l) * depth]) + a[(16 + l) * depth]) + a[(24 + l) * depth];
+                int64_t q0 = l * depth, q1 = (8 + l) * depth, q2 = (16 + l) * depth, q3 = (24 + l) * depth;
+                p_min[l * depth + c] = ((m[q0] + m[q1]) + m[q2]) + m[q3];
+                p_max[l * depth + c] = ((a[q0] + a[q1]) + a[q2]) + a[q3];
             }
     for (int64_t j = body; j < length; ++j) {
         const float *restrict gr = g + j * depth, *xr = x + j * depth;
         float *restrict dr = dx + j * depth;
-        float *restrict pm = j < whole ? p_min + (j & 7) * depth : t_min, *pa = j < whole ? p_max + (j & 7) * depth : t_max;
+        float *restrict pm = j < whole ? p_min + (j & 7) * depth : t_min;
+        float *restrict pa = j < whole ? p_max + (j & 7) * depth : t_max;
         for (int64_t c = 0; c < depth; ++c) {
             dr[c] = qg_dx(gr[c], xr[c], lo[c], hi[c], passthrough[c]);
             pm[c] += qg_below(gr[c], xr[c], lo[c]);
@@ -270,9 +273,9 @@ void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict
     if (b_len == 1) {
         for (int64_t a = 0; a < a_len; ++a)
             for (int64_t c = 0; c < c_len; ++c) {
-                double d = (double)dy[a * c_len + c];
-                dx[a * c_len + c] = (float)(training ? ((d - dy_mean[c]) - ((double)x[a * c_len + c] - mean[c]) * coef2[c]) * coef1[c]
-                                                     : d * coef1[c]);
+                double d = (double)dy[a * c_len + c], v = (double)x[a * c_len + c];
+                dx[a * c_len + c] =
+                    (float)(training ? ((d - dy_mean[c]) - (v - mean[c]) * coef2[c]) * coef1[c] : d * coef1[c]);
             }
         return;
     }
