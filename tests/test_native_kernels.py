@@ -169,3 +169,27 @@ def test_clip_statistics_match_the_numpy_path(monkeypatch, shape, per_channel):
         assert got.keys() == want.keys()
         for key in want:  # counts exactly; float64 masses summed in another order
             np.testing.assert_allclose(got[key], want[key], rtol=1e-12, atol=0, err_msg=key)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_bits, narrow", [(2, False), (2, True), (8, False), (8, True), (16, False), (16, True)])
+def test_nudge_matches_the_numpy_path(monkeypatch, num_bits, narrow):
+    from qgcli.ops.fake_quant import _NUDGED, nudge
+
+    rng = np.random.default_rng(num_bits + narrow)
+    special = np.array([0, -0.0, 1e-40, -1e-40, 1e-38, -3e-39, 1e-30, 1e30, 3e38, -3e38, np.inf, -np.inf, np.nan,
+                        1, -1, 0.5, -6, 6], f32)
+    # Ordinary ranges, ranges from subnormal to huge widths, and every pair of special values.
+    lo = np.concatenate([rng.uniform(-10, 0, 500), -np.exp(rng.uniform(-90, 88, 500)),
+                         np.repeat(special, special.size)]).astype(f32)
+    hi = np.concatenate([rng.uniform(0, 10, 500), np.exp(rng.uniform(-90, 88, 500)),
+                         np.tile(special, special.size)]).astype(f32)
+    with np.errstate(all="ignore"):
+        got, want = both(monkeypatch, lambda: nudge(lo, hi, num_bits=num_bits, narrow_range=narrow))
+        scalars = [both(monkeypatch, lambda: nudge(lo[i], hi[i], num_bits=num_bits, narrow_range=narrow))
+                   for i in range(0, lo.size, 97)]
+    for a, b in [(got, want)] + scalars:
+        assert np.array_equal(a.passthrough, b.passthrough)
+        for field in _NUDGED:
+            assert np.shape(getattr(a, field)) == np.shape(getattr(b, field))
+            same_bits(getattr(a, field), getattr(b, field))

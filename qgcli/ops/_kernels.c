@@ -73,6 +73,31 @@ void qg_quantize(const float *restrict x, float *restrict out, int64_t rows, int
     else qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 0, 0);
 }
 
+/* TF's Nudge() of n ranges in float32 under FTZ/DAZ (the NumPy version: fake_quant.nudge).  out: [9][n]
+ * rows min, max (flushed), scale, inv_scale, zero_point_from_min, zero_point, nudged_min, nudged_max,
+ * quant_zero. */
+void qg_nudge(const float *restrict min, const float *restrict max, int64_t n, float quant_min, float quant_max,
+              float *restrict out) {
+    float levels = quant_max - quant_min;
+    for (int64_t i = 0; i < n; ++i) {
+        float mn = qg_flush(min[i]), mx = qg_flush(max[i]);
+        float width = qg_flush(mx - mn);
+        float scale = qg_flush(width / levels), inv = qg_flush(levels / width);
+        float zp_from_min = qg_flush(quant_min - qg_flush(mn / scale));
+        /* std::round of a value >= quant_min >= 0 is floor(v + 0.5), exact in double; clamping the rounded
+         * value equals TF's clamp-then-round since the bounds are integers; NaN (0 / 0) becomes 0. */
+        double zp = floor((double)zp_from_min + 0.5);
+        zp = zp < quant_min ? quant_min : zp;
+        zp = zp > quant_max ? quant_max : zp;
+        float zero_point = zp == zp ? (float)zp : 0.0f;
+        float nudged_min = qg_flush((quant_min - zero_point) * scale);
+        float nudged_max = qg_flush((quant_max - zero_point) * scale);
+        float values[9] = {mn, mx, scale, inv, zp_from_min, zero_point, nudged_min, nudged_max,
+                           qg_floor(qg_flush(qg_flush(-nudged_min * inv) + 0.5f))};
+        for (int k = 0; k < 9; ++k) out[k * n + i] = values[k];
+    }
+}
+
 /* g * (lo <= x <= hi) as a product (g * 0 keeps -0.0 and NaN, as TF); min == max == 0 channels copy g. */
 static inline float qg_dx(float g, float x, float lo, float hi, float passthrough) {
     float v = qg_flush(g) * ((x >= lo && x <= hi) ? 1.0f : 0.0f);
@@ -293,7 +318,7 @@ void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 1; }
+int qg_abi_version(void) { return 2; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

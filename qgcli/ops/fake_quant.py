@@ -101,11 +101,31 @@ def nudge(min, max, *, num_bits=8, narrow_range=False):
     """
     quant_min, quant_max = quant_range(num_bits, narrow_range)
     from qgcli.backend import to_numpy
+    from qgcli.ops import native
 
+    mn, mx = (np.asarray(to_numpy(v), _F32, order="C") for v in (min, max))
+    lib = native.library() if mn.shape == mx.shape else None
+    if lib is not None:
+        fields = np.empty((len(_NUDGED),) + mn.shape, _F32)
+        address = native.address
+        lib.qg_nudge(address(mn, _F32), address(mx, _F32), mn.size, quant_min, quant_max, address(fields, _F32))
+    else:
+        fields = np.stack(np.broadcast_arrays(*_nudge_numpy(mn, mx, quant_min, quant_max)))
+    grid = {name: fields[i, ...] for i, name in enumerate(_NUDGED)}  # [i, ...]: 0-d arrays, not scalars
+    return Grid(num_bits=int(num_bits), narrow_range=bool(narrow_range), quant_min=quant_min, quant_max=quant_max,
+                passthrough=np.asarray((grid["min"] == 0) & (grid["max"] == 0)), **grid)
+
+
+# The Grid fields nudge() computes, in the order of the compiled qg_nudge's output rows.
+_NUDGED = ("min", "max", "scale", "inv_scale", "zero_point_from_min", "zero_point", "nudged_min", "nudged_max",
+           "quant_zero")
+
+
+def _nudge_numpy(mn, mx, quant_min, quant_max):
+    """The fields of :data:`_NUDGED` for float32 ranges ``mn``/``mx`` (0-d or 1-d), with NumPy."""
     # 0-d ranges become float32 scalars: their operators cost a tenth of a 0-d array's ufunc calls, and
     # float32 scalar arithmetic rounds exactly as float32 array arithmetic does.
-    mn = flush_subnormals(np.asarray(to_numpy(min), _F32)[()])
-    mx = flush_subnormals(np.asarray(to_numpy(max), _F32)[()])
+    mn, mx = flush_subnormals(mn[()]), flush_subnormals(mx[()])
     qmin, qmax = _F32(quant_min), _F32(quant_max)
     levels = _F32(qmax - qmin)
     with np.errstate(all="ignore"):
@@ -121,13 +141,8 @@ def nudge(min, max, *, num_bits=8, narrow_range=False):
         nudged_min = flush_subnormals((qmin - zero_point) * scale)
         nudged_max = flush_subnormals((qmax - zero_point) * scale)
         quant_zero = np.floor(flush_subnormals(flush_subnormals(-nudged_min * inv_scale) + _F32(0.5)))
-    f32 = functools.partial(np.asarray, dtype=_F32)
-    return Grid(
-        min=f32(mn), max=f32(mx), num_bits=int(num_bits), narrow_range=bool(narrow_range),
-        quant_min=quant_min, quant_max=quant_max, scale=f32(scale), inv_scale=f32(inv_scale),
-        zero_point_from_min=f32(zp_from_min), zero_point=zero_point, nudged_min=f32(nudged_min),
-        nudged_max=f32(nudged_max), quant_zero=f32(quant_zero), passthrough=np.asarray((mn == 0) & (mx == 0)),
-    )
+    values = (mn, mx, scale, inv_scale, zp_from_min, zero_point, nudged_min, nudged_max, quant_zero)
+    return [np.asarray(v, _F32) for v in values]
 
 
 # --- validation -------------------------------------------------------------------------------------
