@@ -14,8 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QG_TINY 1.17549435e-38f /* smallest normal float32 */
-#define QG_INTEGRAL 8388608.0f  /* 2**23: every float32 at or above it is an integer */
+#define QG_TINY 1.17549435e-38f           /* the smallest normal float32 */
+#define QG_MAX_SUBNORMAL 0x1.fffffcp-127f /* the largest subnormal float32 */
+#define QG_INTEGRAL 8388608.0f            /* 2**23: every float32 at or above it is an integer */
 
 /* x86 FTZ/DAZ, as TF's threads run: a subnormal becomes a zero of the same sign. */
 static inline float qg_flush(float v) { return fabsf(v) < QG_TINY ? copysignf(0.0f, v) : v; }
@@ -73,9 +74,10 @@ void qg_quantize(const float *restrict x, float *restrict out, int64_t rows, int
     else qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 0, 0);
 }
 
-/* TF's Nudge() of n ranges in float32 under FTZ/DAZ (the NumPy version: fake_quant.nudge).  out: [9][n]
+/* TF's Nudge() of n ranges in float32 under FTZ/DAZ (the NumPy version: fake_quant.nudge).  out: [11][n]
  * rows min, max (flushed), scale, inv_scale, zero_point_from_min, zero_point, nudged_min, nudged_max,
- * quant_zero. */
+ * quant_zero, and the gradient mask's bounds: a nudged bound of 0 moved out by one subnormal, so that
+ * lo <= x <= hi equals TF's nudged_min <= flush(x) <= nudged_max. */
 void qg_nudge(const float *restrict min, const float *restrict max, int64_t n, float quant_min, float quant_max,
               float *restrict out) {
     float levels = quant_max - quant_min;
@@ -92,9 +94,11 @@ void qg_nudge(const float *restrict min, const float *restrict max, int64_t n, f
         float zero_point = zp == zp ? (float)zp : 0.0f;
         float nudged_min = qg_flush((quant_min - zero_point) * scale);
         float nudged_max = qg_flush((quant_max - zero_point) * scale);
-        float values[9] = {mn, mx, scale, inv, zp_from_min, zero_point, nudged_min, nudged_max,
-                           qg_floor(qg_flush(qg_flush(-nudged_min * inv) + 0.5f))};
-        for (int k = 0; k < 9; ++k) out[k * n + i] = values[k];
+        float values[11] = {mn, mx, scale, inv, zp_from_min, zero_point, nudged_min, nudged_max,
+                            qg_floor(qg_flush(qg_flush(-nudged_min * inv) + 0.5f)),
+                            nudged_min == 0.0f ? -QG_MAX_SUBNORMAL : nudged_min,
+                            nudged_max == 0.0f ? QG_MAX_SUBNORMAL : nudged_max};
+        for (int k = 0; k < 11; ++k) out[k * n + i] = values[k];
     }
 }
 
@@ -318,7 +322,7 @@ void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 2; }
+int qg_abi_version(void) { return 3; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

@@ -28,7 +28,7 @@ _pool_lock = threading.Lock()
 
 def workers():
     value = os.environ.get("QGCLI_THREADS")
-    return max(1, int(value)) if value else max(1, min(os.cpu_count() or 1, 8))
+    return max(1, int(value)) if value else min(reduction.cpu_count(), 8)
 
 
 def _map(fn, items):

@@ -59,7 +59,8 @@ class Grid:
 
     Per-tensor grids hold 0-d arrays, per-channel grids 1-d arrays (one entry per channel).
     ``zero_point`` is the nudged integer zero point; ``zero_point_from_min`` the unrounded value
-    ``quant_min - min / scale``; ``passthrough`` marks ``min == max == 0`` (TF's special case).
+    ``quant_min - min / scale``; ``passthrough`` marks ``min == max == 0`` (TF's special case);
+    ``mask_lo``/``mask_hi`` are the gradient mask's bounds (see :meth:`mask_bounds`).
     """
 
     min: np.ndarray
@@ -75,6 +76,8 @@ class Grid:
     nudged_min: np.ndarray
     nudged_max: np.ndarray
     quant_zero: np.ndarray
+    mask_lo: np.ndarray
+    mask_hi: np.ndarray
     passthrough: np.ndarray
 
     @property
@@ -82,10 +85,9 @@ class Grid:
         return self.min.ndim == 1
 
     def mask_bounds(self):
-        """Bounds for ``lo <= x <= hi`` that equal TF's DAZ comparison ``nudged_min <= flush(x) <= nudged_max``."""
-        lo = np.where(self.nudged_min == 0, -_MAX_SUBNORMAL, self.nudged_min).astype(_F32)
-        hi = np.where(self.nudged_max == 0, _MAX_SUBNORMAL, self.nudged_max).astype(_F32)
-        return lo, hi
+        """Bounds for ``lo <= x <= hi`` that equal TF's DAZ comparison ``nudged_min <= flush(x) <= nudged_max``:
+        a bound of 0 moves out by one subnormal, so subnormal inputs count as the 0 TF reads."""
+        return self.mask_lo, self.mask_hi
 
     def needs_flush(self):
         usable = ~self.passthrough
@@ -118,7 +120,7 @@ def nudge(min, max, *, num_bits=8, narrow_range=False):
 
 # The Grid fields nudge() computes, in the order of the compiled qg_nudge's output rows.
 _NUDGED = ("min", "max", "scale", "inv_scale", "zero_point_from_min", "zero_point", "nudged_min", "nudged_max",
-           "quant_zero")
+           "quant_zero", "mask_lo", "mask_hi")
 
 
 def _nudge_numpy(mn, mx, quant_min, quant_max):
@@ -141,7 +143,9 @@ def _nudge_numpy(mn, mx, quant_min, quant_max):
         nudged_min = flush_subnormals((qmin - zero_point) * scale)
         nudged_max = flush_subnormals((qmax - zero_point) * scale)
         quant_zero = np.floor(flush_subnormals(flush_subnormals(-nudged_min * inv_scale) + _F32(0.5)))
-    values = (mn, mx, scale, inv_scale, zp_from_min, zero_point, nudged_min, nudged_max, quant_zero)
+        mask_lo = np.where(nudged_min == 0, -_MAX_SUBNORMAL, nudged_min)
+        mask_hi = np.where(nudged_max == 0, _MAX_SUBNORMAL, nudged_max)
+    values = (mn, mx, scale, inv_scale, zp_from_min, zero_point, nudged_min, nudged_max, quant_zero, mask_lo, mask_hi)
     return [np.asarray(v, _F32) for v in values]
 
 
