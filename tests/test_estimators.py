@@ -318,6 +318,27 @@ def test_cli_estimators_on_the_notebook_sample(cli, tmp_path, estimator, names):
     assert '"estimator"' in r.output
 
 
+def test_cli_summary_says_what_the_estimator_blocks(cli, tmp_path):
+    # The STE mask blocks the notebook's clipped quarter; a leaky estimator blocks nothing, LSQ's input
+    # gradient is masked like the STE's, and under PyTorch's grid scaled:1,0 is the STE, identity nothing.
+    with h5py.File(NOTEBOOK, "r") as f:
+        x, g = f["inputs"][()], f["gradients"][()]
+    np.savez(tmp_path / "t.npz", inputs=x, gradients=g, scale=np.float32(0.05), zero_point=np.int32(128))
+    runs = [(NOTEBOOK, ["--num-bits", "2"], "scaled:0.9,0.1", 0.0), (NOTEBOOK, ["--num-bits", "2"], "lsq", "mask"),
+            (tmp_path / "t.npz", ["--semantics", "torch"], "scaled:1,0", "mask"),
+            (tmp_path / "t.npz", ["--semantics", "torch"], "identity", 0.0)]
+    for bundle, args, estimator, want in runs:
+        r = cli("fakequant-grad", bundle, *args, "--estimator", estimator, "-o", tmp_path / "g.npz", "--force",
+                "--json")
+        assert r.exit_code == 0, r.output
+        stats = json.loads(r.stdout)["statistics"]
+        assert stats["gradient_blocked"] > 0.05
+        assert stats["estimator_blocked"] == pytest.approx(stats["gradient_blocked"] if want == "mask" else want,
+                                                           rel=1e-12, abs=0)
+        r = cli("fakequant-grad", bundle, *args, "--estimator", estimator, "-o", tmp_path / "g.npz", "--force")
+        assert f"{100 * stats['estimator_blocked']:.2f}%" in " ".join(r.stderr.split())
+
+
 def test_cli_ste_estimator_is_the_tensorflow_op(cli, tmp_path):
     r1 = cli("fakequant-grad", PER_CHANNEL, "-o", tmp_path / "a.h5")
     r2 = cli("fakequant-grad", PER_CHANNEL, "--estimator", "ste", "-o", tmp_path / "b.h5")

@@ -241,6 +241,10 @@ def _run_torch(command, bundle, specs, scale_spec, zp_spec, quant_min, quant_max
         if with_gradients:
             attrs["estimator"] = est.text
         stats = _view_statistics(view, gradients, xp)
+        if with_gradients:
+            from qgcli.ops.analysis import blocked_by
+
+            stats["estimator_blocked"] = blocked_by(gradients, out["backprops_wrt_input"])
         summary = json_safe({
             "command": command, "op": op, "semantics": "torch", "estimator": details,
             "attributes": {k: v for k, v in attrs.items() if k != "op"},
@@ -293,7 +297,8 @@ def _render_torch(console, s):
     stats = s["statistics"]
     line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])} (rounded integer)"
     if "gradient_blocked" in stats:
-        line += f"; gradient mass blocked by the mask {percent(stats['gradient_blocked'])}"
+        line += (f"; gradient mass blocked by the mask {percent(stats['gradient_blocked'])}, by the estimator "
+                 f"{percent(stats['estimator_blocked'])}")
     console.print(line)
     est = s.get("estimator")
     if est:
@@ -310,6 +315,7 @@ def _run_tf_estimator(command, bundle, specs, est, grad_factor, *, output, force
     from qgcli.commands._common import to_device, write_outputs
     from qgcli.commands.fakequant import TF_OPS, build_summary, load_fake_quant_operands, render_summary
     from qgcli.ops import estimators
+    from qgcli.ops.analysis import blocked_by
     from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
 
     operands = Operands(bundle, specs, literal_ok=("min", "max"))
@@ -344,6 +350,7 @@ def _run_tf_estimator(command, bundle, specs, est, grad_factor, *, output, force
         raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
         summary = build_summary(command, op, variant, operands, raw, outputs, grid, view.inputs, g, attrs, output)
         summary["estimator"] = json_safe(details)
+        summary["statistics"]["estimator_blocked"] = blocked_by(gradients, outputs["backprops_wrt_input"])
         write_outputs(outputs, output, operands=operands, force=force, attrs=attrs)
     finally:
         operands.close()
@@ -353,7 +360,8 @@ def _run_tf_estimator(command, bundle, specs, est, grad_factor, *, output, force
         est_ = s["estimator"]
         extra = f", grad_factor {est_['grad_factor']:.7g}" if "grad_factor" in est_ else ""
         console.print(f"estimator {est_['estimator']}{extra} (TensorFlow's grid; outputs "
-                      f"{', '.join(s['outputs'])})")
+                      f"{', '.join(s['outputs'])}); it blocks {percent(s['statistics']['estimator_blocked'])} "
+                      "of the gradient mass")
 
     emit(summary, as_json=as_json, quiet=quiet, render=render, output=output)
 

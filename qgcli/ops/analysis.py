@@ -111,6 +111,20 @@ def _clip_statistics_blocks(xp, x2, g2, grid):
     return counts, mass
 
 
+def blocked_by(gradients, backprops):
+    """Share of the finite ``|gradients|`` mass at elements whose ``backprops`` is exactly 0: what a gradient
+    estimator blocks (TF's STE: the mask; a leaky estimator: nothing).  0 for an all-zero gradient."""
+    xp = array_module(gradients)
+    g, dx = gradients.reshape(-1), backprops.reshape(-1)
+    total = blocked = 0.0
+    for i in range(0, g.size, _STAT_BLOCK):  # float64 magnitudes a block at a time
+        mag = xp.abs(g[i:i + _STAT_BLOCK].astype(np.float64))
+        mag[~xp.isfinite(mag)] = 0.0
+        total += float(mag.sum())
+        blocked += float(mag[dx[i:i + _STAT_BLOCK] == 0].sum())
+    return blocked / total if total else 0.0
+
+
 def grid_summary(grid):
     """The grid as plain Python numbers (lists for per-channel grids), for JSON and tables."""
     def plain(a, kind=float):
