@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout
 
-from bench_ops import ARGS_MAX, ARGS_MIN, EPSILON, NUM_BITS, OP_INFO, OPS, qgcli_callables, torch_grid  # noqa: E402
+from bench_ops import ARGS_MAX, ARGS_MIN, EPSILON, NUM_BITS, OPS, qgcli_callables, torch_grid  # noqa: E402
 
 CHANNELS = 256
 MEDIUM = (16, 28, 28, 128)

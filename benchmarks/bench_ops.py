@@ -657,7 +657,7 @@ def main(argv=None):
         info = machine[kind]
         if info:
             print(f"{label} {info.get('version')} ({', '.join(f'{k}={v}' for k, v in info.items() if k != 'version')})")
-    print(f"floor: np.copyto of one tensor: " + ", ".join(
+    print("floor: np.copyto of one tensor: " + ", ".join(
         f"{s} {floor[s]['median']:.4g} s ({mb(np.prod(SIZES[s]) * 4)})" for s in args.sizes)
           + "; floor = t_copy * (tensors read + written) / 2")
     print(f"medians of >= {args.repeats} timed calls (>= {args.min_time:g} s) after warm-up"
@@ -672,7 +672,7 @@ def main(argv=None):
         for c in checks:
             print(f"  {c['op']:<22} {c['result']}")
     if memory:
-        print(f"\nPeak memory of one qgcli call on the big tensor (fresh process; inputs already loaded):")
+        print("\nPeak memory of one qgcli call on the big tensor (fresh process; inputs already loaded):")
         head = f"  {'op':<24} {'inputs':>10} {'outputs':>10} {'RSS growth':>11} {'traced peak':>12} {'extra':>10}"
         print(head)
         for m in memory:

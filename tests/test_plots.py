@@ -242,7 +242,7 @@ def test_hist_counts_shading_and_clipped_shares(nb):
     fig = plots.hist(x, nb["min"], nb["max"], num_bits=2, bins=40)
     ax = fig.axes[0]
     (counts,) = by_gid(ax, "counts")
-    values, edges = counts.get_data().values, counts.get_data().edges
+    values = counts.get_data().values
     np.testing.assert_array_equal(values, np.histogram(x.astype(np.float64), bins=40)[0])
     assert values.sum() == 1000
     # Clipped shares from the op: the gradient op's backprop_wrt_min/max with unit gradients count them.

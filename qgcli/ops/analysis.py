@@ -70,7 +70,9 @@ def _native_clip_statistics(lib, x2, g2, grid):
 
 
 def _native_clip_matrix(lib, x2, g2, bounds):
+    """``qg_clip_stats`` over row blocks of ``x2`` (and ``g2``) on the thread pool; sums in block order."""
     from qgcli.ops.blocked import _map, _row_ranges
+
     address = native.address
     rows, depth = x2.shape
     x_at, bounds_at = address(x2, np.float32), address(bounds, np.float32)
@@ -85,8 +87,8 @@ def _native_clip_matrix(lib, x2, g2, bounds):
         return counts, mass
 
     counts, mass = np.zeros((3, depth), np.int64), np.zeros((2, depth), np.float64)
-    for part_counts, part_mass in _map(run, _row_ranges(rows, depth)):  # in block order: the same figures
-        counts += part_counts                                         # on any thread count
+    for part_counts, part_mass in _map(run, _row_ranges(rows, depth)):  # the same figures on any thread count
+        counts += part_counts
         mass += part_mass
     return counts, mass
 
