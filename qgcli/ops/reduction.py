@@ -102,8 +102,6 @@ def _compile(recipe, n_leaves):
     nodes = []  # (height, left, right)
 
     def visit(r):
-        if r is None:
-            return None
         if r[0] == "leaf":
             return r[1], 0
         left, h_left = visit(r[1])
