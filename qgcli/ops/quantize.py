@@ -33,14 +33,13 @@ qgcli does not emulate that.
 Where TensorFlow silently returns garbage (NaN or infinite ``min``/``max``) these functions refuse with an
 :class:`~qgcli.errors.OperandError`; every combination TF refuses is refused with TF's reason.
 """
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
-from qgcli.ops.fake_quant import as_float32
+from qgcli.ops.fake_quant import _quiet, as_float32, flush_subnormals
 
 _F32 = np.float32
 _TINY = np.finfo(np.float32).tiny  # smallest normal float32
@@ -121,15 +120,6 @@ class QuantizeRange:
 
 
 # --- small float32 helpers with C++ semantics ----------------------------------------------------------
-
-def _quiet(xp):
-    return np.errstate(all="ignore") if xp is np else contextlib.nullcontext()
-
-
-def _ftz(a, xp=np):
-    """Flush subnormals to signed zeros (x86 FTZ/DAZ, as TensorFlow's CPU threads run)."""
-    return xp.where(xp.abs(a) < _TINY, xp.copysign(_F32(0), a), a)
-
 
 def _std_min(a, b):
     """``std::min(a, b)``: ``b < a ? b : a`` (keeps ``a`` when unordered)."""
@@ -287,28 +277,29 @@ def quantize_range(min_range, max_range, *, dtype="quint8", mode="MIN_COMBINED",
     emr = _F32(ensure_minimum_range)
     if not np.isfinite(emr):
         raise OperandError(f"must be finite, got {ensure_minimum_range!r}", operand="ensure_minimum_range")
-    mn = _ftz(np.asarray(min_range, _F32))
-    mx = _ftz(np.asarray(max_range, _F32))
+    mn = flush_subnormals(np.asarray(min_range, _F32))
+    mx = flush_subnormals(np.asarray(max_range, _F32))
     with np.errstate(all="ignore"):
         lo = _std_min(_F32(0), mn).astype(_F32)
-        eps = _ftz(_std_max(_F32(1), _std_max(np.abs(mn), np.abs(mx))).astype(_F32) * emr)
-        hi = _std_max(_F32(0), _std_max(mx, _ftz(lo + eps))).astype(_F32)
+        eps = flush_subnormals(_std_max(_F32(1), _std_max(np.abs(mn), np.abs(mx))).astype(_F32) * emr)
+        hi = _std_max(_F32(0), _std_max(mx, flush_subnormals(lo + eps))).astype(_F32)
         if mode == "MIN_COMBINED":
             # (double)(T::max - T::min) / (float)(max - min), stored as float
-            width = _ftz(hi - lo)
+            width = flush_subnormals(hi - lo)
             scale = (np.float64(qt.max - qt.min) / width.astype(np.float64)).astype(_F32)
         elif mode == "MIN_FIRST":
-            width = _ftz(hi - lo)
+            width = flush_subnormals(hi - lo)
             scale = np.where(hi == lo, 0.0, (2.0**qt.bits - 1.0) / width.astype(np.float64)).astype(_F32)
         else:
             min_out = _F32(qt.min + (1 if narrow_range else 0))
             max_out = _F32(qt.max)  # 2**31 - 1 becomes 2**31 as a float, as in C++
-            from_min = np.where(_ftz(min_out * lo) > 0, _ftz(min_out / lo), _FLT_MAX).astype(_F32)
-            from_max = np.where(_ftz(max_out * hi) > 0, _ftz(max_out / hi), _FLT_MAX).astype(_F32)
+            ftz = flush_subnormals
+            from_min = np.where(ftz(min_out * lo) > 0, ftz(min_out / lo), _FLT_MAX).astype(_F32)
+            from_max = np.where(ftz(max_out * hi) > 0, ftz(max_out / hi), _FLT_MAX).astype(_F32)
             scale = _std_min(from_min, from_max).astype(_F32)
-            lo = _ftz(min_out / scale).astype(_F32)
-            hi = _ftz(max_out / scale).astype(_F32)
-    return QuantizeRange(qt, mode, mn, mx, lo, hi, _ftz(np.asarray(scale, _F32)))
+            lo = flush_subnormals(min_out / scale).astype(_F32)
+            hi = flush_subnormals(max_out / scale).astype(_F32)
+    return QuantizeRange(qt, mode, mn, mx, lo, hi, flush_subnormals(np.asarray(scale, _F32)))
 
 
 def _needs_flush(*constants):
@@ -361,8 +352,8 @@ def _quantize_kernel(x, rng, round_mode, axis, xp):
     if rng.mode == "MIN_FIRST":
         # FloatToQuantizedStruct: range_min_scaled = round(min * scale); offset = range_min_scaled - lowest.
         with np.errstate(all="ignore"):
-            min_scaled = _round_half_away(_ftz(lo_h * scale_h), np).astype(_F32)
-            offset = _ftz(min_scaled - _F32(qt.min)).astype(_F32)
+            min_scaled = _round_half_away(flush_subnormals(lo_h * scale_h), np).astype(_F32)
+            offset = flush_subnormals(min_scaled - _F32(qt.min)).astype(_F32)
         flush = _needs_flush(scale_h, offset)
     else:
         offset = None
@@ -383,7 +374,7 @@ def _quantize_kernel(x, rng, round_mode, axis, xp):
 
 
 def _quantize_elements(v, qt, mode, round_mode, lo, hi, scale, offset, flush, packet_body, xp):
-    ftz = (lambda a: _ftz(a, xp)) if flush else (lambda a: a)
+    ftz = (lambda a: flush_subnormals(a)) if flush else (lambda a: a)
     v = ftz(v)
     if mode == "MIN_FIRST":
         v = ftz(v * scale)
@@ -412,13 +403,11 @@ def _quantize_elements(v, qt, mode, round_mode, lo, hi, scale, offset, flush, pa
 def _blocked(elements, x, body, out_dtype, *, per_tensor, xp):
     """Run ``elements(block, packet_body)`` over ``x``: in cache-sized blocks on a thread pool for large
     per-tensor NumPy work (results are identical: every operation is element-wise), else in one go."""
-    try:
-        from qgcli.ops.blocked import BLOCK_ELEMENTS, _map
-    except ImportError:  # pragma: no cover - the blocked executor is optional
-        BLOCK_ELEMENTS, _map = None, None
+    from qgcli.ops.blocked import BLOCK_ELEMENTS, _map
+
     if x.ndim == 0:  # the element kernels work in place on arrays of rank >= 1
         return elements(x.reshape(1), body).reshape(())
-    if xp is not np or not per_tensor or _map is None or x.size <= 2 * BLOCK_ELEMENTS:
+    if xp is not np or not per_tensor or x.size <= 2 * BLOCK_ELEMENTS:
         return elements(x, body)
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(x.shape, out_dtype)
@@ -469,7 +458,8 @@ def dequantize(quantized, min_range, max_range, *, mode="MIN_COMBINED", narrow_r
         lo, hi = lo.reshape(()), hi.reshape(())
     elif mode == "MIN_FIRST":
         raise QgcliError("MIN_FIRST mode is not implemented for Dequantize with axis != -1.", operand="mode")
-    return _dequantize_kernel(q, qt, mode, narrow_range, _ftz(lo), _ftz(hi), axis if lo.ndim else None, xp)
+    return _dequantize_kernel(q, qt, mode, narrow_range, flush_subnormals(lo), flush_subnormals(hi),
+                              axis if lo.ndim else None, xp)
 
 
 def _dequantize_constants(qt, mode, narrow_range, lo, hi):
@@ -478,21 +468,22 @@ def _dequantize_constants(qt, mode, narrow_range, lo, hi):
         if mode == "MIN_COMBINED":
             t_width = _F32(_F32(qt.max) - _F32(qt.min))  # float(T::max) - T::min, in float
             half = _F32((t_width + _F32(1)) / _F32(2)) if qt.signed else _F32(0)
-            scale = _ftz(_ftz(hi - lo) / t_width)
+            scale = flush_subnormals(flush_subnormals(hi - lo) / t_width)
             return half, scale.astype(_F32), lo
         if mode == "SCALED":
             if not qt.signed:
-                scale = _ftz(hi / _F32(qt.max))
+                scale = flush_subnormals(hi / _F32(qt.max))
             else:
                 min_out = _F32(qt.min + (1 if narrow_range else 0))
-                scale = _std_max(_ftz(lo / min_out), _ftz(hi / _F32(qt.max)))
+                scale = _std_max(flush_subnormals(lo / min_out), flush_subnormals(hi / _F32(qt.max)))
             return _F32(0), np.asarray(scale, _F32), None
         # MIN_FIRST, QuantizedToFloatStruct: range_scale = (max - min) / (2^bits - 1.0), stored as float;
         # range_min_rounded = round(min / range_scale) * range_scale; add = rounded - lowest * range_scale.
-        width = _ftz(hi - lo).astype(np.float64)
-        scale = _ftz((width / (2.0**qt.bits - 1.0)).astype(_F32))
-        rounded = np.where(hi == lo, lo, _ftz(_round_half_away(_ftz(lo / scale), np) * scale)).astype(_F32)
-        add = _ftz(rounded - _ftz(_F32(qt.min) * scale)).astype(_F32)
+        width = flush_subnormals(hi - lo).astype(np.float64)
+        scale = flush_subnormals((width / (2.0**qt.bits - 1.0)).astype(_F32))
+        ftz = flush_subnormals
+        rounded = np.where(hi == lo, lo, ftz(_round_half_away(ftz(lo / scale), np) * scale)).astype(_F32)
+        add = flush_subnormals(rounded - flush_subnormals(_F32(qt.min) * scale)).astype(_F32)
         return None, scale, add
 
 
@@ -511,7 +502,7 @@ def _dequantize_kernel(q, qt, mode, narrow_range, lo, hi, axis, xp):
 
 
 def _dequantize_elements(q, qt, mode, offset, scale, add, flush, per_tensor, xp):
-    ftz = (lambda a: _ftz(a, xp)) if flush else (lambda a: a)
+    ftz = (lambda a: flush_subnormals(a)) if flush else (lambda a: a)
     v = q.astype(_F32)  # int -> float rounds to nearest even (qint32), as C++ does
     if mode == "MIN_COMBINED":
         if qt.signed:
@@ -583,7 +574,7 @@ def quantize_dequantize_gradient(gradients, inputs, output_min, output_max, *, a
     lo, hi = range_bounds(output_min, output_max, x.ndim, axis, xp)
     with _quiet(xp):
         # A product, as TF's multiply: g * 0 keeps -0.0 and NaN; subnormal gradients flush (FTZ).
-        return xp.multiply(_ftz(g, xp), range_mask(x, lo, hi, xp), dtype=_F32)
+        return xp.multiply(flush_subnormals(g), range_mask(x, lo, hi, xp), dtype=_F32)
 
 
 def quantize_dequantize_backprops(gradients, inputs, lo, hi):
@@ -599,7 +590,7 @@ def quantize_dequantize_backprops(gradients, inputs, lo, hi):
     if g.shape != x.shape:
         raise OperandError(f"shape {list(g.shape)} differs from inputs shape {list(x.shape)}", operand="gradients")
     with _quiet(xp):
-        return {"backprops_wrt_input": xp.multiply(_ftz(g, xp), range_mask(x, lo, hi, xp), dtype=_F32)}
+        return {"backprops_wrt_input": xp.multiply(flush_subnormals(g), range_mask(x, lo, hi, xp), dtype=_F32)}
 
 
 # --- the round trip as an estimator (and a plot) sees it --------------------------------------------------
@@ -679,7 +670,7 @@ def round_trip_grid(min_range, max_range, *, dtype="quint8", mode="MIN_COMBINED"
         else:
             n, p = 0, (qt.max - qt.min if mode == "MIN_COMBINED" else int(2**qt.bits - 1))
             # MIN_COMBINED's levels start at lo; MIN_FIRST's at round(lo / step) * step (an integer level).
-            first = lo / step if mode == "MIN_COMBINED" else _round_half_away(_ftz(lo / step), np)
+            first = lo / step if mode == "MIN_COMBINED" else _round_half_away(flush_subnormals(lo / step), np)
             zero = np.where(step > 0, -first, 0).astype(_F32) + _F32(0)
         inv = np.where(step > 0, _F32(1) / step, 0).astype(_F32)
     return RoundTripGrid(
@@ -721,7 +712,7 @@ def quantize_dequantize_view(inputs, min_range, max_range, *, dtype="quint8", mo
                            ensure_minimum_range=ensure_minimum_range)
     channel_axis = None if mn.ndim == 0 else axis
     last = (lambda a: a) if channel_axis is None else (lambda a: xp.moveaxis(a, channel_axis, -1))  # noqa: E731
-    xl, out = last(_ftz(x, xp)), last(result.outputs)
+    xl, out = last(flush_subnormals(x)), last(result.outputs)
     lo_d, hi_d = xp.asarray(result.output_min), xp.asarray(result.output_max)
     lo_b = xp.where(lo_d == 0, _F32(-_MAX_SUBNORMAL), lo_d)
     hi_b = xp.where(hi_d == 0, _F32(_MAX_SUBNORMAL), hi_d)
