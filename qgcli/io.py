@@ -441,7 +441,7 @@ def _read_h5_dataset(handle, key, label):
                                   "qgcli does not read it")
         _check_memory(int(node.size or 0) * node.dtype.itemsize, f"{label}: {key!r}")
         data = node[()]
-        bfloat16 = getattr(data, "dtype", None) == np.uint16 and node.attrs.get("dtype") in ("bfloat16", b"bfloat16")
+        bfloat16 = getattr(data, "dtype", None) == np.uint16 and tagged_bfloat16(node)
     except QgcliError:
         raise
     except CORRUPT_FILE_ERRORS as exc:
@@ -451,6 +451,11 @@ def _read_h5_dataset(handle, key, label):
 
         data = data.view(ml_dtypes.bfloat16)
     return np.asarray(data)
+
+
+def tagged_bfloat16(dataset):
+    """Whether an HDF5 dataset carries qgcli's ``dtype=bfloat16`` tag (bfloat16 stored as uint16)."""
+    return dataset.attrs.get("dtype") in ("bfloat16", b"bfloat16")
 
 
 def _h5_object_kind(dtype):

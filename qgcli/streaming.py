@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from qgcli.errors import QgcliError
-from qgcli.io import physical_memory
+from qgcli.io import physical_memory, tagged_bfloat16
 
 _F32 = np.float32
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -166,7 +166,7 @@ def _tick(progress, nbytes):
 def _read_float(ds, sl):
     """A block of an HDF5 dataset, bfloat16 restored from its uint16 storage."""
     block = ds[sl]
-    if ds.attrs.get("dtype") in ("bfloat16", b"bfloat16") and block.dtype == np.uint16:
+    if tagged_bfloat16(ds) and block.dtype == np.uint16:
         import ml_dtypes
 
         block = block.view(ml_dtypes.bfloat16)
@@ -185,7 +185,7 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
 
     rank, channels_first = bn._check_format(data_format)
     eps = bn._check_epsilon(epsilon)
-    bf16 = {n: ds.attrs.get("dtype") in ("bfloat16", b"bfloat16") for n, ds in (("x", x), ("y_backprop", y_backprop))}
+    bf16 = {n: tagged_bfloat16(ds) for n, ds in (("x", x), ("y_backprop", y_backprop))}
     for name, ds in (("x", x), ("y_backprop", y_backprop)):
         if not (bn._is_float(ds.dtype) or bf16[name]):
             raise OperandError(f"dtype {ds.dtype} is not a floating type (TF takes float32, float16 or bfloat16)",

@@ -79,6 +79,8 @@ def run_fake_quant_streamed(command, operands, plan, *, variant, num_bits, narro
     """fakequant / fakequant-grad on HDF5 datasets too large for memory; returns the summary."""
     import numpy as np
 
+    from qgcli import streaming
+    from qgcli.commands._common import json_safe
     from qgcli.commands.fakequant import TF_OPS, infer_variant
     from qgcli.errors import OperandError
     from qgcli.ops.analysis import grid_summary
@@ -125,15 +127,11 @@ def run_fake_quant_streamed(command, operands, plan, *, variant, num_bits, narro
         streaming.fake_quant_forward(x_ds, grid, divide, out, per_channel=variant == "per-channel", **common)
         return {}
 
-    from qgcli import streaming
-
     total = sum(int(ds.size) * 4 for ds in datasets.values())
     small = write_streamed(output, operands, force, attrs, compute, quiet=quiet, total_bytes=total)
     big = "outputs" if not with_gradients else ("backprops" if variant == "args" else "backprops_wrt_input")
     outputs = {big: {"shape": list(x_ds.shape), "dtype": "float32"}}
     outputs.update({k: {"shape": list(np.shape(v)), "dtype": "float32"} for k, v in small.items()})
-    from qgcli.commands._common import json_safe
-
     return json_safe({
         "command": command, "op": op, "variant": variant, "attributes": attrs,
         "inputs": {n: {"shape": list(ds.shape), "dtype": str(ds.dtype), "source": operands.sources.get(n, n)}
@@ -149,7 +147,7 @@ def run_bn_grad_streamed(operands, plan, *, epsilon, data_format, is_training, v
     """bn-grad on HDF5 datasets too large for memory (two passes); returns the summary."""
     import numpy as np
 
-    from qgcli import streaming
+    from qgcli import io, streaming
     from qgcli.commands._common import json_safe
     from qgcli.ops import batch_norm as bn
 
@@ -162,7 +160,7 @@ def run_bn_grad_streamed(operands, plan, *, epsilon, data_format, is_training, v
         data_format = "NDHWC" if x_ds.ndim == 5 else "NHWC"
 
     def dtype_of(ds):
-        if ds.attrs.get("dtype") in ("bfloat16", b"bfloat16"):
+        if io.tagged_bfloat16(ds):
             import ml_dtypes
 
             return np.dtype(ml_dtypes.bfloat16)
