@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qgcli.backend import array_module
+from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
+from qgcli.ops import native
 
 _F32 = np.float32
 _TINY = np.finfo(np.float32).tiny  # smallest normal float32, 2**-126
@@ -102,9 +103,6 @@ def nudge(min, max, *, num_bits=8, narrow_range=False):
     (-8.0, 4.0, 4.0, 2)
     """
     quant_min, quant_max = quant_range(num_bits, narrow_range)
-    from qgcli.backend import to_numpy
-    from qgcli.ops import native
-
     mn, mx = (np.asarray(to_numpy(v), _F32, order="C") for v in (min, max))
     lib = native.library() if mn.shape == mx.shape else None
     if lib is not None:
@@ -167,8 +165,6 @@ def _check_same_shape(gradients, inputs):
 
 
 def _range_operand(value, name, rank, xp):
-    from qgcli.backend import to_numpy
-
     arr = np.asarray(to_numpy(value))
     if arr.dtype.kind not in "fiu" and arr.dtype.name != "bfloat16":
         raise OperandError(f"dtype {arr.dtype} is not a real number type", operand=name)
