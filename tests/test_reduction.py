@@ -55,9 +55,21 @@ def test_order_matters_so_the_test_can_fail():
     assert eigen_column_sums(a, np, threads=1)[0] != naive
 
 
-def test_sharded_reductions_match_tensorflow(monkeypatch):
-    """Large gradients whose min/max sums TF's thread pool shards (golden sums from make_golden_reduction.py)."""
+def golden_cases(name):
     import json
+    import os
+
+    from conftest import GOLDEN
+
+    with open(os.path.join(GOLDEN, name)) as fh:
+        return json.load(fh)
+
+
+def mismatches(cases, threads=None):
+    """The (rows, depth, output) of golden cases whose qgcli sums differ from TensorFlow's, bit for bit.
+
+    ``threads``: TF's intra-op thread count to tell qgcli (``QGCLI_TF_THREADS``); default: each case's own.
+    """
     import os
     import sys
 
@@ -67,19 +79,67 @@ def test_sharded_reductions_match_tensorflow(monkeypatch):
     sys.path.insert(0, GOLDEN)
     from make_golden_reduction import make_inputs
 
-    monkeypatch.setenv("QGCLI_TF_THREADS", "2")  # the golden sums were made with 2 intra-op threads
-    with open(os.path.join(GOLDEN, "reduction.json")) as fh:
-        cases = json.load(fh)["cases"]
-    sharded = 0
-    for case in cases:
-        n, d = case["rows"], case["depth"]
-        g, x = make_inputs(n, d)
-        if d == 1:
-            _, dmin, dmax = ops.fake_quant_with_min_max_vars_gradient(g, x, -1.0, 1.0)
-        else:
-            _, dmin, dmax = ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, -np.ones(d), np.ones(d))
-        for name, got in (("backprop_wrt_min", dmin), ("backprop_wrt_max", dmax)):
-            want = np.array(case[name], np.uint32)
-            assert np.asarray(got, f32).reshape(-1).view(np.uint32).tolist() == want.tolist(), (n, d, name)
-        sharded += n > 50150
-    assert sharded >= 4
+    wrong = []
+    saved = os.environ.get("QGCLI_TF_THREADS")
+    try:
+        for case in cases:
+            os.environ["QGCLI_TF_THREADS"] = str(threads or case.get("intra_op_threads", 2))
+            n, d = case["rows"], case["depth"]
+            g, x = make_inputs(n, d)
+            if d == 1:
+                _, dmin, dmax = ops.fake_quant_with_min_max_vars_gradient(g, x, -1.0, 1.0)
+            else:
+                _, dmin, dmax = ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, -np.ones(d), np.ones(d))
+            for name, got in (("backprop_wrt_min", dmin), ("backprop_wrt_max", dmax)):
+                if np.asarray(got, f32).reshape(-1).view(np.uint32).tolist() != case[name]:
+                    wrong.append((n, d, name))
+    finally:
+        os.environ["QGCLI_TF_THREADS"] = saved if saved is not None else "2"
+    return wrong
+
+
+def test_sharded_reductions_match_tensorflow():
+    """Large gradients whose min/max sums TF's thread pool shards (golden sums from make_golden_reduction.py)."""
+    golden = golden_cases("reduction.json")
+    assert golden["intra_op_threads"] == 2  # the golden sums were made with 2 intra-op threads
+    cases = golden["cases"]
+    assert mismatches(cases) == []
+    assert sum(case["rows"] > 50150 for case in cases) >= 4
+
+
+@pytest.mark.parametrize("kind, wrong_cost", [("flat", 4.0), ("flat", 4.1), ("flat", 4.2), ("chip", 4.5),
+                                              ("chip", 4.75)])
+def test_the_golden_sums_pin_the_cost_constants(monkeypatch, kind, wrong_cost):
+    """Eigen's cost per value decides where a reduction is first split over two threads; the golden sizes on
+    both sides of that point (49,800 ... 52,499 flat; 44,799 / 44,801 rows per channel) fail for a wrong one."""
+    from qgcli.ops import reduction
+
+    near = [c for c in golden_cases("reduction.json")["cases"] if c["rows"] < 53000]
+    monkeypatch.setitem(reduction.COST_PER_VALUE, kind, wrong_cost)
+    reduction._plan.cache_clear()
+    try:
+        assert mismatches(near) != []
+    finally:
+        reduction._plan.cache_clear()
+
+
+def test_other_thread_counts_match_tensorflow():
+    """TF run with 1, 4 and 8 intra-op threads (reduction_threads.json): qgcli gives TF's bits when told the
+    count with QGCLI_TF_THREADS, and the cases depend on it (the 2-thread answer differs for most of them)."""
+    golden = golden_cases("reduction_threads.json")
+    cases = golden["cases"]
+    assert golden["tensorflow_version"].startswith("2.21")
+    assert sorted({c["intra_op_threads"] for c in cases}) == [1, 4, 8]
+    assert mismatches(cases) == []
+    for threads in (1, 4, 8):
+        own = [c for c in cases if c["intra_op_threads"] == threads]
+        assert len(mismatches(own, threads=2)) >= 4, threads
+
+
+def test_tf_threads_default_to_the_cpu_count(monkeypatch):
+    from qgcli.ops import reduction
+
+    monkeypatch.delenv("QGCLI_TF_THREADS")
+    assert reduction.tf_threads() == reduction.cpu_count()
+    monkeypatch.setenv("QGCLI_TF_THREADS", "8")
+    assert reduction.tf_threads() == 8
