@@ -4,6 +4,7 @@ the CLI (``fakequant`` / ``fakequant-grad --variant quantize-dequantize``)."""
 import collections
 import json
 import os
+import sys
 
 import h5py
 import numpy as np
@@ -91,12 +92,53 @@ def test_matches_tensorflow(name, attrs, data):
     assert_matches(run_case(attrs, data), data, name)
 
 
-def test_golden_cases_on_every_array_module(xp):
-    if xp is np:
-        pytest.skip("NumPy runs every case in test_matches_tensorflow")
+# NumPy runs every case in test_matches_tensorflow: only the GPU parameter is left (it skips without a GPU).
+@pytest.mark.parametrize("xp", [pytest.param("cupy", marks=pytest.mark.gpu)], indirect=True)
+def test_golden_cases_on_the_gpu(xp):
     for name, attrs, data in CASES:
         if not refused(attrs):
             assert_matches(run_case(attrs, data, xp), data, name)
+
+
+# --- the random campaign: TensorFlow's answers stored as digests (tests/golden/make_golden_quantize_campaign.py)
+
+LONG = os.environ.get("QGCLI_LONG", "") not in ("", "0")
+
+
+def check_campaign(n_round_trips, n_dequantize):
+    """qgcli against TensorFlow on the first cases of the campaign; returns the indices that differ."""
+    sys.path.insert(0, GOLDEN)
+    import make_golden_quantize_campaign as campaign
+
+    stored = np.load(campaign.OUT)
+    assert str(stored["tensorflow_version"]).startswith("2.21")
+    wrong = []
+    for what, draw, n in (("round_trip", campaign.draw_round_trip, n_round_trips),
+                          ("dequantize", campaign.draw_dequantize, n_dequantize)):
+        table = stored[what]
+        assert len(table) >= n
+        for i in range(n):
+            x, mn, mx, attrs = draw(i)
+            assert campaign.digest(x, mn, mx) == table[i, 0], f"{what} {i}: inputs differ (NumPy's random stream?)"
+            if what == "round_trip":
+                r = q.quantize_dequantize(x, mn, mx, **attrs).as_dict()
+                got = campaign.digest(*(np.asarray(r[k]) for k in campaign.OUTPUT_KEYS))
+            else:
+                got = campaign.digest(np.asarray(q.dequantize(x, mn, mx, **attrs)))
+            if got != table[i, 1]:
+                wrong.append((what, i))
+    return wrong
+
+
+def test_random_campaign_sample():
+    assert check_campaign(400, 200) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LONG, reason="long campaign: set QGCLI_LONG=1")
+def test_random_campaign_in_full():
+    """The README's 15,000 random round trips and 7,000 random Dequantize cases (~12 s)."""
+    assert check_campaign(15_000, 7_000) == []
 
 
 # --- hand-computed cases -----------------------------------------------------------------------------------
