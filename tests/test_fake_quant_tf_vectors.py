@@ -1,4 +1,6 @@
 """TensorFlow 2.21's own outputs (tf_semantics.md §1.8, run on a real TF) reproduced bit for bit."""
+import math
+
 import numpy as np
 import pytest
 
@@ -96,9 +98,50 @@ def test_op_documentation_examples(xp):
                               [0.8003920912742615, 0.49960780143737793, -0.49960780143737793]])
 
 
+def tf_grid(mn, mx, num_bits):
+    """TF's nudge (tf_semantics.md §1.3) in float32 scalars: (scale, inv_scale, nudged_min, nudged_max)."""
+    F = np.float32
+    qmin, qmax = F(0), F(2**num_bits - 1)
+    scale = F(F(mx - mn) / F(qmax - qmin))
+    inv_scale = F(F(qmax - qmin) / F(mx - mn))
+    zp_from_min = F(qmin - F(mn / scale))
+    # std::round (ties away from zero) of a value >= 0, in float64 where v + 0.5 is exact
+    zp = qmin if zp_from_min < qmin else qmax if zp_from_min > qmax else F(math.floor(float(zp_from_min) + 0.5))
+    return scale, inv_scale, F(F(qmin - zp) * scale), F(F(qmax - zp) * scale)
+
+
+def per_channel_reference(x, mn, mx, num_bits, *, divide=False):
+    """TF's per-channel forward of one channel's values (§1.4), every operation a float32 NumPy ufunc:
+    independent of qgcli's kernels.  ``divide=True`` is the Vars formula (``/ scale``), for contrast."""
+    F = np.float32
+    scale, inv_scale, nudged_min, nudged_max = tf_grid(mn, mx, num_bits)
+    quant_zero = F(np.floor(F(F(-nudged_min) * inv_scale) + F(0.5)))
+    shifted = np.subtract(np.maximum(np.minimum(np.asarray(x, F), nudged_max), nudged_min), nudged_min, dtype=F)
+    t = np.divide(shifted, scale, dtype=F) if divide else np.multiply(shifted, inv_scale, dtype=F)
+    return np.multiply(np.floor(np.add(np.subtract(t, quant_zero, dtype=F), F(0.5), dtype=F)), scale, dtype=F)
+
+
 def test_per_channel_any_rank(xp):
-    out = ops.fake_quant_with_min_max_vars_per_channel(xp.zeros([1, 1, 1, 2, 3], f32) + 0.3, [-1.0] * 3, [1.0] * 3)
-    assert out.shape == (1, 1, 1, 2, 3)
+    """Rank 5, five channels with five different grids: every element equals TF's arithmetic with its own
+    channel's range (a wrong channel, axis, grid or formula changes values, not the shape)."""
+    num_bits, shape = 4, (2, 3, 2, 5, 5)  # 60 values per channel
+    mn = np.array([-1.0, -0.5, 0.3, -3.0, -0.1], f32)  # symmetric, zero-point tie, positive, negative, small
+    mx = np.array([1.0, 2.5, 2.0, -0.2, 0.1], f32)
+    rng = np.random.default_rng(5)
+    width = mx - mn
+    x = (mn - 0.3 * width + rng.random(shape) * 1.6 * width).astype(f32)
+    for c in range(5):  # the 15 half steps of each nudged grid and their neighbours: "* inv_scale" matters there
+        scale, _, nudged_min, _ = tf_grid(mn[c], mx[c], num_bits)
+        ties = (nudged_min + (np.arange(15) + 0.5) * np.float64(scale)).astype(f32)
+        up, down = np.nextafter(ties, f32(np.inf)), np.nextafter(ties, f32(-np.inf))
+        x.reshape(-1, 5)[:45, c] = np.concatenate([ties, up, down])
+    out = _np(ops.fake_quant_with_min_max_vars_per_channel(xp.asarray(x), mn, mx, num_bits=num_bits))
+    assert out.shape == shape
+    want = np.stack([per_channel_reference(x[..., c], mn[c], mx[c], num_bits) for c in range(5)], axis=-1)
+    assert_bitwise(out, want)
+    for c in range(5):  # the inputs tell the formulas apart, and reach several levels of every grid
+        assert (per_channel_reference(x[..., c], mn[c], mx[c], num_bits, divide=True) != want[..., c]).any()
+        assert len(np.unique(want[..., c])) >= 8
 
 
 def test_notebook_two_bit_levels(xp):
