@@ -33,9 +33,7 @@ class QgcliGroup(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             raise_pending()  # a signal Python swallowed (in a __del__) still ends in exit 128 + N
         except Terminated as exc:
-            if exc.signum == signal.SIGINT:
-                _fail("interrupted; no output was left half-written", 130)
-            _fail(f"terminated by {exc.name}; no output was left half-written", 128 + exc.signum)
+            _fail(exc.describe(), 128 + exc.signum)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.UsageError as exc:

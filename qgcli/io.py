@@ -10,6 +10,7 @@ Safety rules kept here: nothing is ever unpickled (``allow_pickle=False``), lite
 refused, outputs are written to a temporary file next to the target and renamed into place, an existing
 output is replaced only with ``force``, and an input is never an output.
 """
+import contextlib
 import io as _io
 import os
 import re
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgcli.errors import FileFormatError, OperandError, OutputError, QgcliError
-from qgcli.signals import raise_pending
+from qgcli import hdf5_guard
+from qgcli.signals import deferred, raise_pending
 
 H5_SUFFIXES = (".h5", ".hdf5")
 NPZ_SUFFIXES = (".npz",)
@@ -167,7 +169,8 @@ class Container:
 
     def close(self):
         if self._handle is not None and hasattr(self._handle, "close"):
-            self._handle.close()
+            with deferred():
+                self._handle.close()
         self._handle = None
 
     def _fail(self, message):
@@ -180,7 +183,8 @@ class Container:
                 if self.kind == "h5":
                     import h5py
 
-                    self._handle = h5py.File(src, "r")
+                    with deferred():
+                        self._handle = h5py.File(src, "r")
                 elif self.kind == "npz":
                     # zipfile itself, not np.load: each member is then read by the checked .npy reader.
                     self._handle = zipfile.ZipFile(src)
@@ -204,7 +208,8 @@ class Container:
         names = []
         try:
             # HDF5's object visitor follows hard links only and visits each object once (so cycles end).
-            handle.visititems(lambda name, obj: names.append(
+            with deferred():
+                handle.visititems(lambda name, obj: names.append(
                 name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name)
                 if isinstance(obj, h5py.Dataset) else None)
         except CORRUPT_FILE_ERRORS as exc:
@@ -228,20 +233,23 @@ class Container:
             if key not in members:
                 self._fail(f"has no key {key!r} (keys: {', '.join(members) or 'none'})")
             return _read_npz_member(handle, members[key], key, self.label)
-        return _read_h5_dataset(handle, key, self.label)
+        with deferred():
+            return _read_h5_dataset(handle, key, self.label)
 
     def dataset(self, key):
         """The h5py Dataset under ``key``, unread (for streaming); None for npy/npz containers."""
         if self.kind != "h5":
             return None
-        return _h5_dataset(self._opened(), key, self.label)
+        with deferred():
+            return _h5_dataset(self._opened(), key, self.label)
 
     def has(self, key):
         if self.kind == "npz":
             return key in _npz_members(self._opened())
         if self.kind == "h5":
             try:
-                _h5_resolve(self._opened(), key, self.label)
+                with deferred():
+                    _h5_resolve(self._opened(), key, self.label)
                 return True
             except FileFormatError as exc:
                 # Present but unreadable (an external link, say): say so when it is read, not "missing".
@@ -454,8 +462,38 @@ def _read_h5_dataset(handle, key, label):
 
 
 def tagged_bfloat16(dataset):
-    """Whether an HDF5 dataset carries qgcli's ``dtype=bfloat16`` tag (bfloat16 stored as uint16)."""
-    return dataset.attrs.get("dtype") in ("bfloat16", b"bfloat16")
+    """Whether an HDF5 dataset carries qgcli's ``dtype=bfloat16`` tag (bfloat16 stored as uint16).
+
+    The one attribute qgcli reads even when it is a variable-length string (h5py's default for ``str``,
+    so that is how users tag their files), and only on integer datasets."""
+    return dataset.dtype.kind == "u" and dataset.attrs.get("dtype") in ("bfloat16", b"bfloat16")
+
+
+def read_attributes(obj):
+    """An HDF5 object's attributes, name -> value (strings as ``str``).
+
+    On a damaged global heap HDF5 spins for ever inside the read of a variable-length value, holding the
+    GIL, so that no signal can stop it.  Scalar variable-length strings (h5py's default for ``str``: every
+    qgcli provenance attribute) are therefore read by :mod:`qgcli.hdf5_guard`, which gives up after a few
+    seconds; other variable-length and object-typed values are never read and appear as ``"<KIND: not
+    read>"`` (the kind, as for such datasets).
+    """
+    out = {}
+    for key in obj.attrs.keys():
+        key_text = key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key
+        try:
+            attr = obj.attrs.get_id(key)
+            if attr.dtype.kind == "O":
+                value = hdf5_guard.read_string_attribute(attr, obj.file.filename) if attr.shape == () else None
+                out[key_text] = f"<{_h5_object_kind(attr.dtype)}: not read>" if value is None else value
+            else:
+                value = obj.attrs[key]
+                out[key_text] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        except FileFormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an unsupported or damaged attribute must not stop the listing
+            out[key_text] = f"<unreadable: {type(exc).__name__}>"
+    return out
 
 
 def _h5_object_kind(dtype):
@@ -546,13 +584,17 @@ def check_output(dest, *, inputs=(), force=False, names=()):
     return kind
 
 
+@contextlib.contextmanager
 def open_h5_for_writing(path):
-    """``h5py.File(path, "w")`` without a chunk cache.  Outputs are written once, so the cache buys
+    """``with h5py.File(path, "w")``, without a chunk cache and with signals deferred until the file is
+    closed (a signal inside an HDF5 call would leave HDF5 half-way; the writer calls
+    :func:`qgcli.signals.raise_pending` where it can stop).  Outputs are written once, so the cache buys
     nothing, and with HDF5 2.0 a write that fails while the cache holds chunks (a full disk) crashes the
     process with SIGSEGV instead of raising."""
     import h5py
 
-    return h5py.File(path, "w", rdcc_nbytes=0)
+    with deferred(), h5py.File(path, "w", rdcc_nbytes=0) as f:
+        yield f
 
 
 def _write_h5(fh, arrays, attrs, compression=None):
@@ -560,6 +602,7 @@ def _write_h5(fh, arrays, attrs, compression=None):
         for key, value in attrs.items():
             f.attrs[key] = value
         for name, array in arrays.items():
+            raise_pending()  # between two datasets HDF5 is in a clean state: stop here on a signal
             array = np.asarray(array)
             options = {}
             if compression and array.ndim and array.size:
@@ -646,9 +689,9 @@ def _open_hdf5_files():
 
 
 def hdf5_left_open():
-    """True when a failed write left an HDF5 file that HDF5 could not close: the process should end with
-    ``os._exit`` (HDF5's exit handler would crash on it)."""
-    return bool(_hdf5_left_open)
+    """True when a failed write left an HDF5 file that HDF5 could not close, or HDF5 is stuck in a
+    guarded read: the process should end with ``os._exit`` (HDF5's exit handler would crash on it)."""
+    return bool(_hdf5_left_open) or hdf5_guard.stuck()
 
 
 def _commit(staged):

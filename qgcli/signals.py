@@ -6,6 +6,11 @@ raises is printed as "Exception ignored in ..." and dropped: the command would g
 output after the user pressed Ctrl-C.  So the handlers here also *record* the signal, and the atomic
 writers call :func:`raise_pending` just before they rename a finished file into place.
 
+Inside HDF5 a raised exception is worse than a swallowed one: a KeyboardInterrupt landing in the middle of
+an h5py call leaves HDF5's state half-updated, and the clean-up on the way out then fails with an unrelated
+error.  Code that calls h5py runs :func:`deferred`: a signal is only recorded there, and raised at the
+next :func:`raise_pending` (the streaming loops call it between blocks) or when the region ends.
+
 Imports nothing heavy: ``qgcli --help`` loads it.
 """
 import os
@@ -13,6 +18,13 @@ import signal
 import sys
 
 _pending = []
+_deferring = [0]  # depth of nested deferred() regions
+_installed = [0]  # install() calls not yet restored
+
+
+def cli_handlers_installed():
+    """Whether the CLI's handlers are in place (this process is a qgcli command, not a library user)."""
+    return bool(_installed[0])
 
 
 class Terminated(BaseException):
@@ -23,6 +35,12 @@ class Terminated(BaseException):
         self.signum = int(signum)
         self.name = signal.Signals(signum).name
         super().__init__(self.name)
+
+    def describe(self):
+        """The CLI's one line for this signal (without "Error: ")."""
+        if self.signum == signal.SIGINT:
+            return "interrupted; no output was left half-written"
+        return f"terminated by {self.name}; no output was left half-written"
 
 
 def pending():
@@ -36,9 +54,26 @@ def raise_pending():
         raise Terminated(_pending[0])
 
 
+class deferred:
+    """A region in which a signal is recorded, not raised; on a normal exit a recorded signal is raised.
+
+    Re-entrant, cheap, and a no-op outside the CLI (where Python's own handlers are in place)."""
+
+    def __enter__(self):
+        _deferring[0] += 1
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        _deferring[0] -= 1
+        if exc_type is None and not _deferring[0]:
+            raise_pending()
+        return False
+
+
 def _handler(signum, frame):
     _pending.append(signum)
-    raise Terminated(signum)
+    if not _deferring[0]:
+        raise Terminated(signum)
 
 
 def install():
@@ -65,6 +100,7 @@ def install():
         # else: a swallowed Terminated is already in _pending; other noise from __del__ is not for users
 
     sys.unraisablehook = hook
+    _installed[0] += 1
 
     def restore():
         for sig, handler in previous.items():
@@ -74,5 +110,7 @@ def install():
                 pass
         sys.unraisablehook = old_hook
         _pending.clear()
+        _deferring[0] = 0
+        _installed[0] -= 1
 
     return restore

@@ -12,6 +12,7 @@ import numpy as np
 
 from qgcli.errors import QgcliError
 from qgcli.io import physical_memory, tagged_bfloat16
+from qgcli.signals import raise_pending
 
 _F32 = np.float32
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -159,6 +160,9 @@ def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compres
 
 
 def _tick(progress, nbytes):
+    """A block is done: HDF5 is between calls, so a signal deferred meanwhile (qgcli.signals) stops the
+    run here."""
+    raise_pending()
     if progress is not None:
         progress(nbytes)
 

@@ -97,20 +97,22 @@ def test_h5_groups_attributes_and_links_are_listed_never_followed(cli, tmp_path)
         f["secret"] = np.arange(5.0)
     path = tmp_path / "tree.h5"
     with h5py.File(path, "w") as f:
-        f.attrs["run"] = "exp-7"
+        f.attrs["run"] = np.bytes_("exp-7")  # fixed-length: read
+        f.attrs["user"] = "someone"  # h5py's variable-length str: read by a worker with a time limit
         layer = f.create_group("layer1")
         layer.attrs["bits"] = np.int64(4)
         layer.attrs["scales"] = np.array([0.5, 0.25])
         layer["x"] = np.ones((2, 2), np.float32)
-        layer["x"].attrs["note"] = b"bytes attribute"
+        layer["x"].attrs["note"] = np.bytes_(b"bytes attribute")
         layer["loop"] = layer  # a hard-link cycle: must not walk forever
         f["outside"] = h5py.ExternalLink(str(other), "/secret")
         f["alias"] = h5py.SoftLink("/layer1/x")
         f["raw_bf16"] = np.array([0x3F80, 0xC000], np.uint16)  # 1.0, -2.0 as bfloat16 bits
         f["raw_bf16"].attrs["dtype"] = "bfloat16"
     (f,) = inspect_json(cli, path)["files"]
-    assert f["attributes"] == {"run": "exp-7"}
-    assert {g["path"]: g["attributes"] for g in f["groups"]} == {"/": {"run": "exp-7"},
+    root = {"run": "exp-7", "user": "someone"}
+    assert f["attributes"] == root
+    assert {g["path"]: g["attributes"] for g in f["groups"]} == {"/": root,
                                                                  "layer1": {"bits": 4, "scales": [0.5, 0.25]}}
     links = {lk["path"]: lk for lk in f["links"]}
     assert links["outside"]["kind"] == "external" and links["outside"]["target"] == f"{other}:/secret"

@@ -40,17 +40,15 @@ def _plain(value, limit=64):
 
 
 def _attributes(obj):
-    out = {}
+    from qgcli.errors import QgcliError
+    from qgcli.io import read_attributes
+
     try:
-        keys = list(obj.attrs.keys())
+        return {key: _plain(value) for key, value in read_attributes(obj).items()}
+    except QgcliError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a broken attribute table must not stop the listing
         return {"<unreadable>": f"{type(exc).__name__}: {exc}"}
-    for key in keys:
-        try:
-            out[key] = _plain(obj.attrs[key])
-        except Exception as exc:  # noqa: BLE001 - unsupported attribute types (references, odd vlen)
-            out[key] = f"<unreadable: {type(exc).__name__}>"
-    return out
 
 
 def tensor_stats(array):
@@ -157,9 +155,12 @@ def _h5_structure(path):
     """
     import h5py
 
+    from qgcli.io import tagged_bfloat16
+    from qgcli.signals import deferred
+
     groups, datasets, links = [], [], []
     seen = {}
-    with h5py.File(path, "r") as f:
+    with deferred(), h5py.File(path, "r") as f:
         groups.append({"path": "/", "attributes": _attributes(f)})
         seen[h5py.h5o.get_info(f.id).addr] = "/"
         found = []
@@ -186,7 +187,7 @@ def _h5_structure(path):
                 groups.append({"path": name, "attributes": _attributes(obj)})
             elif isinstance(obj, h5py.Dataset):
                 attrs = _attributes(obj)
-                dtype = "bfloat16" if attrs.get("dtype") == "bfloat16" and obj.dtype.kind == "u" else str(obj.dtype)
+                dtype = "bfloat16" if tagged_bfloat16(obj) else str(obj.dtype)
                 datasets.append({"path": name, "shape": obj.shape, "dtype": dtype, "attributes": attrs,
                                  "error": None})
             else:  # a committed datatype

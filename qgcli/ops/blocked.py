@@ -14,11 +14,13 @@ full-size ``g * mask`` temporary ever exists.
 """
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
 from qgcli.ops import native, reduction
+from qgcli.ops.subnormals import flush_subnormals
+from qgcli.signals import deferred
 
 _F32 = np.float32
 BLOCK_ELEMENTS = 1 << 17  # 512 KiB of float32 per operand: the chain stays in L2/L3
@@ -31,15 +33,50 @@ def workers():
     return max(1, int(value)) if value else min(reduction.cpu_count(), 8)
 
 
+def name_this_thread(name):
+    """Give the calling thread an OS-level name (Linux; ``top -H`` and /proc show it, and the fault tests
+    watch for it); Python's thread names stay inside Python."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def _map(fn, items):
     global _pool
     items = list(items)
     if len(items) <= 1 or workers() == 1:
         return [fn(item) for item in items]
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != workers():
-            _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="qgcli")
-    return list(_pool.map(fn, items))
+    futures = []
+    try:
+        # A signal inside submit() could leave a worker started but unknown to the pool (the interpreter
+        # then waits for it for ever at exit) or submitted blocks nobody waits for: it waits until all are in.
+        with deferred():
+            with _pool_lock:
+                if _pool is None or _pool._max_workers != workers():
+                    _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="qgcli",
+                                               initializer=name_this_thread, initargs=("qgcli-pool",))
+            for item in items:
+                futures.append(_pool.submit(fn, item))
+        return [future.result() for future in futures]
+    except BaseException:
+        # Ctrl-C (or a failed block) while blocks run: the compiled kernels write through raw addresses
+        # into arrays the caller frees as it unwinds, so cancel what has not started and wait for the rest.
+        for future in futures:
+            future.cancel()
+        _wait_out(futures)
+        raise
+
+
+def _wait_out(futures):
+    while True:
+        try:
+            wait(futures)
+            return
+        except BaseException:  # a second Ctrl-C: the first is already on its way out
+            continue
 
 
 _local = threading.local()
@@ -77,8 +114,6 @@ def quantize(x2, params, divide, flush):
     ``params``: nudged_min, nudged_max, scale, inv_scale, quant_zero, passthrough (broadcastable on the
     last axis).  Returns a new array.
     """
-    from qgcli.ops.fake_quant import flush_subnormals
-
     nmin, nmax, scale, inv, qz, passthrough = params
     out = np.empty_like(x2)
     lib = native.library()
@@ -149,8 +184,6 @@ def finish_sums(plan, sums_min, sums_max, passthrough):
 def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
     """``(dx, leaf sums below, leaf sums above)`` for these rows; ``leaves`` (absolute ``(start, length)``,
     tiling exactly these rows) or None for ``dx`` alone."""
-    from qgcli.ops.fake_quant import flush_subnormals
-
     rows, depth = x2.shape
     lib = native.library()
     if lib is not None:

@@ -24,9 +24,9 @@ import numpy as np
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
 from qgcli.ops import native
+from qgcli.ops.subnormals import TINY as _TINY, flush_subnormals
 
 _F32 = np.float32
-_TINY = np.finfo(np.float32).tiny  # smallest normal float32, 2**-126
 _MAX_SUBNORMAL = np.nextafter(_TINY, _F32(0))
 # Below this grid step a subnormal input can reach a different grid point than the zero TF reads.
 _FLUSH_SCALE = _F32(2.0**-100)
@@ -39,15 +39,6 @@ def quant_range(num_bits=8, narrow_range=False):
     if not 2 <= num_bits <= 16:
         raise QgcliError(f"must be between 2 and 16, inclusive, got {num_bits}", operand="num_bits")
     return (1 if narrow_range else 0), (1 << int(num_bits)) - 1
-
-
-def flush_subnormals(a):
-    """``a`` (float32) with subnormals replaced by zeros of the same sign, as x86 FTZ/DAZ does.
-
-    A product with the mask (True -> 1.0, False -> 0.0): subnormals become signed zeros, everything else,
-    NaN included, is unchanged.  Operators only, so it works on NumPy/CuPy arrays and float32 scalars.
-    """
-    return a * (abs(a) >= _TINY)
 
 
 def _quiet(xp):

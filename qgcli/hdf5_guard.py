@@ -1,0 +1,129 @@
+"""HDF5 reads that may never return, made on a worker thread with a time limit.
+
+On a damaged global heap HDF5 spins for ever inside the read of a variable-length value (seen with
+HDF5 2.0: ``H5HG__cache_heap_deserialize``).  h5py holds the GIL throughout, so no signal handler runs
+and SIGTERM cannot stop the process.  Called through ctypes, which releases the GIL, the same read can
+run on a worker thread while the main thread waits with a time limit and still answers signals.
+
+HDF5 is not thread-safe: once a read is stuck, no HDF5 call may follow (even closing a file could crash
+or hang).  Under the CLI the process then ends at once with its one-line error; a library caller gets a
+FileFormatError and should not use h5py again in that process.
+"""
+import ctypes
+import os
+import queue
+import sys
+import threading
+import time
+
+from qgcli.errors import FileFormatError
+from qgcli.ops.blocked import name_this_thread
+from qgcli.signals import Terminated, cli_handlers_installed, pending
+
+SECONDS = 5.0
+_stuck = []
+_library = []  # [ctypes.CDLL or None], found once
+_worker = []  # [(requests, thread)]
+
+
+def stuck():
+    """Whether a guarded read never returned (HDF5 must not be called again)."""
+    return bool(_stuck)
+
+
+def read_string_attribute(attr, filename):
+    """The value of a scalar variable-length string attribute (an h5py AttrID), or None where this
+    platform's HDF5 library cannot be reached through ctypes or the attribute is no string."""
+    import h5py
+
+    lib = _hdf5_library()
+    if lib is None or h5py.check_string_dtype(attr.dtype) is None or _stuck:
+        return None
+    memtype = h5py.h5t.C_S1.copy()  # char *, NUL-terminated, allocated by HDF5
+    memtype.set_size(h5py.h5t.VARIABLE)
+    memtype.set_cset(h5py.h5t.CSET_UTF8)
+    pointer = ctypes.c_char_p()
+    status = _run(lambda: lib.H5Aread(attr.id, memtype.id, ctypes.byref(pointer)),
+                  lambda: f"{filename}: HDF5 did not return from reading attribute "
+                          f"{attr.name.decode('utf-8', 'replace')!r} within {SECONDS:g} s (a damaged file?)")
+    if status < 0:
+        raise ValueError("HDF5 could not read the value")
+    try:
+        return (pointer.value or b"").decode("utf-8", "replace")
+    finally:
+        lib.H5free_memory(pointer)
+
+
+def _run(call, describe):
+    """``call()`` on the worker thread; its result, or the end of the command if it does not return."""
+    requests = _requests()
+    done = queue.Queue(1)
+    requests.put((call, done))
+    end = time.monotonic() + SECONDS
+    while True:
+        try:
+            # Short waits: callers read HDF5 with signals deferred (qgcli.signals), so a signal is only
+            # recorded meanwhile, and must still end a read that never returns.
+            ok, value = done.get(timeout=0.05)
+            break
+        except queue.Empty:
+            signum = pending()
+            if signum is not None and done.empty():
+                time.sleep(0.2)  # a read that is merely slow gets a moment; the caller stops at its next safe point
+                if done.empty():
+                    _give_up(Terminated(signum).describe(), 128 + signum)
+            if time.monotonic() > end:
+                _give_up(str(FileFormatError(describe(), operand="FILE")), 2)
+        except Terminated as exc:  # signals not deferred: the same
+            if done.empty():
+                _give_up(exc.describe(), 128 + exc.signum)
+            raise
+    if not ok:
+        raise value
+    return value
+
+
+def _requests():
+    if not _worker:
+        requests = queue.Queue()
+
+        def serve():
+            name_this_thread("qgcli-hdf5")
+            while True:
+                call, done = requests.get()
+                try:
+                    done.put((True, call()))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    done.put((False, exc))
+
+        thread = threading.Thread(target=serve, name="qgcli-hdf5", daemon=True)
+        thread.start()
+        _worker.append((requests, thread))
+    return _worker[0][0]
+
+
+def _give_up(message, code):
+    _stuck.append(message)
+    if cli_handlers_installed():
+        sys.stderr.write(f"Error: {message}\n")
+        sys.stderr.flush()
+        os._exit(code)
+    raise FileFormatError(message)
+
+
+def _hdf5_library():
+    """The HDF5 shared library h5py loaded (found in /proc/self/maps), through ctypes; None elsewhere."""
+    if not _library:
+        lib = None
+        try:
+            with open("/proc/self/maps") as fh:
+                paths = {line.split()[-1] for line in fh if "libhdf5" in line}
+            (path,) = [p for p in paths if os.path.basename(p).startswith(("libhdf5.", "libhdf5-"))]
+            lib = ctypes.CDLL(path)
+            lib.H5Aread.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+            lib.H5Aread.restype = ctypes.c_int
+            lib.H5free_memory.argtypes = [ctypes.c_char_p]
+        except (OSError, ValueError, AttributeError):
+            lib = None
+        _library.append(lib)
+    return _library[0]
