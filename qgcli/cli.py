@@ -117,28 +117,12 @@ def main():
 
 
 def _register():
-    from qgcli.commands import fakequant
+    # Each command module imports click and qgcli.commands.options only; the work is imported when a command runs.
+    from qgcli.commands import batch_norm, compare_semantics, fakequant, inspect, nudge, plot, report
 
-    main.add_command(fakequant.fakequant)
-    main.add_command(fakequant.fakequant_grad)
-    import importlib
-
-    # Optional command modules added by later features register themselves here.
-    for module_name, names in (
-        ("qgcli.commands.batch_norm", ("bn_grad",)),
-        ("qgcli.commands.plot", ("plot",)),
-        ("qgcli.commands.inspect", ("inspect", "report")),
-        ("qgcli.commands.nudge", ("nudge", "compare_semantics")),
-    ):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        for name in names:
-            if hasattr(module, name):
-                main.add_command(getattr(module, name))
+    for command in (fakequant.fakequant, fakequant.fakequant_grad, batch_norm.bn_grad, plot.plot, inspect.inspect,
+                    report.report, nudge.nudge, compare_semantics.compare_semantics):
+        main.add_command(command)
 
 
 _register()

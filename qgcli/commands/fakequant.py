@@ -1,124 +1,127 @@
-"""``qgcli fakequant`` and ``qgcli fakequant-grad``: TensorFlow's fake-quant ops on saved tensors."""
+"""``qgcli fakequant`` and ``qgcli fakequant-grad``: fake quant on saved tensors, in four families.
+
+TensorFlow's fake-quant ops (the default), TensorFlow's grid with another gradient estimator
+(``--estimator``), PyTorch's op (``--semantics torch``) and TensorFlow's QuantizeV2 + Dequantize round trip
+(``--variant quantize-dequantize``).  The options are parsed once into a :class:`qgcli.FakeQuantJob`,
+checked for the family they choose, executed by :func:`qgcli.executors.execute` and the summary rendered
+here.  Only click is imported at module level.
+"""
 import click
 
-from qgcli.commands._common import (
-    Operands,
-    emit,
+from qgcli.commands.options import (
+    QD_VARIANT,
+    bundle_argument,
+    estimator_options,
     fake_quant_attribute_options,
-    json_safe,
+    operand_group,
     output_options,
-    percent,
-    report_options,
-    streaming_options,
-    to_device,
-    write_outputs,
+    quantize_options,
+    refuse_quantize_options,
+    semantics_options,
+    spec_option,
 )
-from qgcli.commands.nudge import estimator_options, run_semantics, semantics_options
-from qgcli.commands.quantize_dequantize import VARIANT as QD_VARIANT
-from qgcli.commands.quantize_dequantize import quantize_options, refuse_quantize_options, run_quantize_dequantize
+from qgcli.summaries import emit, percent
 
-TF_OPS = {
-    "args": "FakeQuantWithMinMaxArgs",
-    "vars": "FakeQuantWithMinMaxVars",
-    "per-channel": "FakeQuantWithMinMaxVarsPerChannel",
-}
+_RANGE_HELP = "scalar (vars/args) or one per channel."
 
 
-def infer_variant(variant, min_value):
-    """Explicit ``--variant`` wins; else rank-1 min -> per-channel, rank-0 -> vars (the notebook's op)."""
-    if variant is not None:
-        return variant
-    if min_value is None:
-        return "args"
-    return "per-channel" if getattr(min_value, "ndim", 0) >= 1 else "vars"
+def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output):
+    """The job the options describe: its family chosen, every option checked against that family."""
+    from qgcli.jobs import ESTIMATOR, TF, TORCH, FakeQuantJob, OperandSpecs
+
+    if attributes.variant == QD_VARIANT:
+        return _quantize_dequantize_job(command, with_gradients, operands, attributes, quantize, semantics,
+                                        estimator, output)
+    refuse_quantize_options(quantize)
+    from qgcli.ops.estimators import parse_estimator
+
+    est = parse_estimator(estimator.estimator) if estimator.estimator is not None else None
+    common = dict(command=command, with_gradients=with_gradients, operands=operands, output=output,
+                  num_bits=attributes.num_bits, narrow_range=attributes.narrow_range, variant=attributes.variant,
+                  axis=attributes.axis, estimator=est, grad_factor=estimator.grad_factor)
+    if semantics.semantics == "tf":
+        for option, value in semantics.torch_given().items():
+            if value is not None:
+                raise click.BadParameter("only applies to --semantics torch", param_hint=f"'{option}'")
+        _check_grad_factor(estimator, est)
+        if est is None or est.name == "ste":
+            return FakeQuantJob(family=TF, **common)
+        if output.plot:
+            raise click.BadParameter(f"draws TensorFlow's STE only; for --estimator {est.text} use "
+                                     "'qgcli plot estimators'", param_hint="'--plot'")
+        return FakeQuantJob(family=ESTIMATOR, **common)
+    _check_grad_factor(estimator, est)
+    for name in ("min", "max"):
+        if operands.get(name) is not None:
+            raise click.BadParameter("is TensorFlow's operand; with --semantics torch give --scale and --zero-point "
+                                     "(qgcli nudge -o writes TensorFlow's grid as scale/zero_point)",
+                                     param_hint=f"'--{name}'")
+    if attributes.variant is not None:
+        raise click.BadParameter("chooses a TensorFlow op; PyTorch's op follows the shape of scale",
+                                 param_hint="'--variant'")
+    if output.plot:
+        raise click.BadParameter("draws TensorFlow's STE only; use 'qgcli plot estimators --semantics torch'",
+                                 param_hint="'--plot'")
+    from qgcli.ops import fake_quant, torch_semantics
+
+    default_min, default_max = fake_quant.quant_range(attributes.num_bits, attributes.narrow_range)
+    quant_min, quant_max = torch_semantics.check_quant_range(
+        default_min if semantics.quant_min is None else semantics.quant_min,
+        default_max if semantics.quant_max is None else semantics.quant_max)
+    specs = dict(inputs=operands.get("inputs"), scale=semantics.scale, zero_point=semantics.zero_point)
+    if with_gradients:
+        specs["gradients"] = operands.get("gradients")
+    common["operands"] = OperandSpecs.of(operands.bundle, **specs)
+    return FakeQuantJob(family=TORCH, quant_min=quant_min, quant_max=quant_max, **common)
 
 
-def load_fake_quant_operands(operands, variant, *, with_gradients):
-    """Raw arrays (gradients, inputs, min, max) and the variant, by TF's rules for each op family."""
-    import numpy as np
+def _quantize_dequantize_job(command, with_gradients, operands, attributes, quantize, semantics, estimator, output):
+    from qgcli.jobs import QUANTIZE_DEQUANTIZE, FakeQuantJob
 
-    gradients = operands.get("gradients") if with_gradients else None
-    inputs = operands.get("inputs")
-    need_range = variant != "args"
-    mn = operands.get("min", required=need_range)
-    mx = operands.get("max", required=need_range)
-    variant = infer_variant(variant, mn)
-    if variant == "args":
-        mn = np.array(-6.0) if mn is None else mn
-        mx = np.array(6.0) if mx is None else mx
-        for name, value in (("min", mn), ("max", mx)):
-            dtype = np.asarray(value).dtype
-            if dtype.kind not in "fiu" and dtype.name != "bfloat16":
-                from qgcli.errors import OperandError
+    refused = {"--semantics": semantics.semantics, **semantics.torch_given()}
+    for option, value in refused.items():
+        if value not in (None, False, "tf"):
+            raise click.BadParameter(f"does not apply to --variant {QD_VARIANT} (TensorFlow's QuantizeV2 + "
+                                     "Dequantize)", param_hint=f"'{option}'")
+    if attributes.num_bits_given:
+        raise click.BadParameter(f"the bit width of --variant {QD_VARIANT} comes from --dtype",
+                                 param_hint="'--num-bits'")
+    est = None
+    if with_gradients:
+        from qgcli.ops.estimators import parse_estimator
 
-                raise OperandError(f"dtype {dtype} is not a real number type", operand=name)
-            if np.ndim(value) != 0:
-                raise click.BadParameter(f"must be a scalar for --variant args, got shape {list(np.shape(value))}",
-                                         param_hint=f"'--{name}'")
-    return gradients, inputs, mn, mx, variant
-
-
-def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp):
-    """Call the op for ``variant``; returns (outputs dict, grid, inputs as float32 channels-last, gradients likewise)."""
-    from qgcli import ops
-    from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
-
-    attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
-    x = as_float32(inputs, "inputs", xp)
-    if variant == "args":
-        lo, hi = float(mn), float(mx)
-        grid = _args_grid(lo, hi, num_bits, narrow_range)
-        if gradients is None:
-            out = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)}
-        else:
-            out = {"backprops": ops.fake_quant_with_min_max_args_gradient(gradients, x, lo, hi, **attrs)}
-    elif variant == "vars":
-        if gradients is None:
-            out = {"outputs": ops.fake_quant_with_min_max_vars(x, mn, mx, **attrs)}
-        else:
-            res = ops.fake_quant_with_min_max_vars_gradient(gradients, x, mn, mx, **attrs)
-            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
-        grid = nudge(mn, mx, **attrs)
-    else:
-        axis = -1 if axis is None else axis
-        if gradients is None:
-            out = {"outputs": ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx, axis=axis, **attrs)}
-        else:
-            res = ops.fake_quant_with_min_max_vars_per_channel_gradient(gradients, x, mn, mx, axis=axis, **attrs)
-            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
-        grid = nudge(mn, mx, **attrs)
-        x = xp.moveaxis(x, axis, -1)
-        if gradients is not None:
-            gradients = xp.moveaxis(as_float32(gradients, "gradients", xp), axis, -1)
-    if gradients is not None and variant != "per-channel":
-        gradients = as_float32(gradients, "gradients", xp)
-    return out, grid, x, gradients
+        est = parse_estimator(estimator.estimator) if estimator.estimator is not None else None
+        _check_grad_factor(estimator, est)
+        if output.plot and est is not None and est.name != "ste":
+            raise click.BadParameter(f"draws the STE only; for --estimator {est.text} use 'qgcli plot estimators "
+                                     f"--variant {QD_VARIANT}'", param_hint="'--plot'")
+    return FakeQuantJob(command=command, family=QUANTIZE_DEQUANTIZE, with_gradients=with_gradients,
+                             operands=operands, output=output, narrow_range=attributes.narrow_range,
+                             variant=QD_VARIANT, axis=attributes.axis, quantize=quantize.resolved(), estimator=est,
+                             grad_factor=estimator.grad_factor)
 
 
-def build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output):
-    from qgcli.commands._common import describe_arrays
-    from qgcli.ops.analysis import clip_statistics, grid_summary
+def _no_estimator():
+    from qgcli.jobs import EstimatorOptions
 
-    stats = clip_statistics(x, grid, g)
-    notes = []
-    for name, value in raw.items():
-        dtype = getattr(value, "dtype", None)
-        if dtype is not None and str(dtype) not in ("float32",) and name in ("inputs", "gradients"):
-            notes.append(f"{name} is {dtype}; computed in float32 as TensorFlow does")
-    return json_safe({
-        "command": command,
-        "op": op,
-        "variant": variant,
-        "attributes": attrs,
-        "inputs": {**describe_arrays({k: v for k, v in raw.items() if v is not None}),
-                   **{k: {**describe_arrays({k: raw[k]})[k], "source": s} for k, s in operands.sources.items() if raw.get(k) is not None}},
-        "grid": grid_summary(grid),
-        "statistics": stats,
-        "outputs": describe_arrays(outputs),
-        "output": output,
-        "notes": notes,
-    })
+    return EstimatorOptions()
 
+
+def _check_grad_factor(estimator, est):
+    if estimator.grad_factor is not None and (est is None or est.name != "lsq"):
+        raise click.BadParameter("only applies to --estimator lsq", param_hint="'--grad-factor'")
+
+
+def run(job):
+    """Execute the job and print its summary."""
+    from qgcli.executors import execute
+
+    summary = execute(job)
+    emit(summary, as_json=job.output.as_json, quiet=job.output.quiet, render=_renderer(job.family),
+         output=job.output.destination)
+
+
+# --- rendering the summaries ------------------------------------------------------------------------------
 
 def render_summary(console, s):
     from rich.table import Table
@@ -156,51 +159,88 @@ def _fmt(v):
     return f"{v:.7g}" if isinstance(v, float) else str(v)
 
 
-def _fake_quant_command(command, bundle, specs, output, force, num_bits, narrow_range, variant, axis,
-                        as_json, quiet, device, with_gradients, plot=None, memory_limit=None, compression=None):
-    operands = Operands(bundle, specs, literal_ok=("min", "max"))
-    try:
-        plan = None
-        if device == "cpu":
-            from qgcli.commands._streamed import run_fake_quant_streamed, streaming_plan
+def _render_estimator(console, s):
+    render_summary(console, s)
+    est_ = s["estimator"]
+    extra = f", grad_factor {est_['grad_factor']:.7g}" if "grad_factor" in est_ else ""
+    console.print(f"estimator {est_['estimator']}{extra} (TensorFlow's grid; outputs "
+                  f"{', '.join(s['outputs'])}); it blocks {percent(s['statistics']['estimator_blocked'])} "
+                  "of the gradient mass")
 
-            plan = streaming_plan(operands, ["gradients", "inputs"] if with_gradients else ["inputs"],
-                                  memory_limit, output)
-        if plan is not None:
-            summary = run_fake_quant_streamed(command, operands, plan, variant=variant, num_bits=num_bits,
-                                              narrow_range=narrow_range, axis=axis, output=output, force=force,
-                                              compression=compression, quiet=quiet, with_gradients=with_gradients,
-                                              plot=plot)
-            return emit(summary, as_json=as_json, quiet=quiet, render=render_summary, output=output)
-        gradients, inputs, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=with_gradients)
-        if axis is not None and variant != "per-channel":
-            raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
-        xp, (gradients, inputs) = to_device([gradients, inputs], device)
-        op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
-        outputs, grid, x, g = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=num_bits,
-                                             narrow_range=narrow_range, axis=axis, xp=xp)
-        attrs = {"op": op, "variant": variant, "num_bits": num_bits, "narrow_range": narrow_range}
-        if variant == "per-channel":
-            attrs["axis"] = -1 if axis is None else axis
-        if variant == "args":
-            attrs.update(min=float(mn), max=float(mx))
-        raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
-        summary = build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output)
-        if plot:  # refuse a bad figure path before any output is written
-            from qgcli.commands.plot import check_figure_output
 
-            check_figure_output(plot, inputs=operands.input_paths(), force=force, option="--plot")
-        write_outputs(outputs, output, operands=operands, force=force, attrs=attrs, compression=compression)
-        if plot:
-            from qgcli.commands.plot import write_ste_plot_for
+def _render_torch(console, s):
+    from rich.markup import escape
 
-            write_ste_plot_for(plot, inputs=inputs, gradients=gradients, mn=mn, mx=mx, variant=variant,
-                               num_bits=num_bits, narrow_range=narrow_range, axis=axis, force=force,
-                               operands=operands)
-    finally:
-        operands.close()
-    emit(summary, as_json=as_json, quiet=quiet, render=render_summary, output=output)
+    grid = s["grid"]
+    scale, zp = grid["scale"], grid["zero_point"]
+    if isinstance(scale, list):
+        shown = ", ".join(f"{a:.6g}/{b:g}" for a, b in list(zip(scale, zp))[:6])
+        more = f" ... ({len(scale)} channels, axis {grid['axis']})" if len(scale) > 6 else f" (axis {grid['axis']})"
+        params = f"scale/zero_point {shown}{more}"
+    else:
+        params = f"scale {scale:.7g}, zero_point {zp:g}"
+    console.print(f"[bold]{s['op']}[/] quant_min={grid['quant_min']} quant_max={grid['quant_max']}  {params}",
+                  soft_wrap=True)
+    stats = s["statistics"]
+    line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])} (rounded integer)"
+    if "gradient_blocked" in stats:
+        line += (f"; gradient mass blocked by the mask {percent(stats['gradient_blocked'])}, by the estimator "
+                 f"{percent(stats['estimator_blocked'])}")
+    console.print(line)
+    est = s.get("estimator")
+    if est:
+        extra = f", grad_factor {est['grad_factor']:.7g}" if "grad_factor" in est else ""
+        console.print(f"estimator {est['estimator']}{extra}")
+    for note in s["notes"]:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if s["output"] and s["output"] != "-":
+        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
 
+
+def _render_quantize_dequantize(console, s):
+    from rich.markup import escape
+    from rich.table import Table
+
+    a, r, stats = s["attributes"], s["range"], s["statistics"]
+    shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
+    rounding = f" round_mode={a['round_mode']}" if a["mode"] == "SCALED" else ""
+    console.print(f"[bold]{s['op']}[/] dtype={a['dtype']} mode={a['mode']}{rounding} narrow_range={a['narrow_range']} "
+                  f"ensure_minimum_range={a['ensure_minimum_range']:g}  {escape(shapes)}")
+    table = Table(show_edge=False, box=None, pad_edge=False)
+    for col in ("", "min", "max", "output_min", "output_max", "step"):
+        table.add_column(col, justify="right")
+    keys = ("min", "max", "output_min", "output_max", "step")
+    if isinstance(r["min"], list):
+        for c in range(min(len(r["min"]), 8)):
+            table.add_row(f"slice {c}", *(_fmt(r[k][c]) for k in keys))
+        if len(r["min"]) > 8:
+            table.add_row(f"... {len(r['min']) - 8} more", "", "", "", "", "")
+    else:
+        table.add_row("range", *(_fmt(r[k]) for k in keys))
+    console.print(table)
+    line = (f"{r['levels']} levels; quantized values {r['quantized_min']}..{r['quantized_max']}; clipped below "
+            f"{percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}")
+    if "gradient_blocked" in stats:
+        line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
+    console.print(line)
+    if "estimator" in s:
+        est = s["estimator"]
+        extra = f", grad_factor {est['grad_factor']:.7g}" if est.get("grad_factor") is not None else ""
+        console.print(escape(f"estimator {est['estimator']}{extra} over the adjusted range [output_min, output_max]"))
+    for note in s["notes"]:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if s["output"] and s["output"] != "-":
+        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+
+
+def _renderer(family):
+    from qgcli.jobs import ESTIMATOR, QUANTIZE_DEQUANTIZE, TF, TORCH
+
+    return {TF: render_summary, ESTIMATOR: _render_estimator, TORCH: _render_torch,
+            QUANTIZE_DEQUANTIZE: _render_quantize_dequantize}[family]
+
+
+# --- the commands -----------------------------------------------------------------------------------------
 
 _FQ_EPILOG = """\b
 Examples:
@@ -220,19 +260,17 @@ Examples:
 
 
 @click.command("fakequant", epilog=_FQ_EPILOG, short_help="TF fake-quant forward (Args/Vars/PerChannel), bit-exact.")
-@click.argument("bundle", required=False, metavar="[BUNDLE]")
-@click.option("--inputs", metavar="SPEC", help="Tensor to fake-quantize (TF operand 'inputs').")
-@click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
-@click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
+@operand_group(
+    bundle_argument(),
+    spec_option("inputs", "Tensor to fake-quantize (TF operand 'inputs')."),
+    spec_option("min", "Range minimum: " + _RANGE_HELP),
+    spec_option("max", "Range maximum: " + _RANGE_HELP),
+)
 @fake_quant_attribute_options
 @quantize_options
 @semantics_options
-@output_options
-@streaming_options
-@report_options
-def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force, as_json, quiet, device,
-              semantics, scale, zero_point, quant_min, quant_max, dtype, mode, round_mode, ensure_minimum_range,
-              memory_limit, compression):
+@output_options()
+def fakequant(operands, attributes, quantize, semantics, output):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
 
     Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
@@ -241,42 +279,24 @@ def fakequant(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
     --variant quantize-dequantize: the notebook's tf.quantize + tf.dequantize (QuantizeV2 + Dequantize, --dtype,
     --mode, --round-mode), writing outputs, quantized, output_min, output_max.
     """
-    qd = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
-    if variant == QD_VARIANT:
-        run_quantize_dequantize("fakequant", bundle=bundle, specs={"inputs": inputs, "min": min_, "max": max_},
-                                output=output, force=force, narrow_range=narrow_range, axis=axis, as_json=as_json,
-                                quiet=quiet, device=device, with_gradients=False, **qd,
-                                refuse={"--semantics": semantics, "--scale": scale, "--zero-point": zero_point,
-                                        "--quant-min": quant_min, "--quant-max": quant_max})
-        return
-    refuse_quantize_options(**qd)
-    if run_semantics("fakequant", bundle=bundle, specs={"inputs": inputs, "min": min_, "max": max_},
-                     semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min,
-                     quant_max=quant_max, output=output, force=force, num_bits=num_bits, narrow_range=narrow_range,
-                     variant=variant, axis=axis, as_json=as_json, quiet=quiet, device=device, with_gradients=False):
-        return
-    _fake_quant_command("fakequant", bundle, {"inputs": inputs, "min": min_, "max": max_}, output, force,
-                        num_bits, narrow_range, variant, axis, as_json, quiet, device, with_gradients=False,
-                        memory_limit=memory_limit, compression=compression)
+    run(build_job("fakequant", with_gradients=False, operands=operands, attributes=attributes, quantize=quantize,
+                  semantics=semantics, estimator=_no_estimator(), output=output))
 
 
 @click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="TF fake-quant gradients (STE masks, min/max sums).")
-@click.argument("bundle", required=False, metavar="[BUNDLE]")
-@click.option("--gradients", metavar="SPEC", help="Upstream gradient (TF operand 'gradients').")
-@click.option("--inputs", metavar="SPEC", help="Forward inputs (TF operand 'inputs').")
-@click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar (vars/args) or one per channel.")
-@click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar (vars/args) or one per channel.")
+@operand_group(
+    bundle_argument(),
+    spec_option("gradients", "Upstream gradient (TF operand 'gradients')."),
+    spec_option("inputs", "Forward inputs (TF operand 'inputs')."),
+    spec_option("min", "Range minimum: " + _RANGE_HELP),
+    spec_option("max", "Range maximum: " + _RANGE_HELP),
+)
 @fake_quant_attribute_options
 @quantize_options
 @semantics_options
 @estimator_options
-@output_options
-@streaming_options
-@click.option("--plot", metavar="FIG", default=None, help="Also draw the STE figure to FIG (.png/.svg/.pdf).")
-@report_options
-def fakequant_grad(bundle, gradients, inputs, min_, max_, num_bits, narrow_range, variant, axis, output, force,
-                   plot, as_json, quiet, device, semantics, scale, zero_point, quant_min, quant_max, estimator,
-                   grad_factor, dtype, mode, round_mode, ensure_minimum_range, memory_limit, compression):
+@output_options(plot=True)
+def fakequant_grad(operands, attributes, quantize, semantics, estimator, output):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
@@ -286,24 +306,5 @@ def fakequant_grad(bundle, gradients, inputs, min_, max_, num_bits, narrow_range
     --variant quantize-dequantize: the estimator over QuantizeV2's adjusted range [output_min, output_max] of
     the notebook's round trip (its custom gradient 0.9 * dy is --estimator scaled:0.9).
     """
-    qd = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
-    if variant == QD_VARIANT:
-        run_quantize_dequantize("fakequant-grad", bundle=bundle,
-                                specs={"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
-                                output=output, force=force, narrow_range=narrow_range, axis=axis,
-                                estimator=estimator, grad_factor=grad_factor, plot=plot, as_json=as_json, quiet=quiet,
-                                device=device, with_gradients=True, **qd,
-                                refuse={"--semantics": semantics, "--scale": scale, "--zero-point": zero_point,
-                                        "--quant-min": quant_min, "--quant-max": quant_max})
-        return
-    refuse_quantize_options(**qd)
-    if run_semantics("fakequant-grad", bundle=bundle,
-                     specs={"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
-                     semantics=semantics, scale=scale, zero_point=zero_point, quant_min=quant_min,
-                     quant_max=quant_max, estimator=estimator, grad_factor=grad_factor, output=output, force=force,
-                     num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis, as_json=as_json,
-                     quiet=quiet, device=device, with_gradients=True, plot=plot):
-        return
-    _fake_quant_command("fakequant-grad", bundle, {"gradients": gradients, "inputs": inputs, "min": min_, "max": max_},
-                        output, force, num_bits, narrow_range, variant, axis, as_json, quiet, device,
-                        with_gradients=True, plot=plot, memory_limit=memory_limit, compression=compression)
+    run(build_job("fakequant-grad", with_gradients=True, operands=operands, attributes=attributes,
+                  quantize=quantize, semantics=semantics, estimator=estimator, output=output))

@@ -1,124 +1,92 @@
-"""``qgcli plot``: the tutorial notebook's figures (staircase, STE) from saved tensors, histograms and
-per-channel views; also the ``--plot FIG`` of ``qgcli fakequant-grad``.
+"""``qgcli plot``: the tutorial notebook's figures (staircase, STE) from saved tensors, histograms,
+per-channel views and gradient estimators overlaid.
 
 Only click is imported at module level: matplotlib (through :mod:`qgcli.plots`) is imported when a
-figure is drawn, so ``qgcli --help`` stays fast.
+figure is drawn, so ``qgcli --help`` stays fast.  (``fakequant-grad --plot FIG`` draws through its runner.)
 """
-import os
-
 import click
 
-from qgcli.commands._common import Operands, emit, json_safe, report_options
-from qgcli.commands.quantize_dequantize import quantize_options
+from qgcli.commands.options import (
+    QD_VARIANT,
+    attribute_group,
+    bundle_argument,
+    device_option,
+    force_option,
+    json_option,
+    narrow_range_option,
+    num_bits_option,
+    operand_group,
+    option_group,
+    quantize_options,
+    quiet_option,
+    refuse_quantize_options,
+    semantics_options,
+    spec_option,
+)
+from qgcli.summaries import emit, json_safe
 
 # Variants the plots can draw; qgcli.plots.run_variant maps each to its ops.
 PLOT_VARIANTS = ("args", "vars", "per-channel")
 # staircase, ste and estimators also draw TF's QuantizeV2 + Dequantize round trip (the notebook's own fake quant).
-QD_VARIANT = "quantize-dequantize"
-FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 MAX_PIXELS = 20000  # per side: a typo in --dpi should not allocate gigabytes
 _TALLEST = 8.2  # default height of the tallest figure (three per-channel panels)
 
 
-def check_figure_output(dest, *, inputs=(), force=False, option="--output"):
-    """Refuse a figure path that has no .png/.svg/.pdf suffix, is an input, exists without ``force``,
-    is a directory or lies in a missing or read-only directory (the rules of ``qgcli.io.check_output``)."""
-    from qgcli.errors import OutputError
-
-    if dest == "-" or not dest:
-        raise OutputError("a figure needs a file name ending in .png, .svg or .pdf", operand=option)
-    if not dest.lower().endswith(FIGURE_SUFFIXES):
-        ext = os.path.splitext(dest)[1] or "no extension"
-        raise OutputError(f"cannot tell the figure format from {ext!r} in {dest}; use .png, .svg or .pdf",
-                          operand=option)
-    for source in inputs:
-        if source and os.path.exists(source) and os.path.exists(dest) and _same_file(source, dest):
-            raise OutputError(f"{dest} is also an input; qgcli never overwrites its inputs", operand=option)
-    if os.path.isdir(dest):
-        raise OutputError(f"{dest} is a directory", operand=option)
-    parent = os.path.dirname(os.path.abspath(dest))
-    if not os.path.isdir(parent):
-        raise OutputError(f"directory {parent} does not exist", operand=option)
-    if os.path.exists(dest) and not force:
-        raise OutputError(f"{dest} exists; use --force to replace it", operand=option)
-    if not os.access(parent, os.W_OK):
-        raise OutputError(f"directory {parent} is not writable", operand=option)
-
-
-def _same_file(a, b):
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-
-
-def save_checked(fig, dest, dpi):
-    """Save ``fig`` (checked path) atomically; a failing disk is a runtime error (exit 1)."""
-    from qgcli.plots import save_figure
-
-    try:
-        return save_figure(fig, dest, dpi=dpi)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {dest}: {exc.strerror or exc}") from None
-
-
-def write_ste_plot_for(plot, *, inputs, gradients, mn, mx, variant, num_bits, narrow_range, axis, force, operands,
-                       dpi=100):
-    """The STE figure of one ``fakequant-grad`` run (staircase, mask, backprops) to ``plot``.
-
-    ``inputs``/``gradients`` are NumPy or CuPy arrays, ``mn``/``mx`` the raw min/max arrays; per-channel
-    data is drawn flattened (``qgcli plot ste --channel K`` draws one channel).
-    """
-    check_figure_output(plot, inputs=operands.input_paths(), force=force, option="--plot")
-    from qgcli import plots
-
-    fig = plots.ste(inputs, mn, mx, gradients=gradients, variant=variant, num_bits=num_bits,
-                    narrow_range=narrow_range, axis=-1 if axis is None else axis)
-    return save_checked(fig, plot, dpi)
-
-
 # --- options ------------------------------------------------------------------------------------------
 
-def _operand_options(*, gradients_help=None, channel=True, range_=True, variants=PLOT_VARIANTS):
+def _figure(**values):
+    from qgcli.jobs import FigureOptions
+
+    return FigureOptions(**values)
+
+
+def _operand_options(*, gradients_help=None, channel=True, variants=PLOT_VARIANTS):
+    """BUNDLE, --inputs, (--gradients), --min, --max as ``operands``; --num-bits, --narrow-range, --variant,
+    --axis as ``attributes``; (--channel)."""
     def decorate(f):
         if channel:
             f = click.option("--channel", type=int, default=None, metavar="K",
                              help="Draw channel K of the channel axis (--axis, default the last) only; "
                                   "otherwise all elements, flattened.")(f)
-        if range_:
-            f = click.option("--axis", type=int, default=None,
-                             help="Channel axis (TF: the last axis, -1) for per-channel min/max and --channel.")(f)
-            f = click.option("--variant", type=click.Choice(variants), default=None,
-                             help="TF op family; default: per-channel when min/max are vectors, else vars." + (
-                                 f" {QD_VARIANT}: the notebook's tf.quantize + tf.dequantize (--dtype, --mode...)."
-                                 if QD_VARIANT in variants else ""))(f)
-            f = click.option("--narrow-range", is_flag=True, help="Use the grid [1, 2^num_bits - 1].")(f)
-            f = click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")(f)
-            f = click.option("--max", "max_", metavar="SPEC", help="Range maximum: scalar or one per channel.")(f)
-            f = click.option("--min", "min_", metavar="SPEC", help="Range minimum: scalar or one per channel.")(f)
+        f = attribute_group(
+            num_bits_option(),
+            narrow_range_option(),
+            click.option("--variant", type=click.Choice(variants), default=None,
+                         help="TF op family; default: per-channel when min/max are vectors, else vars." + (
+                             f" {QD_VARIANT}: the notebook's tf.quantize + tf.dequantize (--dtype, --mode...)."
+                             if QD_VARIANT in variants else "")),
+            click.option("--axis", type=int, default=None,
+                         help="Channel axis (TF: the last axis, -1) for per-channel min/max and --channel."),
+        )(f)
+        specs = [bundle_argument(), spec_option("inputs", "Forward inputs (TF operand 'inputs').")]
         if gradients_help:
-            f = click.option("--gradients", metavar="SPEC", help=gradients_help)(f)
-        f = click.option("--inputs", metavar="SPEC", help="Forward inputs (TF operand 'inputs').")(f)
-        return click.argument("bundle", required=False, metavar="[BUNDLE]")(f)
+            specs.append(spec_option("gradients", gradients_help))
+        specs += [spec_option("min", "Range minimum: scalar or one per channel."),
+                  spec_option("max", "Range maximum: scalar or one per channel.")]
+        return operand_group(*specs)(f)
 
     return decorate
 
 
 def _figure_options(width, height):
-    def decorate(f):
-        f = click.option("--height", type=click.FloatRange(1, 50), default=height, show_default=height is not None,
-                         help="Figure height in inches." + ("" if height is not None else
-                                                            "  [default: 1 + 2.4 per panel]"))(f)
-        f = click.option("--width", type=click.FloatRange(1, 50), default=width, show_default=True,
-                         help="Figure width in inches.")(f)
-        f = click.option("--title", default=None, help="Replace the title (the default names the op and grid).")(f)
-        f = click.option("--dpi", type=click.IntRange(10, 1200), default=100, show_default=True,
-                         help="Pixels per inch (PNG size = width x height x dpi).")(f)
-        f = click.option("--force", is_flag=True, help="Replace an existing figure file.")(f)
-        return click.option("-o", "--output", "output", metavar="FIG", required=True,
-                            help="Figure file; the format follows the extension: .png, .svg or .pdf.")(f)
-
-    return decorate
+    """-o FIG, --force, --dpi, --title, --width, --height, --json, --quiet, --device as ``figure``."""
+    return option_group(
+        "figure", _figure,
+        click.option("-o", "--output", "destination", metavar="FIG", required=True,
+                     help="Figure file; the format follows the extension: .png, .svg or .pdf."),
+        force_option("Replace an existing figure file."),
+        click.option("--dpi", type=click.IntRange(10, 1200), default=100, show_default=True,
+                     help="Pixels per inch (PNG size = width x height x dpi)."),
+        click.option("--title", default=None, help="Replace the title (the default names the op and grid)."),
+        click.option("--width", type=click.FloatRange(1, 50), default=width, show_default=True,
+                     help="Figure width in inches."),
+        click.option("--height", type=click.FloatRange(1, 50), default=height, show_default=height is not None,
+                     help="Figure height in inches." + ("" if height is not None else
+                                                        "  [default: 1 + 2.4 per panel]")),
+        json_option(),
+        quiet_option(),
+        device_option(),
+    )
 
 
 # --- running a plot -----------------------------------------------------------------------------------
@@ -131,7 +99,7 @@ def _check_pixels(width, height, dpi):
 
 def _load_range(operands, variant, axis, channel):
     """(inputs, min, max, variant) by fakequant's rules; --axis only where a channel axis is meant."""
-    from qgcli.commands.fakequant import load_fake_quant_operands
+    from qgcli.runners.fake_quant import load_fake_quant_operands
 
     _, inputs, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=False)
     if axis is not None and variant not in ("per-channel", QD_VARIANT) and channel is None:
@@ -139,23 +107,26 @@ def _load_range(operands, variant, axis, channel):
     return inputs, mn, mx, variant
 
 
-def _run(command, bundle, specs, *, output, force, dpi, width, height, as_json, quiet, device, draw):
+def _run(command, specs, figure, draw, *, literal_ok=("min", "max"), tallest=_TALLEST):
     """Shared flow: resolve operands, check the figure path, draw on the device's arrays, save, report."""
-    from qgcli.commands._common import to_device
+    from qgcli.operands import Operands, to_device
+    from qgcli.outputs import check_figure_output, save_checked
 
-    _check_pixels(width, height or _TALLEST, dpi)
-    operands = Operands(bundle, specs, literal_ok=("min", "max"))
+    f = figure
+    _check_pixels(f.width, f.height or tallest, f.dpi)
+    operands = Operands.of(specs, literal_ok=literal_ok)
     try:
-        check_figure_output(output, inputs=operands.input_paths(), force=force)
-        fig = draw(operands, lambda *arrays: to_device(arrays, device)[1])
-        fmt = save_checked(fig, output, dpi)
+        check_figure_output(f.destination, inputs=operands.input_paths(), force=f.force)
+        fig = draw(operands, lambda *arrays: to_device(arrays, f.device)[1])
+        fmt = save_checked(fig, f.destination, f.dpi)
     finally:
         operands.close()
     w, h = (float(v) for v in fig.get_size_inches())
-    size = [int(round(w * dpi)), int(round(h * dpi))]
-    summary = json_safe({"command": command, "output": output, "format": fmt, "size_px": size if fmt == "png" else None,
-                         "size_in": [w, h], "dpi": dpi, **fig.qgcli_summary})
-    emit(summary, as_json=as_json, quiet=quiet, render=_render, output=output)
+    size = [int(round(w * f.dpi)), int(round(h * f.dpi))]
+    summary = json_safe({"command": command, "output": f.destination, "format": fmt,
+                         "size_px": size if fmt == "png" else None, "size_in": [w, h], "dpi": f.dpi,
+                         **fig.qgcli_summary})
+    emit(summary, as_json=f.as_json, quiet=f.quiet, render=_render, output=f.destination)
 
 
 def _render(console, s):
@@ -194,22 +165,22 @@ _MAX_POINTS = click.option("--max-points", type=click.IntRange(10, 10_000_000), 
                                 "sorted inputs, keeping every step edge; the figure says how many).")
 
 
-def _view_kwargs(num_bits, narrow_range, variant, axis, channel, title, width, height, quantize=None):
-    return dict(num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=-1 if axis is None else axis,
-                channel=channel, title=title, width=width, height=height, **_quantize_kwargs(variant, quantize))
+def _view_kwargs(attributes, variant, channel, figure, quantize=None):
+    a, f = attributes, figure
+    return dict(num_bits=a.num_bits, narrow_range=a.narrow_range, variant=variant,
+                axis=-1 if a.axis is None else a.axis, channel=channel, title=f.title, width=f.width,
+                height=f.height, **_quantize_kwargs(variant, quantize))
 
 
-def _quantize_kwargs(variant, given):
+def _quantize_kwargs(variant, quantize):
     """``{"quantize": attrs}`` for the round trip; the QuantizeV2 options are refused for other variants."""
-    from qgcli.commands.quantize_dequantize import refuse_quantize_options
-
-    given = {k: v for k, v in (given or {}).items()}
     if variant != QD_VARIANT:
-        refuse_quantize_options(**given)
+        if quantize is not None:
+            refuse_quantize_options(quantize)
         return {}
-    defaults = {"dtype": "quint8", "mode": "MIN_COMBINED", "round_mode": "HALF_AWAY_FROM_ZERO",
-                "ensure_minimum_range": 0.01}
-    return {"quantize": {k: defaults[k] if given.get(k) is None else given[k] for k in defaults}}
+    from qgcli.jobs import QuantizeAttributes
+
+    return {"quantize": (quantize or QuantizeAttributes()).resolved()}
 
 
 @plot.command("staircase", epilog="""\b
@@ -222,9 +193,7 @@ Example:
 @quantize_options
 @_MAX_POINTS
 @_figure_options(6.4, 4.8)
-@report_options
-def staircase(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, channel, max_points, output, force,
-              dpi, title, width, height, as_json, quiet, device, dtype, mode, round_mode, ensure_minimum_range):
+def staircase(operands, attributes, channel, quantize, max_points, figure):
     """Inputs vs fake-quantized outputs: the quantization staircase.
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels
@@ -233,16 +202,12 @@ def staircase(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis,
     def draw(operands, on_device):
         from qgcli import plots
 
-        x, mn, mx, var = _load_range(operands, variant, axis, channel)
+        x, mn, mx, var = _load_range(operands, attributes.variant, attributes.axis, channel)
         (x,) = on_device(x)
         return plots.staircase(x, mn, mx, max_points=max_points,
-                               **_view_kwargs(num_bits, narrow_range, var, axis, channel, title, width, height,
-                                              qd_options))
+                               **_view_kwargs(attributes, var, channel, figure, quantize))
 
-    qd_options = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
-
-    _run("plot staircase", bundle, {"inputs": inputs, "min": min_, "max": max_}, output=output, force=force, dpi=dpi,
-         width=width, height=height, as_json=as_json, quiet=quiet, device=device, draw=draw)
+    _run("plot staircase", operands, figure, draw)
 
 
 @plot.command("ste", epilog="""\b
@@ -257,27 +222,21 @@ Examples:
 @quantize_options
 @_MAX_POINTS
 @_figure_options(6.4, 4.8)
-@report_options
-def ste(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, variant, axis, channel, max_points, output,
-        force, dpi, title, width, height, as_json, quiet, device, dtype, mode, round_mode, ensure_minimum_range):
+def ste(operands, attributes, channel, quantize, max_points, figure):
     """The staircase plus the STE gradient function (TF's mask) on a red twin axis.
 
     With --gradients, also the back-propagated gradient backprops_wrt_input in brown.
     """
-    def draw(operands, on_device):
+    def draw(loaded, on_device):
         from qgcli import plots
 
-        x, mn, mx, var = _load_range(operands, variant, axis, channel)
-        g = operands.get("gradients") if gradients is not None else None
+        x, mn, mx, var = _load_range(loaded, attributes.variant, attributes.axis, channel)
+        g = loaded.get("gradients") if operands.get("gradients") is not None else None
         x, g = on_device(x, g)
         return plots.ste(x, mn, mx, gradients=g, max_points=max_points,
-                         **_view_kwargs(num_bits, narrow_range, var, axis, channel, title, width, height,
-                                        qd_options))
+                         **_view_kwargs(attributes, var, channel, figure, quantize))
 
-    qd_options = dict(dtype=dtype, mode=mode, round_mode=round_mode, ensure_minimum_range=ensure_minimum_range)
-
-    _run("plot ste", bundle, {"inputs": inputs, "gradients": gradients, "min": min_, "max": max_}, output=output,
-         force=force, dpi=dpi, width=width, height=height, as_json=as_json, quiet=quiet, device=device, draw=draw)
+    _run("plot ste", operands, figure, draw)
 
 
 @plot.command("hist", epilog="""\b
@@ -289,20 +248,16 @@ Examples:
 @click.option("--bins", type=click.IntRange(1, 100_000), default=100, show_default=True, help="Histogram bins.")
 @click.option("--log", "log_scale", is_flag=True, help="Logarithmic count axis.")
 @_figure_options(6.4, 4.8)
-@report_options
-def hist(bundle, inputs, min_, max_, num_bits, narrow_range, variant, axis, channel, bins, log_scale, output, force,
-         dpi, title, width, height, as_json, quiet, device):
+def hist(operands, attributes, channel, bins, log_scale, figure):
     """Histogram of all inputs with the quantization grid, clip regions shaded, clipped shares annotated."""
     def draw(operands, on_device):
         from qgcli import plots
 
-        x, mn, mx, var = _load_range(operands, variant, axis, channel)
+        x, mn, mx, var = _load_range(operands, attributes.variant, attributes.axis, channel)
         (x,) = on_device(x)
-        return plots.hist(x, mn, mx, bins=bins, log=log_scale,
-                          **_view_kwargs(num_bits, narrow_range, var, axis, channel, title, width, height))
+        return plots.hist(x, mn, mx, bins=bins, log=log_scale, **_view_kwargs(attributes, var, channel, figure))
 
-    _run("plot hist", bundle, {"inputs": inputs, "min": min_, "max": max_}, output=output, force=force, dpi=dpi,
-         width=width, height=height, as_json=as_json, quiet=quiet, device=device, draw=draw)
+    _run("plot hist", operands, figure, draw)
 
 
 VECTOR_NAMES = ("backprop_wrt_min", "backprop_wrt_max", "scale_backprop", "offset_backprop")
@@ -319,9 +274,7 @@ Examples:
 @click.option("--scale-backprop", metavar="SPEC", help="bn-grad output 'scale_backprop' (one per channel).")
 @click.option("--offset-backprop", metavar="SPEC", help="bn-grad output 'offset_backprop' (one per channel).")
 @_figure_options(8.0, None)
-@report_options
-def channels(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, variant, axis, scale_backprop,
-             offset_backprop, output, force, dpi, title, width, height, as_json, quiet, device):
+def channels(operands, attributes, scale_backprop, offset_backprop, figure):
     """Per-channel view: data range vs nudged range, share clipped low/high, backprop_wrt_min/max.
 
     With per-channel inputs/min/max (FakeQuantWithMinMaxVarsPerChannel), draws per channel the data
@@ -330,36 +283,34 @@ def channels(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, vari
     backprop_wrt_min/max (fakequant-grad outputs), scale_backprop/offset_backprop (bn-grad outputs).
     Readable from 1 to 1024+ channels (bars up to 64, a step outline above).
     """
-    specs = {"inputs": inputs, "gradients": gradients, "min": min_, "max": max_,
-             "scale_backprop": scale_backprop, "offset_backprop": offset_backprop}
+    specs = operands.only("inputs", "gradients", "min", "max", scale_backprop=scale_backprop,
+                          offset_backprop=offset_backprop)
+    a = attributes
 
     def draw(operands, on_device):
         from qgcli import plots
 
-        if variant not in (None, "per-channel"):
+        if a.variant not in (None, "per-channel"):
             raise click.BadParameter("plot channels draws per-channel ops only", param_hint="'--variant'")
         if operands.has("inputs"):
-            x, mn, mx, _ = _load_range(operands, "per-channel", axis, None)
+            x, mn, mx, _ = _load_range(operands, "per-channel", a.axis, None)
             g = operands.get("gradients", required=False)
             x, g = on_device(x, g)
-            return plots.channels(x, mn, mx, gradients=g, num_bits=num_bits, narrow_range=narrow_range,
-                                  axis=-1 if axis is None else axis, title=title, width=width, height=height)
+            return plots.channels(x, mn, mx, gradients=g, num_bits=a.num_bits, narrow_range=a.narrow_range,
+                                  axis=-1 if a.axis is None else a.axis, title=figure.title, width=figure.width,
+                                  height=figure.height)
         vectors = {name: operands.get(name) for name in VECTOR_NAMES if operands.has(name)}
         if not vectors:
             from qgcli.errors import OperandError
 
             raise OperandError("nothing to plot per channel: give inputs with per-channel min/max (fake quant), or "
                                "a file with backprop_wrt_min/max or scale_backprop/offset_backprop", operand="inputs")
-        return plots.channel_vectors(vectors, title=title, width=width, height=height)
+        return plots.channel_vectors(vectors, title=figure.title, width=figure.width, height=figure.height)
 
-    _run("plot channels", bundle, specs, output=output, force=force, dpi=dpi, width=width, height=height,
-         as_json=as_json, quiet=quiet, device=device, draw=draw)
+    _run("plot channels", specs, figure, draw)
 
 
 # --- plot estimators: several gradient estimators overlaid on the staircase --------------------------------
-
-from qgcli.commands.nudge import semantics_options  # noqa: E402  (click only, like this module)
-
 
 @plot.command("estimators", epilog="""\b
 Examples:
@@ -379,10 +330,7 @@ Examples:
                    "Default: ste, identity, scaled:0.9, pact, ewgs:1.")
 @_MAX_POINTS
 @_figure_options(7.2, None)
-@report_options
-def estimators(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, variant, axis, channel, semantics, scale,
-               zero_point, quant_min, quant_max, estimator_names, max_points, output, force, dpi, title, width, height,
-               as_json, quiet, device, dtype, mode, round_mode, ensure_minimum_range):
+def estimators(operands, attributes, channel, quantize, semantics, estimator_names, max_points, figure):
     """The staircase with several gradient estimators' gradient functions overlaid.
 
     Top: inputs vs outputs and, on a twin axis, each estimator's gradient function (its input gradient
@@ -393,56 +341,42 @@ def estimators(bundle, inputs, gradients, min_, max_, num_bits, narrow_range, va
     import numpy as np
 
     from qgcli import plots
-    from qgcli.commands._common import to_device
-    from qgcli.commands.nudge import _zero_point_from_literal, torch_layout
     from qgcli.ops.estimators import parse_estimator
     from qgcli.ops.fake_quant import quant_range
+    from qgcli.runners.pytorch import torch_layout, zero_point_from_literal
 
+    a, s = attributes, semantics
     names = [parse_estimator(e) for e in estimator_names] or list(plots.DEFAULT_ESTIMATORS)
-    _check_pixels(width, height or 7.6, dpi)
-    specs = {"inputs": inputs, "gradients": gradients, "min": min_, "max": max_, "scale": scale,
-             "zero_point": zero_point}
-    operands = Operands(bundle, specs, literal_ok=("min", "max", "scale", "zero_point"))
-    try:
-        check_figure_output(output, inputs=operands.input_paths(), force=force)
-        common = dict(names=names, channel=channel, max_points=max_points, title=title, width=width, height=height,
-                      num_bits=num_bits, narrow_range=narrow_range)
-        if semantics == "torch":
-            for option, value in (("--min", min_), ("--max", max_), ("--variant", variant), ("--dtype", dtype),
-                                  ("--mode", mode), ("--round-mode", round_mode),
-                                  ("--ensure-minimum-range", ensure_minimum_range)):
+    specs = operands.only("inputs", "gradients", "min", "max", scale=s.scale, zero_point=s.zero_point)
+
+    def draw(loaded, on_device):
+        common = dict(names=names, channel=channel, max_points=max_points, title=figure.title, width=figure.width,
+                      height=figure.height, num_bits=a.num_bits, narrow_range=a.narrow_range)
+        if s.semantics == "torch":
+            for option, value in (("--min", operands.get("min")), ("--max", operands.get("max")),
+                                  ("--variant", a.variant), *quantize.given().items()):
                 if value is not None:
                     raise click.BadParameter("applies to --semantics tf only", param_hint=f"'{option}'")
-            x = operands.get("inputs")
-            g = operands.get("gradients", required=False)
-            s = np.asarray(operands.get("scale"))
-            z = np.asarray(_zero_point_from_literal(zero_point, operands.get("zero_point")))
-            channel_axis, _ = torch_layout(s.shape, np.shape(x), axis)
+            x = loaded.get("inputs")
+            g = loaded.get("gradients", required=False)
+            sc = np.asarray(loaded.get("scale"))
+            z = np.asarray(zero_point_from_literal(s.zero_point, loaded.get("zero_point")))
+            channel_axis, _ = torch_layout(sc.shape, np.shape(x), a.axis)
             if channel_axis is None:
-                s, z = s.reshape(()), z.reshape(())
-            qmin, qmax = quant_range(num_bits, narrow_range)
-            x, g = to_device([x, g], device)[1]
-            fig = plots.estimators(x, gradients=g, semantics="torch", scale=s, zero_point=z,
-                                   quant_min=qmin if quant_min is None else quant_min,
-                                   quant_max=qmax if quant_max is None else quant_max,
-                                   axis=channel_axis if channel_axis is not None else axis, **common)
-        else:
-            for option, value in (("--scale", scale), ("--zero-point", zero_point), ("--quant-min", quant_min),
-                                  ("--quant-max", quant_max)):
-                if value is not None:
-                    raise click.BadParameter("only applies to --semantics torch", param_hint=f"'{option}'")
-            x, mn, mx, var = _load_range(operands, variant, axis, channel)
-            g = operands.get("gradients", required=False)
-            x, g = to_device([x, g], device)[1]
-            fig = plots.estimators(x, mn, mx, gradients=g, semantics="tf", variant=var, axis=axis, **common,
-                                   **_quantize_kwargs(var, dict(dtype=dtype, mode=mode, round_mode=round_mode,
-                                                                ensure_minimum_range=ensure_minimum_range)))
-        fmt = save_checked(fig, output, dpi)
-    finally:
-        operands.close()
-    w, h = (float(v) for v in fig.get_size_inches())
-    size = [int(round(w * dpi)), int(round(h * dpi))]
-    summary = json_safe({"command": "plot estimators", "output": output, "format": fmt,
-                         "size_px": size if fmt == "png" else None, "size_in": [w, h], "dpi": dpi,
-                         **fig.qgcli_summary})
-    emit(summary, as_json=as_json, quiet=quiet, render=_render, output=output)
+                sc, z = sc.reshape(()), z.reshape(())
+            qmin, qmax = quant_range(a.num_bits, a.narrow_range)
+            x, g = on_device(x, g)
+            return plots.estimators(x, gradients=g, semantics="torch", scale=sc, zero_point=z,
+                                    quant_min=qmin if s.quant_min is None else s.quant_min,
+                                    quant_max=qmax if s.quant_max is None else s.quant_max,
+                                    axis=channel_axis if channel_axis is not None else a.axis, **common)
+        for option, value in s.torch_given().items():
+            if value is not None:
+                raise click.BadParameter("only applies to --semantics torch", param_hint=f"'{option}'")
+        x, mn, mx, var = _load_range(loaded, a.variant, a.axis, channel)
+        g = loaded.get("gradients", required=False)
+        x, g = on_device(x, g)
+        return plots.estimators(x, mn, mx, gradients=g, semantics="tf", variant=var, axis=a.axis, **common,
+                                **_quantize_kwargs(var, quantize))
+
+    _run("plot estimators", specs, figure, draw, literal_ok=("min", "max", "scale", "zero_point"), tallest=7.6)

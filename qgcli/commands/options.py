@@ -1,0 +1,287 @@
+"""Every option shared by more than one command, and the one way options travel: in groups.
+
+:func:`option_group` declares options that reach the command function as ONE value (an
+:class:`qgcli.jobs.OperandSpecs`, :class:`qgcli.jobs.OutputOptions`, ...), so a command takes a handful of
+parameters whatever the number of its options.  This is the only module of ``qgcli.commands`` that the
+command modules import.  Only click (and, when a command runs, :mod:`qgcli.jobs`) is imported.
+"""
+import functools
+import math
+
+import click
+
+OUTPUT_HELP = (
+    "Where to write: FILE.h5 / FILE.npz (one dataset/key per output), DIR/ (one .npy per output), "
+    "or - (npz on stdout)."
+)
+QD_VARIANT = "quantize-dequantize"
+DTYPES = ("quint8", "qint8", "quint16", "qint16", "qint32")
+MODES = ("MIN_COMBINED", "MIN_FIRST", "SCALED")
+ROUND_MODES = ("HALF_AWAY_FROM_ZERO", "HALF_TO_EVEN")
+SEMANTICS = ("tf", "torch")
+
+
+def option_group(target, build, *options):
+    """Declare ``options`` (click decorators, in help order) whose values reach the command as one
+    keyword argument ``target = build(**values)``, keyed by the options' parameter names."""
+    probe = _probe(options)
+
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in probe}
+            kwargs[target] = build(**values)
+            return f(*args, **kwargs)
+
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def _probe(options):
+    """The parameter names the decorators declare, in help order."""
+
+    def nothing():
+        pass
+
+    for option in reversed(options):
+        option(nothing)
+    return [p.name for p in reversed(nothing.__click_params__)]
+
+
+def given(name):
+    """True when option ``name`` was typed (or set from the environment), not left at its default."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+# --- operands ---------------------------------------------------------------------------------------------
+
+def bundle_argument(**attrs):
+    return click.argument("bundle", required=False, metavar="[BUNDLE]", **attrs)
+
+
+def spec_option(name, help, **attrs):
+    """``--name SPEC`` for operand ``name`` (a TensorFlow name; a Python keyword gets a trailing ``_``)."""
+    dest = name + "_" if name in ("min", "max", "x") else name
+    return click.option("--" + name.replace("_", "-"), dest, metavar="SPEC", help=help, **attrs)
+
+
+def _operand_specs(bundle=None, **specs):
+    from qgcli.jobs import OperandSpecs
+
+    return OperandSpecs.of(bundle, **{name.rstrip("_"): text for name, text in specs.items()})
+
+
+def operand_group(*options):
+    """The BUNDLE argument and ``--name SPEC`` options, as ``operands`` (an OperandSpecs)."""
+    return option_group("operands", _operand_specs, *options)
+
+
+# --- fake-quant attributes ----------------------------------------------------------------------------------
+
+def _fake_quant_attributes(num_bits=8, narrow_range=False, variant=None, axis=None):
+    from qgcli.jobs import FakeQuantAttributes
+
+    return FakeQuantAttributes(num_bits, narrow_range, variant, axis, num_bits_given=given("num_bits"))
+
+
+def num_bits_option():
+    return click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")
+
+
+def narrow_range_option(help="Use the grid [1, 2^num_bits - 1]."):
+    return click.option("--narrow-range", is_flag=True, help=help)
+
+
+def attribute_group(*options):
+    """--num-bits, --narrow-range, --variant, --axis (as the command declares them), as ``attributes``."""
+    return option_group("attributes", _fake_quant_attributes, *options)
+
+
+def fake_quant_attribute_options(f):
+    """--num-bits, --narrow-range, --variant, --axis of fakequant and fakequant-grad, as ``attributes``."""
+    return attribute_group(
+        num_bits_option(),
+        narrow_range_option("Use the grid [1, 2^num_bits - 1] (quantize-dequantize: SCALED's [T_min + 1, T_max])."),
+        click.option("--variant", type=click.Choice(["args", "vars", "per-channel", QD_VARIANT]), default=None,
+                     help="TF op family; default: per-channel when min/max are vectors, else vars. "
+                          "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
+                          "(QuantizeV2/Dequantize; see --dtype, --mode)."),
+        click.option("--axis", type=int, default=None,
+                     help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
+                          "QuantizeV2's axis (one min/max per slice)."),
+    )(f)
+
+
+# --- QuantizeV2's attributes --------------------------------------------------------------------------------
+
+class _Choice(click.Choice):
+    """A choice typed in any case, shown and returned as TensorFlow spells it."""
+
+    def __init__(self, choices, fold):
+        super().__init__(choices)
+        self._fold = fold
+
+    def convert(self, value, param, ctx):
+        return super().convert(self._fold(value) if isinstance(value, str) else value, param, ctx)
+
+
+def _quantize_attributes(**values):
+    from qgcli.jobs import QuantizeAttributes
+
+    return QuantizeAttributes(**values)
+
+
+def quantize_options(f):
+    """--dtype, --mode, --round-mode, --ensure-minimum-range (QuantizeV2's attributes), as ``quantize``."""
+    only = " (--variant quantize-dequantize)"
+    return option_group(
+        "quantize", _quantize_attributes,
+        click.option("--dtype", type=_Choice(DTYPES, str.lower), default=None,
+                     help="Quantized type [default: quint8, the notebook's]" + only + "."),
+        click.option("--mode", type=_Choice(MODES, str.upper), default=None,
+                     help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
+        click.option("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
+                     help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "."),
+        click.option("--ensure-minimum-range", type=float, default=None, metavar="EPS",
+                     help="QuantizeV2's ensure_minimum_range: the range is at least EPS * max(1, |min|, |max|) "
+                          "wide [default: 0.01]" + only + "."),
+    )(f)
+
+
+def refuse_quantize_options(quantize):
+    """Variants other than quantize-dequantize: the QuantizeV2 attributes do not apply."""
+    for option in quantize.given():
+        raise click.BadParameter(f"only applies to --variant {QD_VARIANT}", param_hint=f"'{option}'")
+
+
+# --- PyTorch semantics and gradient estimators --------------------------------------------------------------
+
+_SEMANTICS_HELP = {
+    "semantics": "Whose fake-quant: tf (TensorFlow's nudged min/max grid, the default) or torch (PyTorch's "
+                 "fake_quantize_per_{tensor,channel}_affine on --scale/--zero-point).",
+    "scale": "PyTorch scale (--semantics torch): a scalar (per tensor) or one per channel.",
+    "zero_point": "PyTorch zero point (--semantics torch): like scale; an integer dtype (or an integral literal) "
+                  "uses the integer kernels, a float one PyTorch's float-zero-point kernels.",
+    "quant_min": "PyTorch quant_min (--semantics torch); default 0, or 1 with --narrow-range.",
+    "quant_max": "PyTorch quant_max (--semantics torch); default 2^num_bits - 1.",
+}
+
+
+class GradFactor(click.ParamType):
+    """A finite float, or ``auto`` for LSQ's ``1/sqrt(N * quant_max)``."""
+
+    name = "F|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) or value == "auto":
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            number = float(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a number or 'auto'", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not finite", param, ctx)
+        return number
+
+
+def _semantics_options(**values):
+    from qgcli.jobs import SemanticsOptions
+
+    return SemanticsOptions(**values)
+
+
+def semantics_options(f):
+    """--semantics, --scale, --zero-point, --quant-min, --quant-max, as ``semantics``."""
+    return option_group(
+        "semantics", _semantics_options,
+        click.option("--semantics", type=click.Choice(SEMANTICS), default="tf", show_default=True,
+                     help=_SEMANTICS_HELP["semantics"]),
+        click.option("--scale", metavar="SPEC", help=_SEMANTICS_HELP["scale"]),
+        click.option("--zero-point", "zero_point", metavar="SPEC", help=_SEMANTICS_HELP["zero_point"]),
+        click.option("--quant-min", type=int, default=None, help=_SEMANTICS_HELP["quant_min"]),
+        click.option("--quant-max", type=int, default=None, help=_SEMANTICS_HELP["quant_max"]),
+    )(f)
+
+
+def _estimator_options(estimator=None, grad_factor=None):
+    from qgcli.jobs import EstimatorOptions
+
+    return EstimatorOptions(estimator, grad_factor)
+
+
+def estimator_options(f):
+    """--estimator, --grad-factor (fakequant-grad), as ``estimator``."""
+    return option_group(
+        "estimator", _estimator_options,
+        click.option("--estimator", metavar="NAME[:PARAMS]", default=None,
+                     help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
+                          "lsq, pact, ewgs:DELTA. See the README for the formulas."),
+        click.option("--grad-factor", type=GradFactor(), default=None,
+                     help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
+                          "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
+                          "auto with tf."),
+    )(f)
+
+
+# --- outputs --------------------------------------------------------------------------------------------------
+
+def json_option(help="Print a machine-readable summary on stdout."):
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def quiet_option(help="No summary on stderr."):
+    return click.option("-q", "--quiet", is_flag=True, help=help)
+
+
+def device_option():
+    return click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+                        help="Compute with NumPy (cpu) or CuPy (gpu).")
+
+
+def force_option(help="Replace an existing output file."):
+    return click.option("--force", is_flag=True, help=help)
+
+
+def report_options(f):
+    """--json, --quiet, --device as three parameters (as_json, quiet, device)."""
+    for option in reversed((json_option(), quiet_option(), device_option())):
+        f = option(f)
+    return f
+
+
+def _output_options(output, force=False, memory_limit=None, compression=None, plot=None, as_json=False,
+                    quiet=False, device="cpu"):
+    from qgcli.jobs import OutputOptions
+
+    if as_json and output == "-":  # refused before any work, not after the data went to stdout
+        raise click.UsageError("--json and -o - both want stdout; write the data to a file or drop --json")
+    return OutputOptions(output, force, compression, memory_limit, device, as_json, quiet, plot)
+
+
+def output_options(*, plot=False):
+    """-o/--output, --force, --memory-limit, --compression (--plot), --json, --quiet, --device, as ``output``
+    (an OutputOptions): the same meaning in every mode of a command, or refused there."""
+    options = [
+        click.option("-o", "--output", "output", metavar="OUT", required=True, help=OUTPUT_HELP),
+        force_option(),
+        click.option("--memory-limit", metavar="SIZE", default=None,
+                     help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
+                          "default: a quarter of the machine's memory. A mode that cannot stream refuses a "
+                          "limit below its inputs."),
+        click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None,
+                     help="Compress HDF5 outputs (chunked datasets), in every mode."),
+    ]
+    if plot:
+        options.append(click.option("--plot", metavar="FIG", default=None,
+                                    help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
+    options += [json_option(), quiet_option(), device_option()]
+    return option_group("output", _output_options, *options)

@@ -1,0 +1,293 @@
+"""``qgcli report``: per channel (or per tensor), what a fake-quant range does to the data and to its gradient.
+
+The result goes to stdout: a rich table (plain text when stdout is not a terminal), one JSON document with
+``--json``, CSV with ``--csv``; progress and notes go to stderr.  The JSON layout is documented in the README
+("JSON output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value
+does not exist (never NaN).
+"""
+import click
+
+from qgcli.commands.options import (
+    attribute_group,
+    bundle_argument,
+    narrow_range_option,
+    num_bits_option,
+    operand_group,
+    spec_option,
+)
+from qgcli.summaries import dump_json, number, stdout_console
+
+REPORT_SCHEMA = 1
+_TABLE_ROWS = 20  # rows a terminal table shows without --top
+# A SPEC is free text (file, file:key, -, literal); click.Path only so that shells complete file names.
+_SPEC = click.Path(allow_dash=True)
+
+
+def _parse_percentiles(ctx, param, value):
+    from qgcli.io import parse_literal
+
+    values = parse_literal(value) if value else None
+    if values is None or values.size == 0:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}")
+    values = [float(v) for v in values.reshape(-1)]
+    for v in values:
+        if not 50.0 <= v <= 100.0:
+            raise click.BadParameter(f"{v:g} is not between 50 and 100 (p picks the range [P(100-p), P(p)])")
+    return tuple(values)
+
+
+def _flag_metric(report):
+    return "gradient_blocked" if report.has_gradients else "clipped"
+
+
+def verdict(report, threshold):
+    """One line: which channels clip, how much gradient they lose, and what the suggested ranges give."""
+    col, total = report.columns, report.total
+    metric = _flag_metric(report)
+    what = "of their gradient mass" if report.has_gradients else "of their values"
+    order = report.order("worst")
+    flagged = [c for c in order if col[metric][c] > threshold]
+    sqnr, sug = total["sqnr_db"], total["suggested_sqnr_db"]
+    gain = ""
+    if sqnr is not None and sug is not None and sug > sqnr + 0.5:
+        gain = f"; the suggested range{'s' if report.per_channel else ''} would raise the SQNR from " \
+               f"{sqnr:.1f} to {sug:.1f} dB"
+        if report.has_gradients and total["gradient_mass"] and total["suggested_gradient_blocked"] is not None:
+            gain += f" and block {100 * total['suggested_gradient_blocked']:.1f}% of the gradient mass"
+    blocked = (f"; {100 * total['gradient_blocked']:.1f}% of all gradient mass is blocked by the STE mask"
+               if report.has_gradients else "")
+    thr = f"{100 * threshold:g}%"
+    if report.has_gradients and not total["gradient_mass"]:
+        blocked = "; the gradient is zero everywhere, so no gradient mass can be blocked"
+    if not report.per_channel:
+        v = col[metric][0]
+        share = f"{100 * v:.1f}%"
+        clip = (f"{100 * col['clipped_below'][0]:.1f}% of values clip below the nudged range, "
+                f"{100 * col['clipped_above'][0]:.1f}% above")
+        if flagged:
+            lost = "loses " + share + " of its gradient mass" if report.has_gradients else "clips " + share
+            return f"Verdict: the tensor {lost} (more than {thr}): {clip}{gain}."
+        lost = "loses " + share + " of its gradient mass" if report.has_gradients else "clips " + share
+        return f"Verdict: OK, the tensor {lost}, not more than {thr} ({clip}){gain}."
+    if flagged:
+        names = ", ".join(f"ch {c} {100 * col[metric][c]:.1f}%" for c in flagged[:3])
+        more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
+        verb = "lose more than" if report.has_gradients else "clip more than"
+        return (f"Verdict: {len(flagged)} of {report.channels} channels {verb} {thr} {what} "
+                f"({names}{more}){blocked}{gain}.")
+    worst = order[0] if order else None
+    worst_text = f" (worst: ch {worst}, {100 * col[metric][worst]:.1f}%)" if worst is not None else ""
+    verb = "loses more than" if report.has_gradients else "clips more than"
+    what = "of its gradient mass" if report.has_gradients else "of its values"
+    return f"Verdict: OK, no channel {verb} {thr} {what}{worst_text}{blocked}{gain}."
+
+
+def build_report_doc(report, *, op, attrs, inputs, threshold, sort, top, notes):
+    from qgcli import __version__
+    from qgcli.ops.analysis import TOTAL_KEYS
+
+    order = report.order(sort)
+    metric = _flag_metric(report)
+    flagged = [c for c in report.order("worst") if report.columns[metric][c] > threshold]
+    shown = order if top is None else order[:top]
+    rows = []
+    for c in shown:
+        row = report.row(c)
+        row["flagged"] = c in flagged
+        rows.append(row)
+    return {
+        "command": "report",
+        "schema": REPORT_SCHEMA,
+        "qgcli_version": __version__,
+        "op": op,
+        "variant": report.variant,
+        "attributes": attrs,
+        "inputs": inputs,
+        "per_channel": report.per_channel,
+        "channels": report.channels,
+        "has_gradients": report.has_gradients,
+        "percentiles": list(report.percentiles),
+        "threshold": threshold,
+        "sort": sort,
+        "top": top,
+        "total": {k: report.total[k] for k in TOTAL_KEYS},
+        "flagged": flagged if report.per_channel else [None] * len(flagged),
+        "rows": rows,
+        "verdict": verdict(report, threshold),
+        "notes": notes,
+    }
+
+
+def _pct(v):
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _span(lo, hi):
+    if lo is None or hi is None:
+        return "-"
+    return f"{lo:.3g}..{hi:.3g}"
+
+
+def render_report(console, doc, limited):
+    from rich.markup import escape
+    from rich.table import Table
+
+    a, t = doc["attributes"], doc["total"]
+    src = ", ".join(f"{k} {v['shape']} {v['dtype']}" for k, v in doc["inputs"].items() if k in ("inputs", "gradients"))
+    axis = f" axis={a['axis']}" if a.get("axis") is not None else ""
+    console.print(f"[bold]{doc['op']}[/] num_bits={a['num_bits']} narrow_range={a['narrow_range']}{axis}  "
+                  f"{escape(src)}")
+    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
+    # Primed columns: what the suggested range would give.
+    for name in ("ch", "data", "range", "nudged", "clip<", "clip>", "blocked", "d/dmin", "d/dmax", "SQNR",
+                 "suggested", "p", "SQNR'", "blocked'"):
+        table.add_column(name, justify="right", no_wrap=name in ("data", "range", "nudged", "suggested"))
+    for r in doc["rows"]:
+        table.add_row("all" if r["channel"] is None else str(r["channel"]), _span(r["data_min"], r["data_max"]),
+                      _span(r["min"], r["max"]), _span(r["nudged_min"], r["nudged_max"]), _pct(r["clipped_below"]),
+                      _pct(r["clipped_above"]), _pct(r["gradient_blocked"]), number(r["backprop_wrt_min"], 3),
+                      number(r["backprop_wrt_max"], 3), _db(r["sqnr_db"], r["mse"]),
+                      _span(r["suggested_min"], r["suggested_max"]), number(r["suggested_percentile"], 5),
+                      _db(r["suggested_sqnr_db"], r["suggested_mse"]), _pct(r["suggested_gradient_blocked"]),
+                      style="red" if r["flagged"] else None)
+    console.print(table)
+    if limited:
+        console.print(f"... {doc['channels'] - len(doc['rows'])} more channels (--top K to show more, "
+                      "--json or --csv for all)")
+    if doc["per_channel"]:
+        total = f"all {doc['channels']} channels: "
+    else:
+        total = "whole tensor: "
+    total += f"clipped {_pct(t['clipped_below'])} below, {_pct(t['clipped_above'])} above"
+    if doc["has_gradients"]:
+        total += f"; gradient mass blocked {_pct(t['gradient_blocked'])}"
+    total += (f"; SQNR {_db(t['sqnr_db'], t['mse'])} dB, with the suggested "
+              f"range{'s' if doc['per_channel'] else ''} {_db(t['suggested_sqnr_db'], t['suggested_mse'])} dB")
+    console.print(escape(total), soft_wrap=True)
+    console.print("[dim]clip< clip>: values below/above the nudged range; blocked: gradient mass the STE mask zeroes; "
+                  "d/dmin d/dmax: backprop_wrt_min/max; primed: with the suggested range [P(100-p), P(p)][/]",
+                  soft_wrap=True)
+    console.print(f"[bold]{escape(doc['verdict'])}[/]", soft_wrap=True)
+
+
+def _db(v, mse=None):
+    if v is None:
+        return "inf" if mse == 0 else "-"
+    return f"{v:.1f}"
+
+
+def _write_csv(doc):
+    import csv
+    import sys
+
+    from qgcli.ops.analysis import ROW_KEYS
+
+    keys = list(ROW_KEYS) + ["flagged"]
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(keys)
+    for row in doc["rows"]:
+        writer.writerow(["" if row[k] is None else (repr(row[k]) if isinstance(row[k], float) else
+                         str(row[k]).lower() if isinstance(row[k], bool) else row[k]) for k in keys])
+
+
+_REPORT_EPILOG = """\b
+Examples:
+  qgcli report samples/per_channel.h5
+  qgcli report samples/per_channel.h5 --top 3 --json | jq '.rows[] | {channel, gradient_blocked}'
+  qgcli report samples/notebook.h5 --num-bits 2 --csv > report.csv
+  qgcli report --inputs act.npy --gradients grad.npy --min -1,-2 --max 1,2 --sort sqnr
+"""
+
+
+@click.command("report", epilog=_REPORT_EPILOG, short_help="Per-channel clipping, blocked gradient, SQNR, ranges.")
+@operand_group(
+    bundle_argument(type=_SPEC),
+    spec_option("gradients", "Upstream gradient (optional: without it no gradient columns).", type=_SPEC),
+    spec_option("inputs", "Forward inputs (TF operand 'inputs').", type=_SPEC),
+    spec_option("min", "Range minimum: scalar (vars/args) or one per channel.", type=_SPEC),
+    spec_option("max", "Range maximum: scalar (vars/args) or one per channel.", type=_SPEC),
+)
+@attribute_group(
+    num_bits_option(),
+    narrow_range_option(),
+    click.option("--variant", type=click.Choice(["args", "vars", "per-channel"]), default=None,
+                 help="TF op family; default: per-channel when min/max are vectors, else vars."),
+    click.option("--axis", type=int, default=None, help="Channel axis for the per-channel variant (TF: -1)."),
+)
+@click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Show the K worst channels only.")
+@click.option("--sort", "sort", type=click.Choice(["worst", "blocked", "clipped", "sqnr", "gain", "channel"]),
+              default="worst", show_default=True,
+              help="Row order: worst = most gradient mass blocked (most clipped without gradients), then lowest SQNR.")
+@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
+              help="Flag channels losing more than this share of gradient mass (of values without gradients).")
+@click.option("--percentiles", default="100,99.99,99.9,99.5,99,98,95", show_default=True,
+              callback=_parse_percentiles, metavar="P,...",
+              help="Percentiles searched for the suggested range [P(100-p), P(p)]; the best SQNR wins.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see the README).")
+@click.option("--csv", "as_csv", is_flag=True, help="Print one CSV row per channel on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="Compute with NumPy (cpu) or CuPy (gpu).")
+def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_csv, quiet, device):
+    """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
+
+    Data range against the raw and nudged range, shares clipped below/above, the share of upstream
+    gradient mass the STE mask blocks (sum|g|*(1-mask) / sum|g|), backprop_wrt_min/max from TensorFlow's
+    op, the forward error (MSE, SQNR in dB) and a suggested percentile range with the SQNR it gives.
+    Worst channels first, then a one-line verdict. Operands as for fakequant-grad: a BUNDLE and/or options.
+    """
+    from qgcli.operands import Operands, to_device
+    from qgcli.progress import Progress
+    from qgcli.runners.fake_quant import TF_OPS, load_fake_quant_operands
+    from qgcli.summaries import describe_arrays
+
+    if as_json and as_csv:
+        raise click.UsageError("--json and --csv both want stdout; pick one")
+    num_bits, narrow_range, variant, axis = attributes.num_bits, attributes.narrow_range, attributes.variant, attributes.axis
+    operands = Operands.of(operands, literal_ok=("min", "max"))
+    notes = []
+    with Progress("reading operands", total=None, quiet=quiet) as progress:
+        try:
+            _, x_raw, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=False)
+            progress.update(description="reading gradients")
+            g_raw = operands.get("gradients", required=False)
+        finally:
+            operands.close()
+        if axis is not None and variant != "per-channel":
+            raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
+        for name, value in (("inputs", x_raw), ("gradients", g_raw)):
+            if value is not None and str(value.dtype) != "float32":
+                notes.append(f"{name} is {value.dtype}; computed in float32 as TensorFlow does")
+        xp, (g_dev, x_dev) = to_device([g_raw, x_raw], device)
+        from qgcli.ops.analysis import channel_report
+
+        steps = 5 + len(percentiles)
+        progress.update(total=steps, completed=0)
+
+        def on_step(text):
+            progress.update(description=text)
+            progress.advance()
+
+        result = channel_report(x_dev, mn, mx, g_dev, num_bits=num_bits, narrow_range=narrow_range,
+                                variant=variant, axis=-1 if axis is None else axis, percentiles=percentiles,
+                                on_step=on_step)
+    attrs = {"num_bits": num_bits, "narrow_range": narrow_range,
+             "axis": (-1 if axis is None else axis) if variant == "per-channel" else None}
+    raw = {"inputs": x_raw, "gradients": g_raw, "min": mn, "max": mx}
+    described = describe_arrays({k: v for k, v in raw.items() if v is not None and hasattr(v, "dtype")})
+    for k, v in described.items():
+        v["source"] = operands.sources.get(k, "default" if variant == "args" and k in ("min", "max") else None)
+    limited = top is None and not as_json and not as_csv and result.channels > _TABLE_ROWS
+    doc = build_report_doc(result, op=TF_OPS[variant], attrs=attrs, inputs=described, threshold=threshold,
+                           sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
+    if not quiet:
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
+    if as_json:
+        dump_json(doc)
+    elif as_csv:
+        _write_csv(doc)
+        if not quiet:
+            click.echo(doc["verdict"], err=True)
+    else:
+        render_report(stdout_console(), doc, limited)

@@ -1,0 +1,141 @@
+"""Where a job runs: in memory, or streamed over HDF5 row blocks when its inputs exceed the memory limit.
+
+:func:`execute` opens the job's operands, decides before anything is loaded, hands the job to the runner of
+its family (:mod:`qgcli.runners`) and writes what the runner gives back with the job's output options, the
+same way in every mode: ``--compression`` for every .h5 output, ``--plot`` where the runner draws one, and a
+``--memory-limit`` below the inputs either honoured (streaming) or refused, never ignored.  An executor over
+every group of a run file, or over a Dask cluster, is one more function of this shape.
+"""
+import click
+
+
+def runner_for(job):
+    """The runner module of the job's family."""
+    from qgcli.jobs import BATCH_NORM, ESTIMATOR, QUANTIZE_DEQUANTIZE, TF, TORCH
+
+    if job.family == TF:
+        from qgcli.runners import fake_quant as runner
+    elif job.family == ESTIMATOR:
+        from qgcli.runners import estimators as runner
+    elif job.family == TORCH:
+        from qgcli.runners import pytorch as runner
+    elif job.family == QUANTIZE_DEQUANTIZE:
+        from qgcli.runners import quantize_dequantize as runner
+    elif job.family == BATCH_NORM:
+        from qgcli.runners import batch_norm as runner
+    else:
+        raise ValueError(f"no runner for the family {job.family!r}")
+    return runner
+
+
+def execute(job):
+    """Run ``job`` in memory or streamed; returns its summary (a JSON-safe dict)."""
+    from qgcli.operands import Operands
+
+    runner = runner_for(job)
+    operands = Operands.of(job.operands, literal_ok=runner.LITERAL_OK)
+    try:
+        if not hasattr(runner, "stream"):
+            plan = memory_plan(job, operands, streams=False, mode=job.mode)
+        elif job.output.device != "cpu":
+            plan = memory_plan(job, operands, streams=False, mode=f"--device {job.output.device}")
+        else:
+            plan = memory_plan(job, operands, streams=True)
+        if plan is not None:
+            return run_streamed(runner, job, operands, *plan)
+        return run_in_memory(runner, job, operands)
+    finally:
+        operands.close()
+
+
+def run_in_memory(runner, job, operands):
+    """Load, compute, write the outputs (and the figure); returns the summary."""
+    from qgcli.outputs import check_figure_output, save_checked, write_outputs
+
+    out = job.output
+    result = runner.compute(job, operands)
+    if out.plot:  # refuse a bad figure path before any output is written
+        check_figure_output(out.plot, inputs=operands.input_paths(), force=out.force, option="--plot")
+    write_outputs(result.outputs, out.destination, operands=operands, force=out.force, attrs=result.attrs,
+                  compression=out.compression)
+    if out.plot:
+        check_figure_output(out.plot, inputs=operands.input_paths(), force=out.force, option="--plot")
+        save_checked(result.figure(), out.plot, 100)
+    return result.summary
+
+
+def run_streamed(runner, job, operands, datasets, budget):
+    """Stream the large operands block by block into a temporary .h5 renamed over the output."""
+    from qgcli.outputs import write_streamed
+
+    out = job.output
+    if out.plot:
+        raise click.BadParameter("cannot draw a figure of a tensor streamed from disk; drop --plot or raise "
+                                 "--memory-limit", param_hint="'--plot'")
+    plan = runner.stream(job, operands, datasets, budget)
+    small = write_streamed(out.destination, operands, out.force, plan.attrs, plan.compute, quiet=out.quiet,
+                           total_bytes=plan.total_bytes, compression=out.compression)
+    return plan.summarise(small)
+
+
+def memory_plan(job, operands, *, streams, mode=None):
+    """``(datasets, budget)`` when the job's large operands must be streamed, else None (work in memory).
+
+    A job that cannot stream (``mode`` says why: its family, or the GPU) is refused when an explicit
+    ``--memory-limit`` is below what its HDF5 inputs need; without the option it works in memory as always.
+    """
+    import os
+    import shutil
+
+    from qgcli import io
+    from qgcli.errors import OperandError, OutputError, QgcliError
+
+    limit, output = job.output.memory_limit, job.output.destination
+    if not streams and limit is None:
+        return None
+    measured = _measure(operands, job.large_operands, limit)
+    if measured is None:
+        return None
+    datasets, budget, need = measured
+    if not streams:
+        raise QgcliError(f"the inputs need about {_size(need)}, more than {_size(budget)}, and {mode} cannot stream "
+                         "them from disk (only TensorFlow's fake-quant ops and bn-grad stream, on the CPU); raise "
+                         "--memory-limit or drop it", operand="--memory-limit")
+    for name, ds in datasets.items():
+        declared, stored = int(ds.size) * ds.dtype.itemsize, ds.id.get_storage_size()
+        if ds.compression is None and stored < declared // 2:
+            # A file can declare terabytes and store nothing: reading it would stream fill values for hours.
+            raise OperandError(f"declares {declared / 2**30:.1f} GiB but stores {stored / 2**30:.3f} GiB; "
+                               "refusing to stream unwritten data", operand=name)
+    if output == "-" or io.output_kind(output) != "h5":
+        raise OutputError(f"the inputs need about {need / 2**30:.1f} GiB, more than --memory-limit "
+                          f"({budget / 2**30:.1f} GiB); streaming writes .h5 outputs only", operand="--output")
+    out_bytes = int(datasets["x" if "x" in datasets else "inputs"].size) * 4
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(output))).free
+    if free < out_bytes:
+        raise OutputError(f"needs {out_bytes / 2**30:.1f} GiB but its file system has {free / 2**30:.1f} GiB free",
+                          operand="--output")
+    return datasets, budget
+
+
+def _measure(operands, names, limit):
+    """``(datasets, budget, bytes needed)`` when every named operand is an HDF5 dataset and together they
+    need more than the limit; else None."""
+    from qgcli import streaming
+
+    budget = streaming.parse_memory_limit(limit)
+    datasets = {}
+    for name in names:
+        ds = operands.dataset(name)
+        if ds is None:
+            return None
+        datasets[name] = ds
+    # inputs as read plus float32 working copies and outputs of the same size
+    need = sum(int(ds.size) * max(ds.dtype.itemsize, 4) for ds in datasets.values()) * 2
+    if need <= budget:
+        return None
+    return datasets, budget, need
+
+
+def _size(n):
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,205 @@
+"""What to run and what a run gives back: the contract between the commands, the executors and the runners.
+
+A command parses its options once into one immutable job (:class:`FakeQuantJob`, :class:`BatchNormJob`):
+the op family, its attributes, the operand specs and the output options.  An executor
+(:mod:`qgcli.executors`) decides where the job runs (in memory, streamed over HDF5 blocks) and hands it to
+the runner of its family (:mod:`qgcli.runners`), which returns a :class:`Result` or, streamed, a
+:class:`Streamed` plan.  Nothing here imports more than the standard library, so building a job costs
+nothing at start-up.
+"""
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+#: Fake-quant families: TensorFlow's op (STE), TensorFlow's grid with another estimator, PyTorch's op,
+#: TensorFlow's QuantizeV2 + Dequantize round trip.
+TF, ESTIMATOR, TORCH, QUANTIZE_DEQUANTIZE = "tf", "estimator", "torch", "quantize-dequantize"
+BATCH_NORM = "batch-norm"
+
+
+@dataclass(frozen=True)
+class OperandSpecs:
+    """Where each operand comes from: a positional bundle file and ``--name SPEC`` options (None: not given)."""
+
+    bundle: Optional[str] = None
+    specs: Tuple[Tuple[str, Optional[str]], ...] = ()
+
+    @classmethod
+    def of(cls, bundle=None, **specs):
+        return cls(bundle, tuple(specs.items()))
+
+    def get(self, name):
+        return dict(self.specs).get(name)
+
+    def as_dict(self):
+        return dict(self.specs)
+
+    def only(self, *names, **extra):
+        """The same bundle with the specs of ``names`` (in that order) and ``extra`` specs."""
+        given = self.as_dict()
+        return OperandSpecs(self.bundle, tuple((n, given.get(n)) for n in names) + tuple(extra.items()))
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Where and how results go: the same meaning in every mode, or refused there."""
+
+    destination: Optional[str]
+    force: bool = False
+    compression: Optional[str] = None
+    memory_limit: Optional[str] = None
+    device: str = "cpu"
+    as_json: bool = False
+    quiet: bool = False
+    plot: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class FigureOptions:
+    """Where and how a figure is written, and the summary options."""
+
+    destination: str
+    force: bool = False
+    dpi: int = 100
+    title: Optional[str] = None
+    width: float = 6.4
+    height: Optional[float] = None
+    as_json: bool = False
+    quiet: bool = False
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class FakeQuantAttributes:
+    """--num-bits, --narrow-range, --variant, --axis (``num_bits_given``: typed, not the default)."""
+
+    num_bits: int = 8
+    narrow_range: bool = False
+    variant: Optional[str] = None
+    axis: Optional[int] = None
+    num_bits_given: bool = False
+
+
+@dataclass(frozen=True)
+class QuantizeAttributes:
+    """QuantizeV2's attributes (--dtype, --mode, --round-mode, --ensure-minimum-range); None: not given."""
+
+    dtype: Optional[str] = None
+    mode: Optional[str] = None
+    round_mode: Optional[str] = None
+    ensure_minimum_range: Optional[float] = None
+
+    OPTIONS = {"dtype": "--dtype", "mode": "--mode", "round_mode": "--round-mode",
+               "ensure_minimum_range": "--ensure-minimum-range"}
+    DEFAULTS = {"dtype": "quint8", "mode": "MIN_COMBINED", "round_mode": "HALF_AWAY_FROM_ZERO",
+                "ensure_minimum_range": 0.01}
+
+    def given(self):
+        """``{option name: value}`` of the attributes given."""
+        return {self.OPTIONS[k]: getattr(self, k) for k in self.OPTIONS if getattr(self, k) is not None}
+
+    def resolved(self):
+        """Every attribute, TensorFlow's default where none was given."""
+        return {k: self.DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in self.DEFAULTS}
+
+
+@dataclass(frozen=True)
+class SemanticsOptions:
+    """--semantics and PyTorch's parameters (--scale/--zero-point are operand specs)."""
+
+    semantics: str = "tf"
+    scale: Optional[str] = None
+    zero_point: Optional[str] = None
+    quant_min: Optional[int] = None
+    quant_max: Optional[int] = None
+
+    def torch_given(self):
+        return {"--scale": self.scale, "--zero-point": self.zero_point, "--quant-min": self.quant_min,
+                "--quant-max": self.quant_max}
+
+
+@dataclass(frozen=True)
+class EstimatorOptions:
+    """--estimator (text, None: the framework's STE) and --grad-factor."""
+
+    estimator: Optional[str] = None
+    grad_factor: Any = None
+
+
+@dataclass(frozen=True)
+class FakeQuantJob:
+    """One fake-quant run (``fakequant`` / ``fakequant-grad``) of one family, options resolved and checked."""
+
+    command: str
+    family: str
+    with_gradients: bool
+    operands: OperandSpecs
+    output: OutputOptions
+    num_bits: int = 8
+    narrow_range: bool = False
+    variant: Optional[str] = None
+    axis: Optional[int] = None
+    quantize: Optional[Mapping[str, Any]] = None  # quantize-dequantize: QuantizeV2's attributes, resolved
+    quant_min: Optional[int] = None  # torch: the integer range, resolved
+    quant_max: Optional[int] = None
+    estimator: Any = None  # a qgcli.ops.estimators.Estimator, or None for the framework's STE
+    grad_factor: Any = None  # LSQ's g: a float, "auto" or None
+
+    @property
+    def mode(self):
+        """The mode in the words of its options, for messages."""
+        if self.family == QUANTIZE_DEQUANTIZE:
+            return f"--variant {QUANTIZE_DEQUANTIZE}"
+        if self.family == TORCH:
+            return "--semantics torch"
+        if self.family == ESTIMATOR:
+            return f"--estimator {self.estimator.text}"
+        return "TensorFlow's fake-quant op"
+
+    @property
+    def large_operands(self):
+        """The operands as large as the tensor (the others are per channel at most)."""
+        return ("gradients", "inputs") if self.with_gradients else ("inputs",)
+
+
+@dataclass(frozen=True)
+class BatchNormJob:
+    """One ``bn-grad`` run."""
+
+    operands: OperandSpecs
+    output: OutputOptions
+    epsilon: float = 1e-4
+    data_format: Optional[str] = None
+    is_training: bool = True
+    variance_kind: str = "variance"
+    version: str = "v3"
+    all_outputs: bool = False
+    command: str = "bn-grad"
+    family: str = BATCH_NORM
+
+    @property
+    def mode(self):
+        return "bn-grad"
+
+    large_operands = ("y_backprop", "x")
+
+
+@dataclass
+class Result:
+    """What a runner computed in memory: the outputs by TensorFlow name, the attributes written with them,
+    the summary, and (for ``--plot``) a function drawing the figure."""
+
+    outputs: dict
+    attrs: dict
+    summary: dict
+    figure: Optional[Callable[[], Any]] = None
+
+
+@dataclass
+class Streamed:
+    """A runner's plan for a job streamed over HDF5 blocks: ``compute(h5file, advance)`` writes the large
+    outputs and returns the small ones; ``summarise(small)`` gives the summary afterwards."""
+
+    attrs: dict
+    compute: Callable[[Any, Callable[[int], None]], dict]
+    total_bytes: int
+    summarise: Callable[[dict], dict]

@@ -1,0 +1,115 @@
+"""Operands by TensorFlow name: from ``--name SPEC`` options or else from a positional bundle file.
+
+:class:`Operands` resolves a job's :class:`qgcli.jobs.OperandSpecs` (loading arrays, or handing out unread
+HDF5 datasets for streaming); :func:`to_device` moves arrays to the job's device.  Nothing heavy is imported
+at module level.
+"""
+import click
+
+
+class Operands:
+    """Operands by TensorFlow name, from ``--name SPEC`` options or else from a positional bundle file."""
+
+    def __init__(self, bundle, specs, *, literal_ok=(), stdin=None):
+        from qgcli import io
+
+        self._io = io
+        self.stdin = stdin if stdin is not None else io.Stdin()
+        self.bundle_text = bundle
+        self.bundle_path = None
+        self._bundle_container = None
+        if bundle is not None:
+            spec = io.parse_spec(bundle)
+            if spec.key is not None:
+                raise click.BadParameter("a bundle is a whole .npz/.h5 file (or -), without :KEY", param_hint="BUNDLE")
+            self.bundle_path = spec.path
+            from qgcli.errors import FileFormatError
+
+            try:
+                self._bundle_container = io.Container.open(spec.path, self.stdin)
+            except FileFormatError as exc:
+                raise self._error("BUNDLE", str(exc)) from None
+            if self._bundle_container.kind == "npy":
+                raise self._error("BUNDLE", "a bundle must be an .npz or .h5 file with named tensors, not .npy")
+        self._specs = {}
+        for name, text in specs.items():
+            if text is not None:
+                self._specs[name] = io.parse_spec(text, allow_literal=name in literal_ok)
+        self.sources = {}
+        self._opened = []  # containers kept open for streamed datasets
+
+    @classmethod
+    def of(cls, specs, *, literal_ok=()):
+        """The operands of a job's :class:`qgcli.jobs.OperandSpecs`."""
+        return cls(specs.bundle, specs.as_dict(), literal_ok=literal_ok)
+
+    @staticmethod
+    def _error(operand, message):
+        from qgcli.errors import OperandError
+
+        return OperandError(message, operand=operand)
+
+    def input_paths(self):
+        paths = [self.bundle_path] + [s.path for s in self._specs.values()]
+        return [p for p in paths if p]
+
+    def dataset(self, name):
+        """The unread h5py Dataset behind operand ``name``, or None when it is not in an HDF5 file."""
+        from qgcli.errors import FileFormatError
+
+        try:
+            if name in self._specs:
+                spec = self._specs[name]
+                if spec.path is None or self._io.file_kind(spec.path) != "h5":
+                    return None
+                container = self._io.Container.open(spec.path, self.stdin)
+                self._opened.append(container)
+                key = spec.key or (name if container.has(name) else None)
+                if key is None:
+                    return None
+                self.sources[name] = spec.text
+                return container.dataset(key)
+            if self._bundle_container is not None and self._bundle_container.has(name):
+                self.sources[name] = f"{self.bundle_text}:{name}"
+                return self._bundle_container.dataset(name)
+        except FileFormatError as exc:
+            raise self._error(name, str(exc)) from None
+        return None
+
+    def has(self, name):
+        if name in self._specs:
+            return True
+        return self._bundle_container is not None and self._bundle_container.has(name)
+
+    def get(self, name, *, required=True):
+        """The raw array for operand ``name`` (None when absent and not required)."""
+        from qgcli.errors import FileFormatError
+
+        try:
+            if name in self._specs:
+                spec = self._specs[name]
+                self.sources[name] = spec.text
+                return self._io.load_spec(spec, self.stdin, default_key=name)
+            if self._bundle_container is not None and self._bundle_container.has(name):
+                self.sources[name] = f"{self.bundle_text}:{name}"
+                return self._bundle_container.read(name)
+        except FileFormatError as exc:
+            raise self._error(name, str(exc)) from None
+        if required:
+            where = f" and {self.bundle_text} has no dataset {name!r}" if self.bundle_text else ""
+            option = "--" + name.replace("_", "-")
+            raise self._error(name, f"missing operand: give {option} SPEC{where}")
+        return None
+
+    def close(self):
+        if self._bundle_container is not None:
+            self._bundle_container.close()
+        for container in self._opened:
+            container.close()
+
+
+def to_device(arrays, device):
+    from qgcli.backend import get_xp
+
+    xp = get_xp(device)
+    return xp, [None if a is None else xp.asarray(a) for a in arrays]

@@ -1,0 +1,208 @@
+"""TensorFlow's fake-quant ops (Args, Vars, VarsPerChannel; forward and gradient), in memory or streamed.
+
+The operand rules of each op family (:func:`load_fake_quant_operands`, also used by ``plot`` and
+``report``), the op call (:func:`run_fake_quant`) and the summary (grid, clipped shares, gradient mass the
+STE mask blocks).  Streamed, the summary gives the grid but no clipping statistics.
+"""
+import click
+
+from qgcli.jobs import Result, Streamed
+from qgcli.operands import to_device
+from qgcli.summaries import describe_arrays, json_safe
+
+LITERAL_OK = ("min", "max")
+
+TF_OPS = {
+    "args": "FakeQuantWithMinMaxArgs",
+    "vars": "FakeQuantWithMinMaxVars",
+    "per-channel": "FakeQuantWithMinMaxVarsPerChannel",
+}
+
+
+def infer_variant(variant, min_value):
+    """Explicit ``--variant`` wins; else rank-1 min -> per-channel, rank-0 -> vars (the notebook's op)."""
+    if variant is not None:
+        return variant
+    if min_value is None:
+        return "args"
+    return "per-channel" if getattr(min_value, "ndim", 0) >= 1 else "vars"
+
+
+def load_fake_quant_operands(operands, variant, *, with_gradients):
+    """Raw arrays (gradients, inputs, min, max) and the variant, by TF's rules for each op family."""
+    import numpy as np
+
+    gradients = operands.get("gradients") if with_gradients else None
+    inputs = operands.get("inputs")
+    need_range = variant != "args"
+    mn = operands.get("min", required=need_range)
+    mx = operands.get("max", required=need_range)
+    variant = infer_variant(variant, mn)
+    if variant == "args":
+        mn = np.array(-6.0) if mn is None else mn
+        mx = np.array(6.0) if mx is None else mx
+        for name, value in (("min", mn), ("max", mx)):
+            dtype = np.asarray(value).dtype
+            if dtype.kind not in "fiu" and dtype.name != "bfloat16":
+                from qgcli.errors import OperandError
+
+                raise OperandError(f"dtype {dtype} is not a real number type", operand=name)
+            if np.ndim(value) != 0:
+                raise click.BadParameter(f"must be a scalar for --variant args, got shape {list(np.shape(value))}",
+                                         param_hint=f"'--{name}'")
+    return gradients, inputs, mn, mx, variant
+
+
+def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp):
+    """Call the op for ``variant``; returns (outputs dict, grid, inputs as float32 channels-last, gradients likewise)."""
+    from qgcli import ops
+    from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
+
+    attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
+    x = as_float32(inputs, "inputs", xp)
+    if variant == "args":
+        lo, hi = float(mn), float(mx)
+        grid = _args_grid(lo, hi, num_bits, narrow_range)
+        if gradients is None:
+            out = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)}
+        else:
+            out = {"backprops": ops.fake_quant_with_min_max_args_gradient(gradients, x, lo, hi, **attrs)}
+    elif variant == "vars":
+        if gradients is None:
+            out = {"outputs": ops.fake_quant_with_min_max_vars(x, mn, mx, **attrs)}
+        else:
+            res = ops.fake_quant_with_min_max_vars_gradient(gradients, x, mn, mx, **attrs)
+            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
+        grid = nudge(mn, mx, **attrs)
+    else:
+        axis = -1 if axis is None else axis
+        if gradients is None:
+            out = {"outputs": ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx, axis=axis, **attrs)}
+        else:
+            res = ops.fake_quant_with_min_max_vars_per_channel_gradient(gradients, x, mn, mx, axis=axis, **attrs)
+            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
+        grid = nudge(mn, mx, **attrs)
+        x = xp.moveaxis(x, axis, -1)
+        if gradients is not None:
+            gradients = xp.moveaxis(as_float32(gradients, "gradients", xp), axis, -1)
+    if gradients is not None and variant != "per-channel":
+        gradients = as_float32(gradients, "gradients", xp)
+    return out, grid, x, gradients
+
+
+def build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output):
+    from qgcli.ops.analysis import clip_statistics, grid_summary
+
+    stats = clip_statistics(x, grid, g)
+    notes = []
+    for name, value in raw.items():
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and str(dtype) not in ("float32",) and name in ("inputs", "gradients"):
+            notes.append(f"{name} is {dtype}; computed in float32 as TensorFlow does")
+    return json_safe({
+        "command": command,
+        "op": op,
+        "variant": variant,
+        "attributes": attrs,
+        "inputs": {**describe_arrays({k: v for k, v in raw.items() if v is not None}),
+                   **{k: {**describe_arrays({k: raw[k]})[k], "source": s} for k, s in operands.sources.items() if raw.get(k) is not None}},
+        "grid": grid_summary(grid),
+        "statistics": stats,
+        "outputs": describe_arrays(outputs),
+        "output": output,
+        "notes": notes,
+    })
+
+
+def compute(job, operands):
+    """The job in memory: outputs, file attributes, summary and the --plot figure."""
+    with_gradients = job.with_gradients
+    gradients, inputs, mn, mx, variant = load_fake_quant_operands(operands, job.variant, with_gradients=with_gradients)
+    axis = job.axis
+    if axis is not None and variant != "per-channel":
+        raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
+    xp, (gradients, inputs) = to_device([gradients, inputs], job.output.device)
+    op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
+    outputs, grid, x, g = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=job.num_bits,
+                                         narrow_range=job.narrow_range, axis=axis, xp=xp)
+    attrs = {"op": op, "variant": variant, "num_bits": job.num_bits, "narrow_range": job.narrow_range}
+    if variant == "per-channel":
+        attrs["axis"] = -1 if axis is None else axis
+    if variant == "args":
+        attrs.update(min=float(mn), max=float(mx))
+    raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
+    summary = build_summary(job.command, op, variant, operands, raw, outputs, grid, x, g, attrs,
+                            job.output.destination)
+
+    def figure():
+        """The STE figure of this run (staircase, mask, backprops); per-channel data drawn flattened."""
+        from qgcli import plots
+
+        return plots.ste(inputs, mn, mx, gradients=gradients, variant=variant, num_bits=job.num_bits,
+                         narrow_range=job.narrow_range, axis=-1 if axis is None else axis)
+
+    return Result(outputs, attrs, summary, figure)
+
+
+def stream(job, operands, datasets, budget):
+    """The job over HDF5 datasets too large for memory: channels on the last axis, float inputs."""
+    import numpy as np
+
+    from qgcli import streaming
+    from qgcli.errors import OperandError
+    from qgcli.ops.analysis import grid_summary
+    from qgcli.ops.fake_quant import _args_grid, _prepare_per_channel, _prepare_per_tensor
+
+    with_gradients, num_bits, narrow_range, axis = job.with_gradients, job.num_bits, job.narrow_range, job.axis
+    x_ds = datasets["inputs"]
+    g_ds = datasets.get("gradients")
+    for name, ds in datasets.items():
+        if ds.dtype.kind != "f":
+            raise OperandError(f"dtype {ds.dtype} is not a real floating type", operand=name)
+    if g_ds is not None and g_ds.shape != x_ds.shape:
+        raise OperandError(f"shape {list(g_ds.shape)} differs from inputs shape {list(x_ds.shape)}",
+                           operand="gradients")
+    mn = operands.get("min", required=job.variant != "args")
+    mx = operands.get("max", required=job.variant != "args")
+    variant = infer_variant(job.variant, mn)
+    if axis is not None and variant != "per-channel":
+        raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
+    kind, divide, attrs = "flat", variant == "vars", {"num_bits": num_bits, "narrow_range": narrow_range}
+    if variant == "args":
+        mn = -6.0 if mn is None else float(np.asarray(mn))
+        mx = 6.0 if mx is None else float(np.asarray(mx))
+        grid, kind = _args_grid(mn, mx, num_bits, narrow_range), None
+        attrs.update(min=mn, max=mx)
+    elif variant == "vars":
+        grid = _prepare_per_tensor(x_ds, mn, mx, num_bits, narrow_range, np)
+    else:
+        if axis not in (None, -1, x_ds.ndim - 1):
+            raise click.BadParameter("a tensor streamed from disk needs its channels on the last axis",
+                                     param_hint="'--axis'")
+        grid, _ = _prepare_per_channel(x_ds, mn, mx, num_bits, narrow_range, -1, np)
+        kind, attrs["axis"] = "chip", -1
+    op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
+    attrs = {"op": op, "variant": variant, **attrs}
+
+    def compute(out, advance):
+        common = dict(attrs=attrs, compression=job.output.compression, budget=budget, progress=advance)
+        if with_gradients:
+            return streaming.fake_quant_gradient(g_ds, x_ds, grid, out, kind=kind, **common)
+        streaming.fake_quant_forward(x_ds, grid, divide, out, per_channel=variant == "per-channel", **common)
+        return {}
+
+    def summarise(small):
+        big = "outputs" if not with_gradients else ("backprops" if variant == "args" else "backprops_wrt_input")
+        outputs = {big: {"shape": list(x_ds.shape), "dtype": "float32"}}
+        outputs.update({k: {"shape": list(np.shape(v)), "dtype": "float32"} for k, v in small.items()})
+        return json_safe({
+            "command": job.command, "op": op, "variant": variant, "attributes": attrs,
+            "inputs": {n: {"shape": list(ds.shape), "dtype": str(ds.dtype), "source": operands.sources.get(n, n)}
+                       for n, ds in datasets.items()},
+            "grid": grid_summary(grid), "statistics": None, "outputs": outputs, "output": job.output.destination,
+            "notes": [f"streamed from disk in blocks: the inputs exceed --memory-limit ({budget / 2**30:.2f} GiB); "
+                      "clipping statistics are not computed in this mode"],
+        })
+
+    total = sum(int(ds.size) * 4 for ds in datasets.values())
+    return Streamed(attrs, compute, total, summarise)

@@ -1,0 +1,84 @@
+"""A run's summary: built JSON-safe, printed as JSON on stdout (``--json``) or rendered with rich on stderr.
+
+Kept free of heavy imports at module level so that ``qgcli --help`` stays fast.
+"""
+import json
+import sys
+
+import click
+
+
+def describe_arrays(arrays):
+    from qgcli.backend import to_numpy
+
+    return {name: {"shape": list(to_numpy(a).shape), "dtype": str(to_numpy(a).dtype)} for name, a in arrays.items()}
+
+
+def json_safe(value):
+    """Replace NaN/inf floats (not valid JSON) by None, recursively."""
+    import math
+
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def percent(x):
+    return f"{100.0 * x:.2f}%"
+
+
+def emit(summary, *, as_json, quiet, render, output=None):
+    """Print the summary: JSON on stdout with --json, else a rich rendering on stderr unless --quiet."""
+    if as_json:
+        if output == "-":
+            raise click.UsageError("--json and -o - both want stdout; write the data to a file or drop --json")
+        dump_json(summary, safe=False)
+        return
+    if quiet:
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True, highlight=False)
+    render(console, summary)
+
+
+def dump_json(doc, *, safe=True):
+    """One JSON document on stdout (NaN/inf as null when ``safe``)."""
+    json.dump(json_safe(doc) if safe else doc, sys.stdout, indent=2, allow_nan=False, default=_json_default)
+    sys.stdout.write("\n")
+
+
+def _json_default(value):
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def stdout_console():
+    """A rich console on stdout; plain text, wide enough for tables, when stdout is not a terminal."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        # Piped into less/grep/a file: plain text, and wide enough that tables are not squeezed.
+        console = Console(highlight=False, width=max(160, console.width), no_color=True, file=sys.stdout)
+    return console
+
+
+def number(v, digits=4):
+    """A table cell: ``-`` for None, integers and booleans as they are, floats to ``digits`` significant digits."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.{digits}g}"

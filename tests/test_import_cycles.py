@@ -1,0 +1,164 @@
+"""qgcli's imports run one way: no module imports itself through others, and no command module imports another.
+
+The import graph is read with ``ast`` from every module of the package, imports inside functions included
+(absolute and relative), so a cycle that only bites at run time is caught too.
+"""
+import ast
+import functools
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "qgcli")
+# The one module of qgcli.commands that the command modules share (click option decorators).
+SHARED_COMMAND_MODULE = "qgcli.commands.options"
+# Cycles that predate this test, each with its way out; the last test fails once one is gone, so that it is
+# struck from here and the cycle cannot come back.
+
+
+def _modules():
+    """Module name -> path, for every .py file of the package."""
+    mods = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
+                mods[dotted[: -len(".__init__")] if dotted.endswith(".__init__") else dotted] = path
+    return mods
+
+
+def _imports(module, path, mods):
+    """The qgcli modules that ``module`` imports (anywhere in the file), with the line of each import."""
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), filename=path)
+    found = {}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            # `from qgcli.x import y`: y is a module (qgcli.x.y) or a name in qgcli.x
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base for alias in node.names]
+        for name in names:
+            # `import qgcli.a.b` imports qgcli.a.b; a name that is no module counts for its nearest module
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            # importing one's own package (its __init__) from inside is no edge of a cycle
+            if name and name != module and not module.startswith(name + "."):
+                found.setdefault(name, node.lineno)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _graph():
+    mods = _modules()
+    return {m: _imports(m, p, mods) for m, p in mods.items()}
+
+
+def _cycles(graph):
+    """Every strongly connected group of two or more modules (Tarjan), each as one
+    cycle path."""
+    return [_path_through(graph, group) for group in _groups(graph)]
+
+
+def _groups(graph):
+    """The strongly connected groups of two or more modules, each sorted."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(m):
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in index:
+                visit(d)
+                low[m] = min(low[m], low[d])
+            elif d in on_stack:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            group = []
+            while True:
+                d = stack.pop()
+                on_stack.discard(d)
+                group.append(d)
+                if d == m:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return groups
+
+
+def _path_through(graph, group):
+    """One closed path inside ``group``, from its first module back to it, as 'a:LINE -> b ...'."""
+    start, members = group[0], set(group)
+    seen, trail = {start}, [start]
+
+    def walk(m):
+        for d in sorted(graph[m]):
+            if d == start and len(trail) > 1:
+                return trail + [start]
+            if d in members and d not in seen:
+                seen.add(d)
+                trail.append(d)
+                found = walk(d)
+                if found:
+                    return found
+                trail.pop()
+        return None
+
+    path = walk(start) or group
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:])) + f" -> {path[-1]}"
+
+
+def test_the_graph_sees_the_package():
+    graph = _graph()
+    assert "qgcli.cli" in graph and "qgcli.commands.fakequant" in graph and "qgcli.ops.fake_quant" in graph
+    assert "qgcli.executors" in graph["qgcli.commands.fakequant"]  # an import inside a function counts
+    assert "qgcli.commands.fakequant" in graph["qgcli.cli"]
+
+
+def test_no_import_cycle_in_qgcli():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles in qgcli:\n" + "\n".join(cycles)
+
+
+def test_the_cycle_finder_names_a_cycle():
+    graph = {"a": {"b": 3}, "b": {"c": 5}, "c": {"a": 7}, "d": {"a": 1}}
+    assert _cycles(graph) == ["a (line 3) -> b (line 5) -> c (line 7) -> a"]
+    assert _cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_command_modules_import_no_other_command_module():
+    graph = _graph()
+    commands = [m for m in graph if m.startswith("qgcli.commands.")]
+    assert SHARED_COMMAND_MODULE in commands
+    crossings = [f"{m} imports {d} (line {line})" for m in sorted(commands) for d, line in sorted(graph[m].items())
+                 if d.startswith("qgcli.commands.") and d != SHARED_COMMAND_MODULE]
+    assert not crossings, "\n".join(crossings)
+    # the shared module itself stands on no command module
+    assert not [d for d in graph[SHARED_COMMAND_MODULE] if d.startswith("qgcli.commands")]
+
+
+@pytest.mark.parametrize("lower, upper", [
+    ("qgcli.ops", "qgcli.commands"), ("qgcli.ops", "qgcli.runners"), ("qgcli.ops", "qgcli.executors"),
+    ("qgcli.runners", "qgcli.commands"), ("qgcli.runners", "qgcli.executors"), ("qgcli.executors", "qgcli.commands"),
+    ("qgcli.jobs", "qgcli."),
+])
+def test_imports_run_one_way(lower, upper):
+    """cli -> commands -> executors -> runners -> io, plots, ops -> backend, errors; jobs imports no qgcli module."""
+    graph = _graph()
+    wrong = [f"{m} imports {d}" for m in graph if m == lower or m.startswith(lower + ".")
+             for d in graph[m] if d.startswith(upper)]
+    assert not wrong, "\n".join(wrong)
