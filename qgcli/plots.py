@@ -710,7 +710,8 @@ def save_figure(fig, path, dpi=100):
     """Write ``fig`` to ``path`` atomically (temp file + rename), format from the extension.
 
     SVG and PDF carry no creation date and SVG ids are salted with a fixed string, so the same figure
-    gives the same bytes.  The pixel size of a PNG is the figure size times ``dpi``.
+    gives the same bytes.  The pixel size of a PNG is the figure size times ``dpi``, rounded to whole
+    pixels (see :func:`_whole_pixel_inches`).
     """
     import matplotlib
 
@@ -723,8 +724,33 @@ def save_figure(fig, path, dpi=100):
         with matplotlib.rc_context({"svg.hashsalt": "qgcli"}):
             fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata)
 
-    atomic_write(str(path), write)
+    if fmt != "png":
+        atomic_write(str(path), write)
+        return fmt
+    inches = fig.get_size_inches().copy()
+    fig.set_size_inches([_whole_pixel_inches(v, dpi) for v in inches], forward=False)
+    try:
+        atomic_write(str(path), write)
+    finally:
+        fig.set_size_inches(inches, forward=False)
     return fmt
+
+
+def _whole_pixel_inches(inches, dpi):
+    """The size nearest ``inches`` whose product with ``dpi`` is ``round(inches * dpi)`` pixels or a hair above.
+
+    Agg's canvas is ``int(inches * dpi)`` pixels (matplotlib 3.11 first rounds a product within 1e-8 of a whole
+    number up): 8.2 in at 100 dpi is 819.9999999999999 px, which is 819 px on matplotlib <= 3.10 and 820 on 3.11.
+    A product at or just above the whole number gives the same pixels on every version.
+
+    >>> 8.2 * 100, _whole_pixel_inches(8.2, 100) * 100
+    (819.9999999999999, 820.0000000000001)
+    """
+    pixels = round(float(inches) * dpi)
+    snapped = pixels / dpi
+    while snapped * dpi < pixels:
+        snapped = float(np.nextafter(snapped, np.inf))
+    return snapped
 
 
 # --- estimators overlaid (qgcli plot estimators) -----------------------------------------------------------
