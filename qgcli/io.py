@@ -617,7 +617,12 @@ def _write_h5(fh, arrays, attrs, compression=None):
 
 
 def _write_npz(fh, arrays):
-    np.savez(fh, **{k: np.asarray(v) for k, v in arrays.items()})
+    """np.savez's layout, with the zip file closed on every failure (NumPy 1.x's savez leaves it open when a
+    write fails, and its __del__ then reports an error on stderr)."""
+    with zipfile.ZipFile(fh, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for k, v in arrays.items():
+            with zf.open(k + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asarray(v), allow_pickle=False)
 
 
 def atomic_write(dest, writer):
