@@ -92,28 +92,46 @@ def _threads(pid):
     return names
 
 
+def _catches(pid, sig):
+    """Whether the process has a handler installed for ``sig`` (/proc's SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as fh:
+        mask = next(int(line.split()[1], 16) for line in fh if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
 PHASES = {  # phase -> test on a running Run: the process's own state, read from outside
+    # qgcli's handlers are in place (Python catches SIGTERM only once qgcli.signals.install ran): before
+    # that a signal meets Python's own start-up, not qgcli
+    "started": lambda run: _catches(run.proc.pid, signal.SIGTERM),
     "compute": lambda run: "qgcli-pool" in _threads(run.proc.pid),  # the kernels' thread pool has started
     "write": lambda run: bool(temps(run.workdir)),  # between the temporary file's creation and its rename
 }
 
 
+def wait_for_phase(run, phase, timeout=60):
+    end = time.monotonic() + timeout
+    while run.proc.poll() is None and not _seen(run, phase):
+        assert time.monotonic() < end, f"{run.kind}: never seen in phase {phase}"
+        time.sleep(0.0002)
+
+
+def _seen(run, phase):
+    try:
+        return PHASES[phase](run)
+    except (OSError, StopIteration):  # a file renamed or removed, or the process gone, while looked at
+        return False
+
+
 def signal_in_phase(run, sig, phase, timeout=60):
     """Stop ``run`` (SIGSTOP) as soon as it is seen in ``phase``, check it still is, send ``sig`` and let it
     go on: the signal lands at that point.  False when the run ended before it was seen there."""
-    def seen():
-        try:
-            return PHASES[phase](run)
-        except OSError:  # a temporary file renamed or removed while looked at
-            return False
-
     end = time.monotonic() + timeout
     while run.proc.poll() is None:
         assert time.monotonic() < end, f"{run.kind}: never seen in phase {phase}"
-        if seen():
+        if _seen(run, phase):
             run.proc.send_signal(signal.SIGSTOP)
             try:
-                if run.proc.poll() is None and seen():
+                if run.proc.poll() is None and _seen(run, phase):
                     run.proc.send_signal(sig)
                     run.sent = time.monotonic()
                     return True
@@ -203,7 +221,8 @@ def kill_trial(bundle, want, work, kind, moment, rng, duration):
         run = Run([command, bundle, *options, "-o", os.path.join(str(work), name), "-q"], work,
                   os.path.join(str(work), name), kind)
         if moment == "timed":
-            run.signal_at = run.t0 + rng.uniform(0, duration)
+            wait_for_phase(run, "started")
+            run.signal_at = time.monotonic() + rng.uniform(0, duration)
             signal_all([run], signal.SIGKILL)
             break
         if signal_in_phase(run, signal.SIGKILL, "write"):
@@ -370,7 +389,8 @@ def test_signal_campaign(big, tmp_path):
             work.mkdir()
             command, name, options = FORMATS[kind]
             run = Run([command, bundle, *options, "-o", os.path.join(str(work), name), "-q"], work, None, kind)
-            run.signal_at = run.t0 + rng.uniform(0, duration)
+            wait_for_phase(run, "started")
+            run.signal_at = time.monotonic() + rng.uniform(0, duration)
             signal_all([run], sig)
             code, out, err = run.finish()
             if code == 0:
