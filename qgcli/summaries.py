@@ -9,9 +9,15 @@ import click
 
 
 def describe_arrays(arrays):
-    from qgcli.backend import to_numpy
+    """Shape and dtype of each array, read from the array itself: a CuPy array is not copied to the host."""
+    import numpy as np
 
-    return {name: {"shape": list(to_numpy(a).shape), "dtype": str(to_numpy(a).dtype)} for name, a in arrays.items()}
+    def describe(a):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):  # a Python scalar or list
+            a = np.asarray(a)
+        return {"shape": list(a.shape), "dtype": str(a.dtype)}
+
+    return {name: describe(a) for name, a in arrays.items()}
 
 
 def json_safe(value):

@@ -529,3 +529,26 @@ def test_detection_on_low_precision_inputs():
     x = (rng.standard_normal((8, 4, 4, 3)) * 2 + 1).astype(BF16)
     mean, var = batch_stats(x, "NHWC")
     assert detect_variance_convention(x, mean, var).kind == "biased-variance"
+
+
+def test_widened_bfloat16_rounds_once_like_the_direct_computation():
+    """The GPU path (CuPy has no bfloat16) widens to float32, computes, and narrows: with x_backprop
+    rounded to odd in float32 that equals the direct bfloat16 computation bit for bit; rounding to nearest
+    in float32 first would round twice (the old GPU path: elements differ)."""
+    import ml_dtypes
+
+    from qgcli.ops import batch_norm as bn
+
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((32, 8, 8, 64)) * 2 + 0.5).astype(bf16)
+    dy = rng.standard_normal(x.shape).astype(bf16)
+    x32, dy32 = x.astype(np.float32), dy.astype(np.float32)
+    scale = rng.uniform(0.5, 2, 64).astype(np.float32)
+    mean = x32.mean(axis=(0, 1, 2))
+    var = x32.var(axis=(0, 1, 2))
+    direct = bn.fused_batch_norm_grad(dy, x, scale, mean, var)[0]
+    widened = bn.fused_batch_norm_grad_to_odd(dy32, x32, scale, mean, var)[0].astype(bf16)
+    np.testing.assert_array_equal(widened.view(np.uint16), direct.view(np.uint16))
+    twice = bn.fused_batch_norm_grad(dy32, x32, scale, mean, var)[0].astype(bf16)
+    assert np.count_nonzero(twice.view(np.uint16) != direct.view(np.uint16)) > 0

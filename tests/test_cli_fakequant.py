@@ -290,3 +290,28 @@ def test_light_imports():
             "print([m for m in ('numpy', 'h5py', 'matplotlib', 'cupy') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+class _DeviceArray:
+    """A stand-in for a CuPy array: shape and dtype on the device, ``get()`` copies to the host (counted)."""
+
+    __module__ = "cupy._core.core"
+    copies = 0
+
+    def __init__(self, array):
+        self._array = array
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def get(self):
+        type(self).copies += 1
+        return self._array
+
+
+def test_summaries_read_shapes_without_copying_device_arrays():
+    from qgcli.summaries import describe_arrays
+
+    _DeviceArray.copies = 0
+    arrays = {"a": _DeviceArray(np.zeros((2, 3), np.float32)), "b": _DeviceArray(np.zeros(4, np.float16)), "c": 1.5}
+    assert describe_arrays(arrays) == {"a": {"shape": [2, 3], "dtype": "float32"},
+                                       "b": {"shape": [4], "dtype": "float16"}, "c": {"shape": [], "dtype": "float64"}}
+    assert _DeviceArray.copies == 0

@@ -265,6 +265,11 @@ def _round_once(g, dtype, xp):
     wrong side of a tie; rounding to float32 *to odd* first cannot, as float32 has more than
     ``p + 2`` bits for either target.
     """
+    return _round_to_odd(g, xp).astype(dtype)
+
+
+def _round_to_odd(g, xp):
+    """float64 -> float32, rounded to odd (truncated, the last bit set when inexact)."""
     r = g.astype(_F32)
     r64 = r.astype(_F64)
     inexact = r64 != g
@@ -272,13 +277,21 @@ def _round_once(g, dtype, xp):
     # Sign-magnitude bits: one less is one step toward zero, where RNE went away from it.
     bits = xp.where(inexact & (xp.abs(r64) > xp.abs(g)), bits - xp.uint32(1), bits)
     bits = xp.where(inexact, bits | xp.uint32(1), bits)
-    return bits.view(_F32).astype(dtype)
+    return bits.view(_F32)
 
 
 # --- the op ---------------------------------------------------------------------------------------------
 
+def fused_batch_norm_grad_to_odd(y_backprop, x, scale, reserve_space_1, reserve_space_2, **attributes):
+    """:func:`fused_batch_norm_grad` of float32 data widened from float16/bfloat16, with ``x_backprop``
+    rounded to odd: narrowed back to the data's type it is then rounded once, as the direct computation
+    (used on the GPU, where CuPy has no bfloat16)."""
+    return fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, _to_odd=True, **attributes)
+
+
 def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, reserve_space_3=None, *,
-                          epsilon=1e-4, data_format="NHWC", is_training=True, variance_kind="variance"):
+                          epsilon=1e-4, data_format="NHWC", is_training=True, variance_kind="variance",
+                          _to_odd=False):
     """TensorFlow's ``FusedBatchNormGrad{,V2,V3}``: gradients of batch normalisation.
 
     Parameters
@@ -349,7 +362,7 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
         sum_dy, sum_dyxc = (to_numpy(s) for s in _channel_sums(dy3, x3, mean, acb, xp))
     coefs = gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind)
     dx = xp.empty(x.shape, out_dtype)
-    x_backprop_blocks(dy3, x3, dx.reshape(acb), acb, coefs, xp)
+    x_backprop_blocks(dy3, x3, dx.reshape(acb), acb, coefs, xp, to_odd=_to_odd)
     return dx, xp.asarray(coefs.scale_backprop), xp.asarray(coefs.offset_backprop)
 
 
@@ -379,10 +392,13 @@ def gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_trainin
         return Coefficients(coef2=inv * inv * (sum_dyxc / n), dy_mean=sum_dy / n, mean=mean.astype(_F64), **common)
 
 
-def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp):
-    """Write ``x_backprop`` into ``dx3`` block by block ([A, C, B] views; dx3's dtype is the output dtype)."""
+def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp, *, to_odd=False):
+    """Write ``x_backprop`` into ``dx3`` block by block ([A, C, B] views; dx3's dtype is the output dtype).
+
+    ``to_odd``: float32 ``dx3`` rounded to odd, for a caller that narrows it to float16/bfloat16 later
+    (CuPy has no bfloat16) and must still round only once."""
     out_dtype = dx3.dtype
-    lib = native.for_arrays(xp, dy3, x3, dx3)
+    lib = None if to_odd else native.for_arrays(xp, dy3, x3, dx3)
     if lib is not None:
         from qgcli.ops.blocked import _map
         address = native.address
@@ -419,7 +435,10 @@ def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp):
                 g *= c1
             else:
                 xp.multiply(dyb, c1, out=g)
-            dx3[a, :, b] = g if out_dtype == _F32 else _round_once(g, out_dtype, xp)
+            if to_odd:
+                dx3[a, :, b] = _round_to_odd(g, xp)
+            else:
+                dx3[a, :, b] = g if out_dtype == _F32 else _round_once(g, out_dtype, xp)
 
 
 def channel_norms(a, data_format="NHWC"):

@@ -85,7 +85,9 @@ def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, versio
             "(--variance-kind inv-std)")
     else:
         convention["description"] = _CONVENTION_WORDS[variance_kind]
-    dx, dscale, doffset = bn.fused_batch_norm_grad(
+    # Widened bfloat16: x_backprop rounded to odd in float32, so that narrowing it below rounds only once.
+    op = bn.fused_batch_norm_grad_to_odd if bf16 else bn.fused_batch_norm_grad
+    dx, dscale, doffset = op(
         dy, x, raw["scale"], raw["reserve_space_1"], rs2, epsilon=epsilon, data_format=data_format,
         is_training=is_training, variance_kind=convention["variance_kind"])
     dx, dscale, doffset = to_numpy(dx), to_numpy(dscale), to_numpy(doffset)
