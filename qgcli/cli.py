@@ -80,7 +80,10 @@ def _silence_stdout():
 
 
 def _fail(message, code, ctx=None):
-    message = " ".join(str(message).split())  # one line, whatever the source
+    from qgcli.text import one_line
+
+    # One line, whatever the source; a name from a file cannot send control characters to the terminal.
+    message = one_line(message)
     hint = f" (see '{ctx.command_path} --help')" if ctx is not None and code == 2 else ""
     click.echo(f"Error: {message}{hint}", err=True)
     _exit(code)

@@ -17,6 +17,8 @@ import os
 import sys
 import threading
 
+from qgcli.text import printable
+
 DEFAULT_DELAY = 1.0
 
 
@@ -121,7 +123,7 @@ class Progress:
             if completed is not None:
                 self.completed = completed
             if self._rich is not None:
-                self._rich.update(self._task, description=self.description, total=self.total,
+                self._rich.update(self._task, description=printable(self.description), total=self.total,
                                   completed=self.completed)
 
     def _show(self):
@@ -134,8 +136,9 @@ class Progress:
 
             console = self._console if self._console is not None else Console(stderr=True)
             count = DownloadColumn() if self.unit == "bytes" else MofNCompleteColumn()
-            self._rich = RichProgress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), count,
+            # A description may hold a file's name: plain text (no markup), control characters escaped.
+            self._rich = RichProgress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), count,
                                       TimeElapsedColumn(), console=console, transient=True)
-            self._task = self._rich.add_task(self.description, total=self.total, completed=self.completed)
+            self._task = self._rich.add_task(printable(self.description), total=self.total, completed=self.completed)
             self._rich.start()
             self.shown = True

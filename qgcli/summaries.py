@@ -48,8 +48,12 @@ def emit(summary, *, as_json, quiet, render, output=None):
         return
     from rich.console import Console
 
-    console = Console(stderr=True, highlight=False)
-    render(console, summary)
+    from qgcli.text import printable_doc
+
+    # Names and messages from files reach the renderer without control characters (qgcli.text); emoji off
+    # so that ":name:" in them stays text.
+    console = Console(stderr=True, highlight=False, emoji=False)
+    render(console, printable_doc(summary))
 
 
 def dump_json(doc, *, safe=True):
@@ -69,13 +73,15 @@ def _json_default(value):
 
 
 def stdout_console():
-    """A rich console on stdout; plain text, wide enough for tables, when stdout is not a terminal."""
+    """A rich console on stdout; plain text, wide enough for tables, when stdout is not a terminal.
+
+    Renderers pass what they print through :func:`qgcli.text.printable_doc` and :func:`qgcli.text.markup`."""
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
         # Piped into less/grep/a file: plain text, and wide enough that tables are not squeezed.
-        console = Console(highlight=False, width=max(160, console.width), no_color=True, file=sys.stdout)
+        console = Console(highlight=False, emoji=False, width=max(160, console.width), no_color=True, file=sys.stdout)
     return console
 
 

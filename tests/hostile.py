@@ -155,3 +155,46 @@ def make_hostile(d):
         f.create_dataset("null", data=h5py.Empty("f4"))
         f.create_dataset("huge", shape=(10**11,), dtype=f32, chunks=(1024,))  # 400 GB declared, nothing stored
     return d
+
+
+# --- hostile names (issue 26): terminal control sequences and rich markup in every name and string ---
+
+# Retitle the window (OSC ... BEL), clear the screen, turn the text red: what a name must never do to a terminal.
+ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x1b[31m"
+MARKUP = "[red]markup[/red]"
+# Other C0 and C1 controls, DEL, a bidirectional override, a line separator; :smile: for rich's emoji codes.
+CONTROLS = "\x01\x08\x0b\x0c\r\x0e\x1f\x7f\x85\x9b[6n\u2028\u202e:smile:"
+EVIL = ESCAPES + MARKUP + CONTROLS
+# The byte strings that must never reach a terminal when a hostile file is shown.
+RAW_SEQUENCES = [ESCAPES.encode(), b"\x1b]0;", b"\x1b[2J", b"\x07", b"\x9b[6n", "\x9b".encode()]
+
+
+def make_hostile_names(path):
+    """An HDF5 bundle whose names and strings are hostile: valid fake-quant and batch-norm operands under
+    TensorFlow's names, beside datasets, groups, soft/external links and attributes (names and values)
+    holding :data:`EVIL`, and qgcli provenance attributes holding it.  (A name that is not UTF-8 is left out:
+    h5py cannot walk such a file, and ``inspect`` says so in one line.)"""
+    c = X.shape[-1]
+    with h5py.File(path, "w") as f:
+        f["inputs"] = X
+        f["gradients"] = np.ones_like(X)
+        f["min"], f["max"] = np.float32(-1), np.float32(1)
+        for name, value in (("x", BN_X), ("y_backprop", np.ones_like(BN_X)), ("scale", np.ones(c, f32)),
+                            ("reserve_space_1", np.zeros(c, f32)), ("reserve_space_2", np.ones(c, f32))):
+            f[name] = value
+        f.attrs["qgcli_version"] = EVIL
+        f.attrs["op"] = EVIL
+        f.attrs[EVIL] = EVIL
+        f["inputs"].attrs[EVIL] = EVIL
+        f["inputs"].attrs["note"] = np.bytes_(EVIL.encode())
+        ds = f.create_dataset(EVIL + "tensor", data=X)
+        ds.attrs[EVIL] = [EVIL, MARKUP]
+        grp = f.create_group(EVIL + "group")
+        grp.attrs[EVIL] = EVIL
+        grp[EVIL + "inner"] = np.arange(3, dtype=f32)
+        f.create_dataset(MARKUP, data=np.arange(3.0))
+        f.create_dataset(EVIL + "strings", data=np.array([EVIL.encode()], dtype="S64"))
+        f.create_dataset("compound", data=np.zeros(2, dtype=[(EVIL, "f4"), ("ok", "i2")]))
+        f[EVIL + "soft"] = h5py.SoftLink("/" + EVIL + "nowhere")
+        f[EVIL + "external"] = h5py.ExternalLink(EVIL + ".h5", "/" + EVIL)
+    return path

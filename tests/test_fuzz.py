@@ -8,6 +8,8 @@ duplicated, mostly in the header/metadata) and valid containers with hostile con
 
 CI runs 150 examples per parser strategy and 30 per loader strategy (derandomized: the same ones each run).  ``QGCLI_LONG=1`` runs the campaign
 (``QGCLI_FUZZ_EXAMPLES``, default 20000 per loader): ``QGCLI_LONG=1 pytest -m slow tests/test_fuzz.py``.
+Hostile names (control sequences, markup, ``..``, long names in dataset, group, link and attribute names and
+values) must never crash ``inspect``/``report`` nor reach their text output raw.
 """
 import contextlib
 import faulthandler
@@ -370,6 +372,86 @@ def test_loaders_on_valid_containers_with_hostile_contents(workdir, kind, data):
 def test_structures_campaign(workdir, kind, data):
     with watchdog():
         _fuzz_structures(workdir, kind, data)
+
+
+# --- hostile names: control characters and markup in names and strings (issue 26) --------------------------
+
+# Any character HDF5 takes in a link name (no "/", no NUL, no lone surrogates), weighted towards controls.
+_name_chars = st.one_of(st.characters(codec="utf-8", blacklist_characters="/\x00"),
+                        st.sampled_from(["\x1b", "\x07", "\x9b", "\x7f", "\r", "\n", "\t", "\x85", "\u202e",
+                                         "[", "]", ":", "\\", "."]))
+hostile_name = st.one_of(st.text(_name_chars, min_size=1, max_size=12),
+                         st.sampled_from(["\x1b]0;pwned\x07", "\x1b[2J", "\x1b[31m", "[red]x", "[link=http://a]y",
+                                          ":smile:", "..", "con", "\x9b6n", "n" * 300]),
+                         st.builds(lambda a, b: a + b, st.sampled_from(["\x1b]8;;http://a\x1b\\", "\x1b[?1049h", "[bold]"]),
+                                   st.text(_name_chars, max_size=6)))
+hostile_value = st.one_of(hostile_name, st.lists(hostile_name, min_size=1, max_size=3),
+                          hostile_name.map(lambda t: np.bytes_(t.encode()[:64])))
+_CONTROL_BYTES = {*range(0x20), 0x7f} - {0x0a}
+
+
+def _assert_terminal_text(text):
+    """Text as it reaches a terminal: every ESC starts an SGR colour of rich's own; no other C0/C1 control."""
+    import re
+
+    rest = re.sub("\x1b\\[[0-9;]*m", "", text)
+    assert not [c for c in rest if ord(c) in _CONTROL_BYTES or 0x80 <= ord(c) <= 0x9f], repr(text)
+
+
+def _fuzz_names(workdir, data):
+    from click.testing import CliRunner
+    from rich.console import Console
+
+    from qgcli.cli import main
+    from qgcli.commands.inspect import inspect_source, render_inspect
+
+    path = os.path.join(workdir, "names.h5")
+    with h5py.File(path, "w") as f:
+        f["inputs"], f["min"], f["max"] = np.linspace(-2, 2, 8, dtype=np.float32), np.float32(-1), np.float32(1)
+        for _ in range(data.draw(st.integers(1, 4), label="objects")):
+            name = data.draw(hostile_name, label="name")
+            where = f.require_group(data.draw(hostile_name, label="group")) if data.draw(st.booleans()) else f
+            if name in where or name == ".":
+                continue
+            kind = data.draw(st.sampled_from(["data", "group", "soft", "external"]), label="kind")
+            if kind == "data":
+                obj = where.create_dataset(name, data=np.arange(3, dtype=np.float32))
+            elif kind == "group":
+                obj = where.create_group(name)
+            else:
+                target = "/" + data.draw(hostile_name, label="target")
+                where[name] = h5py.SoftLink(target) if kind == "soft" else h5py.ExternalLink(name + ".h5", target)
+                obj = f
+            for _ in range(data.draw(st.integers(0, 2), label="attributes")):
+                obj.attrs[data.draw(hostile_name, label="attribute")] = data.draw(hostile_value, label="value")
+        key = data.draw(hostile_name, label="key")
+    entry = inspect_source(path, None)  # never crashes: the hostile names are valid HDF5
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, color_system="standard", width=120, highlight=False, emoji=False)
+    render_inspect(console, {"files": [entry]})
+    _assert_terminal_text(buf.getvalue())
+    runner = CliRunner()
+    for args in (["inspect", path], ["inspect", f"{path}:{key}"], ["report", "--inputs", f"{path}:{key}",
+                                                                   "--min", "-1", "--max", "1"], ["report", path]):
+        r = runner.invoke(main, args, color=True)  # color: click strips no escape sequence on its own
+        assert r.exit_code in (0, 2), (args, r.output, r.exception)
+        assert "Traceback" not in r.output and "internal error" not in r.output, r.output
+        _assert_terminal_text(r.output)
+
+
+@CI_LOADERS
+@given(data=st.data())
+def test_hostile_names_never_crash_inspect_or_report_nor_reach_the_terminal(workdir, data):
+    _fuzz_names(workdir, data)
+
+
+@CAMPAIGN
+@given(data=st.data())
+@pytest.mark.slow
+@pytest.mark.skipif(not LONG, reason="long campaign: set QGCLI_LONG=1")
+def test_hostile_names_campaign(workdir, data):
+    with watchdog():
+        _fuzz_names(workdir, data)
 
 
 def test_literal_parser_is_float_only():

@@ -5,7 +5,14 @@ or streamed in two passes when the HDF5 inputs exceed ``--memory-limit``); the s
 """
 import click
 
-from qgcli.commands.options import bundle_argument, operand_group, output_options, spec_option
+from qgcli.commands.options import (
+    bundle_argument,
+    operand_group,
+    output_options,
+    run_file_job,
+    skip_invalid_option,
+    spec_option,
+)
 from qgcli.summaries import emit
 
 
@@ -18,14 +25,15 @@ def _epsilon(ctx, param, value):
 
 
 def render_summary(console, s):
+    from rich.markup import escape
     from rich.table import Table
 
     a = s["attributes"]
     x = s["inputs"].get("x", {})
     mode = "training" if a["is_training"] else "inference"
     console.print(f"[bold]{s['op']}[/] epsilon={a['epsilon']:g} {a['data_format']} {mode}  "
-                  f"x {x.get('shape', [])} {x.get('dtype', '')}", soft_wrap=True)
-    console.print(f"convention: {s['convention']['description']}", soft_wrap=True)
+                  f"x {x.get('shape', [])} {escape(str(x.get('dtype', '')))}", soft_wrap=True)
+    console.print(f"convention: {escape(s['convention']['description'])}", soft_wrap=True)
     table = Table(show_edge=False, box=None, pad_edge=False)
     for col in ("", "|x_backprop|", "scale_backprop", "offset_backprop"):
         table.add_column(col, justify="right")
@@ -39,9 +47,9 @@ def render_summary(console, s):
     table.add_row("L2 norm", _fmt(n["x_backprop"]), _fmt(n["scale_backprop"]), _fmt(n["offset_backprop"]))
     console.print(table)
     for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {s['output']}", soft_wrap=True)
+        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}", soft_wrap=True)
 
 
 def _fmt(v):
@@ -83,7 +91,8 @@ Examples:
 @click.option("--all-outputs", is_flag=True,
               help="Also write TF's unused placeholder outputs (reserve_space_3/4, V3: 4/5), shaped [0].")
 @output_options()
-def bn_grad(operands, epsilon, data_format, is_training, variance_kind, version, all_outputs, output):
+@skip_invalid_option
+def bn_grad(operands, epsilon, data_format, is_training, variance_kind, version, all_outputs, output, skip_invalid):
     """Run TensorFlow's FusedBatchNormGrad{,V2,V3}: gradients of batch normalisation.
 
     Operands come from BUNDLE (an .h5/.npz with datasets y_backprop, x, scale, reserve_space_1,
@@ -94,6 +103,12 @@ def bn_grad(operands, epsilon, data_format, is_training, variance_kind, version,
     from qgcli.executors import execute
     from qgcli.jobs import BatchNormJob
 
+    run = run_file_job("bn-grad", operands, output, skip_invalid=skip_invalid, all_outputs=all_outputs)
+    if run is not None:  # a run file: every FusedBatchNorm group, outputs at the same group paths
+        from qgcli.executors_runfile import render_run
+
+        emit(execute(run), as_json=output.as_json, quiet=output.quiet, render=render_run, output=output.destination)
+        return
     job = BatchNormJob(operands, output, epsilon=epsilon, data_format=data_format, is_training=is_training,
                        variance_kind=variance_kind, version=version, all_outputs=all_outputs)
     emit(execute(job), as_json=output.as_json, quiet=output.quiet, render=render_summary, output=output.destination)

@@ -96,6 +96,9 @@ def _render_nudge(console, doc):
     from rich.markup import escape
     from rich.table import Table
 
+    from qgcli.text import printable_doc
+
+    doc = printable_doc(doc)
     g = doc["grid"]
     console.print(f"[bold]TensorFlow grid[/] num_bits={doc['num_bits']}"
                   f"{' narrow_range' if doc['narrow_range'] else ''}: integers [{doc['quant_min']}, "
