@@ -56,6 +56,11 @@ MODES = {
     "torch-forward": (["fakequant", "{d}/fq.h5", "--semantics", "torch", "--scale", "0.05", "--zero-point", "128"],
                       "--semantics torch", {"outputs"}, None),
     "bn-grad": (["bn-grad", "{d}/bn.h5"], None, {"x_backprop", "scale_backprop", "offset_backprop"}, None),
+    "qdq-v4": (["fakequant-grad", "{d}/fq.h5", "--input-min", "-1", "--input-max", "1", "--variant",
+                "quantize-and-dequantize-v4"], "--variant quantize-and-dequantize-v4",
+               {"input_backprop", "input_min_backprop", "input_max_backprop"}, False),
+    "qdq-v3-forward": (["fakequant", "{d}/fq.h5", "--input-min", "-1", "--input-max", "1", "--variant",
+                        "quantize-and-dequantize-v3"], "--variant quantize-and-dequantize-v3", {"output"}, None),
 }
 STREAMING = [m for m, (_, words, _, _) in MODES.items() if words is None]
 IN_MEMORY_ONLY = [m for m in MODES if m not in STREAMING]

@@ -15,6 +15,12 @@ from qgcli.ops.fake_quant import (
     nudge,
     quant_range,
 )
+from qgcli.ops.quantize_and_dequantize import (
+    quantize_and_dequantize_v2,
+    quantize_and_dequantize_v3,
+    quantize_and_dequantize_v4,
+    quantize_and_dequantize_v4_grad,
+)
 from qgcli.ops.quantize import (
     QuantizeDequantizeResult,
     dequantize,
@@ -41,4 +47,8 @@ __all__ = [
     "quantize_dequantize",
     "quantize_dequantize_gradient",
     "quantize_v2",
+    "quantize_and_dequantize_v2",
+    "quantize_and_dequantize_v3",
+    "quantize_and_dequantize_v4",
+    "quantize_and_dequantize_v4_grad",
 ]
