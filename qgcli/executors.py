@@ -11,7 +11,7 @@ import click
 
 def runner_for(job):
     """The runner module of the job's family."""
-    from qgcli.jobs import BATCH_NORM, ESTIMATOR, QUANTIZE_DEQUANTIZE, TF, TORCH
+    from qgcli.jobs import BATCH_NORM, ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH
 
     if job.family == TF:
         from qgcli.runners import fake_quant as runner
@@ -21,6 +21,8 @@ def runner_for(job):
         from qgcli.runners import pytorch as runner
     elif job.family == QUANTIZE_DEQUANTIZE:
         from qgcli.runners import quantize_dequantize as runner
+    elif job.family == QUANTIZE_AND_DEQUANTIZE:
+        from qgcli.runners import quantize_and_dequantize as runner
     elif job.family == BATCH_NORM:
         from qgcli.runners import batch_norm as runner
     else:
@@ -32,6 +34,10 @@ def execute(job):
     """Run ``job`` in memory or streamed; returns its summary (a JSON-safe dict)."""
     from qgcli.operands import Operands
 
+    if job.family == "run-file":  # every group of a run file (qgcli.executors_runfile)
+        from qgcli.executors_runfile import execute_run
+
+        return execute_run(job, runner_for=runner_for, memory_plan=memory_plan)
     runner = runner_for(job)
     operands = Operands.of(job.operands, literal_ok=runner.LITERAL_OK)
     try:

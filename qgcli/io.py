@@ -108,18 +108,33 @@ def _sniff(data):
 
 
 class Stdin:
-    """Standard input read once, on first use, and kept (several operands may come from one npz stream)."""
+    """Standard input read once, on first use, and kept (several operands may come from one stream).
 
-    def __init__(self, stream=None):
+    At most ``limit`` bytes are held (default: a quarter of the machine's memory, as --memory-limit): a
+    longer stream is refused with its size so far, not read to the end."""
+
+    def __init__(self, stream=None, limit=None):
         self._stream = stream
+        self._limit = limit
         self._data = None
 
     def read(self):
         if self._data is None:
             stream = self._stream if self._stream is not None else sys.stdin.buffer
-            self._data = stream.read()
+            limit = self._limit if self._limit is not None else physical_memory() // 4
+            chunks, size = [], 0
+            while True:
+                chunk = stream.read(min(1 << 24, limit + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise FileFormatError(f"stdin holds more than {_gib(limit)} (the memory limit); "
+                                          "pass the file by name or raise --memory-limit")
+            self._data = b"".join(chunks)
             if not self._data:
-                raise FileFormatError("stdin is empty (expected an .npy or .npz stream)")
+                raise FileFormatError("stdin is empty (expected an .npy, .npz or .h5 stream)")
         return self._data
 
 
@@ -140,9 +155,11 @@ class Container:
         if path is None:
             data = (stdin if stdin is not None else Stdin()).read()
             kind = _sniff(data)
-            if kind not in ("npy", "npz"):
-                raise FileFormatError("stdin is not an .npy or .npz stream")
-            return cls(data, "<stdin>", kind)
+            if kind is None:
+                raise FileFormatError("stdin is not an .npy, .npz or .h5 stream")
+            container = cls(data, "<stdin>", kind)
+            container._opened()  # a damaged stream fails here, as a FileFormatError
+            return container
         kind = file_kind(path)
         if not os.path.exists(path):
             raise FileFormatError(f"no such file: {path}")
@@ -550,7 +567,7 @@ def check_output(dest, *, inputs=(), force=False, names=()):
                           operand="--output") from None
     if kind == "stdout":
         return kind
-    targets = [os.path.join(dest, n + ".npy") for n in names] if kind == "dir" else [dest]
+    targets = _dir_targets(dest, names) if kind == "dir" else [dest]
     for target in targets:
         for source in inputs:
             if source and os.path.exists(source) and os.path.exists(target) and _same_file(source, target):
@@ -745,6 +762,11 @@ def _as_os_error(exc, dest):
 def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
     """Write ``arrays`` (name -> array) to ``dest`` as .h5 / .npz / a directory of .npy / npz on stdout.
 
+    .h5 and .npz keep the exact names.  ``DIR/`` gets one .npy per name at the path
+    :func:`qgcli.paths.group_file_paths` gives it (a ``/`` in a name is a sub-folder; ``..``, separators,
+    control characters, device names and over-long names never reach the file system as they are) and,
+    when some name had to change, ``DIR/index.json`` mapping every exact name to its file.
+
     Call :func:`check_output` first; this function assumes the target is allowed.
     """
     attrs = attrs or {}
@@ -779,14 +801,54 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
         # An existing directory: every file is written and synced first, then all are renamed together.
         staged = []
         try:
-            for name, array in arrays.items():
-                target = os.path.join(dest, name + ".npy")
-                staged.append((_stage(target, lambda p, a=array: _write_npy(p, a)), target))
+            for target, writer in _dir_files(dest, arrays):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                staged.append((_stage(target, writer), target))
             _commit(staged)
         except BaseException:
             for tmp, _ in staged:
                 _unlink(tmp)
             raise
+
+
+def _dir_targets(dest, names):
+    """The files ``-o DIR/`` writes for ``names``: one .npy each (paths from :mod:`qgcli.paths`), and the
+    index when a name had to change."""
+    from qgcli.paths import INDEX_NAME, group_file_paths
+
+    layout = group_file_paths(names, suffix=".npy")
+    return [layout.target(dest, n) for n in layout] + ([os.path.join(dest, INDEX_NAME)] if layout.changed else [])
+
+
+def _dir_files(directory, arrays):
+    """(path, writer) for each file of ``-o DIR/``: ``name.npy`` per output as :func:`qgcli.paths.group_file_paths`
+    names it (a ``/`` in a name makes a sub-folder; a name from a file never leaves ``directory``), then
+    ``index.json`` when some name had to change."""
+    from qgcli.paths import INDEX_NAME, group_file_paths
+
+    layout = group_file_paths(arrays, suffix=".npy")
+    files = [(layout.target(directory, n), lambda p, a=arrays[n]: _write_npy(p, a)) for n in layout]
+    if layout.changed:
+        files.append((os.path.join(directory, INDEX_NAME), lambda p: _write_text(p, layout.index_json())))
+    return files
+
+
+def write_index(directory, layout, *, always=False):
+    """Write ``layout.index_json()`` (a :class:`qgcli.paths.FileLayout`) as ``directory/index.json``, atomically,
+    when ``layout.changed`` or ``always``: for outputs that :func:`save_outputs` does not write (figures,
+    Zarr groups).  Returns the path written, or None."""
+    from qgcli.paths import INDEX_NAME
+
+    if not (always or layout.changed):
+        return None
+    target = os.path.join(directory, INDEX_NAME)
+    atomic_write(target, lambda p: _write_text(p, layout.index_json()))
+    return target
+
+
+def _write_text(path, text):
+    with open(path, "w", encoding="ascii") as fh:
+        fh.write(text)
 
 
 def _write_new_directory(dest, arrays):
@@ -807,9 +869,9 @@ def _write_new_directory(dest, arrays):
         else:
             raise FileExistsError(f"no free temporary directory name in {parent}")
         staged = []
-        for name, array in arrays.items():
-            target = os.path.join(tmpdir, name + ".npy")
-            staged.append((_stage(target, lambda p, a=array: _write_npy(p, a)), target))
+        for target, writer in _dir_files(tmpdir, arrays):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            staged.append((_stage(target, writer), target))
         for tmp, target in staged:
             os.replace(tmp, target)
         os.chmod(tmpdir, 0o777 & ~_umask())

@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 #: TensorFlow's QuantizeV2 + Dequantize round trip.
 TF, ESTIMATOR, TORCH, QUANTIZE_DEQUANTIZE = "tf", "estimator", "torch", "quantize-dequantize"
 BATCH_NORM = "batch-norm"
+#: TensorFlow's QuantizeAndDequantizeV2/V3/V4 (+ V4Grad): its own grid, its own gradient op.
+QUANTIZE_AND_DEQUANTIZE = "quantize-and-dequantize"
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,10 @@ class OutputOptions:
 class FigureOptions:
     """Where and how a figure is written, and the summary options."""
 
-    destination: str
+    destination: str  # a file, or "-" for stdout
     force: bool = False
     dpi: int = 100
+    format: Optional[str] = None  # png, svg or pdf; None: from the file name (png on stdout)
     title: Optional[str] = None
     width: float = 6.4
     height: Optional[float] = None
@@ -103,6 +106,14 @@ class QuantizeAttributes:
 
 
 @dataclass(frozen=True)
+class QdqAttributes:
+    """QuantizeAndDequantizeV2/V3/V4's --signed-input, --range-given (None: not given)."""
+
+    signed_input: Optional[bool] = None
+    range_given: Optional[bool] = None
+
+
+@dataclass(frozen=True)
 class SemanticsOptions:
     """--semantics and PyTorch's parameters (--scale/--zero-point are operand specs)."""
 
@@ -139,6 +150,7 @@ class FakeQuantJob:
     variant: Optional[str] = None
     axis: Optional[int] = None
     quantize: Optional[Mapping[str, Any]] = None  # quantize-dequantize: QuantizeV2's attributes, resolved
+    qdq: Optional[Mapping[str, Any]] = None  # quantize-and-dequantize-v*: signed_input, range_given, round_mode
     quant_min: Optional[int] = None  # torch: the integer range, resolved
     quant_max: Optional[int] = None
     estimator: Any = None  # a qgcli.ops.estimators.Estimator, or None for the framework's STE
@@ -149,6 +161,8 @@ class FakeQuantJob:
         """The mode in the words of its options, for messages."""
         if self.family == QUANTIZE_DEQUANTIZE:
             return f"--variant {QUANTIZE_DEQUANTIZE}"
+        if self.family == QUANTIZE_AND_DEQUANTIZE:
+            return f"--variant {self.variant}"
         if self.family == TORCH:
             return "--semantics torch"
         if self.family == ESTIMATOR:
@@ -181,6 +195,34 @@ class BatchNormJob:
         return "bn-grad"
 
     large_operands = ("y_backprop", "x")
+
+
+@dataclass(frozen=True)
+class RunFileJob:
+    """A command (``fakequant``, ``fakequant-grad``, ``bn-grad``) over every group of its kind in a run file
+    (``run.h5`` or ``run.h5:group``); :mod:`qgcli.runfile` builds each group's own job from its attributes.
+
+    ``options`` holds the attributes given explicitly on the command line (job field -> value): they
+    override the groups' attributes; options left at their defaults do not.
+    """
+
+    command: str
+    target: str
+    output: OutputOptions
+    options: Tuple[Tuple[str, Any], ...] = ()
+    estimator: Any = None
+    grad_factor: Any = None
+    all_outputs: bool = False
+    skip_invalid: bool = False
+    family: str = "run-file"
+
+    @property
+    def with_gradients(self):
+        return self.command == "fakequant-grad"
+
+    @property
+    def mode(self):
+        return "a run file"
 
 
 @dataclass

@@ -43,6 +43,16 @@ class Operands:
         """The operands of a job's :class:`qgcli.jobs.OperandSpecs`."""
         return cls(specs.bundle, specs.as_dict(), literal_ok=literal_ok)
 
+    @classmethod
+    def in_group(cls, container, path, group, specs=None, *, literal_ok=()):
+        """The operands of one group of an open run file (its datasets by TensorFlow name); ``specs``: literal
+        operands given beside it (an Args group's min/max attributes).  The container stays the caller's."""
+        self = cls(None, dict(specs or {}), literal_ok=literal_ok)
+        self.bundle_text = f"{path}:{group}"
+        self.bundle_path = path
+        self._bundle_container = GroupView(container, group)
+        return self
+
     @staticmethod
     def _error(operand, message):
         from qgcli.errors import OperandError
@@ -106,6 +116,46 @@ class Operands:
             self._bundle_container.close()
         for container in self._opened:
             container.close()
+
+
+class GroupView:
+    """One group of an open HDF5 container, read as a bundle: names relative to the group; closing it leaves
+    the container open (a run-file executor reads hundreds of groups through one open file)."""
+
+    kind = "h5"
+
+    def __init__(self, container, group, *, owns=False):
+        from qgcli import io
+
+        self._io = io
+        self._container = container
+        self._owns = owns
+        self._label = f"{container.label}:{group.strip('/')}"
+        # Resolved once: each operand is then one link below it (deep run-file paths cost nothing per read).
+        self._node = io._h5_resolve(container._opened(), group, container.label) if group.strip("/") else \
+            container._opened()
+
+    def has(self, name):
+        from qgcli.errors import FileFormatError
+
+        try:
+            self._io._h5_resolve(self._node, name, self._label)
+            return True
+        except FileFormatError as exc:
+            return not isinstance(exc, self._io._NoSuchObject)
+
+    def read(self, name):
+        from qgcli.signals import deferred
+
+        with deferred():
+            return self._io._read_h5_dataset(self._node, name, self._label)
+
+    def dataset(self, name):
+        return self._io._h5_dataset(self._node, name, self._label)
+
+    def close(self):
+        if self._owns:
+            self._container.close()
 
 
 def to_device(arrays, device):

@@ -15,7 +15,7 @@ from qgcli.progress import Progress, progress_enabled
 from conftest import ROOT, SAMPLES
 
 PER_CHANNEL = os.path.join(SAMPLES, "per_channel.h5")
-FILE_KEYS = ["file", "format", "size_bytes", "key", "attributes", "groups", "links", "tensors"]
+FILE_KEYS = ["file", "format", "size_bytes", "key", "attributes", "groups", "links", "tensors", "layers"]
 TENSOR_KEYS = ["name", "shape", "dtype", "size", "nbytes", "min", "max", "mean", "std", "nan", "inf", "zeros",
                "attributes", "error"]
 QGCLI = [sys.executable, "-m", "qgcli"]
@@ -166,7 +166,7 @@ def test_stdin_npz_and_npy_through_clirunner(cli):
 @pytest.mark.parametrize("args, stdin, message", [
     (["missing.h5"], None, "FILE: no such file: missing.h5"),
     (["-"], b"", "stdin is empty"),
-    (["-"], b"hello", "stdin is not an .npy or .npz stream"),
+    (["-"], b"hello", "stdin is not an .npy, .npz or .h5 stream"),
     (["-", "-"], None, "stdin (-) can be read only once"),
     ([f"{PER_CHANNEL}:nope"], None, "has no tensor or group 'nope'"),
     (["notes.txt"], None, "unknown file type"),

@@ -10,25 +10,39 @@ import click
 
 from qgcli.commands.options import (
     QD_VARIANT,
+    QDQ_VARIANTS,
     bundle_argument,
     estimator_options,
     fake_quant_attribute_options,
     operand_group,
     output_options,
+    qdq_options,
     quantize_options,
     refuse_quantize_options,
+    run_file_job,
     semantics_options,
+    skip_invalid_option,
     spec_option,
 )
 from qgcli.summaries import emit, percent
 
 _RANGE_HELP = "scalar (vars/args) or one per channel."
+_QDQ_SPECS = (
+    spec_option("input", "QuantizeAndDequantize's 'input' (--variant quantize-and-dequantize-v*; --inputs too)."),
+    spec_option("input_min", "QuantizeAndDequantize's 'input_min': a scalar, or one per slice with --axis."),
+    spec_option("input_max", "QuantizeAndDequantize's 'input_max': like input_min."),
+)
 
 
-def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output):
+def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output, qdq=None):
     """The job the options describe: its family chosen, every option checked against that family."""
     from qgcli.jobs import ESTIMATOR, TF, TORCH, FakeQuantJob, OperandSpecs
 
+    if attributes.variant in QDQ_VARIANTS:
+        from qgcli.runners.quantize_and_dequantize import build_job as qdq_job
+
+        return qdq_job(command, with_gradients, operands, attributes, quantize, semantics, estimator, output, qdq)
+    _refuse_qdq_options(operands, qdq)
     if attributes.variant == QD_VARIANT:
         return _quantize_dequantize_job(command, with_gradients, operands, attributes, quantize, semantics,
                                         estimator, output)
@@ -101,6 +115,19 @@ def _quantize_dequantize_job(command, with_gradients, operands, attributes, quan
                              grad_factor=estimator.grad_factor)
 
 
+def _refuse_qdq_options(operands, qdq):
+    """Other variants: QuantizeAndDequantize's operand names and attributes do not apply."""
+    for name in ("input", "input_min", "input_max"):
+        if operands.get(name) is not None:
+            raise click.BadParameter("is QuantizeAndDequantize's operand; give --variant quantize-and-dequantize-v4 "
+                                     "(or -v3/-v2), or use --inputs/--min/--max", param_hint=f"'--{name.replace('_', '-')}'")
+    for option, value in (("--signed-input", getattr(qdq, "signed_input", None)),
+                          ("--range-given", getattr(qdq, "range_given", None))):
+        if value is not None:
+            raise click.BadParameter("only applies to --variant quantize-and-dequantize-v4/-v3/-v2",
+                                     param_hint=f"'{option}'")
+
+
 def _no_estimator():
     from qgcli.jobs import EstimatorOptions
 
@@ -121,14 +148,24 @@ def run(job):
          output=job.output.destination)
 
 
+def _run_file(job):
+    """A run file: every fake-quant group through :func:`qgcli.executors.execute`, one summary for all."""
+    from qgcli.executors import execute
+    from qgcli.executors_runfile import render_run
+
+    emit(execute(job), as_json=job.output.as_json, quiet=job.output.quiet, render=render_run,
+         output=job.output.destination)
+
+
 # --- rendering the summaries ------------------------------------------------------------------------------
 
 def render_summary(console, s):
+    from rich.markup import escape
     from rich.table import Table
 
     stats, grid = s["statistics"], s["grid"]
     shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
-    console.print(f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {shapes}")
+    console.print(f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {escape(shapes)}")
     table = Table(show_edge=False, box=None, pad_edge=False)
     for col in ("", "min", "max", "nudged_min", "nudged_max", "scale", "zero_point"):
         table.add_column(col, justify="right")
@@ -148,9 +185,9 @@ def render_summary(console, s):
             line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
         console.print(line)
     for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {s['output']}")
+        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
 
 
 def _fmt(v):
@@ -234,8 +271,12 @@ def _render_quantize_dequantize(console, s):
 
 
 def _renderer(family):
-    from qgcli.jobs import ESTIMATOR, QUANTIZE_DEQUANTIZE, TF, TORCH
+    from qgcli.jobs import ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH
 
+    if family == QUANTIZE_AND_DEQUANTIZE:
+        from qgcli.runners.quantize_and_dequantize import render
+
+        return render
     return {TF: render_summary, ESTIMATOR: _render_estimator, TORCH: _render_torch,
             QUANTIZE_DEQUANTIZE: _render_quantize_dequantize}[family]
 
@@ -265,12 +306,15 @@ Examples:
     spec_option("inputs", "Tensor to fake-quantize (TF operand 'inputs')."),
     spec_option("min", "Range minimum: " + _RANGE_HELP),
     spec_option("max", "Range maximum: " + _RANGE_HELP),
+    *_QDQ_SPECS,
 )
 @fake_quant_attribute_options
 @quantize_options
+@qdq_options
 @semantics_options
 @output_options()
-def fakequant(operands, attributes, quantize, semantics, output):
+@skip_invalid_option
+def fakequant(operands, attributes, quantize, qdq, semantics, output, skip_invalid):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
 
     Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
@@ -278,9 +322,14 @@ def fakequant(operands, attributes, quantize, semantics, output):
     fake_quantize_per_{tensor,channel}_affine on the operands inputs, scale, zero_point. With
     --variant quantize-dequantize: the notebook's tf.quantize + tf.dequantize (QuantizeV2 + Dequantize, --dtype,
     --mode, --round-mode), writing outputs, quantized, output_min, output_max.
+    BUNDLE may be a run file (groups with an 'op' attribute, see "Whole models" in the README, or
+    run.h5:GROUP): every fake-quant group runs, outputs at the same group paths.
     """
+    job = run_file_job("fakequant", operands, output, skip_invalid=skip_invalid)
+    if job is not None:
+        return _run_file(job)
     run(build_job("fakequant", with_gradients=False, operands=operands, attributes=attributes, quantize=quantize,
-                  semantics=semantics, estimator=_no_estimator(), output=output))
+                  semantics=semantics, estimator=_no_estimator(), output=output, qdq=qdq))
 
 
 @click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="TF fake-quant gradients (STE masks, min/max sums).")
@@ -290,13 +339,16 @@ def fakequant(operands, attributes, quantize, semantics, output):
     spec_option("inputs", "Forward inputs (TF operand 'inputs')."),
     spec_option("min", "Range minimum: " + _RANGE_HELP),
     spec_option("max", "Range maximum: " + _RANGE_HELP),
+    *_QDQ_SPECS,
 )
 @fake_quant_attribute_options
 @quantize_options
+@qdq_options
 @semantics_options
 @estimator_options
 @output_options(plot=True)
-def fakequant_grad(operands, attributes, quantize, semantics, estimator, output):
+@skip_invalid_option
+def fakequant_grad(operands, attributes, quantize, qdq, semantics, estimator, output, skip_invalid):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
@@ -305,6 +357,10 @@ def fakequant_grad(operands, attributes, quantize, semantics, estimator, output)
     for lsq, backprop_wrt_alpha for pact); --semantics torch runs PyTorch's op (lsq: its learnable op).
     --variant quantize-dequantize: the estimator over QuantizeV2's adjusted range [output_min, output_max] of
     the notebook's round trip (its custom gradient 0.9 * dy is --estimator scaled:0.9).
+    BUNDLE may be a run file (see "Whole models" in the README): every fake-quant group runs.
     """
+    job = run_file_job("fakequant-grad", operands, output, skip_invalid=skip_invalid, estimator=estimator)
+    if job is not None:
+        return _run_file(job)
     run(build_job("fakequant-grad", with_gradients=True, operands=operands, attributes=attributes,
-                  quantize=quantize, semantics=semantics, estimator=estimator, output=output))
+                  quantize=quantize, semantics=semantics, estimator=estimator, output=output, qdq=qdq))

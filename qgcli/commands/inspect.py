@@ -145,7 +145,7 @@ def _read_entry(container, name, attributes, with_stats, shape=None, dtype=None,
     return _tensor_entry(name, array.shape, array.dtype, attributes, stats=stats)
 
 
-def _h5_structure(path):
+def _h5_structure(source):
     """Groups (with attributes), datasets (path, shape, dtype, attributes) and non-hard links of an HDF5 file.
 
     Walks with HDF5's own link visitor, which descends through hard links only (each group once, so
@@ -158,6 +158,9 @@ def _h5_structure(path):
 
     groups, datasets, links = [], [], []
     seen = {}
+    import io
+
+    path = io.BytesIO(source) if isinstance(source, bytes) else source  # bytes: an HDF5 stream from stdin
     with deferred(), h5py.File(path, "r") as f:
         groups.append({"path": "/", "attributes": _attributes(f)})
         seen[h5py.h5o.get_info(f.id).addr] = "/"
@@ -213,7 +216,7 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
     label = "-" if spec.path is None else spec.path
     size = len(stdin.read()) if spec.path is None else os.path.getsize(spec.path)
     entry = {"file": label, "format": container.kind, "size_bytes": size, "key": spec.key, "attributes": {},
-             "groups": [], "links": [], "tensors": []}
+             "groups": [], "links": [], "tensors": [], "layers": []}
     npz_source = None
     with container:
         if container.kind == "npy":
@@ -226,13 +229,14 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
             npz_source = stdin.read() if spec.path is None else spec.path
         else:
             try:
-                groups, datasets, links = _h5_structure(spec.path)
+                groups, datasets, links = _h5_structure(spec.path if spec.path is not None else stdin.read())
             except io.CORRUPT_FILE_ERRORS as exc:  # damaged HDF5 metadata: one clean error, not a traceback
                 raise OperandError(f"{label}: cannot list its structure: {io._reason(exc)}", operand="FILE") from None
             entry["attributes"] = groups[0]["attributes"]
             entry["groups"] = [g for g in groups if spec.key is None or _matches(g["path"], spec.key)
                                or g["path"] == "/"]
             entry["links"] = [lk for lk in links if spec.key is None or _matches(lk["path"], spec.key)]
+            entry["layers"] = _layers(container, spec.key, label)
             todo = []
             for d in datasets:
                 if spec.key is not None and not _matches(d["path"], spec.key):
@@ -256,6 +260,27 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
             if progress is not None:
                 progress.advance()
     return entry
+
+
+def _layers(container, key, label):
+    """A run file's groups as layers (path, op, operand shapes, what keeps one from running); [] for a file
+    whose groups hold no op (a plain bundle)."""
+    from qgcli import io, runfile
+    from qgcli.errors import QgcliError
+
+    try:
+        layers = runfile.discover(container._opened(), None, label=label)
+    except (QgcliError, *io.CORRUPT_FILE_ERRORS):  # damaged structure: the tensor listing reports it
+        return []
+    out = []
+    for layer in layers:
+        if layer.path == "/" or (key is not None and not _matches(layer.path, key.strip("/"))):
+            continue
+        command = "bn-grad" if layer.kind == runfile.BATCH_NORM else "fakequant"
+        out.append({"path": layer.path, "op": layer.op, "kind": layer.kind,
+                    "operands": {name: list(shape) for name, (shape, _) in layer.datasets.items()},
+                    "problem": runfile.validate(layer, command)})
+    return out
 
 
 # --- inspect: rendering ------------------------------------------------------------------------------
@@ -283,6 +308,9 @@ def render_inspect(console, doc):
     from rich.markup import escape
     from rich.table import Table
 
+    from qgcli.text import printable_doc
+
+    doc = printable_doc(doc)  # names, attributes and messages from the file: no control characters
     for i, f in enumerate(doc["files"]):
         if i:
             console.print()
@@ -297,6 +325,16 @@ def render_inspect(console, doc):
             file_attrs = {k: v for k, v in file_attrs.items() if k not in _PROVENANCE}
         for k, v in file_attrs.items():
             console.print(f"  {escape(k)}: {escape(str(v))}")
+        if f.get("layers"):
+            layers = Table(show_edge=False, box=None, pad_edge=False, header_style="bold",
+                           title=f"{len(f['layers'])} layers (run file)", title_justify="left")
+            for col in ("layer", "op", "operands"):
+                layers.add_column(col, overflow="fold")
+            for lay in f["layers"]:
+                shapes = ", ".join(f"{n} [{', '.join(map(str, s))}]" for n, s in lay["operands"].items())
+                problem = f"  [red]{escape(lay['problem'])}[/]" if lay["problem"] else ""
+                layers.add_row(escape(lay["path"]), escape(lay["op"] or "(bundle)"), escape(shapes) + problem)
+            console.print(layers)
         table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
         for col, justify in (("name", "left"), ("shape", "left"), ("dtype", "left"), ("min", "right"),
                              ("max", "right"), ("mean", "right"), ("std", "right"), ("nan", "right"),
@@ -307,7 +345,7 @@ def render_inspect(console, doc):
             shape = "?" if t["shape"] is None else "[" + ", ".join(map(str, t["shape"])) + "]"
             bad = (t["nan"] or 0) + (t["inf"] or 0)
             style = "red" if t["error"] or bad else None
-            table.add_row(escape(t["name"] or "(array)"), shape, t["dtype"], number(t["min"]), number(t["max"]),
+            table.add_row(escape(t["name"] or "(array)"), shape, escape(t["dtype"]), number(t["min"]), number(t["max"]),
                           number(t["mean"]), number(t["std"]), number(t["nan"]), number(t["inf"]), number(t["zeros"]),
                           _human_bytes(t["nbytes"]), style=style)
             if t["error"]:

@@ -15,9 +15,10 @@ OUTPUT_HELP = (
     "or - (npz on stdout)."
 )
 QD_VARIANT = "quantize-dequantize"
+QDQ_VARIANTS = ("quantize-and-dequantize-v4", "quantize-and-dequantize-v3", "quantize-and-dequantize-v2")
 DTYPES = ("quint8", "qint8", "quint16", "qint16", "qint32")
 MODES = ("MIN_COMBINED", "MIN_FIRST", "SCALED")
-ROUND_MODES = ("HALF_AWAY_FROM_ZERO", "HALF_TO_EVEN")
+ROUND_MODES = ("HALF_AWAY_FROM_ZERO", "HALF_TO_EVEN", "HALF_UP")  # HALF_UP: quantize-and-dequantize-v*
 SEMANTICS = ("tf", "torch")
 
 
@@ -108,13 +109,35 @@ def fake_quant_attribute_options(f):
     return attribute_group(
         num_bits_option(),
         narrow_range_option("Use the grid [1, 2^num_bits - 1] (quantize-dequantize: SCALED's [T_min + 1, T_max])."),
-        click.option("--variant", type=click.Choice(["args", "vars", "per-channel", QD_VARIANT]), default=None,
+        click.option("--variant", type=click.Choice(["args", "vars", "per-channel", QD_VARIANT, *QDQ_VARIANTS]), default=None,
                      help="TF op family; default: per-channel when min/max are vectors, else vars. "
                           "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
-                          "(QuantizeV2/Dequantize; see --dtype, --mode)."),
+                          "(QuantizeV2/Dequantize; see --dtype, --mode). quantize-and-dequantize-v4/-v3/-v2: "
+                          "TF's QuantizeAndDequantizeV4/V3/V2 (see --signed-input, --range-given)."),
         click.option("--axis", type=int, default=None,
                      help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
                           "QuantizeV2's axis (one min/max per slice)."),
+    )(f)
+
+
+# --- QuantizeAndDequantizeV2/V3/V4's attributes ----------------------------------------------------------------
+
+def _qdq_attributes(signed_input=None, range_given=None):
+    from qgcli.jobs import QdqAttributes
+
+    return QdqAttributes(signed_input, range_given)
+
+
+def qdq_options(f):
+    """--signed-input/--no-signed-input, --range-given/--no-range-given (quantize-and-dequantize-v*), as ``qdq``."""
+    only = " (--variant quantize-and-dequantize-v*)"
+    return option_group(
+        "qdq", _qdq_attributes,
+        click.option("--signed-input/--no-signed-input", "signed_input", default=None,
+                     help="Signed grid, symmetric around 0 [default: signed, as TF]" + only + "."),
+        click.option("--range-given/--no-range-given", "range_given", default=None,
+                     help="Use input_min/input_max (clamping) instead of the data's range [default: not given, as "
+                          "V4; V3: given]" + only + "."),
     )(f)
 
 
@@ -147,7 +170,8 @@ def quantize_options(f):
         click.option("--mode", type=_Choice(MODES, str.upper), default=None,
                      help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
         click.option("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
-                     help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "."),
+                     help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "; "
+                          "quantize-and-dequantize-v*: HALF_TO_EVEN (default) or HALF_UP."),
         click.option("--ensure-minimum-range", type=float, default=None, metavar="EPS",
                      help="QuantizeV2's ensure_minimum_range: the range is at least EPS * max(1, |min|, |max|) "
                           "wide [default: 0.01]" + only + "."),
@@ -285,3 +309,73 @@ def output_options(*, plot=False):
                                     help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
     options += [json_option(), quiet_option(), device_option()]
     return option_group("output", _output_options, *options)
+
+
+# --- run files ------------------------------------------------------------------------------------------------
+
+#: Options that override a run file's group attributes when typed (parameter name -> job field).
+RUN_FILE_OVERRIDES = ("num_bits", "narrow_range", "axis", "quant_min", "quant_max", "dtype", "mode", "round_mode",
+                      "ensure_minimum_range", "epsilon", "data_format", "is_training", "variance_kind", "version")
+#: Options a run file's groups answer themselves (their op names the variant, the semantics, the operands).
+_RUN_FILE_REFUSED = {"variant": "--variant", "semantics": "--semantics", "scale": "--scale",
+                     "zero_point": "--zero-point", "plot": "--plot"}
+_OPERAND_PARAMS = ("gradients", "inputs", "min_", "max_", "y_backprop", "x_", "scale", "reserve_space_1",
+                   "reserve_space_2", "reserve_space_3")
+
+
+def skip_invalid_option(f):
+    return click.option("--skip-invalid", is_flag=True,
+                        help="Run file: run the valid groups and list the others (default: refuse the whole run "
+                             "when any group of the command's kind is incomplete or invalid).")(f)
+
+
+def run_file_target(operands):
+    """BUNDLE when it names a run file (``run.h5`` whose groups hold the operands, or ``run.h5:group``), else
+    None (a single bundle, as always); refuses the options a run file's groups answer themselves."""
+    bundle = operands.bundle
+    if bundle is None or bundle == "-":
+        return None
+    from qgcli import runfile
+
+    target = runfile.split_target(bundle)
+    if target is None:
+        return None
+    typed = [name for name in _OPERAND_PARAMS if given(name)]
+    if target[1] is None and (typed or not runfile.is_run_file(bundle)):
+        return None  # a whole file with operand options, or today's bundle
+    for name in typed:
+        raise click.BadParameter("a run file's groups carry their own operands; drop the option or give one "
+                                 "bundle file", param_hint=f"'--{name.rstrip('_').replace('_', '-')}'")
+    for name, option in _RUN_FILE_REFUSED.items():
+        if given(name):
+            raise click.BadParameter("a run file's groups name their op in their 'op' attribute (see the README, "
+                                     "\"Whole models\")", param_hint=f"'{option}'")
+    return bundle
+
+
+def typed_overrides():
+    """The attribute options typed on the command line (parameter name -> value): they override a run
+    file's group attributes."""
+    ctx = click.get_current_context()
+    return {name: ctx.params[name] for name in RUN_FILE_OVERRIDES if name in ctx.params and given(name)}
+
+
+def run_file_job(command, operands, output, *, skip_invalid=False, estimator=None, all_outputs=False):
+    """A :class:`qgcli.jobs.RunFileJob` when BUNDLE is a run file (``run.h5`` whose groups hold the operands,
+    or ``run.h5:group``), else None (a single bundle).  Options typed on the command line override the
+    groups' attributes; those left at their defaults do not."""
+    bundle = run_file_target(operands)
+    if bundle is None:
+        return None
+    explicit = tuple(typed_overrides().items())
+    est, grad_factor = None, None
+    if estimator is not None:
+        from qgcli.ops.estimators import parse_estimator
+
+        est = parse_estimator(estimator.estimator) if estimator.estimator is not None else None
+        grad_factor = estimator.grad_factor
+        if grad_factor is not None and (est is None or est.name != "lsq"):
+            raise click.BadParameter("only applies to --estimator lsq", param_hint="'--grad-factor'")
+    from qgcli.jobs import RunFileJob
+
+    return RunFileJob(command, bundle, output, explicit, est, grad_factor, all_outputs, skip_invalid)

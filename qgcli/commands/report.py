@@ -13,7 +13,9 @@ from qgcli.commands.options import (
     narrow_range_option,
     num_bits_option,
     operand_group,
+    run_file_target,
     spec_option,
+    typed_overrides,
 )
 from qgcli.summaries import dump_json, number, stdout_console
 
@@ -132,6 +134,9 @@ def render_report(console, doc, limited):
     from rich.markup import escape
     from rich.table import Table
 
+    from qgcli.text import printable_doc
+
+    doc = printable_doc(doc)  # dtypes and messages from the files: no control characters
     a, t = doc["attributes"], doc["total"]
     src = ", ".join(f"{k} {v['shape']} {v['dtype']}" for k, v in doc["inputs"].items() if k in ("inputs", "gradients"))
     axis = f" axis={a['axis']}" if a.get("axis") is not None else ""
@@ -228,7 +233,9 @@ Examples:
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
               help="Compute with NumPy (cpu) or CuPy (gpu).")
-def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_csv, quiet, device):
+@click.option("--layer", "layer", metavar="PATH", default=None,
+              help="Run file: the per-channel report of the group PATH (default: one row per quantizer).")
+def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -243,8 +250,20 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
 
     if as_json and as_csv:
         raise click.UsageError("--json and --csv both want stdout; pick one")
+    target = run_file_target(operands)
+    if target is not None and layer is None:
+        return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
+                              device)
+    if layer is not None:
+        if target is None:
+            raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
+                                     param_hint="'--layer'")
+        from qgcli.layer_report import layer_operands
+
+        operands, attributes = layer_operands(target, layer, typed_overrides())
+    else:
+        operands = Operands.of(operands, literal_ok=("min", "max"))
     num_bits, narrow_range, variant, axis = attributes.num_bits, attributes.narrow_range, attributes.variant, attributes.axis
-    operands = Operands.of(operands, literal_ok=("min", "max"))
     notes = []
     with Progress("reading operands", total=None, quiet=quiet) as progress:
         try:
@@ -281,8 +300,10 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
     doc = build_report_doc(result, op=TF_OPS[variant], attrs=attrs, inputs=described, threshold=threshold,
                            sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
     if not quiet:
+        from qgcli.text import printable
+
         for note in notes:
-            click.echo(f"note: {note}", err=True)
+            click.echo(f"note: {printable(note)}", err=True)
     if as_json:
         dump_json(doc)
     elif as_csv:
@@ -291,3 +312,95 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
             click.echo(doc["verdict"], err=True)
     else:
         render_report(stdout_console(), doc, limited)
+
+
+# --- run files: one row per quantizer ----------------------------------------------------------------------
+
+LAYERS_SCHEMA = 1
+
+
+def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device):
+    from qgcli import __version__
+    from qgcli.layer_report import LAYER_KEYS, report_layers, trends, worst_first
+    from qgcli.progress import Progress
+
+    with Progress("reading layers", total=None, quiet=quiet) as progress:
+        rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
+                                      on_layer=lambda name: progress.update(description=f"layer {name}"))
+    rows = worst_first(rows)
+    for row in rows:
+        metric = row["gradient_blocked"] if row["gradient_blocked"] is not None else row["clipped"]
+        row["flagged"] = bool(metric is not None and metric > threshold)
+    steps, trend = trends(rows)
+    doc = {"command": "report", "schema": LAYERS_SCHEMA, "qgcli_version": __version__, "run_files": list(targets),
+           "threshold": threshold, "percentiles": list(percentiles), "steps": steps,
+           "layers": rows if top is None else rows[:top], "trends": trend, "skipped": skipped,
+           "verdict": _layers_verdict(rows, threshold)}
+    if as_json:
+        dump_json(doc)
+        return
+    if as_csv:
+        import csv
+        import sys
+
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        keys = list(LAYER_KEYS) + ["flagged"]
+        writer.writerow(keys)
+        for row in doc["layers"]:
+            writer.writerow(["" if row[k] is None else repr(row[k]) if isinstance(row[k], float) else
+                             str(row[k]).lower() if isinstance(row[k], bool) else
+                             "x".join(map(str, row[k])) if isinstance(row[k], list) else row[k] for k in keys])
+        if not quiet:
+            click.echo(doc["verdict"], err=True)
+        return
+    _render_layers(stdout_console(), doc, top)
+
+
+def _layers_verdict(rows, threshold):
+    flagged = [r for r in rows if r["flagged"]]
+    if not rows:
+        return "Verdict: no quantizer to report."
+    if not flagged:
+        return f"Verdict: OK, no layer loses more than {100 * threshold:g}% of its gradient mass."
+    names = ", ".join(f"{r['path']} {100 * (r['gradient_blocked'] if r['gradient_blocked'] is not None else r['clipped']):.1f}%"
+                      for r in flagged[:3])
+    more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
+    return (f"Verdict: {len(flagged)} of {len(rows)} layers lose more than {100 * threshold:g}% of their gradient "
+            f"mass (or clip more, without gradients): {names}{more}.")
+
+
+def _render_layers(console, doc, top):
+    from rich.table import Table
+
+    from qgcli.text import markup, printable_doc
+
+    doc = printable_doc(doc)
+    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
+    for name in ("layer", "op", "shape", "bits", "clip<", "clip>", "blocked", "SQNR", "SQNR'", "worst ch"):
+        table.add_column(name, justify="left" if name in ("layer", "op") else "right", overflow="fold")
+    shown = doc["layers"] if top is not None else doc["layers"][:_TABLE_ROWS * 2]
+    for r in shown:
+        worst = "-" if r["worst_channel"] is None else f"{r['worst_channel']} ({_pct(r['worst_channel_gradient_blocked'] if r['worst_channel_gradient_blocked'] is not None else r['worst_channel_clipped'])})"
+        table.add_row(markup(r["path"]), markup(r["op"] or ""), "x".join(map(str, r["shape"])), str(r["num_bits"]),
+                      _pct(r["clipped_below"]), _pct(r["clipped_above"]), _pct(r["gradient_blocked"]),
+                      _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst,
+                      style="red" if r["flagged"] else None)
+    console.print(table)
+    if len(shown) < len(doc["layers"]):
+        console.print(f"... {len(doc['layers']) - len(shown)} more layers (--top K, --json or --csv for all)")
+    if doc["trends"]:
+        steps = doc["steps"]
+        trend = Table(show_edge=False, box=None, pad_edge=False, header_style="bold", title="blocked gradient by step")
+        trend.add_column("layer", overflow="fold")
+        for step in steps:
+            trend.add_column(markup(step), justify="right")
+        for name, points in doc["trends"].items():
+            by_step = {p["step"]: p for p in points}
+            trend.add_row(markup(name), *(_pct((by_step.get(s) or {}).get("gradient_blocked")) for s in steps))
+        console.print(trend)
+    for item in doc["skipped"]:
+        console.print(f"[dim]not reported: {markup(item['path'])} ({markup(item['op'] or 'no op')}): "
+                      f"{markup(item['reason'])}[/]", soft_wrap=True)
+    console.print("[dim]blocked: gradient mass the mask zeroes (TensorFlow's STE, PyTorch's mask for PyTorch groups); "
+                  "SQNR': with the suggested range; worst ch: the channel losing most[/]", soft_wrap=True)
+    console.print(f"[bold]{markup(doc['verdict'])}[/]", soft_wrap=True)

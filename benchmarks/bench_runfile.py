@@ -1,0 +1,83 @@
+"""Run-file overhead: 500 small groups (64x64 per-channel weights) through fakequant-grad and report.
+
+    python benchmarks/bench_runfile.py [--groups 500]
+
+Prints the time of the ops alone (the library calls on arrays already in memory), of the CLI over the run
+file (in-process, so interpreter start-up is not counted), and the overhead per group beyond the ops.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import h5py
+import numpy as np
+
+
+def make(path, groups, rng):
+    arrays = []
+    with h5py.File(path, "w") as f:
+        for i in range(groups):
+            w = rng.standard_normal((64, 64)).astype(np.float32)
+            hi = np.abs(w).max(axis=0).astype(np.float32) * 0.8
+            g = f.create_group(f"step_0/block_{i // 10:03d}/layer_{i % 10}/weight_quant")
+            g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
+            g.attrs["num_bits"] = 8
+            gr = (rng.standard_normal(w.shape) * 1e-2).astype(np.float32)
+            for k, v in dict(inputs=w, min=-hi, max=hi, gradients=gr).items():
+                g[k] = v
+            arrays.append((gr, w, -hi, hi))
+    return arrays
+
+
+def best(fn, repeat=3):
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--groups", type=int, default=500)
+    args = parser.parse_args()
+    from click.testing import CliRunner
+
+    from qgcli import ops
+    from qgcli.cli import main as cli
+    from qgcli.ops.analysis import channel_report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "run.h5")
+        arrays = make(path, args.groups, np.random.default_rng(0))
+        runner = CliRunner()
+
+        def grad_ops():
+            for g, x, lo, hi in arrays:
+                ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, lo, hi)
+
+        def grad_cli():
+            r = runner.invoke(cli, ["fakequant-grad", path, "-o", os.path.join(tmp, "out.h5"), "--force", "-q"])
+            assert r.exit_code == 0, r.output
+
+        def report_ops():
+            for g, x, lo, hi in arrays:
+                channel_report(x, lo, hi, g)
+
+        def report_cli():
+            r = runner.invoke(cli, ["report", path, "--json", "-q"])
+            assert r.exit_code == 0, r.output
+
+        n = args.groups
+        for name, op_fn, cli_fn in (("fakequant-grad", grad_ops, grad_cli), ("report", report_ops, report_cli)):
+            t_ops, t_cli = best(op_fn), best(cli_fn)
+            print(f"{name:15s} {n} groups: ops {t_ops * 1e3:8.1f} ms, CLI {t_cli * 1e3:8.1f} ms, "
+                  f"overhead {(t_cli - t_ops) / n * 1e3:.2f} ms/group")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

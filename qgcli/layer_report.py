@@ -1,0 +1,219 @@
+"""Per-layer reports over run files: one row per quantizer, worst first, and each layer across steps.
+
+For every fake-quant group of one or more run files (:mod:`qgcli.runfile`): the shares clipped below and
+above, the share of gradient mass the mask blocks (TensorFlow's STE mask on the nudged range; PyTorch's
+mask for PyTorch groups), the SQNR, the suggested percentile range and its SQNR, and the worst channel of a
+per-channel op, from :func:`qgcli.ops.analysis.channel_report` exactly as ``qgcli report`` gives them for
+one bundle.  Groups under a first-level group named like ``step_000300`` are one layer at several steps.
+"""
+import re
+
+#: Keys of one layer row, in the order JSON and CSV give them.
+LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "channels", "clipped_below",
+              "clipped_above", "clipped", "gradient_blocked", "sqnr_db", "suggested_min", "suggested_max",
+              "suggested_sqnr_db", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped")
+
+_STEP = re.compile(r"^(step|epoch|iter|iteration)[_-]?\d+$", re.IGNORECASE)
+
+
+def split_step(path):
+    """``(step, layer path)``: the first component when it names a step (``step_000300``), else None."""
+    head, _, rest = path.partition("/")
+    if rest and _STEP.match(head):
+        return head, rest
+    return None, path
+
+
+def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=None):
+    """Rows (dicts of :data:`LAYER_KEYS`) for every fake-quant group of ``targets`` (``run.h5`` or
+    ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied."""
+    from qgcli import io, runfile
+    from qgcli.errors import FileFormatError, QgcliError
+    from qgcli.operands import Operands
+
+    rows, skipped = [], []
+    for target in targets:
+        split = runfile.split_target(target)
+        if split is None:
+            raise QgcliError(f"{target} is not an HDF5 run file", operand="BUNDLE")
+        path, group = split
+        try:
+            container = io.Container.open(path)
+        except FileFormatError as exc:
+            raise QgcliError(str(exc), operand="BUNDLE") from None
+        prefix = path if len(targets) > 1 else None
+        try:
+            for layer in runfile.discover(container._opened(), group, label=path):
+                name = layer.path if prefix is None else f"{prefix}:{layer.path}"
+                if layer.kind != runfile.FAKE_QUANT or layer.family == "quantize-dequantize":
+                    reason = layer.error or ("not a quantizer" if layer.kind == runfile.BATCH_NORM else
+                                             "QuantizeV2 groups are not reported yet")
+                    skipped.append({"path": name, "op": layer.op, "reason": reason})
+                    continue
+                reason = runfile.validate(layer, "report")
+                if reason is not None:
+                    skipped.append({"path": name, "op": layer.op, "reason": reason})
+                    continue
+                if on_layer is not None:
+                    on_layer(name)
+                specs = _literal_specs(layer)
+                operands = Operands.in_group(container, path, layer.path, specs, literal_ok=("min", "max"))
+                try:
+                    row = _row(layer, operands, dict(options), percentiles, device)
+                except (QgcliError, ValueError) as exc:
+                    skipped.append({"path": name, "op": layer.op, "reason": str(exc)})
+                    continue
+                finally:
+                    operands.close()
+                step, rest = split_step(layer.path)
+                if prefix is not None and step is None:
+                    step, rest = path, layer.path  # several files: each file is a step
+                row.update(path=name, step=step, layer=rest)
+                rows.append({k: row.get(k) for k in LAYER_KEYS})
+        finally:
+            container.close()
+    return rows, skipped
+
+
+def _literal_specs(layer):
+    if layer.family == "tf" and layer.variant == "args":
+        return {"min": repr(float(layer.attrs.get("min", -6.0))), "max": repr(float(layer.attrs.get("max", 6.0)))}
+    return {}
+
+
+def _attr(layer, options, name, default):
+    from qgcli.runfile import _plain
+
+    if name in options:
+        return options[name]
+    return _plain(layer.attrs[name]) if name in layer.attrs else default
+
+
+def _row(layer, operands, options, percentiles, device):
+    import numpy as np
+
+    from qgcli.operands import to_device
+
+    inputs = operands.get("inputs")
+    gradients = operands.get("gradients", required=False)
+    num_bits = int(_attr(layer, options, "num_bits", 8))
+    narrow_range = bool(_attr(layer, options, "narrow_range", False))
+    row = {"op": layer.op, "family": layer.family, "shape": list(np.shape(inputs)), "num_bits": num_bits}
+    if layer.family == "torch":
+        return {**row, **_torch_row(layer, operands, inputs, gradients, options, num_bits, narrow_range)}
+    from qgcli.ops.analysis import channel_report
+    from qgcli.runners.fake_quant import TF_OPS, load_fake_quant_operands
+
+    _, _, mn, mx, variant = load_fake_quant_operands(operands, layer.variant, with_gradients=False)
+    axis = int(_attr(layer, options, "axis", -1)) if variant == "per-channel" else -1
+    xp, (g, x) = to_device([gradients, inputs], device)
+    report = channel_report(x, mn, mx, g, num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis,
+                            percentiles=percentiles)
+    t = report.total
+    row.update(op=layer.op or TF_OPS[variant], channels=report.channels, clipped_below=t["clipped_below"],
+               clipped_above=t["clipped_above"], clipped=t["clipped"], gradient_blocked=t["gradient_blocked"],
+               sqnr_db=t["sqnr_db"], suggested_sqnr_db=t["suggested_sqnr_db"])
+    if report.per_channel:
+        worst = report.order("worst")[0] if report.channels else None
+        if worst is not None:
+            w = report.row(worst)
+            row.update(worst_channel=worst, worst_channel_gradient_blocked=w["gradient_blocked"],
+                       worst_channel_clipped=w["clipped"])
+    else:
+        r = report.row(0)
+        row.update(suggested_min=r["suggested_min"], suggested_max=r["suggested_max"])
+    return row
+
+
+def _torch_row(layer, operands, inputs, gradients, options, num_bits, narrow_range):
+    """PyTorch's own masks and forward error (no suggested range: PyTorch's observers pick the grid)."""
+    import numpy as np
+
+    from qgcli.ops import fake_quant, torch_semantics as ts
+    from qgcli.ops.analysis import sqnr_db
+    from qgcli.runners.pytorch import torch_layout
+
+    lo, hi = fake_quant.quant_range(num_bits, narrow_range)
+    quant_min, quant_max = ts.check_quant_range(int(_attr(layer, options, "quant_min", lo)),
+                                                int(_attr(layer, options, "quant_max", hi)))
+    scale = np.asarray(operands.get("scale"))
+    zero_point = np.asarray(operands.get("zero_point"))
+    axis_attr = _attr(layer, options, "axis", None)
+    axis, _ = torch_layout(scale.shape, np.shape(inputs), None if axis_attr is None else int(axis_attr))
+    if axis is None:
+        scale = scale.reshape(())
+        zero_point = zero_point.reshape(())
+    view = ts.quantized_view(inputs, scale, zero_point, quant_min, quant_max, axis=axis)
+    n = int(view.inputs.size)
+    x = np.asarray(view.inputs, np.float64)
+    fin = np.isfinite(x)
+    err = np.where(fin, np.asarray(view.outputs, np.float64) - x, 0.0)
+    signal = float(np.sum(np.where(fin, x, 0.0) ** 2))
+    row = {"channels": int(scale.size) if axis is not None else 1,
+           "clipped_below": float(view.below.sum()) / n if n else 0.0,
+           "clipped_above": float(view.above.sum()) / n if n else 0.0,
+           "sqnr_db": float(sqnr_db(signal, float(np.sum(err * err))))}
+    row["clipped"] = row["clipped_below"] + row["clipped_above"]
+    if gradients is not None:
+        g = np.asarray(gradients, np.float64)
+        if axis is not None:
+            g = np.moveaxis(g, axis, -1)
+        mag = np.where(np.isfinite(g), np.abs(g), 0.0)
+        total = float(mag.sum())
+        row["gradient_blocked"] = float(np.where(view.inside, 0.0, mag).sum()) / total if total else 0.0
+    if not np.isfinite(row["sqnr_db"]):
+        row["sqnr_db"] = None
+    return row
+
+
+def worst_first(rows):
+    """Rows ordered worst first: most gradient mass blocked (most clipped without gradients), then lowest SQNR."""
+    def key(r):
+        metric = r["gradient_blocked"] if r["gradient_blocked"] is not None else r["clipped"]
+        sqnr = r["sqnr_db"] if r["sqnr_db"] is not None else float("inf")
+        return (-(metric or 0.0), sqnr, r["path"])
+
+    return sorted(rows, key=key)
+
+
+def trends(rows):
+    """Each layer across steps (when there are several): layer -> [{step, gradient_blocked, sqnr_db, clipped}]."""
+    steps = sorted({r["step"] for r in rows if r["step"] is not None})
+    if len(steps) < 2:
+        return steps, {}
+    out = {}
+    for r in sorted(rows, key=lambda r: (r["layer"], str(r["step"]))):
+        out.setdefault(r["layer"], []).append({"step": r["step"], "gradient_blocked": r["gradient_blocked"],
+                                               "clipped": r["clipped"], "sqnr_db": r["sqnr_db"]})
+    return steps, out
+
+
+def layer_operands(target, path, options):
+    """``(Operands, FakeQuantAttributes)`` of one TF fake-quant group of a run file (``report --layer``):
+    the group's datasets, its attributes unless typed on the command line."""
+    from qgcli import io, runfile
+    from qgcli.errors import QgcliError
+    from qgcli.jobs import FakeQuantAttributes
+    from qgcli.operands import GroupView, Operands
+
+    file, group = runfile.split_target(target)
+    full = "/".join(p for p in ((group or ""), path.strip("/")) if p)
+    container = io.Container.open(file)
+    try:
+        (layer,) = [l for l in runfile.discover(container._opened(), full, label=file) if l.path == full] or [None]
+        if layer is None:
+            raise QgcliError(f"{file}: {full!r} is not a group holding a quantizer's operands", operand="--layer")
+        if layer.family != "tf" or runfile.validate(layer, "report") is not None:
+            why = layer.error or f"{layer.op} is not one of TensorFlow's fake-quant ops"
+            raise QgcliError(f"{full}: {why}", operand="--layer")
+    except BaseException:
+        container.close()
+        raise
+    operands = Operands.in_group(container, file, full, _literal_specs(layer), literal_ok=("min", "max"))
+    operands._bundle_container = GroupView(container, full, owns=True)
+    attributes = FakeQuantAttributes(num_bits=int(_attr(layer, options, "num_bits", 8)),
+                                     narrow_range=bool(_attr(layer, options, "narrow_range", False)),
+                                     variant=layer.variant,
+                                     axis=(int(_attr(layer, options, "axis", -1))
+                                           if layer.variant == "per-channel" else None))
+    return operands, attributes
