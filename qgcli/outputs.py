@@ -4,6 +4,7 @@ Every write is atomic (temporary file + rename) and checked first: an existing o
 input is never overwritten.  Nothing heavy is imported at module level.
 """
 import os
+import sys
 
 import click
 
@@ -59,14 +60,20 @@ def write_streamed(output, operands, force, attrs, compute, *, quiet, total_byte
     return small
 
 
-def check_figure_output(dest, *, inputs=(), force=False, option="--output"):
-    """Refuse a figure path that has no .png/.svg/.pdf suffix, is an input, exists without ``force``,
-    is a directory or lies in a missing or read-only directory (the rules of ``qgcli.io.check_output``)."""
+def check_figure_output(dest, *, inputs=(), force=False, option="--output", format=None):
+    """Refuse a figure path that has no .png/.svg/.pdf suffix (unless ``format`` names one), is an input,
+    exists without ``force``, is a directory or lies in a missing or read-only directory (the rules of
+    ``qgcli.io.check_output``); ``-`` (stdout) is refused when stdout is a terminal."""
     from qgcli.errors import OutputError
 
-    if dest == "-" or not dest:
-        raise OutputError("a figure needs a file name ending in .png, .svg or .pdf", operand=option)
-    if not dest.lower().endswith(FIGURE_SUFFIXES):
+    if not dest:
+        raise OutputError("a figure needs a file name ending in .png, .svg or .pdf, or - for stdout", operand=option)
+    if dest == "-":
+        if sys.stdout.isatty():
+            raise OutputError("refusing to write a binary figure to a terminal; redirect stdout or name a file",
+                              operand=option)
+        return
+    if format is None and not dest.lower().endswith(FIGURE_SUFFIXES):
         ext = os.path.splitext(dest)[1] or "no extension"
         raise OutputError(f"cannot tell the figure format from {ext!r} in {dest}; use .png, .svg or .pdf",
                           operand=option)
@@ -91,11 +98,17 @@ def _same_file(a, b):
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def save_checked(fig, dest, dpi):
-    """Save ``fig`` (checked path) atomically; a failing disk is a runtime error (exit 1)."""
+def save_checked(fig, dest, dpi, format=None):
+    """Save ``fig`` (checked path, or ``-``: stdout, PNG unless ``format`` says otherwise) atomically; a
+    failing disk is a runtime error (exit 1)."""
     from qgcli.plots import save_figure
 
+    if dest == "-":
+        from qgcli.signals import raise_pending
+
+        raise_pending()
+        return save_figure(fig, sys.stdout.buffer, dpi=dpi, format=format or "png")
     try:
-        return save_figure(fig, dest, dpi=dpi)
+        return save_figure(fig, dest, dpi=dpi, format=format)
     except OSError as exc:
         raise click.ClickException(f"cannot write {dest}: {exc.strerror or exc}") from None

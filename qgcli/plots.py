@@ -706,31 +706,43 @@ def figure_format(path):
     return FIGURE_FORMATS[ext]
 
 
-def save_figure(fig, path, dpi=100):
-    """Write ``fig`` to ``path`` atomically (temp file + rename), format from the extension.
+def save_figure(fig, path, dpi=100, *, format=None):
+    """Write ``fig`` to ``path`` atomically (temp file + rename), or to a binary stream (``path`` with a
+    ``write`` method, e.g. ``sys.stdout.buffer``).  The format is ``format`` or else the file extension.
 
     SVG and PDF carry no creation date and SVG ids are salted with a fixed string, so the same figure
     gives the same bytes.  The pixel size of a PNG is the figure size times ``dpi``, rounded to whole
     pixels (see :func:`_whole_pixel_inches`).
     """
+    import io
+
     import matplotlib
 
     from qgcli.io import atomic_write
 
-    fmt = figure_format(path)
+    fmt = format or figure_format(path)
     metadata = {"png": {}, "svg": {"Date": None}, "pdf": {"CreationDate": None}}[fmt]
 
-    def write(tmp):
+    def write(target):
         with matplotlib.rc_context({"svg.hashsalt": "qgcli"}):
-            fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata)
+            fig.savefig(target, format=fmt, dpi=dpi, metadata=metadata)
+
+    def save():
+        if not hasattr(path, "write"):
+            atomic_write(str(path), write)
+            return
+        buffer = io.BytesIO()  # whole figure first: a failure leaves nothing half-written on the stream
+        write(buffer)
+        path.write(buffer.getvalue())
+        path.flush()
 
     if fmt != "png":
-        atomic_write(str(path), write)
+        save()
         return fmt
     inches = fig.get_size_inches().copy()
     fig.set_size_inches([_whole_pixel_inches(v, dpi) for v in inches], forward=False)
     try:
-        atomic_write(str(path), write)
+        save()
     finally:
         fig.set_size_inches(inches, forward=False)
     return fmt

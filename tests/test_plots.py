@@ -437,7 +437,8 @@ def test_cli_channels_of_bn_grad_and_fakequant_grad_outputs(cli, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["staircase", NOTEBOOK, "-o", "{tmp}/f.jpg"],
      "Error: --output: cannot tell the figure format from '.jpg' in {tmp}/f.jpg; use .png, .svg or .pdf"),
-    (["staircase", NOTEBOOK, "-o", "-"], "Error: --output: a figure needs a file name ending in .png, .svg or .pdf"),
+    (["staircase", NOTEBOOK, "-o", ""],
+     "Error: --output: a figure needs a file name ending in .png, .svg or .pdf, or - for stdout"),
     (["staircase", NOTEBOOK, "-o", "{tmp}/exists.png"], "Error: --output: {tmp}/exists.png exists; use --force to replace it"),
     (["staircase", NOTEBOOK, "-o", "{tmp}/no/f.png"], "Error: --output: directory {tmp}/no does not exist"),
     (["staircase", PER_CHANNEL, "--channel", "16", "-o", "{tmp}/f.png"],

@@ -186,7 +186,7 @@ ROWS = [
     # --- stdin
     ("stdin-empty", ["fakequant", "--inputs", "-", "--min", "-1", "--max", "1", "-o", "{o}/o.h5"], 2, "inputs",
      "stdin is empty"),
-    ("stdin-not-a-tensor", ["inspect", "-"], 2, "FILE", "stdin is not an .npy or .npz stream"),
+    ("stdin-not-a-tensor", ["inspect", "-"], 2, "FILE", "stdin is not an .npy, .npz or .h5 stream"),
     ("stdin-twice", ["inspect", "-", "-"], 2, "FILE", "only once"),
     # --- inspect
     ("inspect-missing-file", ["inspect", "{d}/missing.npz"], 2, "missing.npz", "no such file"),

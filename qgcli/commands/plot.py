@@ -73,7 +73,9 @@ def _figure_options(width, height):
     return option_group(
         "figure", _figure,
         click.option("-o", "--output", "destination", metavar="FIG", required=True,
-                     help="Figure file; the format follows the extension: .png, .svg or .pdf."),
+                     help="Figure file, or - for stdout; the format follows the extension: .png, .svg or .pdf."),
+        click.option("--format", "format", type=click.Choice(["png", "svg", "pdf"]), default=None,
+                     help="Figure format, over the extension  [default: from FIG; png on stdout]"),
         force_option("Replace an existing figure file."),
         click.option("--dpi", type=click.IntRange(10, 1200), default=100, show_default=True,
                      help="Pixels per inch (PNG size = width x height x dpi)."),
@@ -114,11 +116,13 @@ def _run(command, specs, figure, draw, *, literal_ok=("min", "max"), tallest=_TA
 
     f = figure
     _check_pixels(f.width, f.height or tallest, f.dpi)
+    if f.as_json and f.destination == "-":
+        raise click.UsageError("--json and -o - both want stdout; write the figure to a file or drop --json")
     operands = Operands.of(specs, literal_ok=literal_ok)
     try:
-        check_figure_output(f.destination, inputs=operands.input_paths(), force=f.force)
+        check_figure_output(f.destination, inputs=operands.input_paths(), force=f.force, format=f.format)
         fig = draw(operands, lambda *arrays: to_device(arrays, f.device)[1])
-        fmt = save_checked(fig, f.destination, f.dpi)
+        fmt = save_checked(fig, f.destination, f.dpi, format=f.format)
     finally:
         operands.close()
     w, h = (float(v) for v in fig.get_size_inches())
@@ -135,7 +139,9 @@ def _render(console, s):
     detail = (f"{s['channels']} channels" if s["plot"] == "channels"
               else f"{s['points']:,} of {s['elements']:,} points" if s["plot"] != "hist"
               else f"{s['points']:,} values in {s['bins']} bins")
-    console.print(f"wrote {s['output']} ({s['format']}, {size}): {s['plot']} of {what}, {detail}", soft_wrap=True)
+    where = "stdout" if s["output"] == "-" else s["output"]
+    console.print(f"wrote {where} ({s['format']}, {size}): {s['plot']} of {what}, {detail}", soft_wrap=True,
+                  markup=False)  # the path and the operand names are the user's: no markup in them
 
 
 _PLOT_HELP = """Draw the tutorial notebook's figures and per-channel views from saved tensors.
