@@ -60,7 +60,7 @@ class QgcliGroup(click.Group):
         except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback for users
             _internal(exc)
         finally:
-            restore()
+            restore(exiting=args is None)  # args None: the real command line, not an in-process caller
         _exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):

@@ -102,10 +102,13 @@ def install():
     sys.unraisablehook = hook
     _installed[0] += 1
 
-    def restore():
+    def restore(*, exiting=False):
+        """Put the previous handlers back; ``exiting``: the process is about to exit with its result, so
+        ignore these signals instead (a signal during the interpreter's exit would otherwise kill it, or
+        print a KeyboardInterrupt traceback, after the command has done its work)."""
         for sig, handler in previous.items():
             try:
-                signal.signal(sig, handler)
+                signal.signal(sig, signal.SIG_IGN if exiting else handler)
             except (ValueError, OSError):
                 pass
         sys.unraisablehook = old_hook
