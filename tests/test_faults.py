@@ -62,9 +62,21 @@ def big(tmp_path_factory):
 _started = []
 
 
-def start(args, **kw):
+def _default_signals(then=None):
+    """In the child before exec: Ctrl-C, SIGTERM and SIGHUP at their defaults whatever this test run inherited
+    (a shell ignores SIGINT in commands it runs in the background, and qgcli rightly keeps an ignored signal
+    ignored), then ``then``."""
+    def preexec():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        if then is not None:
+            then()
+    return preexec
+
+
+def start(args, preexec_fn=None, **kw):
     proc = subprocess.Popen([sys.executable, "-m", "qgcli", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, **kw)
+                            stderr=subprocess.PIPE, preexec_fn=_default_signals(preexec_fn), **kw)
     _started.append(proc)
     return proc
 
