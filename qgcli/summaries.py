@@ -33,6 +33,16 @@ def json_safe(value):
     return value
 
 
+def render_closing_lines(console, s):
+    """The notes and the "wrote OUTPUTS to FILE" line that end a command's summary (names already printable)."""
+    from rich.markup import escape
+
+    for note in s["notes"]:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if s["output"] and s["output"] != "-":
+        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+
+
 def percent(x):
     return f"{100.0 * x:.2f}%"
 

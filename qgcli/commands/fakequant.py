@@ -24,7 +24,7 @@ from qgcli.commands.options import (
     skip_invalid_option,
     spec_option,
 )
-from qgcli.summaries import emit, percent
+from qgcli.summaries import emit, percent, render_closing_lines
 
 _RANGE_HELP = "scalar (vars/args) or one per channel."
 _QDQ_SPECS = (
@@ -184,10 +184,7 @@ def render_summary(console, s):
         if "gradient_blocked" in stats:
             line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
         console.print(line)
-    for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {escape(note)}")
-    if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+    render_closing_lines(console, s)
 
 
 def _fmt(v):
@@ -206,8 +203,6 @@ def _render_estimator(console, s):
 
 
 def _render_torch(console, s):
-    from rich.markup import escape
-
     grid = s["grid"]
     scale, zp = grid["scale"], grid["zero_point"]
     if isinstance(scale, list):
@@ -228,10 +223,7 @@ def _render_torch(console, s):
     if est:
         extra = f", grad_factor {est['grad_factor']:.7g}" if "grad_factor" in est else ""
         console.print(f"estimator {est['estimator']}{extra}")
-    for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {escape(note)}")
-    if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+    render_closing_lines(console, s)
 
 
 def _render_quantize_dequantize(console, s):
@@ -264,10 +256,7 @@ def _render_quantize_dequantize(console, s):
         est = s["estimator"]
         extra = f", grad_factor {est['grad_factor']:.7g}" if est.get("grad_factor") is not None else ""
         console.print(escape(f"estimator {est['estimator']}{extra} over the adjusted range [output_min, output_max]"))
-    for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {escape(note)}")
-    if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+    render_closing_lines(console, s)
 
 
 def _renderer(family):

@@ -10,7 +10,7 @@ import click
 
 from qgcli.jobs import Result
 from qgcli.operands import to_device
-from qgcli.summaries import describe_arrays, json_safe
+from qgcli.summaries import describe_arrays, json_safe, render_closing_lines
 
 LITERAL_OK = ("input_min", "input_max", "min", "max")
 ALIASES = {"input": "inputs", "input_min": "min", "input_max": "max"}
@@ -227,7 +227,4 @@ def render(console, s):
     if "gradient_blocked" in st:
         line += f"; gradient mass blocked {st['gradient_blocked']:.2%}"
     console.print(line)
-    for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {escape(note)}")
-    if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+    render_closing_lines(console, s)
