@@ -12,7 +12,7 @@ import sys
 import click
 
 from qgcli import __version__
-from qgcli.signals import Terminated, install as install_signal_handlers, raise_pending
+from qgcli.signals import Terminated, install as install_signal_handlers, pending, raise_pending
 
 _EPILOG = """\b
 Examples:
@@ -82,6 +82,11 @@ def _silence_stdout():
 def _fail(message, code, ctx=None):
     from qgcli.text import one_line
 
+    signum = pending()
+    if signum is not None and code != 128 + signum:
+        # The error is the signal's doing: raised inside an import or a class body, Python reports it as
+        # another exception ("Error calling __set_name__ ..."), and the command would say "internal error".
+        message, code, ctx = Terminated(signum).describe(), 128 + signum, None
     # One line, whatever the source; a name from a file cannot send control characters to the terminal.
     message = one_line(message)
     hint = f" (see '{ctx.command_path} --help')" if ctx is not None and code == 2 else ""

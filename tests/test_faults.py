@@ -481,3 +481,29 @@ def test_a_swallowed_signal_still_stops_the_output(tmp_path):
     assert signals.pending() is None
     io.save_outputs({"a": np.zeros(3, np.float32)}, str(tmp_path / "o.npz"))  # outside the CLI: no effect
     assert os.listdir(tmp_path) == ["o.npz"]
+
+
+def test_an_error_a_signal_caused_is_reported_as_the_signal(capsys):
+    """A signal raised inside a class body under construction (as during an import: numpy's finfo) reaches
+    the CLI wrapped in another exception (Python 3.11: RuntimeError "Error calling __set_name__"); it is
+    still 'terminated by SIGTERM', exit 143, not an internal error (seen in the signal campaign)."""
+    import click
+
+    from qgcli import cli, signals
+
+    @click.group(cls=cli.QgcliGroup)
+    def group():
+        pass
+
+    @group.command()
+    def work():
+        class Descriptor:
+            def __set_name__(self, owner, name):
+                signals._handler(signal.SIGTERM, None)  # what SIGTERM does when it lands here
+
+        type("Built", (), {"field": Descriptor()})
+
+    with pytest.raises(SystemExit) as exit_:
+        group.main(["work"], prog_name="qgcli")
+    assert exit_.value.code == 143
+    assert capsys.readouterr().err == "Error: terminated by SIGTERM; no output was left half-written\n"
