@@ -11,7 +11,7 @@ import click
 
 def runner_for(job):
     """The runner module of the job's family."""
-    from qgcli.jobs import BATCH_NORM, ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH
+    from qgcli.jobs import BATCH_NORM, ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH, TORCHAO
 
     if job.family == TF:
         from qgcli.runners import fake_quant as runner
@@ -25,6 +25,8 @@ def runner_for(job):
         from qgcli.runners import quantize_and_dequantize as runner
     elif job.family == BATCH_NORM:
         from qgcli.runners import batch_norm as runner
+    elif job.family == TORCHAO:
+        from qgcli.runners import torchao as runner
     else:
         raise ValueError(f"no runner for the family {job.family!r}")
     return runner

@@ -16,6 +16,8 @@ TF, ESTIMATOR, TORCH, QUANTIZE_DEQUANTIZE = "tf", "estimator", "torch", "quantiz
 BATCH_NORM = "batch-norm"
 #: TensorFlow's QuantizeAndDequantizeV2/V3/V4 (+ V4Grad): its own grid, its own gradient op.
 QUANTIZE_AND_DEQUANTIZE = "quantize-and-dequantize"
+#: torchao's QAT fake quantizers (IntxFakeQuantizer / Float8FakeQuantizer), qparams from the data.
+TORCHAO = "torchao"
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,24 @@ class SemanticsOptions:
 
 
 @dataclass(frozen=True)
+class TorchaoOptions:
+    """torchao's config fields (--semantics torchao; --dtype is QuantizeAttributes.dtype); None: not given."""
+
+    granularity: Optional[str] = None
+    mapping_type: Optional[str] = None
+    scale_precision: Optional[str] = None
+    zero_point_precision: Optional[str] = None
+    zero_point_domain: Optional[str] = None
+    eps: Optional[float] = None
+    hp_value_lb: Optional[float] = None
+    hp_value_ub: Optional[float] = None
+
+    def given(self):
+        """``{field: value}`` of the fields given."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
 class EstimatorOptions:
     """--estimator (text, None: the framework's STE) and --grad-factor."""
 
@@ -155,10 +175,13 @@ class FakeQuantJob:
     quant_max: Optional[int] = None
     estimator: Any = None  # a qgcli.ops.estimators.Estimator, or None for the framework's STE
     grad_factor: Any = None  # LSQ's g: a float, "auto" or None
+    torchao: Any = None  # torchao: a qgcli.ops.torchao_semantics config
 
     @property
     def mode(self):
         """The mode in the words of its options, for messages."""
+        if self.family == TORCHAO:
+            return "--semantics torchao"
         if self.family == QUANTIZE_DEQUANTIZE:
             return f"--variant {QUANTIZE_DEQUANTIZE}"
         if self.family == QUANTIZE_AND_DEQUANTIZE:

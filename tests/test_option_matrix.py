@@ -2,7 +2,8 @@
 naming the option and the mode).  Never silently dropped.
 
 Modes: TensorFlow's fake quant (per tensor, per channel, Args), each other gradient estimator on TensorFlow's
-grid, ``--variant quantize-dequantize``, ``--semantics torch`` (forward and gradient) and ``bn-grad``.
+grid, ``--variant quantize-dequantize``, ``--semantics torch`` (forward and gradient), ``--semantics torchao``
+and ``bn-grad``.
 Options: ``--compression gzip|lzf``, ``--memory-limit`` below the data with .h5 and .npz outputs (and above
 it), ``--device``, ``-o -``, ``--json`` (and both), ``--plot``.
 """
@@ -55,6 +56,11 @@ MODES = {
               "--semantics torch", {"backprops_wrt_input"}, False),
     "torch-forward": (["fakequant", "{d}/fq.h5", "--semantics", "torch", "--scale", "0.05", "--zero-point", "128"],
                       "--semantics torch", {"outputs"}, None),
+    "torchao": (["fakequant-grad", "{d}/fq.h5", "--semantics", "torchao", "--dtype", "int8", "--granularity",
+                 "per-token", "--mapping-type", "asymmetric"], "--semantics torchao",
+                {"backprops_wrt_input", "scale", "zero_point"}, False),
+    "torchao-float8-forward": (["fakequant", "{d}/fq.h5", "--semantics", "torchao", "--dtype", "float8_e4m3fn"],
+                               "--semantics torchao", {"outputs", "scale"}, None),
     "bn-grad": (["bn-grad", "{d}/bn.h5"], None, {"x_backprop", "scale_backprop", "offset_backprop"}, None),
     "qdq-v4": (["fakequant-grad", "{d}/fq.h5", "--input-min", "-1", "--input-max", "1", "--variant",
                 "quantize-and-dequantize-v4"], "--variant quantize-and-dequantize-v4",

@@ -23,6 +23,7 @@ from qgcli.commands.options import (
     semantics_options,
     skip_invalid_option,
     spec_option,
+    torchao_options,
 )
 from qgcli.summaries import emit, percent, render_closing_lines
 
@@ -34,10 +35,19 @@ _QDQ_SPECS = (
 )
 
 
-def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output, qdq=None):
+def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output, qdq=None,
+              torchao=None):
     """The job the options describe: its family chosen, every option checked against that family."""
-    from qgcli.jobs import ESTIMATOR, TF, TORCH, FakeQuantJob, OperandSpecs
+    from qgcli.jobs import ESTIMATOR, TF, TORCH, FakeQuantJob, OperandSpecs, TorchaoOptions
+    from qgcli.runners import torchao as torchao_runner
 
+    torchao = torchao or TorchaoOptions()
+    if semantics.semantics == "torchao":
+        _refuse_qdq_options(operands, qdq)
+        return torchao_runner.build_job(command, with_gradients=with_gradients, operands=operands,
+                                        attributes=attributes, quantize=quantize, semantics=semantics,
+                                        estimator=estimator, output=output, torchao=torchao)
+    torchao_runner.refuse_outside(torchao, quantize.dtype)
     if attributes.variant in QDQ_VARIANTS:
         from qgcli.runners.quantize_and_dequantize import build_job as qdq_job
 
@@ -260,10 +270,14 @@ def _render_quantize_dequantize(console, s):
 
 
 def _renderer(family):
-    from qgcli.jobs import ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH
+    from qgcli.jobs import ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH, TORCHAO
 
     if family == QUANTIZE_AND_DEQUANTIZE:
         from qgcli.runners.quantize_and_dequantize import render
+
+        return render
+    if family == TORCHAO:
+        from qgcli.runners.torchao import render
 
         return render
     return {TF: render_summary, ESTIMATOR: _render_estimator, TORCH: _render_torch,
@@ -301,9 +315,10 @@ Examples:
 @quantize_options
 @qdq_options
 @semantics_options
+@torchao_options
 @output_options()
 @skip_invalid_option
-def fakequant(operands, attributes, quantize, qdq, semantics, output, skip_invalid):
+def fakequant(operands, attributes, quantize, qdq, semantics, torchao, output, skip_invalid):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
 
     Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
@@ -318,7 +333,7 @@ def fakequant(operands, attributes, quantize, qdq, semantics, output, skip_inval
     if job is not None:
         return _run_file(job)
     run(build_job("fakequant", with_gradients=False, operands=operands, attributes=attributes, quantize=quantize,
-                  semantics=semantics, estimator=_no_estimator(), output=output, qdq=qdq))
+                  semantics=semantics, estimator=_no_estimator(), output=output, qdq=qdq, torchao=torchao))
 
 
 @click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="TF fake-quant gradients (STE masks, min/max sums).")
@@ -334,10 +349,11 @@ def fakequant(operands, attributes, quantize, qdq, semantics, output, skip_inval
 @quantize_options
 @qdq_options
 @semantics_options
+@torchao_options
 @estimator_options
 @output_options(plot=True)
 @skip_invalid_option
-def fakequant_grad(operands, attributes, quantize, qdq, semantics, estimator, output, skip_invalid):
+def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, estimator, output, skip_invalid):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
@@ -352,4 +368,5 @@ def fakequant_grad(operands, attributes, quantize, qdq, semantics, estimator, ou
     if job is not None:
         return _run_file(job)
     run(build_job("fakequant-grad", with_gradients=True, operands=operands, attributes=attributes,
-                  quantize=quantize, semantics=semantics, estimator=estimator, output=output, qdq=qdq))
+                  quantize=quantize, semantics=semantics, estimator=estimator, output=output, qdq=qdq,
+                  torchao=torchao))

@@ -19,7 +19,10 @@ QDQ_VARIANTS = ("quantize-and-dequantize-v4", "quantize-and-dequantize-v3", "qua
 DTYPES = ("quint8", "qint8", "quint16", "qint16", "qint32")
 MODES = ("MIN_COMBINED", "MIN_FIRST", "SCALED")
 ROUND_MODES = ("HALF_AWAY_FROM_ZERO", "HALF_TO_EVEN", "HALF_UP")  # HALF_UP: quantize-and-dequantize-v*
-SEMANTICS = ("tf", "torch")
+SEMANTICS = ("tf", "torch", "torchao")
+#: torchao's quantized dtypes (--semantics torchao), accepted by the same --dtype option as QuantizeV2's
+TORCHAO_DTYPES = tuple(f"int{b}" for b in range(1, 9)) + tuple(f"uint{b}" for b in range(1, 9)) + (
+    "float8_e4m3fn", "float8_e5m2")
 
 
 def option_group(target, build, *options):
@@ -165,8 +168,9 @@ def quantize_options(f):
     only = " (--variant quantize-dequantize)"
     return option_group(
         "quantize", _quantize_attributes,
-        click.option("--dtype", type=_Choice(DTYPES, str.lower), default=None,
-                     help="Quantized type [default: quint8, the notebook's]" + only + "."),
+        click.option("--dtype", type=_Choice(DTYPES + TORCHAO_DTYPES, str.lower), default=None,
+                     help="Quantized type [default: quint8, the notebook's]" + only + "; with --semantics torchao "
+                          "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2."),
         click.option("--mode", type=_Choice(MODES, str.upper), default=None,
                      help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
         click.option("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
@@ -187,8 +191,9 @@ def refuse_quantize_options(quantize):
 # --- PyTorch semantics and gradient estimators --------------------------------------------------------------
 
 _SEMANTICS_HELP = {
-    "semantics": "Whose fake-quant: tf (TensorFlow's nudged min/max grid, the default) or torch (PyTorch's "
-                 "fake_quantize_per_{tensor,channel}_affine on --scale/--zero-point).",
+    "semantics": "Whose fake-quant: tf (TensorFlow's nudged min/max grid, the default), torch (PyTorch's "
+                 "fake_quantize_per_{tensor,channel}_affine on --scale/--zero-point) or torchao (torchao's QAT "
+                 "IntxFakeQuantizer/Float8FakeQuantizer, qparams from the data: --dtype, --granularity ...).",
     "scale": "PyTorch scale (--semantics torch): a scalar (per tensor) or one per channel.",
     "zero_point": "PyTorch zero point (--semantics torch): like scale; an integer dtype (or an integral literal) "
                   "uses the integer kernels, a float one PyTorch's float-zero-point kernels.",
@@ -233,6 +238,38 @@ def semantics_options(f):
         click.option("--zero-point", "zero_point", metavar="SPEC", help=_SEMANTICS_HELP["zero_point"]),
         click.option("--quant-min", type=int, default=None, help=_SEMANTICS_HELP["quant_min"]),
         click.option("--quant-max", type=int, default=None, help=_SEMANTICS_HELP["quant_max"]),
+    )(f)
+
+
+def _torchao_options(**values):
+    from qgcli.jobs import TorchaoOptions
+
+    return TorchaoOptions(**values)
+
+
+def torchao_options(f):
+    """torchao's IntxFakeQuantizeConfig / Float8FakeQuantizeConfig fields (--semantics torchao), as ``torchao``."""
+    only = " (--semantics torchao)"
+    return option_group(
+        "torchao", _torchao_options,
+        click.option("--granularity", metavar="per-group:G|per-channel|per-token|per-row|per-tensor", default=None,
+                     help="Blocks sharing a scale: integer dtypes per-group:G, per-channel, per-token; float8 per-row "
+                          "(default) or per-tensor" + only + "."),
+        click.option("--mapping-type", type=click.Choice(["symmetric", "asymmetric"]), default=None,
+                     help="Integer mapping [default: symmetric]" + only + "."),
+        click.option("--scale-precision", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     help="Scale dtype [default: float32]" + only + "."),
+        click.option("--zero-point-precision", type=click.Choice(["int32", "float32", "bfloat16", "float16"]),
+                     default=None, help="Zero point dtype [default: int32]" + only + "."),
+        click.option("--zero-point-domain", type=click.Choice(["int", "float", "none"]), default=None,
+                     help="Zero point domain [default: int]" + only + "."),
+        click.option("--eps", type=click.FloatRange(min=0.0), default=None,
+                     help="Smallest scale [default: torchao's: float32's smallest normal; 1e-6 asymmetric per "
+                          "group]" + only + "."),
+        click.option("--hp-value-lb", type=float, default=None,
+                     help="float8: lower bound of max|x| for the scale" + only + "."),
+        click.option("--hp-value-ub", type=float, default=None,
+                     help="float8: upper bound of max|x| for the scale" + only + "."),
     )(f)
 
 

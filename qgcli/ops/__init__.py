@@ -21,6 +21,14 @@ from qgcli.ops.quantize_and_dequantize import (
     quantize_and_dequantize_v4,
     quantize_and_dequantize_v4_grad,
 )
+from qgcli.ops.torchao_semantics import (
+    float8_fake_quantize,
+    float8_fake_quantize_config,
+    float8_fake_quantize_gradient,
+    intx_fake_quantize,
+    intx_fake_quantize_config,
+    intx_fake_quantize_gradient,
+)
 from qgcli.ops.quantize import (
     QuantizeDequantizeResult,
     dequantize,
@@ -51,4 +59,10 @@ __all__ = [
     "quantize_and_dequantize_v3",
     "quantize_and_dequantize_v4",
     "quantize_and_dequantize_v4_grad",
+    "intx_fake_quantize_config",
+    "intx_fake_quantize",
+    "intx_fake_quantize_gradient",
+    "float8_fake_quantize_config",
+    "float8_fake_quantize",
+    "float8_fake_quantize_gradient",
 ]
