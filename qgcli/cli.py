@@ -126,10 +126,10 @@ def main():
 
 def _register():
     # Each command module imports click and qgcli.commands.options only; the work is imported when a command runs.
-    from qgcli.commands import batch_norm, compare_semantics, fakequant, inspect, nudge, plot, report
+    from qgcli.commands import batch_norm, compare_semantics, fakequant, inspect, nudge, plot, report, verify
 
     for command in (fakequant.fakequant, fakequant.fakequant_grad, batch_norm.bn_grad, plot.plot, inspect.inspect,
-                    report.report, nudge.nudge, compare_semantics.compare_semantics):
+                    report.report, nudge.nudge, compare_semantics.compare_semantics, verify.verify):
         main.add_command(command)
 
 

@@ -1,0 +1,126 @@
+"""qgcli.capture.runfile_writer and `qgcli verify`, framework-free: references made with qgcli's own ops
+(so verify must pass bit for bit) and perturbed ones (so it must fail, worst first, exit 1)."""
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from qgcli import ops
+from qgcli.capture.runfile_writer import RunFileWriter, clean_path, step_group
+from qgcli.cli import main
+from qgcli.verify import compare
+
+
+def _write(path, *, perturb=None, step=None, references=True):
+    rng = np.random.default_rng(19)
+    w = RunFileWriter(path, step=step, references=references)
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    g = rng.standard_normal((4, 6)).astype(np.float32)
+    lo, hi = np.float32(-1.0), np.float32(0.8)
+    dx, dmin, dmax = ops.fake_quant_with_min_max_vars_gradient(g, x, lo, hi, num_bits=8, narrow_range=False)
+    out = ops.fake_quant_with_min_max_vars(x, lo, hi, num_bits=8, narrow_range=False)
+    if perturb == "fq":
+        out = out.copy()
+        out[1, 2] = np.nextafter(out[1, 2], np.float32(10))
+    w.add("net.act_quant", "FakeQuantWithMinMaxVars", {"inputs": x, "min": lo, "max": hi, "gradients": g},
+          {"num_bits": 8, "narrow_range": False},
+          {"outputs": out, "backprops_wrt_input": dx, "backprop_wrt_min": dmin, "backprop_wrt_max": dmax})
+    xb = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    dy = rng.standard_normal(xb.shape).astype(np.float32)
+    scale = np.float32([0.5, 1.0, 2.0])
+    mean = xb.mean(axis=(0, 2, 3), dtype=np.float64).astype(np.float32)
+    inv = (1 / np.sqrt(xb.var(axis=(0, 2, 3), dtype=np.float64) + 1e-5)).astype(np.float32)
+    bx, bs, bo = ops.fused_batch_norm_grad(dy, xb, scale, mean, inv, epsilon=1e-5, data_format="NCHW",
+                                          is_training=True, variance_kind="inv-std")[:3]
+    if perturb == "bn":
+        bx = bx * np.float32(1.001)
+    w.add("net/bn", "FusedBatchNormV3", {"y_backprop": dy, "x": xb, "scale": scale, "reserve_space_1": mean,
+                                         "reserve_space_2": inv},
+          {"epsilon": 1e-5, "data_format": "NCHW", "is_training": True, "variance_kind": "inv-std"},
+          {"x_backprop": bx, "scale_backprop": bs, "offset_backprop": bo})
+    w.add("net/act_quant", "FakeQuantWithMinMaxArgs", {"inputs": x, "gradients": g},
+          {"min": -0.5, "max": 0.5, "num_bits": 4, "narrow_range": True},
+          {"outputs": ops.fake_quant_with_min_max_args(x, min=-0.5, max=0.5, num_bits=4, narrow_range=True)})
+    w.close()
+    return w
+
+
+def test_writer_layout_and_names(tmp_path):
+    path = str(tmp_path / "run.h5")
+    w = _write(path, step=3)
+    assert list(w.groups) == ["net/act_quant", "net/bn", "net/act_quant_1"]
+    with h5py.File(path) as f:
+        g = f["step_000003/net/act_quant"]
+        assert g.attrs["op"] == "FakeQuantWithMinMaxVars" and set(g) == {"inputs", "min", "max", "gradients",
+                                                                          "reference"}
+        assert set(g["reference"]) == {"outputs", "backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"}
+    _write(path, step=4)  # a second step is added to the same file
+    with h5py.File(path) as f:
+        assert sorted(f) == ["step_000003", "step_000004"]
+    with pytest.raises(FileExistsError):
+        _write(path, step=4)
+    with pytest.raises(FileExistsError):
+        RunFileWriter(path)
+    assert clean_path("features.0.weight_fake_quant") == "features/0/weight_fake_quant"
+    assert clean_path("model/conv/FakeQuant:0") == "model/conv/FakeQuant"
+    assert step_group(12) == "step_000012" and step_group("epoch_2") == "epoch_2"
+
+
+def test_writer_is_atomic(tmp_path):
+    path = str(tmp_path / "run.h5")
+    with pytest.raises(RuntimeError):
+        with RunFileWriter(path) as w:
+            w.add("a", "FakeQuantWithMinMaxArgs", {"inputs": np.zeros(3, np.float32)})
+            raise RuntimeError("the training step failed")
+    assert os.listdir(tmp_path) == []
+
+
+def test_verify_passes_on_own_references(tmp_path):
+    path = str(tmp_path / "run.h5")
+    _write(path)
+    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["verified"] == 3 and doc["failed"] == 0
+    by_path = {layer["path"]: layer for layer in doc["layers"]}
+    fq = by_path["net/act_quant"]
+    assert fq["outputs"]["outputs"]["identical"] and fq["outputs"]["backprops_wrt_input"]["rule"] == "bitwise"
+    assert by_path["net/bn"]["status"] in ("identical", "within-rtol")
+    r = CliRunner().invoke(main, ["verify", path])
+    assert r.exit_code == 0 and "3 of 3 layers pass" in r.stdout
+
+
+@pytest.mark.parametrize("perturb, bad", [("fq", "net/act_quant"), ("bn", "net/bn")])
+def test_verify_fails_worst_first(tmp_path, perturb, bad):
+    path = str(tmp_path / "run.h5")
+    _write(path, perturb=perturb)
+    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    assert doc["layers"][0]["path"] == bad and not doc["layers"][0]["passed"]
+    assert doc["failed"] == 1
+    if perturb == "fq":
+        assert doc["layers"][0]["max_ulps"] == 1
+    assert "1 of 3 layers differ" in r.stderr
+    # a looser rtol lets the batch norm pass; a fake-quant output must stay bit-identical
+    r = CliRunner().invoke(main, ["verify", path, "--rtol", "0.01"])
+    assert r.exit_code == (1 if perturb == "fq" else 0)
+
+
+def test_verify_without_references(tmp_path):
+    path = str(tmp_path / "run.h5")
+    _write(path, references=False)
+    r = CliRunner().invoke(main, ["verify", path])
+    assert r.exit_code == 2 and "reference/" in r.stderr
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "missing.h5")])
+    assert r.exit_code == 2
+
+
+def test_compare_counts_ulps():
+    a = np.float32([1.0, 2.0, -1e-45])
+    b = np.float32([1.0, np.nextafter(np.float32(2.0), np.float32(0.0)), 1e-45])
+    c = compare(a, b)
+    assert not c["identical"] and c["max_ulps"] == 2 and c["mismatches"] == 2
