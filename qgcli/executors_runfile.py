@@ -79,7 +79,8 @@ def _prepared(job, container, path, layer):
     specs = _operand_specs(layer)
     group_job, overrides = layer_job(job, layer, specs, job.output)
     runner = _TOOLS["runner_for"](group_job)
-    operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK)
+    operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK,
+                                 nodes=layer.nodes)
     return group_job, runner, operands, overrides
 
 
@@ -142,6 +143,10 @@ def _run_and_write(job, container, path, layers):
         io.atomic_write(dest, lambda tmp: _write_h5(job, container, path, layers, tmp, ran, skipped))
     elif kind in ("npz", "stdout"):
         _write_npz(job, container, path, layers, dest, kind, ran, skipped)
+    elif kind == "safetensors":  # one flat file, keys <group>/<name> as in .npz
+        arrays = {f"{layer.path}/{name}": a for layer, outs in _in_memory(job, container, path, layers, ran, skipped)
+                  for name, a in outs.items()}
+        io.atomic_write(dest, lambda tmp: io._write_safetensors(tmp, arrays))
     else:
         _write_dir(job, container, path, layers, dest, ran, skipped)
     return ran, skipped
@@ -181,12 +186,14 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
     from qgcli.signals import raise_pending
 
     compression = job.output.compression
+    budgets = {}
     with io.open_h5_for_writing(tmp) as f:
         for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
             raise_pending()
             try:
                 streams = hasattr(runner, "stream") and group_job.output.device == "cpu"
-                plan = memory_plan(group_job, operands, streams=streams, mode=group_job.mode)
+                plan = None if _fits(layer, group_job, budgets) else \
+                    memory_plan(group_job, operands, streams=streams, mode=group_job.mode)
                 grp = f.require_group(layer.path)
                 if plan is not None:
                     streamed = runner.stream(group_job, operands, *plan)
@@ -207,6 +214,30 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
             finally:
                 operands.close()
             _record(ran, layer, group_job, summary, overrides)
+
+
+def _fits(layer, group_job, budgets):
+    """Whether the group's large operands (their shapes known from discovery) need no more than the memory
+    budget, by :func:`qgcli.executors._measure`'s own rule: then the memory plan is None without opening a
+    dataset.  False means "ask the memory plan" (which decides, and checks, as for a single bundle)."""
+    import numpy as np
+
+    from qgcli import streaming
+
+    limit = group_job.output.memory_limit
+    if limit not in budgets:
+        budgets[limit] = streaming.parse_memory_limit(limit)
+    need = 0
+    for name in group_job.large_operands:
+        if name not in layer.datasets:
+            return False
+        shape, dtype = layer.datasets[name]
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except (TypeError, ValueError):
+            return False
+        need += int(np.prod(shape, dtype=np.int64)) * max(itemsize, 4)
+    return need * 2 <= budgets[limit]
 
 
 def _put(grp, arrays, attrs, compression, np):

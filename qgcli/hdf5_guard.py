@@ -34,24 +34,53 @@ def stuck():
 def read_string_attribute(attr, filename):
     """The value of a scalar variable-length string attribute (an h5py AttrID), or None where this
     platform's HDF5 library cannot be reached through ctypes or the attribute is no string."""
+    value = read_string_attributes([attr], filename)[0]
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+def read_string_attributes(attrs, filename):
+    """:func:`read_string_attribute` of each of ``attrs`` (h5py AttrIDs), in one round trip to the worker
+    thread: the time limit covers the whole batch (every read is tiny: a stuck one still ends the command
+    within :data:`SECONDS`), and the message names the attribute whose read did not return."""
     import h5py
 
     lib = _hdf5_library()
-    if lib is None or h5py.check_string_dtype(attr.dtype) is None or _stuck:
-        return None
+    attrs = list(attrs)
+    if lib is None or _stuck:
+        return [None] * len(attrs)
+    todo = [i for i, a in enumerate(attrs) if h5py.check_string_dtype(a.dtype) is not None]
+    if not todo:
+        return [None] * len(attrs)
     memtype = h5py.h5t.C_S1.copy()  # char *, NUL-terminated, allocated by HDF5
     memtype.set_size(h5py.h5t.VARIABLE)
     memtype.set_cset(h5py.h5t.CSET_UTF8)
-    pointer = ctypes.c_char_p()
-    status = _run(lambda: lib.H5Aread(attr.id, memtype.id, ctypes.byref(pointer)),
-                  lambda: f"{filename}: HDF5 did not return from reading attribute "
-                          f"{attr.name.decode('utf-8', 'replace')!r} within {SECONDS:g} s (a damaged file?)")
-    if status < 0:
-        raise ValueError("HDF5 could not read the value")
+    pointers = [ctypes.c_char_p() for _ in todo]
+    current = [None]  # the attribute being read, for the message
+
+    def read_all():
+        statuses = []
+        for i, pointer in zip(todo, pointers):
+            current[0] = attrs[i]
+            statuses.append(lib.H5Aread(attrs[i].id, memtype.id, ctypes.byref(pointer)))
+        return statuses
+
+    def describe():
+        name = current[0].name.decode("utf-8", "replace") if current[0] is not None else "?"
+        return f"{filename}: HDF5 did not return from reading attribute {name!r} within {SECONDS:g} s (a damaged file?)"
+
+    statuses = _run(read_all, describe)
+    out = [None] * len(attrs)
     try:
-        return (pointer.value or b"").decode("utf-8", "replace")
+        for i, pointer, status in zip(todo, pointers, statuses):
+            out[i] = ValueError("HDF5 could not read the value") if status < 0 else \
+                (pointer.value or b"").decode("utf-8", "replace")
     finally:
-        lib.H5free_memory(pointer)
+        for pointer, status in zip(pointers, statuses):
+            if status >= 0:
+                lib.H5free_memory(pointer)
+    return out
 
 
 def _run(call, describe):

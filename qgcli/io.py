@@ -31,7 +31,8 @@ from qgcli.signals import deferred, raise_pending
 H5_SUFFIXES = (".h5", ".hdf5")
 NPZ_SUFFIXES = (".npz",)
 NPY_SUFFIXES = (".npy",)
-_CONTAINER_SUFFIXES = H5_SUFFIXES + NPZ_SUFFIXES
+SAFETENSORS_SUFFIXES = (".safetensors",)
+_CONTAINER_SUFFIXES = H5_SUFFIXES + NPZ_SUFFIXES + SAFETENSORS_SUFFIXES
 _KNOWN_SUFFIXES = _CONTAINER_SUFFIXES + NPY_SUFFIXES
 _MAGIC = {"npy": b"\x93NUMPY", "npz": b"PK", "h5": b"\x89HDF\r\n\x1a\n"}
 _NUMBER = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf|infinity|nan)"
@@ -97,7 +98,9 @@ def file_kind(path):
         return "npz"
     if lower.endswith(H5_SUFFIXES):
         return "h5"
-    raise FileFormatError(f"unknown file type (expected .npy, .npz, .h5 or .hdf5): {path}")
+    if lower.endswith(SAFETENSORS_SUFFIXES):
+        return "safetensors"
+    raise FileFormatError(f"unknown file type (expected .npy, .npz, .h5, .hdf5 or .safetensors): {path}")
 
 
 def _sniff(data):
@@ -171,6 +174,8 @@ class Container:
         except OSError as exc:
             raise FileFormatError(f"cannot read {path}: {exc.strerror or exc}") from None
         found = _sniff(head)
+        if kind == "safetensors" and found is None and len(head) == 8:
+            found = kind  # an 8-byte little-endian header length, then JSON (checked when opened)
         if found != kind:
             what = "empty" if not head else f"not an {kind} file" + (f" (looks like {found})" if found else "")
             raise FileFormatError(f"{path} is {what}")
@@ -205,6 +210,8 @@ class Container:
                 elif self.kind == "npz":
                     # zipfile itself, not np.load: each member is then read by the checked .npy reader.
                     self._handle = zipfile.ZipFile(src)
+                elif self.kind == "safetensors":
+                    self._handle = _open_safetensors(src)
                 else:
                     self._handle = "npy"
             except QgcliError:
@@ -220,6 +227,8 @@ class Container:
             return []
         if self.kind == "npz":
             return list(_npz_members(handle))
+        if self.kind == "safetensors":
+            return list(handle.keys())
         import h5py
 
         names = []
@@ -245,6 +254,13 @@ class Container:
             if len(names) != 1:
                 self._fail(f"holds {len(names)} tensors ({', '.join(names[:8])}); name one with :KEY")
             key = names[0]
+        if self.kind == "safetensors":
+            if key not in handle.keys():
+                self._fail(f"has no key {key!r} (keys: {', '.join(list(handle.keys())[:8]) or 'none'})")
+            try:
+                return handle.get_tensor(key)
+            except CORRUPT_FILE_ERRORS as exc:
+                self._fail(f"cannot read {key!r}: {_reason(exc)}")
         if self.kind == "npz":
             members = _npz_members(handle)
             if key not in members:
@@ -261,6 +277,8 @@ class Container:
             return _h5_dataset(self._opened(), key, self.label)
 
     def has(self, key):
+        if self.kind == "safetensors":
+            return key in self._opened().keys()
         if self.kind == "npz":
             return key in _npz_members(self._opened())
         if self.kind == "h5":
@@ -433,15 +451,19 @@ def _h5_resolve(handle, key, label):
 
 def _h5_dataset(handle, key, label):
     """The checked h5py Dataset under ``key``: no group, no virtual or external data outside the file."""
+    return _checked_dataset(_h5_resolve(handle, key, label), key, label)
+
+
+def _checked_dataset(node, key, label):
+    """``node`` (resolved from ``key``) when it is a Dataset whose data lies in its own file."""
     import h5py
 
-    node = _h5_resolve(handle, key, label)
     try:
         if not isinstance(node, h5py.Dataset):
             raise FileFormatError(f"{label}: {key!r} is a group, not a dataset")
         if node.is_virtual:
             for source in node.virtual_sources():
-                if source.file_name not in (".", handle.filename):
+                if source.file_name not in (".", node.file.filename):
                     raise FileFormatError(
                         f"{label}: {key!r} is a virtual dataset reading {source.file_name}; qgcli does not follow it"
                     )
@@ -457,7 +479,11 @@ def _h5_dataset(handle, key, label):
 
 
 def _read_h5_dataset(handle, key, label):
-    node = _h5_dataset(handle, key, label)
+    return _read_dataset_node(_h5_dataset(handle, key, label), key, label)
+
+
+def _read_dataset_node(node, key, label):
+    """The array of a checked Dataset (:func:`_checked_dataset`)."""
     try:
         if node.dtype.hasobject:
             # Variable-length strings and sequences and references live in HDF5's global heap; no tensor
@@ -495,22 +521,56 @@ def read_attributes(obj):
     seconds; other variable-length and object-typed values are never read and appear as ``"<KIND: not
     read>"`` (the kind, as for such datasets).
     """
-    out = {}
-    for key in obj.attrs.keys():
-        key_text = key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key
+    return read_attributes_many([obj])[0]
+
+
+def read_attributes_many(objs):
+    """:func:`read_attributes` of each of ``objs`` (a run file's groups), with every scalar string attribute
+    of all of them read in one guarded batch (one round trip to :mod:`qgcli.hdf5_guard`'s worker thread)."""
+    outs, strings = [], []  # strings: (dict, key, AttrID)
+    for obj in objs:
+        out = {}
+        outs.append(out)
+        for key in obj.attrs.keys():
+            key_text = key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key
+            try:
+                attr = obj.attrs.get_id(key)
+                dtype = attr.dtype
+                if dtype.kind == "O":
+                    out[key_text] = f"<{_h5_object_kind(dtype)}: not read>"
+                    if attr.shape == ():
+                        strings.append((out, key_text, attr, obj.file.filename))
+                elif dtype.kind in "biuf" and dtype.subdtype is None and attr.shape == ():
+                    out[key_text] = _scalar_attribute(attr, dtype)  # what obj.attrs[key] gives, opened once
+                else:
+                    value = obj.attrs[key]
+                    out[key_text] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            except FileFormatError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an unsupported or damaged attribute must not stop the listing
+                out[key_text] = f"<unreadable: {type(exc).__name__}>"
+    if strings:
         try:
-            attr = obj.attrs.get_id(key)
-            if attr.dtype.kind == "O":
-                value = hdf5_guard.read_string_attribute(attr, obj.file.filename) if attr.shape == () else None
-                out[key_text] = f"<{_h5_object_kind(attr.dtype)}: not read>" if value is None else value
-            else:
-                value = obj.attrs[key]
-                out[key_text] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            values = hdf5_guard.read_string_attributes([s[2] for s in strings], strings[0][3])
         except FileFormatError:
             raise
-        except Exception as exc:  # noqa: BLE001 - an unsupported or damaged attribute must not stop the listing
-            out[key_text] = f"<unreadable: {type(exc).__name__}>"
-    return out
+        except Exception as exc:  # noqa: BLE001 - as above, for every attribute of the batch
+            values = [exc] * len(strings)
+        for (out, key_text, _, _), value in zip(strings, values):
+            if isinstance(value, Exception):
+                out[key_text] = f"<unreadable: {type(value).__name__}>"
+            elif value is not None:
+                out[key_text] = value
+    return outs
+
+
+def _scalar_attribute(attr, dtype):
+    """A scalar numeric attribute's value as h5py's ``attrs[key]`` reads it (a NumPy scalar), from its AttrID."""
+    from h5py import h5t
+
+    value = np.zeros((), dtype=dtype)
+    attr.read(value, mtype=h5t.py_create(dtype))
+    return value[()]
 
 
 def _h5_object_kind(dtype):
@@ -759,6 +819,35 @@ def _as_os_error(exc, dest):
     return exc if isinstance(exc, OSError) else None
 
 
+def _safetensors_numpy():
+    try:
+        import safetensors.numpy
+    except ImportError:
+        raise FileFormatError(".safetensors files need the safetensors package: pip install safetensors") from None
+    return safetensors.numpy
+
+
+def _open_safetensors(path):
+    """A safetensors file's tensors as NumPy arrays, read lazily (``keys()``, ``get_tensor(key)``)."""
+    _safetensors_numpy()
+    from safetensors import safe_open
+
+    if not isinstance(path, str):
+        raise FileFormatError("a .safetensors stream on stdin is not supported; give the file")
+    try:
+        return safe_open(path, framework="np")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError (a Rust error type) and OSError: damaged bytes
+        raise FileFormatError(f"{path}: cannot open as safetensors: {exc}") from None
+
+
+def _write_safetensors(path, arrays, attrs=None):
+    """``arrays`` as one .safetensors file; string attributes (the op's) go to its metadata."""
+    st = _safetensors_numpy()
+    tensors = {name: np.ascontiguousarray(np.asarray(a)) for name, a in arrays.items()}
+    metadata = {str(k): str(v) for k, v in (attrs or {}).items() if v is not None}
+    st.save_file(tensors, path, metadata=metadata or None)
+
+
 def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
     """Write ``arrays`` (name -> array) to ``dest`` as .h5 / .npz / a directory of .npy / npz on stdout.
 
@@ -781,6 +870,8 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
         return
     if kind == "h5":
         atomic_write(dest, lambda p: _write_h5(p, arrays, attrs, compression))
+    elif kind == "safetensors":
+        atomic_write(dest, lambda p: _write_safetensors(p, arrays, attrs))
     elif kind == "npz":
         def write(path):
             with open(path, "wb") as fh:

@@ -13,6 +13,9 @@ LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "cha
               "clipped_above", "clipped", "gradient_blocked", "sqnr_db", "suggested_min", "suggested_max",
               "suggested_sqnr_db", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped")
 
+#: The percentiles ``qgcli report`` searches for a suggested range by default.
+DEFAULT_PERCENTILES = (100.0, 99.99, 99.9, 99.5, 99.0, 98.0, 95.0)
+
 _STEP = re.compile(r"^(step|epoch|iter|iteration)[_-]?\d+$", re.IGNORECASE)
 
 
@@ -57,7 +60,8 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
                 if on_layer is not None:
                     on_layer(name)
                 specs = _literal_specs(layer)
-                operands = Operands.in_group(container, path, layer.path, specs, literal_ok=("min", "max"))
+                operands = Operands.in_group(container, path, layer.path, specs, literal_ok=("min", "max"),
+                                             nodes=layer.nodes)
                 try:
                     row = _row(layer, operands, dict(options), percentiles, device)
                 except (QgcliError, ValueError) as exc:
@@ -186,6 +190,16 @@ def trends(rows):
         out.setdefault(r["layer"], []).append({"step": r["step"], "gradient_blocked": r["gradient_blocked"],
                                                "clipped": r["clipped"], "sqnr_db": r["sqnr_db"]})
     return steps, out
+
+
+def latest_per_layer(rows):
+    """One row per layer: its latest step's (steps ordered as :func:`trends` orders them), in first-seen order."""
+    latest = {}
+    for r in rows:
+        seen = latest.get(r["layer"])
+        if seen is None or str(r["step"]) > str(seen["step"]):
+            latest[r["layer"]] = r
+    return list(latest.values())
 
 
 def layer_operands(target, path, options):

@@ -44,13 +44,14 @@ class Operands:
         return cls(specs.bundle, specs.as_dict(), literal_ok=literal_ok)
 
     @classmethod
-    def in_group(cls, container, path, group, specs=None, *, literal_ok=()):
+    def in_group(cls, container, path, group, specs=None, *, literal_ok=(), nodes=None):
         """The operands of one group of an open run file (its datasets by TensorFlow name); ``specs``: literal
-        operands given beside it (an Args group's min/max attributes).  The container stays the caller's."""
+        operands given beside it (an Args group's min/max attributes).  The container stays the caller's.
+        ``nodes``: the group and datasets :func:`qgcli.runfile.discover` already opened (``Layer.nodes``)."""
         self = cls(None, dict(specs or {}), literal_ok=literal_ok)
         self.bundle_text = f"{path}:{group}"
         self.bundle_path = path
-        self._bundle_container = GroupView(container, group)
+        self._bundle_container = GroupView(container, group, nodes=nodes)
         return self
 
     @staticmethod
@@ -124,22 +125,34 @@ class GroupView:
 
     kind = "h5"
 
-    def __init__(self, container, group, *, owns=False):
+    def __init__(self, container, group, *, owns=False, nodes=None):
         from qgcli import io
 
         self._io = io
         self._container = container
         self._owns = owns
         self._label = f"{container.label}:{group.strip('/')}"
+        self._resolved = {}  # name -> resolved object; each operand is looked up (and checked) once
+        self._checked = {}
+        if nodes is not None:  # found by walking hard links only, as _h5_resolve would have
+            self._node = nodes["group"]
+            self._resolved.update(nodes["datasets"])
+            return
         # Resolved once: each operand is then one link below it (deep run-file paths cost nothing per read).
         self._node = io._h5_resolve(container._opened(), group, container.label) if group.strip("/") else \
             container._opened()
+
+    def _resolve(self, name):
+        node = self._resolved.get(name)
+        if node is None:
+            node = self._resolved[name] = self._io._h5_resolve(self._node, name, self._label)
+        return node
 
     def has(self, name):
         from qgcli.errors import FileFormatError
 
         try:
-            self._io._h5_resolve(self._node, name, self._label)
+            self._resolve(name)
             return True
         except FileFormatError as exc:
             return not isinstance(exc, self._io._NoSuchObject)
@@ -148,10 +161,13 @@ class GroupView:
         from qgcli.signals import deferred
 
         with deferred():
-            return self._io._read_h5_dataset(self._node, name, self._label)
+            return self._io._read_dataset_node(self.dataset(name), name, self._label)
 
     def dataset(self, name):
-        return self._io._h5_dataset(self._node, name, self._label)
+        ds = self._checked.get(name)
+        if ds is None:
+            ds = self._checked[name] = self._io._checked_dataset(self._resolve(name), name, self._label)
+        return ds
 
     def close(self):
         if self._owns:

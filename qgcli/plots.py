@@ -941,3 +941,137 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
         "channel": channel, "cosine_vs_ste": cosines or None, "range_gradients": extras or None,
     }
     return fig
+
+
+# --- every layer of a run file (qgcli plot layers) -----------------------------------------------------------
+
+#: Height of one layer's row of bars (inches): 200 layers fit a 36-inch figure, labels at 7 pt.
+LAYER_ROW_INCHES = 0.17
+#: Longest layer label drawn whole; longer ones keep both ends around an ellipsis.
+LAYER_LABEL_CHARS = 90
+_LABEL_INCHES_PER_CHAR = 0.05  # DejaVu Sans at 7 pt: about 0.52 em per character, with a margin
+
+
+def _elided(text, limit=LAYER_LABEL_CHARS):
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (limit - 1 - head):]
+
+
+def _percent_or_nan(v):
+    return np.nan if v is None else 100.0 * float(v)
+
+
+def layers(rows, *, steps=(), trends=None, title=None, width=None, height=None):
+    """Per-layer bars of the gradient mass the mask blocks and of the SQNR, one row per layer in the order
+    given (worst first: :func:`qgcli.layer_report.worst_first`), and with several steps a layer x step heat
+    map of each.
+
+    ``rows`` are :func:`qgcli.layer_report.report_layers` rows (``label`` or ``path``, ``layer``,
+    ``gradient_blocked``, ``clipped``, ``sqnr_db``, ``suggested_sqnr_db``); ``steps`` and ``trends`` are
+    :func:`qgcli.layer_report.trends`' results (heat-map rows are looked up by ``row["layer"]``).  The
+    figure grows with the layer count (:data:`LAYER_ROW_INCHES` per layer) and is as wide as its longest
+    label needs, so no label is cut.  A layer without gradients is drawn by its clipped share (grey bars,
+    gid ``"clipped"``); the others carry gid ``"gradient_blocked"`` (bar length in percent), the SQNR bars
+    ``"sqnr_db"``, the suggested range's SQNR marks ``"suggested_sqnr_db"``, the heat maps
+    ``"trend_gradient_blocked"`` (percent) and ``"trend_sqnr_db"``.  Bar ``i`` is centred on y = ``i``.
+
+    >>> fig = layers([{"path": "a", "gradient_blocked": 0.5, "clipped": 0.1, "sqnr_db": 20.0},
+    ...               {"path": "b", "gradient_blocked": None, "clipped": 0.2, "sqnr_db": 30.0}])
+    >>> [p.get_width() for p in fig.axes[0].patches if p.get_gid() == "gradient_blocked"]
+    [50.0]
+    """
+    rows = list(rows)
+    if not rows:
+        raise QgcliError("no layer to plot")
+    n = len(rows)
+    heat = bool(trends) and len(steps) >= 2
+    labels = [_elided(r.get("label") or r["path"]) for r in rows]
+    label_in = 0.35 + _LABEL_INCHES_PER_CHAR * max(len(t) for t in labels)
+    bar_in, heat_in = 2.6, (max(1.6, 0.28 * len(steps) + 0.6) if heat else 0.0)
+    if width is None:
+        width = label_in + 2 * bar_in + 2 * heat_in + 0.4
+    if height is None:
+        height = max(3.0, 1.7 + LAYER_ROW_INCHES * n)
+    fig = new_figure(width, height)
+    ratios = [bar_in, bar_in] + ([heat_in, heat_in] if heat else [])
+    axes = fig.subplots(1, len(ratios), sharey=True, gridspec_kw={"width_ratios": ratios})
+    y = np.arange(n)
+    small = dict(fontsize=7)
+
+    blocked = np.array([_percent_or_nan(r.get("gradient_blocked")) for r in rows])
+    clipped = np.array([_percent_or_nan(r.get("clipped")) for r in rows])
+    has_grad = np.isfinite(blocked)
+    ax = axes[0]
+    if has_grad.any():
+        ax.barh(y[has_grad], blocked[has_grad], height=0.75, color=C_CLIP, gid="gradient_blocked",
+                label="gradient mass blocked")
+    if (~has_grad).any():
+        ax.barh(y[~has_grad], np.nan_to_num(clipped[~has_grad]), height=0.75, color="0.6", gid="clipped",
+                label="clipped (no gradients)")
+    ax.set_xlim(0, max(1.0, float(np.nanmax(np.where(has_grad, blocked, clipped), initial=0.0))) * 1.08)
+    ax.set_title("gradient mass blocked (%)" + ("\ngrey: clipped (no gradients)" if (~has_grad).any() else ""),
+                 **small)
+    ax.set_yticks(y, labels, fontsize=7)
+    ax.set_ylim(n - 0.5, -0.5)  # worst at the top
+
+    sqnr = np.array([np.nan if r.get("sqnr_db") is None else float(r["sqnr_db"]) for r in rows])
+    suggested = np.array([np.nan if r.get("suggested_sqnr_db") is None else float(r["suggested_sqnr_db"])
+                          for r in rows])
+    ax = axes[1]
+    ok = np.isfinite(sqnr)
+    ax.barh(y[ok], sqnr[ok], height=0.75, color=C_OUTPUTS, gid="sqnr_db", label="SQNR")
+    if np.isfinite(suggested).any():
+        ax.plot(suggested, y, linestyle="none", marker="|", markersize=7, color="k", gid="suggested_sqnr_db",
+                label="with the suggested range")
+    for i in np.flatnonzero(~ok):
+        ax.text(0, i, " no error", va="center", fontsize=6, color="0.4", gid="sqnr_inf")
+    ax.set_title("SQNR (dB)" + ("\n| with the suggested range" if np.isfinite(suggested).any() else ""), **small)
+    finite = np.concatenate([sqnr[ok], suggested[np.isfinite(suggested)], [0.0]])
+    lo, hi = float(finite.min()), float(finite.max())
+    ax.set_xlim(min(0.0, lo * 1.08), max(1.0, hi * 1.08))
+    for ax in axes[:2]:
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(axis="x", labelsize=7, top=True, labeltop=n > 40)
+        ax.tick_params(axis="y", length=0)
+
+    if heat:
+        steps = list(steps)
+        column = {s: j for j, s in enumerate(steps)}
+        grids = {"gradient_blocked": np.full((n, len(steps)), np.nan), "sqnr_db": np.full((n, len(steps)), np.nan)}
+        for i, r in enumerate(rows):
+            for point in trends.get(r.get("layer"), ()):
+                j = column.get(point["step"])
+                if j is None:
+                    continue
+                b = point.get("gradient_blocked")
+                grids["gradient_blocked"][i, j] = _percent_or_nan(b if b is not None else point.get("clipped"))
+                if point.get("sqnr_db") is not None:
+                    grids["sqnr_db"][i, j] = float(point["sqnr_db"])
+        for ax, (key, what, cmap, vmin, vmax) in zip(axes[2:], (
+                ("gradient_blocked", "blocked by step (%)", "Reds", 0.0, None),
+                ("sqnr_db", "SQNR by step (dB)", "viridis", None, None))):
+            data = grids[key]
+            im = ax.imshow(data, aspect="auto", cmap=cmap, interpolation="nearest", vmin=vmin, vmax=vmax,
+                           extent=(-0.5, len(steps) - 0.5, n - 0.5, -0.5))
+            im.set_gid("trend_" + key)
+            ax.set_title(what, **small)
+            ax.set_xticks(range(len(steps)), [_elided(s, 24) for s in steps], rotation=90, fontsize=6)
+            if len(steps) > 24:
+                from matplotlib.ticker import MaxNLocator
+
+                ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+            ax.tick_params(axis="x", top=True, labeltop=n > 40)
+            ax.tick_params(axis="y", length=0)
+            cbar = fig.colorbar(im, ax=ax, location="bottom", fraction=min(0.1, 0.3 / height), aspect=15, pad=0.01)
+            cbar.ax.tick_params(labelsize=6)
+    what = f"{_plural(n, 'layer')}, worst first" + (f", {len(steps)} steps" if heat else "")
+    fig.suptitle(_wrapped(fig, title if title is not None else f"Blocked gradient mass and SQNR per layer: {what}",
+                          9), fontsize=9)
+    worst = rows[0]
+    fig.qgcli_summary = {"plot": "layers", "layers": n, "steps": steps if heat else [],
+                         "worst": worst.get("label") or worst["path"],
+                         "worst_gradient_blocked": worst.get("gradient_blocked")}
+    return fig

@@ -72,6 +72,9 @@ class Layer:
     datasets: dict  # name -> (shape tuple, dtype str)
     error: Optional[str] = None
     notes: list = field(default_factory=list)
+    #: The open h5py group and hard-linked datasets found by :func:`discover` (so that running the layer
+    #: does not look them up again): ``{"group": Group, "datasets": {name: Dataset}}``, or None.
+    nodes: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
     def label(self):
@@ -126,37 +129,53 @@ def _is_dataset(group, name):
         return False
 
 
-def _layer_groups(top, limit=None):
+def _dataset(group, name):
+    """The Dataset hard-linked as ``name`` in ``group`` (opened once), or None."""
+    import h5py
+
+    try:
+        if not isinstance(group.get(name, getlink=True), h5py.HardLink):
+            return None
+        obj = group[name]
+    except Exception:  # noqa: BLE001 - damaged: not an operand
+        return None
+    return obj if isinstance(obj, h5py.Dataset) else None
+
+
+def _layer_groups(top, limit=None, *, groups=None):
     """Paths (absolute in the file) of the groups under ``top`` (itself included) that are layers, in file
     order: a group with an ``op`` attribute or one of the marker datasets.  HDF5's visitor follows hard
-    links only and visits each object once, so a hard-link cycle ends."""
-    import h5py
+    links only and visits each object once, so a hard-link cycle ends.  ``groups``: a list that receives
+    the open h5py Group of each path (so that callers do not look the paths up again)."""
+    from h5py import h5o
 
     from qgcli.signals import deferred
 
     found = []
+    objects = [] if groups is None else groups
 
     def check(path, group):
         if limit is not None and len(found) >= limit:
             return True
         # The file's root is a layer by its operands only: qgcli's own outputs carry an op attribute there.
-        marked = any(k in group and _is_dataset(group, k) for k in _MARKERS)
-        if marked or ("op" in group.attrs and path != "/"):
+        # The attribute first: a group that has one needs no look at its datasets.
+        if (path != "/" and "op" in group.attrs) or any(k in group and _is_dataset(group, k) for k in _MARKERS):
             found.append(path)
+            objects.append(group)
         return None
 
     base = top.name.rstrip("/")
     if check(top.name, top):
         return found
 
-    def visit(name, obj):
-        if isinstance(obj, h5py.Group):
-            name = name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name
-            return check(f"{base}/{name}", obj)
+    def visit(name, info):
+        # Groups only: the object info says which links are groups, so datasets are never opened here.
+        if info.type == h5o.TYPE_GROUP and name != b".":
+            return check(f"{base}/{name.decode('utf-8', 'surrogateescape')}", top[name])
         return None
 
     with deferred():
-        top.visititems(visit)
+        h5o.visit(top.id, visit, info=True)
     return found
 
 
@@ -175,25 +194,35 @@ def discover(handle, group=None, *, label=None):
         if not isinstance(node, h5py.Group):
             raise FileFormatError(f"{label}: {group!r} is a dataset, not a group of a run file")
         top = node
-    layers = []
-    for path in _layer_groups(top):
+    layers, groups = [], []
+    paths = _layer_groups(top, groups=groups)
+    try:  # every group's attributes at once: one guarded round trip for all their strings
+        all_attrs = io.read_attributes_many(groups)
+    except FileFormatError:
+        raise
+    except io.CORRUPT_FILE_ERRORS:
+        all_attrs = [None] * len(groups)  # group by group below, so that the damaged one is named
+    for path, g, attrs in zip(paths, groups, all_attrs):
         name = path.lstrip("/") or "/"
         try:
-            g = handle[path]
-            attrs = io.read_attributes(g)
-            datasets = {}
+            if attrs is None:
+                attrs = io.read_attributes(g)
+            datasets, handles = {}, {}
             for key in g.keys():
-                if _is_dataset(g, key):
-                    ds = g[key]
+                ds = _dataset(g, key)
+                if ds is not None:
                     if ds.shape is None:  # an HDF5 empty (null dataspace) dataset: no tensor
                         continue
                     datasets[key] = (tuple(int(s) for s in ds.shape), str(ds.dtype))
+                    handles[key] = ds
         except FileFormatError:
             raise
         except io.CORRUPT_FILE_ERRORS as exc:
             layers.append(Layer(name, None, None, None, None, {}, {}, error=f"cannot be read: {io._reason(exc)}"))
             continue
-        layers.append(_layer(name, attrs, datasets))
+        layer = _layer(name, attrs, datasets)
+        layer.nodes = {"group": g, "datasets": handles}
+        layers.append(layer)
     return layers
 
 

@@ -24,6 +24,17 @@ def json_safe(value):
     """Replace NaN/inf floats (not valid JSON) by None, recursively."""
     import math
 
+    # Exact built-in types first (a run file's summary holds hundreds of thousands of values); subclasses
+    # such as NumPy's float64 take the general path below, as before.
+    t = type(value)
+    if t is str or t is int or t is bool or value is None:
+        return value
+    if t is list or t is tuple:
+        isfinite = math.isfinite
+        return [v if (type(v) is float and isfinite(v)) or type(v) is int or type(v) is str else json_safe(v)
+                for v in value]
+    if t is dict:
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):

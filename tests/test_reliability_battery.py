@@ -31,6 +31,7 @@ ROWS = [
     ("npy-is-text", ["report", "--inputs", "{d}/text.npy", "--min", "-1", "--max", "1"], 2, "inputs", "not an npy file"),
     ("npz-is-text", ["inspect", "{d}/text.npz"], 2, "text.npz", "cannot open as npz"),
     ("h5-signature-only", ["fakequant", "{d}/text.h5", "-o", "{o}/o.h5"], 2, "BUNDLE", "cannot open as h5"),
+    ("verify-not-h5", ["verify", "{d}/text.h5"], 2, "RUN", "cannot open as h5"),
     ("suffix-unknown", ["nudge", "--min", "{d}/secret.bin", "--max", "1"], 2, "min", "unknown file type"),
     # --- empty and truncated files
     ("npy-empty", ["plot", "hist", "--inputs", "{d}/empty.npy", "--min", "-1", "--max", "1", "-o", "{o}/h.png"],
@@ -51,6 +52,7 @@ ROWS = [
     ("npz-member-promises-400GB", ["report", "{d}/bomb.npz"], 2, "inputs", "promises 400000000000 bytes"),
     ("h5-truncated", ["bn-grad", "{d}/trunc.h5", "-o", "{o}/o.h5"], 2, "BUNDLE", "truncated file"),
     ("h5-truncated-inspect", ["inspect", "{d}/trunc.h5"], 2, "trunc.h5", "truncated file"),
+    ("h5-truncated-plot-layers", ["plot", "layers", "{d}/trunc.h5", "-o", "{o}/l.png"], 2, "BUNDLE", "truncated file"),
     # --- code or other files reached through a file
     ("npy-pickled-object", ["compare-semantics", "--inputs", "{d}/pickled.npy", "--min", "-1", "--max", "1"],
      2, "inputs", "pickled Python objects, which qgcli never loads"),

@@ -20,8 +20,10 @@ from qgcli.commands.options import (
     quantize_options,
     quiet_option,
     refuse_quantize_options,
+    run_file_target,
     semantics_options,
     spec_option,
+    typed_overrides,
 )
 from qgcli.summaries import emit, json_safe
 
@@ -109,12 +111,20 @@ def _load_range(operands, variant, axis, channel):
     return inputs, mn, mx, variant
 
 
-def _run(command, specs, figure, draw, *, literal_ok=("min", "max"), tallest=_TALLEST):
-    """Shared flow: resolve operands, check the figure path, draw on the device's arrays, save, report."""
+def _run(command, specs, figure, draw, *, literal_ok=("min", "max"), tallest=_TALLEST, per_layer=None, layer=None):
+    """Shared flow: resolve operands, check the figure path, draw on the device's arrays, save, report.
+    ``per_layer=(kind, plot options)``: a run file as BUNDLE draws one figure per group (or ``layer``)."""
     from qgcli.operands import Operands, to_device
     from qgcli.outputs import check_figure_output, save_checked
 
     f = figure
+    if per_layer is not None:
+        target = run_file_target(specs)
+        if layer is not None and target is None:
+            raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
+                                     param_hint="'--layer'")
+        if target is not None:
+            return _run_layers(command, target, f, per_layer, layer)
     _check_pixels(f.width, f.height or tallest, f.dpi)
     if f.as_json and f.destination == "-":
         raise click.UsageError("--json and -o - both want stdout; write the figure to a file or drop --json")
@@ -131,6 +141,75 @@ def _run(command, specs, figure, draw, *, literal_ok=("min", "max"), tallest=_TA
                          "size_px": size if fmt == "png" else None, "size_in": [w, h], "dpi": f.dpi,
                          **fig.qgcli_summary})
     emit(summary, as_json=f.as_json, quiet=f.quiet, render=_render, output=f.destination)
+
+
+def _run_layers(command, target, f, per_layer, layer):
+    """A run file: one figure per group into ``-o DIR/`` (worker processes), or the group ``--layer`` to FIG."""
+    import os
+    import time
+
+    from qgcli import layer_figures
+    from qgcli.outputs import check_figure_output, save_checked
+    from qgcli.progress import Progress
+
+    kind, options = per_layer
+    options = dict(options)
+    quantize = options.pop("quantize", None)
+    if quantize is not None:
+        refuse_quantize_options(quantize)
+    _check_pixels(f.width, f.height or _TALLEST, f.dpi)
+    tasks, skipped = layer_figures.plan(target, kind, typed_overrides(), plot_options=options, layer=layer)
+    file = tasks[0].file if tasks else target
+    if layer is not None:
+        if f.as_json and f.destination == "-":
+            raise click.UsageError("--json and -o - both want stdout; write the figure to a file or drop --json")
+        check_figure_output(f.destination, inputs=[file], force=f.force, format=f.format)
+        fig = layer_figures.draw(tasks[0])
+        fmt = save_checked(fig, f.destination, f.dpi, format=f.format)
+        w, h = (float(v) for v in fig.get_size_inches())
+        summary = json_safe({"command": command, "output": f.destination, "format": fmt,
+                             "size_px": [int(round(w * f.dpi)), int(round(h * f.dpi))] if fmt == "png" else None,
+                             "size_in": [w, h], "dpi": f.dpi, **fig.qgcli_summary})
+        emit(summary, as_json=f.as_json, quiet=f.quiet, render=_render, output=f.destination)
+        return
+    dest = f.destination
+    if not (dest.endswith("/") or os.path.isdir(dest)):
+        raise click.BadParameter("a run file holds one figure per group: give a folder (-o DIR/) or one group "
+                                 "(--layer PATH)", param_hint="'--output'")
+    if not tasks:
+        from qgcli.errors import QgcliError
+
+        reasons = "; ".join(f"{s['path']}: {s['reason']}" for s in skipped[:5]) or "no groups"
+        raise QgcliError(f"{file}: no group plot {kind} can draw ({reasons})", operand="BUNDLE")
+    from qgcli import io
+
+    io.check_output(dest.rstrip("/") + "/", inputs=[file], force=f.force)
+    fmt = f.format or "png"
+    start = time.perf_counter()
+    with Progress(f"plot {kind}", total=len(tasks), quiet=f.quiet) as progress:
+        try:
+            figures, index, used = layer_figures.write_all(tasks, dest, dpi=f.dpi, fmt=fmt, force=f.force,
+                                                           on_done=lambda task: progress.advance())
+        except layer_figures.WorkerFailed as exc:
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {dest}: {exc.strerror or exc}") from None
+    seconds = time.perf_counter() - start
+    summary = json_safe({"command": command, "run_file": target, "output": dest, "format": fmt, "dpi": f.dpi,
+                         "figures": len(figures), "workers": used, "seconds": round(seconds, 3), "index": index,
+                         "layers": [{"path": s["path"], "file": s["file"], "op": s.get("op"),
+                                     "group_op": s.get("group_op"), "size_in": s["size_in"]} for s in figures],
+                         "skipped": skipped})
+    emit(summary, as_json=f.as_json, quiet=f.quiet, render=_render_layers, output=dest)
+
+
+def _render_layers(console, s):
+    console.print(f"wrote {s['figures']} figures ({s['format']}) to {s['output']} in {s['seconds']:.1f} s "
+                  f"({s['workers'] or 1} process{'es' if s['workers'] > 1 else ''})"
+                  + (f"; names changed, see {s['index']}" if s["index"] else ""), soft_wrap=True, markup=False)
+    for item in s["skipped"]:
+        console.print(f"not drawn: {item['path']} ({item['op'] or 'no op'}): {item['reason']}", soft_wrap=True,
+                      markup=False)
 
 
 def _render(console, s):
@@ -166,6 +245,9 @@ def plot():
     pass
 
 
+_LAYER = click.option("--layer", "layer", metavar="PATH", default=None,
+                       help="Run file: draw the group PATH only (default: one figure per group into -o DIR/).")
+
 _MAX_POINTS = click.option("--max-points", type=click.IntRange(10, 10_000_000), default=4000, show_default=True,
                            help="Largest number of points a line plot draws (a deterministic subsample of the "
                                 "sorted inputs, keeping every step edge; the figure says how many).")
@@ -176,6 +258,12 @@ def _view_kwargs(attributes, variant, channel, figure, quantize=None):
     return dict(num_bits=a.num_bits, narrow_range=a.narrow_range, variant=variant,
                 axis=-1 if a.axis is None else a.axis, channel=channel, title=f.title, width=f.width,
                 height=f.height, **_quantize_kwargs(variant, quantize))
+
+
+def _layer_options(figure, quantize, **options):
+    """The plot options of one figure per layer (a run file's groups are TensorFlow fake quant: the QuantizeV2
+    options do not apply)."""
+    return {**options, "title": figure.title, "width": figure.width, "height": figure.height, "quantize": quantize}
 
 
 def _quantize_kwargs(variant, quantize):
@@ -198,8 +286,9 @@ Example:
 @_operand_options(variants=PLOT_VARIANTS + (QD_VARIANT,))
 @quantize_options
 @_MAX_POINTS
+@_LAYER
 @_figure_options(6.4, 4.8)
-def staircase(operands, attributes, channel, quantize, max_points, figure):
+def staircase(operands, attributes, channel, quantize, max_points, layer, figure):
     """Inputs vs fake-quantized outputs: the quantization staircase.
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels
@@ -213,7 +302,8 @@ def staircase(operands, attributes, channel, quantize, max_points, figure):
         return plots.staircase(x, mn, mx, max_points=max_points,
                                **_view_kwargs(attributes, var, channel, figure, quantize))
 
-    _run("plot staircase", operands, figure, draw)
+    _run("plot staircase", operands, figure, draw, layer=layer,
+         per_layer=("staircase", _layer_options(figure, quantize, channel=channel, max_points=max_points)))
 
 
 @plot.command("ste", epilog="""\b
@@ -227,8 +317,9 @@ Examples:
                   variants=PLOT_VARIANTS + (QD_VARIANT,))
 @quantize_options
 @_MAX_POINTS
+@_LAYER
 @_figure_options(6.4, 4.8)
-def ste(operands, attributes, channel, quantize, max_points, figure):
+def ste(operands, attributes, channel, quantize, max_points, layer, figure):
     """The staircase plus the STE gradient function (TF's mask) on a red twin axis.
 
     With --gradients, also the back-propagated gradient backprops_wrt_input in brown.
@@ -242,7 +333,8 @@ def ste(operands, attributes, channel, quantize, max_points, figure):
         return plots.ste(x, mn, mx, gradients=g, max_points=max_points,
                          **_view_kwargs(attributes, var, channel, figure, quantize))
 
-    _run("plot ste", operands, figure, draw)
+    _run("plot ste", operands, figure, draw, layer=layer,
+         per_layer=("ste", _layer_options(figure, quantize, channel=channel, max_points=max_points)))
 
 
 @plot.command("hist", epilog="""\b
@@ -253,8 +345,9 @@ Examples:
 @_operand_options()
 @click.option("--bins", type=click.IntRange(1, 100_000), default=100, show_default=True, help="Histogram bins.")
 @click.option("--log", "log_scale", is_flag=True, help="Logarithmic count axis.")
+@_LAYER
 @_figure_options(6.4, 4.8)
-def hist(operands, attributes, channel, bins, log_scale, figure):
+def hist(operands, attributes, channel, bins, log_scale, layer, figure):
     """Histogram of all inputs with the quantization grid, clip regions shaded, clipped shares annotated."""
     def draw(operands, on_device):
         from qgcli import plots
@@ -263,7 +356,8 @@ def hist(operands, attributes, channel, bins, log_scale, figure):
         (x,) = on_device(x)
         return plots.hist(x, mn, mx, bins=bins, log=log_scale, **_view_kwargs(attributes, var, channel, figure))
 
-    _run("plot hist", operands, figure, draw)
+    _run("plot hist", operands, figure, draw, layer=layer,
+         per_layer=("hist", _layer_options(figure, None, channel=channel, bins=bins, log=log_scale)))
 
 
 VECTOR_NAMES = ("backprop_wrt_min", "backprop_wrt_max", "scale_backprop", "offset_backprop")
@@ -279,8 +373,9 @@ Examples:
                                  "'gradients', if any).", channel=False)
 @click.option("--scale-backprop", metavar="SPEC", help="bn-grad output 'scale_backprop' (one per channel).")
 @click.option("--offset-backprop", metavar="SPEC", help="bn-grad output 'offset_backprop' (one per channel).")
+@_LAYER
 @_figure_options(8.0, None)
-def channels(operands, attributes, scale_backprop, offset_backprop, figure):
+def channels(operands, attributes, scale_backprop, offset_backprop, layer, figure):
     """Per-channel view: data range vs nudged range, share clipped low/high, backprop_wrt_min/max.
 
     With per-channel inputs/min/max (FakeQuantWithMinMaxVarsPerChannel), draws per channel the data
@@ -313,7 +408,8 @@ def channels(operands, attributes, scale_backprop, offset_backprop, figure):
                                "a file with backprop_wrt_min/max or scale_backprop/offset_backprop", operand="inputs")
         return plots.channel_vectors(vectors, title=figure.title, width=figure.width, height=figure.height)
 
-    _run("plot channels", specs, figure, draw)
+    per_layer = None if scale_backprop or offset_backprop else ("channels", _layer_options(figure, None))
+    _run("plot channels", specs, figure, draw, layer=layer, per_layer=per_layer)
 
 
 # --- plot estimators: several gradient estimators overlaid on the staircase --------------------------------
@@ -386,3 +482,74 @@ def estimators(operands, attributes, channel, quantize, semantics, estimator_nam
                                 **_quantize_kwargs(var, quantize))
 
     _run("plot estimators", specs, figure, draw, literal_ok=("min", "max", "scale", "zero_point"), tallest=7.6)
+
+
+# --- plot layers: every quantizer of one or more run files -------------------------------------------------
+
+@plot.command("layers", epilog="""\b
+Examples:
+  qgcli plot layers samples/run.h5 -o layers.png
+  qgcli plot layers runs/*.h5 --top 50 -o worst50.svg
+  qgcli plot layers samples/run.h5:step_000200 -o - | display
+""")
+@click.argument("runs", nargs=-1, required=True, metavar="RUN...")
+@attribute_group(
+    num_bits_option(),
+    narrow_range_option(),
+    click.option("--axis", type=int, default=None, help="Channel axis of the per-channel groups (over the groups')."),
+)
+@click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Draw the K worst layers only.")
+@_figure_options(None, None)
+def layers(runs, attributes, top, figure):
+    """Per layer of run files: bars of the gradient mass the mask blocks and of the SQNR, worst first.
+
+    The numbers are qgcli report's per-layer rows (TensorFlow's STE mask, PyTorch's for PyTorch groups).
+    With several steps (step_* groups, or several RUN files, each a step) also a layer x step heat map of
+    each, and the bars show each layer's latest step. The figure grows with the layer count (200 layers:
+    about 36 inches at 7-point labels); --width/--height override.
+    """
+    from qgcli import plots, runfile
+    from qgcli.layer_report import DEFAULT_PERCENTILES, latest_per_layer, report_layers, trends, worst_first
+    from qgcli.outputs import check_figure_output, save_checked
+    from qgcli.progress import Progress
+
+    f = figure
+    if f.as_json and f.destination == "-":
+        raise click.UsageError("--json and -o - both want stdout; write the figure to a file or drop --json")
+    files = [t[0] for t in map(runfile.split_target, runs) if t is not None]
+    check_figure_output(f.destination, inputs=files, force=f.force, format=f.format)
+    with Progress("reading layers", total=None, quiet=f.quiet) as progress:
+        rows, skipped = report_layers(list(runs), options=typed_overrides(), percentiles=DEFAULT_PERCENTILES,
+                                      device=f.device, on_layer=lambda name: progress.update(description=name))
+    if not rows:
+        from qgcli.errors import QgcliError
+
+        raise QgcliError(f"no quantizer to plot in {', '.join(runs)}", operand="RUN")
+    steps, trend = trends(rows)
+    shown = worst_first(latest_per_layer(rows) if trend else rows)
+    if top is not None:
+        shown = shown[:top]
+    for row in shown:
+        row["label"] = row["layer"] if trend else row["path"]
+    fig = plots.layers(shown, steps=steps, trends=trend, title=f.title, width=f.width, height=f.height)
+    w, h = (float(v) for v in fig.get_size_inches())
+    _check_pixels(w, h, f.dpi)
+    fmt = save_checked(fig, f.destination, f.dpi, format=f.format)
+    summary = json_safe({"command": "plot layers", "output": f.destination, "format": fmt,
+                         "size_px": [int(round(w * f.dpi)), int(round(h * f.dpi))] if fmt == "png" else None,
+                         "size_in": [w, h], "dpi": f.dpi, "run_files": list(runs), **fig.qgcli_summary,
+                         "drawn": [{"path": r["path"], "gradient_blocked": r["gradient_blocked"],
+                                    "clipped": r["clipped"], "sqnr_db": r["sqnr_db"]} for r in shown],
+                         "skipped": skipped})
+    emit(summary, as_json=f.as_json, quiet=f.quiet, render=_render_layer_bars, output=f.destination)
+
+
+def _render_layer_bars(console, s):
+    where = "stdout" if s["output"] == "-" else s["output"]
+    size = f"{s['size_px'][0]}x{s['size_px'][1]} px" if s["size_px"] else f"{s['size_in'][0]:g}x{s['size_in'][1]:g} in"
+    steps = f" over {len(s['steps'])} steps" if s["steps"] else ""
+    console.print(f"wrote {where} ({s['format']}, {size}): {s['layers']} layers{steps}, worst {s['worst']}",
+                  soft_wrap=True, markup=False)
+    if s["skipped"]:
+        console.print(f"not drawn: {len(s['skipped'])} groups (no quantizer or not valid; --json lists them)",
+                      soft_wrap=True, markup=False)

@@ -8,13 +8,16 @@ does not exist (never NaN).
 import click
 
 from qgcli.commands.options import (
+    TORCHAO_DTYPES,
     attribute_group,
     bundle_argument,
+    given,
     narrow_range_option,
     num_bits_option,
-    operand_group,
+    option_group,
     run_file_target,
     spec_option,
+    torchao_options,
     typed_overrides,
 )
 from qgcli.summaries import dump_json, number, stdout_console
@@ -23,6 +26,14 @@ REPORT_SCHEMA = 1
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
 # A SPEC is free text (file, file:key, -, literal); click.Path only so that shells complete file names.
 _SPEC = click.Path(allow_dash=True)
+
+
+def _report_operands(bundles, specs):
+    """``(OperandSpecs of the first BUNDLE and the options, every BUNDLE)``: several are run files' steps."""
+    from qgcli.jobs import OperandSpecs
+
+    first = bundles[0] if bundles else None
+    return OperandSpecs.of(first, **{name.rstrip("_"): text for name, text in specs.items()}), tuple(bundles)
 
 
 def _parse_percentiles(ctx, param, value):
@@ -205,8 +216,9 @@ Examples:
 
 
 @click.command("report", epilog=_REPORT_EPILOG, short_help="Per-channel clipping, blocked gradient, SQNR, ranges.")
-@operand_group(
-    bundle_argument(type=_SPEC),
+@option_group(
+    "operands", lambda bundle=(), **specs: _report_operands(bundle, specs),
+    bundle_argument(type=_SPEC, nargs=-1),
     spec_option("gradients", "Upstream gradient (optional: without it no gradient columns).", type=_SPEC),
     spec_option("inputs", "Forward inputs (TF operand 'inputs').", type=_SPEC),
     spec_option("min", "Range minimum: scalar (vars/args) or one per channel.", type=_SPEC),
@@ -235,7 +247,13 @@ Examples:
               help="Compute with NumPy (cpu) or CuPy (gpu).")
 @click.option("--layer", "layer", metavar="PATH", default=None,
               help="Run file: the per-channel report of the group PATH (default: one row per quantizer).")
-def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer):
+@click.option("--semantics", type=click.Choice(["tf", "torchao"]), default="tf", show_default=True,
+              help="tf: TensorFlow's fake quant on --min/--max; torchao: torchao's QAT quantizer (--dtype, "
+                   "--granularity ...), one row per block, the gradient split into straight-through and scale path.")
+@click.option("--dtype", type=click.Choice(TORCHAO_DTYPES), default=None, help="torchao's dtype (--semantics torchao).")
+@torchao_options
+def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer, semantics,
+           dtype, torchao):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -250,6 +268,20 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
 
     if as_json and as_csv:
         raise click.UsageError("--json and --csv both want stdout; pick one")
+    operands, bundles = operands
+    if semantics == "torchao" or dtype is not None or torchao.given():
+        return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
+                               as_json, as_csv, quiet, device, layer)
+    if len(bundles) > 1:  # several run files: each a step (or its step groups)
+        targets = [run_file_target(operands.__class__(b, operands.specs)) for b in bundles]
+        for bundle, target in zip(bundles, targets):
+            if target is None:
+                raise click.BadParameter(f"{bundle} is not a run file; several BUNDLEs must each be one",
+                                         param_hint="'BUNDLE'")
+        if layer is not None:
+            raise click.BadParameter("takes one run file as BUNDLE", param_hint="'--layer'")
+        return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
+                              device)
     target = run_file_target(operands)
     if target is not None and layer is None:
         return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
@@ -312,6 +344,40 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
             click.echo(doc["verdict"], err=True)
     else:
         render_report(stdout_console(), doc, limited)
+
+
+def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
+                    quiet, device, layer):
+    """``--semantics torchao``: one row per block of torchao's quantizer (qgcli.runners.torchao)."""
+    from qgcli.runners import torchao as runner
+
+    if semantics != "torchao":
+        runner.refuse_outside(torchao, dtype)
+    for option, value in (("--num-bits", given("num_bits")), ("--narrow-range", attributes.narrow_range),
+                          ("--variant", attributes.variant is not None), ("--axis", attributes.axis is not None),
+                          ("--layer", layer is not None), ("--min", operands.get("min") is not None),
+                          ("--max", operands.get("max") is not None), ("--sort", sort in ("sqnr", "gain"))):
+        if value:
+            raise click.BadParameter("does not apply to --semantics torchao", param_hint=f"'{option}'")
+    if len(bundles) > 1:
+        raise click.BadParameter("--semantics torchao reports one tensor: give one BUNDLE", param_hint="'BUNDLE'")
+    config = runner.build_config(dtype, torchao)
+    doc = runner.report_doc(operands, config, threshold=threshold, sort="block" if sort == "channel" else sort,
+                            top=top, device=device)
+    if not quiet:
+        from qgcli.text import printable
+
+        for note in doc["notes"]:
+            click.echo(f"note: {printable(note)}", err=True)
+    if as_json:
+        dump_json(doc)
+    elif as_csv:
+        runner.write_report_csv(doc)
+        if not quiet:
+            click.echo(doc["verdict"], err=True)
+    else:
+        limited = top is None and len(doc["rows"]) > _TABLE_ROWS
+        runner.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
 
 
 # --- run files: one row per quantizer ----------------------------------------------------------------------
