@@ -109,19 +109,23 @@ def _readme_pipelines():
 
 @pytest.mark.parametrize("line", _readme_pipelines())
 def test_the_readme_pipelines_run_as_written(line, tmp_path):
-    """Each line of the README's Pipelines block, through a real shell in ``tmp_path`` (``qgcli`` is ``python -m
-    qgcli`` run in the checkout)."""
+    """Each line of the README's Pipelines block, through a real shell in ``tmp_path`` (``qgcli`` is this
+    checkout's ``python -m qgcli``; ``samples/`` is linked in)."""
     import shlex
 
     env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     shim = tmp_path / "qgcli"
-    shim.write_text(f"#!/bin/sh\ncd {shlex.quote(ROOT)} && exec {shlex.quote(sys.executable)} -m qgcli \"$@\"\n")
+    shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m qgcli \"$@\"\n")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     shim.chmod(0o755)
-    os.symlink(os.path.join(ROOT, "samples"), tmp_path / "samples")  # for the shell's own cat
+    os.symlink(os.path.join(ROOT, "samples"), tmp_path / "samples")
     r = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, env=env, capture_output=True,
                        timeout=120)
     assert r.returncode == 0, (line, r.stderr.decode())
-    if ">" in line:
+    if line.endswith("/"):  # a folder of figures, one per layer
+        pngs = list((tmp_path / line.rsplit(" ", 1)[1]).rglob("*.png"))
+        assert len(pngs) > 1 and all(p.read_bytes().startswith(SIGNATURES["png"]) for p in pngs), line
+    elif ">" in line:
         written = tmp_path / line.rsplit(">", 1)[1].strip()
         fmt = written.suffix[1:]
         assert written.read_bytes().startswith(SIGNATURES[fmt]), line
