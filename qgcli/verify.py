@@ -16,8 +16,9 @@ gradient for TensorFlow's min/max, LSQ's per-element terms recomputed from the s
 is larger; ``bound`` in ``--json`` gives it.
 """
 
-#: Fake-quant outputs computed element by element: bit-identical or failed.
-ELEMENTWISE = ("outputs", "backprops_wrt_input")
+#: Fake-quant outputs computed element by element: bit-identical or failed (``backprops``: the input gradient
+#: of FakeQuantWithMinMaxArgs, under TensorFlow's name).
+ELEMENTWISE = ("outputs", "backprops_wrt_input", "backprops")
 REFERENCE = "reference"
 DEFAULT_RTOL = 1e-5
 

@@ -6,7 +6,6 @@ import warnings
 
 import h5py
 import pytest
-from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
@@ -111,9 +110,9 @@ def test_every_quantizer_and_batch_norm_is_captured(x86_run):
         assert f["step_000003/bn3/x"].shape == (16, 4, 1, 1)
 
 
-def test_verify_and_report(x86_run, tmp_path):
+def test_verify_and_report(x86_run, tmp_path, runner):
     path = x86_run[0]
-    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    r = runner.invoke(main, ["verify", path, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["verified"] == 2 * len(EXPECTED) and doc["failed"] == 0
@@ -122,16 +121,16 @@ def test_verify_and_report(x86_run, tmp_path):
             assert layer["status"] == "identical", layer
         else:
             assert layer["rel"] <= 1e-5
-    r = CliRunner().invoke(main, ["report", path, "--json"])
+    r = runner.invoke(main, ["report", path, "--json"])
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["layers"]) == 2 * 9
-    r = CliRunner().invoke(main, ["plot", "layers", path, "-o", str(tmp_path / "layers.png")])
+    r = runner.invoke(main, ["plot", "layers", path, "-o", str(tmp_path / "layers.png")])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["bn-grad", f"{path}:step_000003", "-o", str(tmp_path / "bn.h5")])
+    r = runner.invoke(main, ["bn-grad", f"{path}:step_000003", "-o", str(tmp_path / "bn.h5")])
     assert r.exit_code == 0, r.output
 
 
-def test_lsq_model(tmp_path):
+def test_lsq_model(tmp_path, runner):
     _quiet()
     import torch.ao.quantization as tq
     from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize as LSQ
@@ -164,7 +163,7 @@ def test_lsq_model(tmp_path):
         g = f["conv2/weight_fake_quant"]
         assert g.attrs["estimator"] == "lsq" and g.attrs["op"] == "fake_quantize_per_channel_affine"
         assert {"backprop_wrt_scale", "backprop_wrt_zero_point"} <= set(g["reference"])
-    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    r = runner.invoke(main, ["verify", path, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["verified"] == len(EXPECTED)

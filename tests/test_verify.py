@@ -6,7 +6,6 @@ import os
 import h5py
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from qgcli import ops
 from qgcli.capture.runfile_writer import RunFileWriter, clean_path, step_group
@@ -78,10 +77,10 @@ def test_writer_is_atomic(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_verify_passes_on_own_references(tmp_path):
+def test_verify_passes_on_own_references(tmp_path, runner):
     path = str(tmp_path / "run.h5")
     _write(path)
-    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    r = runner.invoke(main, ["verify", path, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["verified"] == 3 and doc["failed"] == 0
@@ -89,15 +88,15 @@ def test_verify_passes_on_own_references(tmp_path):
     fq = by_path["net/act_quant"]
     assert fq["outputs"]["outputs"]["identical"] and fq["outputs"]["backprops_wrt_input"]["rule"] == "bitwise"
     assert by_path["net/bn"]["status"] in ("identical", "within-rtol")
-    r = CliRunner().invoke(main, ["verify", path])
+    r = runner.invoke(main, ["verify", path])
     assert r.exit_code == 0 and "3 of 3 layers pass" in r.stdout
 
 
 @pytest.mark.parametrize("perturb, bad", [("fq", "net/act_quant"), ("bn", "net/bn")])
-def test_verify_fails_worst_first(tmp_path, perturb, bad):
+def test_verify_fails_worst_first(tmp_path, perturb, bad, runner):
     path = str(tmp_path / "run.h5")
     _write(path, perturb=perturb)
-    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    r = runner.invoke(main, ["verify", path, "--json"])
     assert r.exit_code == 1
     doc = json.loads(r.stdout)
     assert doc["layers"][0]["path"] == bad and not doc["layers"][0]["passed"]
@@ -106,16 +105,16 @@ def test_verify_fails_worst_first(tmp_path, perturb, bad):
         assert doc["layers"][0]["max_ulps"] == 1
     assert "1 of 3 layers differ" in r.stderr
     # a looser rtol lets the batch norm pass; a fake-quant output must stay bit-identical
-    r = CliRunner().invoke(main, ["verify", path, "--rtol", "0.01"])
+    r = runner.invoke(main, ["verify", path, "--rtol", "0.01"])
     assert r.exit_code == (1 if perturb == "fq" else 0)
 
 
-def test_verify_without_references(tmp_path):
+def test_verify_without_references(tmp_path, runner):
     path = str(tmp_path / "run.h5")
     _write(path, references=False)
-    r = CliRunner().invoke(main, ["verify", path])
+    r = runner.invoke(main, ["verify", path])
     assert r.exit_code == 2 and "reference/" in r.stderr
-    r = CliRunner().invoke(main, ["verify", str(tmp_path / "missing.h5")])
+    r = runner.invoke(main, ["verify", str(tmp_path / "missing.h5")])
     assert r.exit_code == 2
 
 
