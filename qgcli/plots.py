@@ -82,6 +82,10 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
     ``quantize-dequantize`` (TF's QuantizeV2 + Dequantize round trip, :mod:`qgcli.ops.quantize`) takes its
     attributes from ``quantize`` (dtype, mode, round_mode, ensure_minimum_range); its mask is the STE over
     the adjusted range [output_min, output_max] and its grid a :class:`qgcli.ops.quantize.RoundTripGrid`.
+    ``quantize-and-dequantize-v4|-v3|-v2`` (TF's QuantizeAndDequantize) takes ``signed_input``, ``range_given``
+    and ``round_mode`` from ``quantize``; ``axis=-1`` is per tensor there, as in TF; its mask is V4Grad's (the
+    given range) or, for V2/V3, the pass-through gradient TF registers; its grid a
+    :class:`qgcli.ops.quantize_and_dequantize.PlotGrid`.
 
     >>> d = run_variant("vars", np.array([-9.0, 1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
     >>> d.outputs.tolist(), d.mask.tolist()
@@ -128,10 +132,22 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
         if grid.per_channel:
             x, outputs, mask = (xp.moveaxis(a, qaxis, -1) for a in (x, outputs, mask))
             backprops = None if backprops is None else xp.moveaxis(backprops, qaxis, -1)
+    elif variant.startswith("quantize-and-dequantize-v"):
+        from qgcli.ops import quantize_and_dequantize as qad
+
+        q = dict(quantize or {})
+        qaxis = None if axis is None or axis == -1 else axis
+        outputs, mask, backprops, grid, qaxis = qad.plot_data(
+            x, 0.0 if min is None else min, 0.0 if max is None else max, g, version=variant.rsplit("-", 1)[1],
+            num_bits=num_bits, narrow_range=narrow_range, axis=qaxis, **q)
+        if qaxis is not None:
+            x, outputs, mask = (xp.moveaxis(a, qaxis, -1) for a in (x, outputs, mask))
+            backprops = None if backprops is None else xp.moveaxis(backprops, qaxis, -1)
+        op = grid.op
     else:
-        raise QgcliError(f"unknown variant {variant!r} (use {', '.join(TF_OPS)}, quantize-dequantize)",
-                         operand="--variant")
-    op = TF_OPS.get(variant, "QuantizeV2+Dequantize")
+        raise QgcliError(f"unknown variant {variant!r} (use {', '.join(TF_OPS)}, quantize-dequantize, "
+                         "quantize-and-dequantize-v4/-v3/-v2)", operand="--variant")
+    op = TF_OPS.get(variant, op if variant.startswith("quantize-and-dequantize-v") else "QuantizeV2+Dequantize")
     return FakeQuantData(variant, op, grid, to_numpy(x), to_numpy(outputs), to_numpy(mask),
                          None if backprops is None else to_numpy(backprops))
 

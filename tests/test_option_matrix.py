@@ -64,7 +64,7 @@ MODES = {
     "bn-grad": (["bn-grad", "{d}/bn.h5"], None, {"x_backprop", "scale_backprop", "offset_backprop"}, None),
     "qdq-v4": (["fakequant-grad", "{d}/fq.h5", "--input-min", "-1", "--input-max", "1", "--variant",
                 "quantize-and-dequantize-v4"], "--variant quantize-and-dequantize-v4",
-               {"input_backprop", "input_min_backprop", "input_max_backprop"}, False),
+               {"input_backprop", "input_min_backprop", "input_max_backprop"}, True),
     "qdq-v3-forward": (["fakequant", "{d}/fq.h5", "--input-min", "-1", "--input-max", "1", "--variant",
                         "quantize-and-dequantize-v3"], "--variant quantize-and-dequantize-v3", {"output"}, None),
 }

@@ -3,6 +3,7 @@ observer choice for the same range beside it, and warnings.  Only click is impor
 """
 import click
 
+from qgcli.commands.options import QDQ_VARIANTS
 from qgcli.summaries import emit, json_safe, stdout_console
 
 
@@ -127,12 +128,43 @@ def _render_nudge(console, doc):
         console.print(f"wrote {', '.join(doc['written'])} to {escape(doc['output'])}")
 
 
+def _render_qdq(console, doc):
+    """``--variant quantize-and-dequantize-v*``: ComputeQuantizationRange's grid, one line per range."""
+    from rich.markup import escape
+
+    from qgcli.text import printable_doc
+
+    doc = printable_doc(doc)
+    g = doc["grid"]
+    console.print(f"[bold]{doc['op']} grid[/] num_bits={doc['num_bits']} "
+                  f"signed_input={str(doc['signed_input']).lower()}{' narrow_range' if doc['narrow_range'] else ''}: "
+                  f"integers [{doc['quant_min']}, {doc['quant_max']}], {doc['levels']} levels")
+    rows = range(len(g["lo"])) if doc["per_channel"] else [None]
+    for c in rows:
+        pick = (lambda v: v[c]) if c is not None else (lambda v: v)  # noqa: E731
+        console.print(f"{'range' if c is None else f'slice {c}'}: [{pick(g['input_min']):.7g}, "
+                      f"{pick(g['input_max']):.7g}] -> grid [{pick(g['lo']):.7g}, {pick(g['hi']):.7g}], "
+                      f"step {pick(g['step']):.7g} (scale {pick(g['scale']):.7g} levels per unit), "
+                      f"decided by {pick(g['decided_by'])}", soft_wrap=True, markup=False)
+    console.print("each bound proposes a scale, quant_min/input_min and quant_max/input_max (where positive); the "
+                  "smaller wins and the other side is moved onto the grid: step = bound / quant bound, "
+                  "output = round(clamp(x, lo, hi) * scale) * step (range_given).", soft_wrap=True, markup=False)
+    for w in doc["warnings"]:
+        where = f"slice {w['channel']}: " if w["channel"] is not None else ""
+        console.print(f"[yellow]warning:[/] {escape(where + w['message'])}", soft_wrap=True)
+    if not doc["warnings"]:
+        console.print("no warnings")
+    if doc.get("output") and doc["output"] != "-":
+        console.print(f"wrote {', '.join(doc['written'])} to {escape(doc['output'])}")
+
+
 _NUDGE_EPILOG = """\b
 Examples:
   qgcli nudge --min -6 --max 6 --num-bits 2
   qgcli nudge --min 0.1 --max 5 --json
   qgcli nudge --min -1,-2,0.5 --max 1,2,3 -o grid.h5     # scale, zero_point, ... per channel
   qgcli nudge samples/per_channel.h5
+  qgcli nudge --variant quantize-and-dequantize-v4 --min -2 --max 2.5 --num-bits 4   # the symmetric grid
 """
 
 
@@ -142,12 +174,17 @@ Examples:
 @click.option("--max", "max_", metavar="SPEC", help="Range maximum, like --min.")
 @click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")
 @click.option("--narrow-range", is_flag=True, help="Use the grid [1, 2^num_bits - 1].")
+@click.option("--variant", type=click.Choice(["fake-quant", *QDQ_VARIANTS]), default="fake-quant", show_default=True,
+              help="fake-quant: FakeQuantWithMinMax*'s nudged grid; quantize-and-dequantize-v4/-v3/-v2: the grid "
+                   "QuantizeAndDequantize builds (scale from the bound that allows the coarser step).")
+@click.option("--signed-input/--no-signed-input", "signed_input", default=None,
+              help="Signed grid [default: signed, as TF] (--variant quantize-and-dequantize-v*).")
 @click.option("-o", "--output", "output", metavar="OUT", default=None,
               help="Also write the grid (scale, inv_scale, zero_point int32, zero_point_from_min, nudged_min, "
                    "nudged_max) as .h5/.npz/DIR/ or - (usable as --scale/--zero-point of --semantics torch).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-def nudge(bundle, min_, max_, num_bits, narrow_range, output, force, as_json):
+def nudge(bundle, min_, max_, num_bits, narrow_range, variant, signed_input, output, force, as_json):
     """Explain TensorFlow's grid for [MIN, MAX]: scale, inv_scale, the zero point from min and rounded, the
     nudged bounds, the number of levels, and PyTorch's observer choice for the same range.
 
@@ -160,6 +197,11 @@ def nudge(bundle, min_, max_, num_bits, narrow_range, output, force, as_json):
     from qgcli.operands import Operands
     from qgcli.outputs import write_outputs
 
+    if variant != "fake-quant":
+        return _nudge_qdq(bundle, min_, max_, num_bits, narrow_range, variant, signed_input, output, force, as_json)
+    if signed_input is not None:
+        raise click.BadParameter("only applies to --variant quantize-and-dequantize-v4/-v3/-v2",
+                                 param_hint="'--signed-input'")
     operands = Operands(bundle, {"min": min_, "max": max_}, literal_ok=("min", "max"))
     try:
         doc = explain_grid(operands.get("min"), operands.get("max"), num_bits=num_bits, narrow_range=narrow_range)
@@ -184,3 +226,28 @@ def nudge(bundle, min_, max_, num_bits, narrow_range, output, force, as_json):
         emit(json_safe(doc), as_json=False, quiet=False, render=_render_nudge)  # the table to stderr
         return
     _render_nudge(stdout_console(), json_safe(doc))
+
+
+def _nudge_qdq(bundle, min_, max_, num_bits, narrow_range, variant, signed_input, output, force, as_json):
+    """``--variant quantize-and-dequantize-v*``: the grid of :func:`qgcli.ops.quantize_and_dequantize.explain_grid`."""
+    from qgcli.runners.quantize_and_dequantize import nudge_doc
+
+    doc, arrays, attrs, operands = nudge_doc(bundle, min_, max_, num_bits=num_bits, narrow_range=narrow_range,
+                                             variant=variant, signed_input=signed_input)
+    doc["output"] = output
+    try:
+        if output is not None:
+            from qgcli.outputs import write_outputs
+
+            if as_json and output == "-":
+                raise click.UsageError("--json and -o - both want stdout; write the grid to a file or drop --json")
+            doc["written"] = list(arrays)
+            write_outputs(arrays, output, operands=operands, force=force, attrs=attrs)
+    finally:
+        operands.close()
+    if as_json:
+        emit(json_safe(doc), as_json=True, quiet=False, render=None)
+    elif output == "-":
+        emit(json_safe(doc), as_json=False, quiet=False, render=_render_qdq)
+    else:
+        _render_qdq(stdout_console(), json_safe(doc))

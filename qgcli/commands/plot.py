@@ -8,6 +8,7 @@ import click
 
 from qgcli.commands.options import (
     QD_VARIANT,
+    QDQ_VARIANTS,
     attribute_group,
     bundle_argument,
     device_option,
@@ -17,6 +18,7 @@ from qgcli.commands.options import (
     num_bits_option,
     operand_group,
     option_group,
+    qdq_options,
     quantize_options,
     quiet_option,
     refuse_quantize_options,
@@ -56,7 +58,10 @@ def _operand_options(*, gradients_help=None, channel=True, variants=PLOT_VARIANT
             click.option("--variant", type=click.Choice(variants), default=None,
                          help="TF op family; default: per-channel when min/max are vectors, else vars." + (
                              f" {QD_VARIANT}: the notebook's tf.quantize + tf.dequantize (--dtype, --mode...)."
-                             if QD_VARIANT in variants else "")),
+                             if QD_VARIANT in variants else "") + (
+                             " quantize-and-dequantize-v4/-v3/-v2: TF's QuantizeAndDequantize (--signed-input, "
+                             "--range-given, --round-mode; --axis K per slice)." if QDQ_VARIANTS[0] in variants
+                             else "")),
             click.option("--axis", type=int, default=None,
                          help="Channel axis (TF: the last axis, -1) for per-channel min/max and --channel."),
         )(f)
@@ -253,11 +258,33 @@ _MAX_POINTS = click.option("--max-points", type=click.IntRange(10, 10_000_000), 
                                 "sorted inputs, keeping every step edge; the figure says how many).")
 
 
-def _view_kwargs(attributes, variant, channel, figure, quantize=None):
+def _view_kwargs(attributes, variant, channel, figure, quantize=None, qdq_attrs=None):
     a, f = attributes, figure
+    extra = {"quantize": qdq_attrs} if qdq_attrs is not None else _quantize_kwargs(variant, quantize)
     return dict(num_bits=a.num_bits, narrow_range=a.narrow_range, variant=variant,
                 axis=-1 if a.axis is None else a.axis, channel=channel, title=f.title, width=f.width,
-                height=f.height, **_quantize_kwargs(variant, quantize))
+                height=f.height, **extra)
+
+
+def _load_staircase(operands, attributes, channel, quantize, qdq):
+    """(inputs, min, max, variant, QuantizeAndDequantize attrs or None) for staircase and ste."""
+    if attributes.variant in QDQ_VARIANTS:
+        from qgcli.runners.quantize_and_dequantize import plot_operands
+
+        x, mn, mx, attrs = plot_operands(operands, attributes.variant, qdq, quantize, attributes.axis, channel)
+        return x, mn, mx, attributes.variant, attrs
+    x, mn, mx, var = _load_range(operands, attributes.variant, attributes.axis, channel)
+    return x, mn, mx, var, None
+
+
+def _refuse_qdq_options(attributes, qdq):
+    """--signed-input/--range-given only with --variant quantize-and-dequantize-v* (checked before any file)."""
+    if attributes.variant in QDQ_VARIANTS:
+        return
+    for option, value in (("--signed-input", qdq.signed_input), ("--range-given", qdq.range_given)):
+        if value is not None:
+            raise click.BadParameter("only applies to --variant quantize-and-dequantize-v4/-v3/-v2",
+                                     param_hint=f"'{option}'")
 
 
 def _layer_options(figure, quantize, **options):
@@ -282,13 +309,16 @@ Example:
   qgcli plot staircase samples/notebook.h5 --num-bits 2 -o staircase.png
   qgcli plot staircase samples/per_channel.h5 --channel 3 -o ch3.svg
   qgcli plot staircase samples/notebook.h5 --variant quantize-dequantize --dtype quint8 -o roundtrip.png
+  qgcli plot staircase --inputs x.npy --min -2 --max 2.5 --num-bits 4 --variant quantize-and-dequantize-v4 \\
+      --range-given -o qdq.png
 """)
-@_operand_options(variants=PLOT_VARIANTS + (QD_VARIANT,))
+@_operand_options(variants=PLOT_VARIANTS + (QD_VARIANT,) + QDQ_VARIANTS)
 @quantize_options
+@qdq_options
 @_MAX_POINTS
 @_LAYER
 @_figure_options(6.4, 4.8)
-def staircase(operands, attributes, channel, quantize, max_points, layer, figure):
+def staircase(operands, attributes, channel, quantize, qdq, max_points, layer, figure):
     """Inputs vs fake-quantized outputs: the quantization staircase.
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels
@@ -297,11 +327,12 @@ def staircase(operands, attributes, channel, quantize, max_points, layer, figure
     def draw(operands, on_device):
         from qgcli import plots
 
-        x, mn, mx, var = _load_range(operands, attributes.variant, attributes.axis, channel)
+        x, mn, mx, var, qdq_attrs = _load_staircase(operands, attributes, channel, quantize, qdq)
         (x,) = on_device(x)
         return plots.staircase(x, mn, mx, max_points=max_points,
-                               **_view_kwargs(attributes, var, channel, figure, quantize))
+                               **_view_kwargs(attributes, var, channel, figure, quantize, qdq_attrs))
 
+    _refuse_qdq_options(attributes, qdq)
     _run("plot staircase", operands, figure, draw, layer=layer,
          per_layer=("staircase", _layer_options(figure, quantize, channel=channel, max_points=max_points)))
 
@@ -314,12 +345,13 @@ Examples:
 """)
 @_operand_options(gradients_help="Upstream gradient: also draw backprops_wrt_input (brown), as the notebook does. "
                                  "Only taken from this option, never from the bundle.",
-                  variants=PLOT_VARIANTS + (QD_VARIANT,))
+                  variants=PLOT_VARIANTS + (QD_VARIANT,) + QDQ_VARIANTS)
 @quantize_options
+@qdq_options
 @_MAX_POINTS
 @_LAYER
 @_figure_options(6.4, 4.8)
-def ste(operands, attributes, channel, quantize, max_points, layer, figure):
+def ste(operands, attributes, channel, quantize, qdq, max_points, layer, figure):
     """The staircase plus the STE gradient function (TF's mask) on a red twin axis.
 
     With --gradients, also the back-propagated gradient backprops_wrt_input in brown.
@@ -327,12 +359,13 @@ def ste(operands, attributes, channel, quantize, max_points, layer, figure):
     def draw(loaded, on_device):
         from qgcli import plots
 
-        x, mn, mx, var = _load_range(loaded, attributes.variant, attributes.axis, channel)
+        x, mn, mx, var, qdq_attrs = _load_staircase(loaded, attributes, channel, quantize, qdq)
         g = loaded.get("gradients") if operands.get("gradients") is not None else None
         x, g = on_device(x, g)
         return plots.ste(x, mn, mx, gradients=g, max_points=max_points,
-                         **_view_kwargs(attributes, var, channel, figure, quantize))
+                         **_view_kwargs(attributes, var, channel, figure, quantize, qdq_attrs))
 
+    _refuse_qdq_options(attributes, qdq)
     _run("plot ste", operands, figure, draw, layer=layer,
          per_layer=("ste", _layer_options(figure, quantize, channel=channel, max_points=max_points)))
 

@@ -196,7 +196,8 @@ class ChannelReport:
 
     @property
     def per_channel(self):
-        return self.variant == "per-channel"
+        return self.variant == "per-channel" or (self.variant.startswith("quantize-and-dequantize-v")
+                                                 and self.axis is not None)
 
     def row(self, c):
         """Channel ``c`` as a dict of plain Python numbers (None for NaN or infinite values)."""
@@ -316,7 +317,7 @@ def _report_ops(variant, num_bits, narrow_range):
 
 
 def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range=False, variant=None, axis=-1,
-                   percentiles=DEFAULT_PERCENTILES, on_step=None):
+                   percentiles=DEFAULT_PERCENTILES, on_step=None, qdq=None):
     """Per-channel (or per-tensor) report of a fake-quant grid on ``inputs`` and the gradient's fate.
 
     For each channel (each entry of ``min``/``max`` along ``axis`` for the per-channel op; the whole tensor
@@ -340,6 +341,12 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
         TF op family; default per-channel for 1-d ``min``, else vars.
     on_step : callable, optional
         Called with a short description before each pass over the data (for progress displays).
+    qdq : dict, optional
+        ``variant="quantize-and-dequantize-v4|-v3|-v2"``: ``signed_input``, ``range_given``, ``round_mode``.
+        There ``axis`` is TF's (-1: per tensor, K: one range per slice), "nudged" is the grid's ends
+        ``[lo, hi]`` (clipped: outside them), the mask V4Grad's on the given range (V2/V3: TF's pass-through
+        gradient, nothing blocked), ``backprop_wrt_min/max`` V4Grad's zeros (V2/V3: none), and a suggested
+        range is one to give with ``range_given``.
 
     Returns
     -------
@@ -366,7 +373,35 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
     attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
     dmin = dmax = None
     step("checking the range")
-    if variant == "per-channel":
+    masks = lambda xb, grid_: _masks(xb, grid_, xp)  # noqa: E731
+    now = {}
+    if variant.startswith("quantize-and-dequantize-v"):
+        from qgcli.ops import quantize_and_dequantize as qad
+
+        q = dict(qdq or {})
+        version = variant.rsplit("-", 1)[1]
+        qaxis = None if axis is None or axis == -1 else axis
+        x, qgrid, axis = qad.prepare(x, 0.0 if min is None else min, 0.0 if max is None else max, num_bits=num_bits,
+                                     narrow_range=narrow_range, axis=qaxis, version=version, **q)
+        grid = qad.plot_grid(qgrid, num_bits=num_bits, narrow_range=narrow_range, op=f"QuantizeAndDequantize"
+                             f"{version.upper()}", **q)
+        given = None
+        if version == "v4":
+            given = qad.grad_bounds(min, max, x.shape, axis)
+            if g is not None:
+                step("input_min/max_backprop (TensorFlow's op)")
+                _, dmin, dmax = qad.quantize_and_dequantize_v4_grad(g, x, min, max, axis=axis)
+
+        def qdq_masks(xb, grid_):  # V4Grad's mask on the given range for the op's own grid
+            bounds = given if grid_ is grid else None
+            return qad.report_masks(xb, grid_, version, xp, given=bounds)
+
+        masks = qdq_masks
+
+        now = {"given": bool(q.get("range_given"))}
+        if axis is not None:
+            x, g = (None if a is None else xp.moveaxis(a, axis, -1) for a in (x, g))
+    elif variant == "per-channel":
         grid, axis = fq._prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
         if g is not None:
             step("backprop_wrt_min/max (TensorFlow's op)")
@@ -384,12 +419,16 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
         axis = None
     else:
         raise QgcliError(f"unknown variant {variant!r}; use per-channel, vars or args", operand="variant")
-    depth = x.shape[-1] if variant == "per-channel" else 1
+    per_slice = variant == "per-channel" or (variant.startswith("quantize-and-dequantize-v") and axis is not None)
+    depth = x.shape[-1] if per_slice else 1
     x2 = x.reshape(-1, depth)
     g2 = None if g is None else g.reshape(-1, depth)
     rows = x2.shape[0]
     blocks = _row_blocks(rows, depth)
-    forward, grid_for = _report_ops(variant, num_bits, narrow_range)
+    if variant.startswith("quantize-and-dequantize-v"):
+        forward, grid_for = qad.report_ops(version=version, num_bits=num_bits, narrow_range=narrow_range, **q)
+    else:
+        forward, grid_for = _report_ops(variant, num_bits, narrow_range)
     f64 = np.float64
 
     def mask_pass(grid_):
@@ -399,7 +438,7 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
         blocked_c = xp.zeros(depth, f64)
         mass_c = xp.zeros(depth, f64)
         for sl in blocks:
-            inside, below, above = _masks(x2[sl], grid_, xp)
+            inside, below, above = masks(x2[sl], grid_)
             below_c += below.sum(axis=0)
             above_c += above.sum(axis=0)
             if g2 is not None:
@@ -409,11 +448,11 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
                 blocked_c += xp.where(inside, 0.0, mag).sum(axis=0)
         return below_c, above_c, blocked_c, mass_c
 
-    def error_pass(lo, hi):
+    def error_pass(lo, hi, **kw):
         err = xp.zeros(depth, f64)
         for sl in blocks:
             xb = x2[sl]
-            q = forward(xb, lo, hi)
+            q = forward(xb, lo, hi, **kw)
             with fq._quiet(xp):
                 d = xp.where(xp.isfinite(xb), q.astype(f64) - xb.astype(f64), 0.0)
             err += (d * d).sum(axis=0)
@@ -437,7 +476,7 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
     step("forward quantization error")
     mn32 = np.asarray(grid.min, np.float32).reshape(-1)
     mx32 = np.asarray(grid.max, np.float32).reshape(-1)
-    err_now = error_pass(mn32, mx32)
+    err_now = error_pass(mn32, mx32, **now)
 
     # Percentiles of each channel's finite values from one sort (NaN sorts last on NumPy and CuPy).
     step("suggested range: sorting")

@@ -304,3 +304,248 @@ def quantize_and_dequantize_v4_grad(gradients, input, input_min, input_max, *, a
     with _quiet(xp):
         backprop = _fz(xp.multiply(g, mask.astype(_F32), dtype=_F32))
     return backprop, xp.zeros(mn.shape, _F32), xp.zeros(mn.shape, _F32)
+
+
+def explain_grid(input_min, input_max, *, signed_input=True, num_bits=8, narrow_range=False):
+    """What ``ComputeQuantizationRange`` builds for a given range (``qgcli nudge --variant
+    quantize-and-dequantize-v*``): a JSON-ready dict, plus ``"_grid"`` (the :class:`QdqGrid`).
+
+    ``input_min``/``input_max`` scalars (per tensor) or 1-d (one per slice of an axis).  Per range: the
+    scale (levels per unit), the step, which bound decided it, the representable interval ``[lo, hi]``; and
+    warnings (``channel``, ``kind``, ``message``) of kinds ``outside-range`` (outputs can fall outside
+    ``[input_min, input_max]``: the grid reaches beyond it), ``reversed`` (min > max), ``empty`` (min == max),
+    ``zero-not-in-range`` (unsigned with a negative bound, signed with a range beside 0).
+
+    >>> d = explain_grid(-2.0, 2.5, num_bits=4)
+    >>> d["grid"]["decided_by"], round(d["grid"]["lo"], 4), d["warnings"][0]["kind"]
+    ('input_max', -2.8571, 'outside-range')
+    """
+    check_attributes(signed_input=signed_input, num_bits=num_bits)
+    mn, mx = _range_array(input_min, "input_min"), _range_array(input_max, "input_max")
+    for name, a in (("input_min", mn), ("input_max", mx)):
+        if a.ndim > 1:
+            raise OperandError(f"must be a scalar or 1-d (one per slice), got shape {list(a.shape)}", operand=name)
+        if np.isnan(a).any():
+            raise OperandError("must not be NaN", operand=name)
+    if mn.shape != mx.shape:
+        raise OperandError(f"shape {list(mn.shape)} differs from input_max shape {list(mx.shape)}",
+                           operand="input_min")
+    grid = quantization_grid(mn, mx, signed_input=signed_input, num_bits=int(num_bits), narrow_range=narrow_range)
+    per_slice = mn.ndim == 1
+    warnings = []
+    flat = np.atleast_1d
+    for c in range(flat(mn).size):
+        lo, hi = float(flat(mn)[c]), float(flat(mx)[c])
+        glo, ghi = float(flat(grid.lo)[c]), float(flat(grid.hi)[c])
+        step = float(flat(grid.step)[c])
+
+        def warn(kind, message, where=c if per_slice else None):
+            warnings.append({"channel": where, "kind": kind, "message": message})
+
+        if lo > hi:
+            warn("reversed", f"input_min {lo:g} > input_max {hi:g}: TensorFlow refuses it per tensor with "
+                             "range_given, accepts it per axis (V3) and builds the grid from the positive side alone")
+            continue
+        if lo == hi:
+            warn("empty", f"input_min == input_max == {lo:g}: an empty range; the grid is "
+                          f"[{glo:g}, {ghi:g}] (step {step:g})")
+            continue
+        if glo < lo or ghi > hi:
+            side = (f"below input_min down to {glo:.7g}" if glo < lo else "") + (
+                " and " if glo < lo and ghi > hi else "") + (f"above input_max up to {ghi:.7g}" if ghi > hi else "")
+            by = "input_min" if bool(flat(grid.from_min)[c]) else "input_max"
+            example = ""
+            if glo < lo:
+                probe = lo - (lo - glo) * 1.5
+                example = f" (x = {probe:.4g} gives {glo:.4g})"
+            elif ghi > hi:
+                probe = hi + (ghi - hi) * 1.5
+                example = f" (x = {probe:.4g} gives {ghi:.4g})"
+            warn("outside-range", f"outputs can fall outside [{lo:g}, {hi:g}]: the scale is decided by {by}, so "
+                                  f"the grid [{glo:.7g}, {ghi:.7g}] reaches {side}{example}; with range_given "
+                                  "V4Grad still masks the gradient on [input_min, input_max]")
+        if signed_input and (lo > 0 or hi < 0):
+            warn("zero-not-in-range", f"[{lo:g}, {hi:g}] does not contain 0: the signed grid is symmetric around 0 "
+                                      f"and covers [{glo:.7g}, {ghi:.7g}]")
+        if not signed_input and lo < 0:
+            warn("zero-not-in-range", f"signed_input=false with input_min {lo:g} < 0: the unsigned grid starts at "
+                                      "0, negative values clamp to 0 (with range_given)")
+
+    def plain(a, kind=float):
+        a = np.asarray(a)
+        return [kind(v) for v in a.tolist()] if a.ndim else kind(a)
+
+    return {
+        "num_bits": int(num_bits), "signed_input": bool(signed_input), "narrow_range": bool(narrow_range),
+        "quant_min": grid.quant_min, "quant_max": grid.quant_max, "levels": grid.quant_max - grid.quant_min + 1,
+        "per_channel": per_slice,
+        "grid": {"input_min": plain(grid.min), "input_max": plain(grid.max), "scale": plain(grid.scale),
+                 "step": plain(grid.step), "decided_by": plain(np.where(grid.from_min, "input_min", "input_max"), str),
+                 "lo": plain(grid.lo), "hi": plain(grid.hi)},
+        "warnings": warnings,
+        "_grid": grid,
+    }
+
+
+# --- plots: the grid in the vocabulary of qgcli.ops.Grid ---------------------------------------------------
+
+@dataclass(frozen=True)
+class PlotGrid:
+    """A :class:`QdqGrid` as :mod:`qgcli.plots` draws grids (the duck type of :class:`qgcli.ops.Grid`).
+
+    ``min``/``max`` the range the grid was built from (given or from the data), ``nudged_min``/``nudged_max``
+    the grid's ends ``lo``/``hi``, ``scale`` the step, ``quant_zero = -quant_min`` (level ``k`` is
+    ``(k - quant_zero) * step``).  Host float32 arrays, 0-d or one per slice.
+    """
+
+    min: np.ndarray
+    max: np.ndarray
+    nudged_min: np.ndarray
+    nudged_max: np.ndarray
+    scale: np.ndarray
+    inv_scale: np.ndarray
+    zero_point: np.ndarray
+    quant_zero: np.ndarray
+    passthrough: np.ndarray
+    decided_by_min: np.ndarray
+    num_bits: int
+    narrow_range: bool
+    quant_min: int
+    quant_max: int
+    op: str = "QuantizeAndDequantizeV4"
+    signed_input: bool = True
+    range_given: bool = False
+    round_mode: str = "HALF_TO_EVEN"
+
+    bounds_label = "grid ends [lo, hi]"
+
+    @property
+    def per_channel(self):
+        return np.asarray(self.min).ndim == 1
+
+    def summary(self):
+        def plain(a):
+            return np.asarray(a, np.float64).tolist()
+        return {"op": self.op, "num_bits": self.num_bits, "signed_input": self.signed_input,
+                "range_given": self.range_given, "round_mode": self.round_mode, "narrow_range": self.narrow_range,
+                "quant_min": self.quant_min, "quant_max": self.quant_max, "min": plain(self.min),
+                "max": plain(self.max), "lo": plain(self.nudged_min), "hi": plain(self.nudged_max),
+                "step": plain(self.scale), "decided_by": np.where(self.decided_by_min, "input_min",
+                                                                 "input_max").tolist()}
+
+    def words(self):
+        def fmt(v):
+            v = np.asarray(v)
+            return f"{float(v):.5g}" if v.ndim == 0 else f"{v.size} slices"
+        source = "given" if self.range_given else "from the data"
+        by = ("input_min" if bool(self.decided_by_min) else "input_max") if np.ndim(self.decided_by_min) == 0 else "-"
+        return (f"num_bits={self.num_bits}, {'signed' if self.signed_input else 'unsigned'}"
+                f"{', narrow range' if self.narrow_range else ''}, {self.round_mode}: range {source} "
+                f"[{fmt(self.min)}, {fmt(self.max)}] -> grid [{fmt(self.nudged_min)}, {fmt(self.nudged_max)}], "
+                f"step {fmt(self.scale)} (decided by {by})")
+
+
+def plot_grid(grid, *, num_bits, narrow_range, op, signed_input, range_given, round_mode):
+    """The :class:`PlotGrid` of a :class:`QdqGrid`."""
+    zero = np.zeros(np.shape(grid.step), _F32)
+    return PlotGrid(grid.min, grid.max, grid.lo, grid.hi, grid.step, grid.scale, zero,
+                    np.full(np.shape(grid.step), -grid.quant_min, _F32), np.zeros(np.shape(grid.step), bool),
+                    np.asarray(grid.from_min), int(num_bits), bool(narrow_range), grid.quant_min, grid.quant_max,
+                    op, bool(signed_input), bool(range_given), round_mode)
+
+
+def plot_data(x, input_min, input_max, gradients=None, *, version="v4", signed_input=True, range_given=False,
+              round_mode="HALF_TO_EVEN", num_bits=8, narrow_range=False, axis=None):
+    """What the plots draw: ``(outputs, mask, backprops, grid, axis)``.
+
+    ``mask`` is TensorFlow's gradient fed with ones: ``QuantizeAndDequantizeV4Grad`` (on the given
+    ``[input_min, input_max]``) for V4, the pass-through gradient TF registers for V2/V3 (ones);
+    ``backprops`` the same fed with ``gradients``.  ``grid`` a :class:`PlotGrid`, ``axis`` None (per tensor)
+    or the slice axis.
+    """
+    xp = array_module(x)
+    x32, grid, axis = prepare(x, input_min, input_max, signed_input=signed_input, num_bits=num_bits,
+                              range_given=range_given, round_mode=round_mode, narrow_range=narrow_range, axis=axis,
+                              version=version)
+    out = forward(x32, grid, range_given=range_given, round_mode=round_mode, axis=axis, xp=xp)
+    g = None if gradients is None else as_float32(gradients, "gradients", xp)
+    if g is not None and g.shape != x32.shape:
+        raise OperandError(f"shape {list(g.shape)} differs from input shape {list(x32.shape)}", operand="gradients")
+    if version == "v4":
+        mask = quantize_and_dequantize_v4_grad(xp.ones_like(x32), x32, input_min, input_max, axis=axis)[0]
+        backprops = None if g is None else quantize_and_dequantize_v4_grad(g, x32, input_min, input_max,
+                                                                            axis=axis)[0]
+    else:
+        mask, backprops = xp.ones_like(x32), g
+    op = f"QuantizeAndDequantize{version.upper()}"
+    pg = plot_grid(grid, num_bits=num_bits, narrow_range=narrow_range, op=op, signed_input=signed_input,
+                   range_given=range_given, round_mode=round_mode)
+    return out, mask, backprops, pg, axis
+
+
+# --- qgcli report: the hooks of qgcli.ops.analysis.channel_report ------------------------------------------
+
+def report_masks(x, grid, version, xp, given=None):
+    """``(inside, below, above)`` on a channels-last block: ``inside`` TensorFlow's gradient mask (V4Grad: the
+    given ``[min, max]``; V2/V3: pass-through, all True), ``below``/``above`` outside the grid's
+    ends ``[lo, hi]`` (where a given range clamps).  ``given``: V4Grad's ``(input_min, input_max)``, by default
+    the range the grid was built from."""
+    xf = _fz(x)
+    lo, hi = xp.asarray(_fz(grid.nudged_min)), xp.asarray(_fz(grid.nudged_max))
+    with _quiet(xp):
+        below, above = xf < lo, xf > hi
+        if version == "v4":
+            mn, mx = (grid.min, grid.max) if given is None else given
+            inside = (xf >= xp.asarray(_fz(mn))) & (xf <= xp.asarray(_fz(mx)))
+        else:
+            inside = xp.ones(xf.shape, bool)
+    return inside, below, above
+
+
+def report_ops(*, version, signed_input, range_given, round_mode, num_bits, narrow_range):
+    """``(run_forward(xb, lo, hi, given=True), grid_for(lo, hi))`` on channels-last blocks (lo/hi 1-d per column)."""
+    op = f"QuantizeAndDequantize{version.upper()}"
+
+    def grid_for(lo, hi):
+        lo, hi = np.asarray(lo, _F32), np.asarray(hi, _F32)
+        if lo.size == 1:
+            lo, hi = lo.reshape(()), hi.reshape(())
+        g = quantization_grid(lo, hi, signed_input=signed_input, num_bits=num_bits, narrow_range=narrow_range)
+        return plot_grid(g, num_bits=num_bits, narrow_range=narrow_range, op=op, signed_input=signed_input,
+                         range_given=range_given, round_mode=round_mode)
+
+    def run_forward(xb, lo, hi, given=True):
+        lo, hi = np.asarray(lo, _F32), np.asarray(hi, _F32)
+        if lo.size == 1:
+            lo, hi = lo.reshape(()), hi.reshape(())
+        g = quantization_grid(lo, hi, signed_input=signed_input, num_bits=num_bits, narrow_range=narrow_range)
+        return forward(xb, g, range_given=given, round_mode=round_mode, axis=None, xp=array_module(xb))
+
+    return run_forward, grid_for
+
+
+def estimator_refusal(name, grid, input_min, input_max, *, range_given):
+    """Why ``--estimator name`` has no meaning on this run's grid (None when it has one).
+
+    The mask-based estimators (ste, identity, scaled, ewgs) use V4Grad's mask on the given range and carry
+    over.  PACT learns the clip level ``alpha``, LSQ the step with values clamped to the grid's ends: on this
+    grid they mean what they say only when the range is given and the grid ends where the given range ends
+    (PACT: ``hi == input_max``; LSQ: ``lo == input_min`` and ``hi == input_max``).  Otherwise the forward
+    clamps elsewhere (or, without ``range_given``, takes its range from the data) and qgcli refuses them.
+    """
+    if name not in ("pact", "lsq"):
+        return None
+    if not range_given:
+        return (f"{name} learns the clipping range, but without --range-given the grid comes from the "
+                "data, not from input_min/input_max; add --range-given")
+    mn, mx = np.asarray(input_min, _F32), np.asarray(input_max, _F32)
+    top = np.asarray(grid.hi) == _fz(mx)
+    bottom = np.asarray(grid.lo) == _fz(mn)
+    if name == "pact" and not top.all():
+        return ("pact takes alpha = input_max as the clip level, but the scale is decided by input_min "
+                "and the grid reaches above input_max (qgcli nudge --variant quantize-and-dequantize-v4 shows it)")
+    if name == "lsq" and not (top & bottom).all():
+        return ("lsq needs the grid to end where the given range ends (its gradients assume values "
+                "outside [input_min, input_max] clamp there), but this grid reaches outside it (qgcli nudge "
+                "--variant quantize-and-dequantize-v4 shows it)")
+    return None

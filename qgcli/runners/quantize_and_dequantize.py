@@ -45,14 +45,14 @@ def build_job(command, with_gradients, operands, attributes, quantize, semantics
         ops.check_attributes(signed_input=signed, num_bits=attributes.num_bits, round_mode=round_mode, version=version)
     except ValueError as exc:
         raise click.BadParameter(str(exc).split(": ", 1)[-1], param_hint="'--num-bits'") from None
-    if output.plot:
-        raise click.BadParameter(f"draws FakeQuant's STE only; no figure for --variant {variant} yet",
-                                 param_hint="'--plot'")
     est = None
     if with_gradients and estimator.estimator is not None:
         from qgcli.ops.estimators import parse_estimator
 
         est = parse_estimator(estimator.estimator)
+    if output.plot and est is not None and est.name != "ste":
+        raise click.BadParameter(f"draws the STE only (TensorFlow's gradient); no figure for --estimator "
+                                 f"{est.text} on --variant {variant}", param_hint="'--plot'")
     if estimator.grad_factor is not None and (est is None or est.name != "lsq"):
         raise click.BadParameter("only applies to --estimator lsq", param_hint="'--grad-factor'")
     given = operands.as_dict()
@@ -122,8 +122,12 @@ def compute(job, operands):
             op = "QuantizeAndDequantizeV4Grad"
             outputs = {"input_backprop": ib, "input_min_backprop": imn, "input_max_backprop": imx}
             if job.estimator is not None and job.estimator.name != "ste":
+                from qgcli.errors import OperandError
                 from qgcli.ops.estimators import apply_estimator, lsq_grad_factor
 
+                why = ops.estimator_refusal(job.estimator.name, grid, mn, mx, range_given=attrs["range_given"])
+                if why is not None:
+                    raise OperandError(why, operand="--estimator")
                 view = _view(x32, out, grid, mn, mx, axis, xp)
                 gf = None
                 if job.estimator.name == "lsq":
@@ -134,7 +138,17 @@ def compute(job, operands):
     if details is not None:
         summary["estimator"] = json_safe(details)
     file_attrs = {"op": op, "variant": job.variant, **attrs}
-    return Result(outputs, file_attrs, summary, None)
+
+    def figure():
+        """The STE figure of this run: staircase, TF's gradient with ones (V4Grad, or V2/V3's pass-through)."""
+        from qgcli import plots
+
+        return plots.ste(x, mn, mx, gradients=g, variant=job.variant, num_bits=attrs["num_bits"],
+                         narrow_range=attrs["narrow_range"], axis=attrs["axis"],
+                         quantize={"signed_input": attrs["signed_input"], "range_given": attrs["range_given"],
+                                   "round_mode": job.qdq["round_mode"]})
+
+    return Result(outputs, file_attrs, summary, figure)
 
 
 def _view(x, out, grid, mn, mx, axis, xp):
@@ -228,3 +242,100 @@ def render(console, s):
         line += f"; gradient mass blocked {st['gradient_blocked']:.2%}"
     console.print(line)
     render_closing_lines(console, s)
+
+
+def nudge_doc(bundle, min_, max_, *, num_bits, narrow_range, variant, signed_input):
+    """``qgcli nudge --variant quantize-and-dequantize-v*``: ``(doc, arrays to write, file attributes, operands)``.
+
+    ``--min``/``--max`` (or the bundle's ``input_min``/``input_max``, else ``min``/``max``) are the given range;
+    the caller closes ``operands``.
+    """
+    import numpy as np
+
+    from qgcli.operands import Operands
+    from qgcli.ops import quantize_and_dequantize as ops
+
+    signed = True if signed_input is None else bool(signed_input)
+    version = variant.rsplit("-", 1)[1]
+    operands = Operands(bundle, {"input_min": min_, "input_max": max_}, literal_ok=("input_min", "input_max"))
+    try:
+        try:
+            ops.check_attributes(signed_input=signed, num_bits=num_bits, version=version)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc).split(": ", 1)[-1], param_hint="'--num-bits'") from None
+        for name in ("input_min", "input_max"):
+            if not (operands.has(name) or operands.has(ALIASES[name])):
+                flag = "--min" if name == "input_min" else "--max"
+                raise click.BadParameter(f"missing: give {flag} (or a BUNDLE holding {name} or "
+                                         f"{ALIASES[name]})", param_hint=f"'{flag}'")
+        doc = ops.explain_grid(_get(operands, "input_min"), _get(operands, "input_max"), signed_input=signed,
+                               num_bits=num_bits, narrow_range=narrow_range)
+    except BaseException:
+        operands.close()
+        raise
+    grid = doc.pop("_grid")
+    doc = {"command": "nudge", "variant": variant, "op": OPS[variant], **doc}
+    arrays = {"scale": grid.scale, "step": grid.step, "lo": grid.lo, "hi": grid.hi,
+              "decided_by_min": grid.from_min.astype(np.int8)}
+    attrs = {"op": f"{OPS[variant]} grid", "variant": variant, "num_bits": int(num_bits), "signed_input": signed,
+             "narrow_range": bool(narrow_range), "quant_min": grid.quant_min, "quant_max": grid.quant_max}
+    return doc, arrays, attrs, operands
+
+
+def plot_operands(operands, variant, qdq, quantize, axis, channel):
+    """``plot staircase|ste --variant quantize-and-dequantize-v*``: ``(input, input_min, input_max, attrs)``.
+
+    ``attrs`` (signed_input, range_given, round_mode) for :func:`qgcli.plots.run_variant`'s ``quantize``;
+    options are checked as ``fakequant`` checks them.  The range is needed with range_given and for V4's
+    mask (V4Grad masks on it); V2/V3 without a given range draw without one.
+    """
+    for option in quantize.given():
+        if option != "--round-mode":
+            raise click.BadParameter(f"is QuantizeV2's; it does not apply to --variant {variant}",
+                                     param_hint=f"'{option}'")
+    return load_operands(operands, variant, qdq, quantize.round_mode, axis, channel, "V4Grad, the gradient drawn")
+
+
+def load_operands(operands, variant, qdq, round_mode, axis, channel=None, why_range="V4Grad masks on it"):
+    """``(input, input_min, input_max, attrs)`` for plots and ``qgcli report`` (see :func:`plot_operands`)."""
+    import numpy as np
+
+    version = variant.rsplit("-", 1)[1]
+    round_mode = round_mode or "HALF_TO_EVEN"
+    if round_mode not in ("HALF_TO_EVEN", "HALF_UP") or (version == "v3" and round_mode != "HALF_TO_EVEN"):
+        raise click.BadParameter(f"--variant {variant} rounds " + ("HALF_TO_EVEN only" if version == "v3" else
+                                                                   "HALF_TO_EVEN or HALF_UP"),
+                                 param_hint="'--round-mode'")
+    range_given = qdq.range_given if qdq is not None and qdq.range_given is not None else version == "v3"
+    signed = qdq.signed_input if qdq is not None and qdq.signed_input is not None else True
+    need = range_given or version == "v4"
+    if need and not (operands.has("input_min") or operands.has("min")):
+        why = "--range-given clamps to it" if range_given else why_range
+        raise click.BadParameter(f"--variant {variant} needs the range ({why}): give --min and --max",
+                                 param_hint="'--min'")
+    x = _get(operands, "input")
+    mn = _get(operands, "input_min", required=need)
+    mx = _get(operands, "input_max", required=need)
+    if (mn is None) != (mx is None):
+        raise click.BadParameter("give both --min and --max (or neither)", param_hint="'--min'")
+    if axis is None and channel is None and mn is not None and np.ndim(mn) == 1:
+        raise click.BadParameter("input_min/input_max are vectors: give --axis K (TF's axis; -1 = per tensor)",
+                                 param_hint="'--axis'")
+    return x, mn, mx, {"signed_input": bool(signed), "range_given": bool(range_given), "round_mode": round_mode}
+
+
+def report_notes(variant, report):
+    """What ``qgcli report`` says about this grid beside the table (the columns keep FakeQuant's names)."""
+    import numpy as np
+
+    notes = ["columns for QuantizeAndDequantize: 'nudged' is the grid's ends [lo, hi] (clip< clip>: outside them), "
+             "'range' the range the grid was built from, scale its step; d/dmin d/dmax are V4Grad's zeros"]
+    if variant != "quantize-and-dequantize-v4":
+        notes.append(f"TensorFlow registers a pass-through gradient for {OPS[variant]}: nothing is blocked")
+    grid = report.grid
+    if bool(np.any((np.asarray(grid.nudged_min) < np.asarray(grid.min)) |
+                   (np.asarray(grid.nudged_max) > np.asarray(grid.max)))):
+        notes.append("the grid reaches outside the range (the scale comes from the bound that allows the coarser "
+                     "step): outputs can fall outside [input_min, input_max] (qgcli nudge --variant "
+                     f"{variant} explains it)")
+    return notes
