@@ -48,10 +48,12 @@ def render_closing_lines(console, s):
     """The notes and the "wrote OUTPUTS to FILE" line that end a command's summary (names already printable)."""
     from rich.markup import escape
 
+    from qgcli.tables import print_items
+
     for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {escape(note)}")
+        print_items(console, f"[yellow]note:[/] {escape(note)}")
     if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+        print_items(console, f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
 
 
 def percent(x):
@@ -67,14 +69,11 @@ def emit(summary, *, as_json, quiet, render, output=None):
         return
     if quiet:
         return
-    from rich.console import Console
-
     from qgcli.text import printable_doc
 
     # Names and messages from files reach the renderer without control characters (qgcli.text); emoji off
     # so that ":name:" in them stays text.
-    console = Console(stderr=True, highlight=False, emoji=False)
-    render(console, printable_doc(summary))
+    render(stderr_console(), printable_doc(summary))
 
 
 def dump_json(doc, *, safe=True):
@@ -97,12 +96,26 @@ def stdout_console():
     """A rich console on stdout; plain text, wide enough for tables, when stdout is not a terminal.
 
     Renderers pass what they print through :func:`qgcli.text.printable_doc` and :func:`qgcli.text.markup`."""
+    return _console(stderr=False)
+
+
+def stderr_console():
+    """The same on stderr: the summaries, notes and ``wrote`` lines of the commands that write data."""
+    return _console(stderr=True)
+
+
+# Off a terminal lines are never wrapped (qgcli.tables prints tables at their full width too).
+_PLAIN_WIDTH = 10_000
+
+
+def _console(*, stderr):
     from rich.console import Console
 
-    console = Console(highlight=False, emoji=False)
+    console = Console(highlight=False, emoji=False, stderr=stderr)
     if not console.is_terminal:
-        # Piped into less/grep/a file: plain text, and wide enough that tables are not squeezed.
-        console = Console(highlight=False, emoji=False, width=max(160, console.width), no_color=True, file=sys.stdout)
+        # Piped into less/grep/a log file: plain text, full lines whatever the width.
+        console = Console(highlight=False, emoji=False, width=_PLAIN_WIDTH, no_color=True,
+                          file=sys.stderr if stderr else sys.stdout)
     return console
 
 

@@ -26,30 +26,30 @@ def _epsilon(ctx, param, value):
 
 def render_summary(console, s):
     from rich.markup import escape
-    from rich.table import Table
+
+    from qgcli.tables import Col, print_items, print_table
 
     a = s["attributes"]
     x = s["inputs"].get("x", {})
     mode = "training" if a["is_training"] else "inference"
-    console.print(f"[bold]{s['op']}[/] epsilon={a['epsilon']:g} {a['data_format']} {mode}  "
+    print_items(console, f"[bold]{s['op']}[/] epsilon={a['epsilon']:g} {a['data_format']} {mode}  "
                   f"x {x.get('shape', [])} {escape(str(x.get('dtype', '')))}", soft_wrap=True)
-    console.print(f"convention: {escape(s['convention']['description'])}", soft_wrap=True)
-    table = Table(show_edge=False, box=None, pad_edge=False)
-    for col in ("", "|x_backprop|", "scale_backprop", "offset_backprop"):
-        table.add_column(col, justify="right")
+    print_items(console, f"convention: {escape(s['convention']['description'])}", soft_wrap=True)
     pc = s["per_channel"]
     count = s["channels"]
-    for c in range(min(count, 8)):
-        table.add_row(f"ch {c}", *(_fmt(pc[k][c]) for k in ("x_backprop_norm", "scale_backprop", "offset_backprop")))
+    rows = [[f"ch {c}", *(_fmt(pc[k][c]) for k in ("x_backprop_norm", "scale_backprop", "offset_backprop"))]
+            for c in range(min(count, 8))]
     if count > 8:
-        table.add_row(f"... {count - 8} more", "", "", "")
+        rows.append([f"... {count - 8} more", "", "", ""])
     n = s["norms"]
-    table.add_row("L2 norm", _fmt(n["x_backprop"]), _fmt(n["scale_backprop"]), _fmt(n["offset_backprop"]))
-    console.print(table)
+    rows.append(["L2 norm", _fmt(n["x_backprop"]), _fmt(n["scale_backprop"]), _fmt(n["offset_backprop"])])
+    cols = (Col("", "left", priority=0), Col("|x_backprop|", priority=0), Col("scale_backprop", priority=0),
+            Col("offset_backprop", priority=0))
+    print_table(console, cols, rows)
     for note in s["notes"]:
-        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+        print_items(console, f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if s["output"] and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}", soft_wrap=True)
+        print_items(console, f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}", soft_wrap=True)
 
 
 def _fmt(v):

@@ -8,6 +8,7 @@ here.  Only click is imported at module level.
 """
 import click
 
+from qgcli.tables import print_items
 from qgcli.commands.options import (
     QD_VARIANT,
     QDQ_VARIANTS,
@@ -171,29 +172,27 @@ def _run_file(job):
 
 def render_summary(console, s):
     from rich.markup import escape
-    from rich.table import Table
+
+    from qgcli.tables import Col, print_table
 
     stats, grid = s["statistics"], s["grid"]
     shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
-    console.print(f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {escape(shapes)}")
-    table = Table(show_edge=False, box=None, pad_edge=False)
-    for col in ("", "min", "max", "nudged_min", "nudged_max", "scale", "zero_point"):
-        table.add_column(col, justify="right")
+    print_items(console, f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {escape(shapes)}")
+    keys = ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")
     if isinstance(grid["min"], list):
-        rows = list(range(len(grid["min"])))
-        shown = rows[:8]
-        for c in shown:
-            table.add_row(f"ch {c}", *(_fmt(grid[k][c]) for k in ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")))
-        if len(rows) > len(shown):
-            table.add_row(f"... {len(rows) - len(shown)} more", "", "", "", "", "", "")
+        rows = [[f"ch {c}", *(_fmt(grid[k][c]) for k in keys)] for c in range(min(len(grid["min"]), 8))]
+        if len(grid["min"]) > 8:
+            rows.append([f"... {len(grid['min']) - 8} more", "", "", "", "", "", ""])
     else:
-        table.add_row("range", *(_fmt(grid[k]) for k in ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")))
-    console.print(table)
+        rows = [["range", *(_fmt(grid[k]) for k in keys)]]
+    cols = (Col("", "left", priority=0), Col("min", priority=2), Col("max", priority=2), Col("nudged_min", priority=0),
+            Col("nudged_max", priority=0), Col("scale", priority=1), Col("zero_point", priority=1))
+    print_table(console, cols, rows, hint="--json for every value")
     if stats is not None:
         line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
         if "gradient_blocked" in stats:
             line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
-        console.print(line)
+        print_items(console, line)
     render_closing_lines(console, s)
 
 
@@ -207,7 +206,7 @@ def _render_estimator(console, s):
     render_summary(console, s)
     est_ = s["estimator"]
     extra = f", grad_factor {est_['grad_factor']:.7g}" if "grad_factor" in est_ else ""
-    console.print(f"estimator {est_['estimator']}{extra} (TensorFlow's grid; outputs "
+    print_items(console, f"estimator {est_['estimator']}{extra} (TensorFlow's grid; outputs "
                   f"{', '.join(s['outputs'])}); it blocks {percent(s['statistics']['estimator_blocked'])} "
                   "of the gradient mass")
 
@@ -221,51 +220,50 @@ def _render_torch(console, s):
         params = f"scale/zero_point {shown}{more}"
     else:
         params = f"scale {scale:.7g}, zero_point {zp:g}"
-    console.print(f"[bold]{s['op']}[/] quant_min={grid['quant_min']} quant_max={grid['quant_max']}  {params}",
+    print_items(console, f"[bold]{s['op']}[/] quant_min={grid['quant_min']} quant_max={grid['quant_max']}  {params}",
                   soft_wrap=True)
     stats = s["statistics"]
     line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])} (rounded integer)"
     if "gradient_blocked" in stats:
         line += (f"; gradient mass blocked by the mask {percent(stats['gradient_blocked'])}, by the estimator "
                  f"{percent(stats['estimator_blocked'])}")
-    console.print(line)
+    print_items(console, line)
     est = s.get("estimator")
     if est:
         extra = f", grad_factor {est['grad_factor']:.7g}" if "grad_factor" in est else ""
-        console.print(f"estimator {est['estimator']}{extra}")
+        print_items(console, f"estimator {est['estimator']}{extra}")
     render_closing_lines(console, s)
 
 
 def _render_quantize_dequantize(console, s):
     from rich.markup import escape
-    from rich.table import Table
+
+    from qgcli.tables import Col, print_table
 
     a, r, stats = s["attributes"], s["range"], s["statistics"]
     shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
     rounding = f" round_mode={a['round_mode']}" if a["mode"] == "SCALED" else ""
-    console.print(f"[bold]{s['op']}[/] dtype={a['dtype']} mode={a['mode']}{rounding} narrow_range={a['narrow_range']} "
+    print_items(console, f"[bold]{s['op']}[/] dtype={a['dtype']} mode={a['mode']}{rounding} narrow_range={a['narrow_range']} "
                   f"ensure_minimum_range={a['ensure_minimum_range']:g}  {escape(shapes)}")
-    table = Table(show_edge=False, box=None, pad_edge=False)
-    for col in ("", "min", "max", "output_min", "output_max", "step"):
-        table.add_column(col, justify="right")
     keys = ("min", "max", "output_min", "output_max", "step")
     if isinstance(r["min"], list):
-        for c in range(min(len(r["min"]), 8)):
-            table.add_row(f"slice {c}", *(_fmt(r[k][c]) for k in keys))
+        rows = [[f"slice {c}", *(_fmt(r[k][c]) for k in keys)] for c in range(min(len(r["min"]), 8))]
         if len(r["min"]) > 8:
-            table.add_row(f"... {len(r['min']) - 8} more", "", "", "", "", "")
+            rows.append([f"... {len(r['min']) - 8} more", "", "", "", "", ""])
     else:
-        table.add_row("range", *(_fmt(r[k]) for k in keys))
-    console.print(table)
+        rows = [["range", *(_fmt(r[k]) for k in keys)]]
+    cols = (Col("", "left", priority=0), Col("min", priority=2), Col("max", priority=2), Col("output_min", priority=0),
+            Col("output_max", priority=0), Col("step", priority=1))
+    print_table(console, cols, rows, hint="--json for every value")
     line = (f"{r['levels']} levels; quantized values {r['quantized_min']}..{r['quantized_max']}; clipped below "
             f"{percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}")
     if "gradient_blocked" in stats:
         line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
-    console.print(line)
+    print_items(console, line)
     if "estimator" in s:
         est = s["estimator"]
         extra = f", grad_factor {est['grad_factor']:.7g}" if est.get("grad_factor") is not None else ""
-        console.print(escape(f"estimator {est['estimator']}{extra} over the adjusted range [output_min, output_max]"))
+        print_items(console, escape(f"estimator {est['estimator']}{extra} over the adjusted range [output_min, output_max]"))
     render_closing_lines(console, s)
 
 

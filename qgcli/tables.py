@@ -1,0 +1,243 @@
+"""Tables and lines that fit the terminal and are never cut.
+
+Every renderer prints its tables through :func:`print_table` and its long lines through :func:`print_items`:
+
+* on a terminal the table keeps only the columns that fit, dropping the least important first, says once
+  which columns it left out and how to get them (``--wide``, ``--columns``), and explains the abbreviated
+  headers it shows; when even the essential columns do not fit (or ``--wide`` asks for more than the width
+  holds) it prints one record per block, ``label  value`` on a line;
+* when the output is not a terminal (a pipe, a log file) every column is printed and lines are never wrapped,
+  whatever the width.
+
+A cell is never truncated: each column is as wide as its widest cell.  Cells are plain strings (never parsed as
+rich markup; they come from :func:`qgcli.text.printable_doc` documents) or :class:`rich.text.Text`.
+
+Kept free of heavy imports at module level: rich is imported when a table is printed.
+"""
+from dataclasses import dataclass
+
+GAP = 2  # spaces between columns
+
+# What --wide / --columns asked for: set by table_options' callbacks, read by print_table(choice=True).
+_CHOICE = {"wide": False, "columns": None}
+
+
+def table_options(f):
+    """``--wide`` and ``--columns`` for a command whose result is a table; the command's signature is unchanged
+    (the choice is kept here and applied by :func:`print_table`)."""
+    import click
+
+    def keep(name):
+        def callback(ctx, param, value):
+            _CHOICE[name] = value
+            return value
+        return callback
+
+    f = click.option("--columns", metavar="NAME,...", default=None, expose_value=False, callback=keep("columns"),
+                     help="Table columns to show, in order (all: every column); the first column is always "
+                          "shown. Unknown names list the choices.")(f)
+    f = click.option("--wide", is_flag=True, expose_value=False, callback=keep("wide"),
+                     help="Every table column, one record per block when the terminal is narrower than the table "
+                          "(default: the columns that fit; off a terminal every column).")(f)
+    return f
+
+
+@dataclass(frozen=True)
+class Col:
+    """A table column: ``name`` (the header and the ``--columns`` name), ``justify``, ``help`` (the legend
+    for an abbreviated header, printed once under the table when the column is shown) and ``priority``:
+    0 is never dropped to fit, higher numbers are dropped first."""
+    name: str
+    justify: str = "right"
+    help: str = ""
+    priority: int = 1
+    prefix: bool = False  # the first column: its name heads each record in block form ("ch 3")
+
+
+def plain(console):
+    """True when ``console`` does not write to a terminal: print full lines, every column."""
+    return not console.is_terminal
+
+
+def parse_columns(text, cols, *, param_hint="--columns"):
+    """The names of ``--columns a,b,c`` checked against ``cols`` (``all`` is every column); None for None."""
+    if text is None:
+        return None
+    import click
+
+    names = [c.name for c in cols]
+    chosen = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part == "all":
+            chosen.extend(n for n in names if n not in chosen)
+        elif part in names:
+            if part not in chosen:
+                chosen.append(part)
+        else:
+            raise click.BadParameter(f"no column {part!r}; choose from {', '.join(names)} (or all)",
+                                     param_hint=param_hint)
+    if not chosen:
+        raise click.BadParameter("name at least one column", param_hint=param_hint)
+    return chosen
+
+
+def _text(cell):
+    from rich.text import Text
+
+    if isinstance(cell, Text):
+        return cell
+    return Text("" if cell is None else str(cell))
+
+
+def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, title=None, legend=True,
+                hint="--wide or --columns", choice=False):
+    """Print ``rows`` (lists of cells, one per column of ``cols``) as a table that fits ``console``.
+
+    ``wide``: every column; ``columns``: the column names to show, in that order (see :func:`parse_columns`);
+    ``choice``: apply the command's ``--wide`` / ``--columns`` (:func:`table_options`) to this table;
+    ``styles``: a rich style per row (or None); ``title``: a line printed above.  The first column is the
+    record's label (``ch 3``, a tensor's name) and is always shown.  Returns the names of the columns shown.
+    """
+    from rich.table import Table
+
+    if choice:
+        wide = wide or bool(_CHOICE["wide"])
+        if columns is None and _CHOICE["columns"] is not None:
+            columns = parse_columns(_CHOICE["columns"], cols)
+    rows = [[_text(c) for c in r] for r in rows]
+    styles = list(styles) if styles is not None else [None] * len(rows)
+    index = {c.name: i for i, c in enumerate(cols)}
+    widths = [max([len(c.name)] + [r[i].cell_len for r in rows]) for i, c in enumerate(cols)]
+
+    def total(idx):
+        return sum(widths[i] for i in idx) + GAP * (len(idx) - 1)
+
+    if columns is not None:
+        shown = [index[n] for n in columns]
+        if 0 not in shown:
+            shown.insert(0, 0)
+        chosen = True
+    else:
+        shown = list(range(len(cols)))
+        chosen = wide
+    width = console.width
+    is_plain = plain(console)
+    dropped = []
+    if not is_plain and not chosen:
+        # Drop the least important columns (the rightmost first among equals) until the table fits.
+        order = sorted((i for i in shown if cols[i].priority > 0), key=lambda i: (-cols[i].priority, -i))
+        for i in order:
+            if total(shown) <= width:
+                break
+            shown.remove(i)
+            dropped.append(i)
+    blocks = not is_plain and total(shown) > width
+    if title:
+        console.print(_text(title), style="bold", soft_wrap=True)
+    if blocks:
+        _print_blocks(console, cols, rows, styles, shown)
+    else:
+        table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold", padding=(0, GAP // 2),
+                      collapse_padding=False)
+        for i in shown:
+            c = cols[i]
+            table.add_column(c.name, justify=c.justify, no_wrap=True, min_width=widths[i], max_width=widths[i])
+        for r, style in zip(rows, styles):
+            table.add_row(*(r[i] for i in shown), style=style)
+        if is_plain:
+            console.print(table, width=max(width, total(shown)), crop=False)
+        else:
+            console.print(table)
+    if dropped:
+        names = " ".join(cols[i].name for i in sorted(dropped))
+        print_items(console, f"[dim]not shown to fit {width} columns: {_escape(names)} ({hint})[/]")
+    if legend:
+        helps = {}  # help text -> the shown columns it explains ("clip< clip>: values below/above ...")
+        for i in shown:
+            if cols[i].help:
+                helps.setdefault(cols[i].help, []).append(cols[i].name)
+        if helps:
+            print_items(console, "; ".join(_escape(f"{' '.join(names)}: {h}") for h, names in helps.items()),
+                        style="dim")
+    return [cols[i].name for i in shown]
+
+
+def _escape(text):
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _print_blocks(console, cols, rows, styles, shown):
+    """One record per block: the label on its own line, then ``name  value`` lines, a blank line between."""
+    from rich.text import Text
+
+    label_width = max(len(cols[i].name) for i in shown[1:]) if len(shown) > 1 else 0
+    for n, (r, style) in enumerate(zip(rows, styles)):
+        if n:
+            console.print()
+        head = (Text(f"{cols[shown[0]].name} ") if cols[shown[0]].prefix else Text()) + r[shown[0]]
+        console.print(head, style=style or "bold", soft_wrap=True)
+        for i in shown[1:]:
+            line = Text(f"  {cols[i].name.ljust(label_width)}  ") + r[i]
+            console.print(line, style=style, soft_wrap=True)
+
+
+def print_items(console, text, *, style=None, markup=True, soft_wrap=None):
+    """A long line: full length off a terminal; on a terminal wrapped only between items (``; `` and ``, ``
+    separated parts stay whole where they fit), never inside a number or a name.  ``text`` is rich markup
+    (file strings in it escaped with :func:`qgcli.text.markup`) unless ``markup=False``; ``soft_wrap`` is
+    accepted for ``console.print`` compatibility and ignored."""
+    from rich.text import Text
+
+    line = Text.from_markup(text) if markup else Text(text)
+    if style:
+        line.stylize(style)
+    if plain(console) or line.cell_len <= console.width:
+        console.print(line, soft_wrap=True)
+        return
+    width = console.width
+    plain_text = line.plain
+    # Break points outside brackets only ("[4, 8, 8, 16]", "(ch 3 59.0%, ...)" stay whole): after two spaces,
+    # then within a part too long for a line after "; ", then ", ", then any space; a word longer than a line
+    # goes whole (the terminal wraps it, nothing is cut).
+    depth, breaks = 0, {"  ": [], "; ": [], ", ": [], " ": []}
+    for k, c in enumerate(plain_text):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth = max(0, depth - 1)
+        elif c == " " and depth == 0:
+            breaks[" "].append(k + 1)
+            if k and plain_text[k - 1] in ";, ":
+                breaks[plain_text[k - 1] + " "].append(k + 1)
+    seps = ("  ", "; ", ", ", " ")  # two spaces part a heading from its list
+
+    def split(a, b, level):  # the parts of [a, b) at seps[level], the parts too long split at the next level
+        ends = [k for k in breaks[seps[level]] if a < k < b] + [b]
+        parts = []
+        for lo, hi in zip([a] + ends[:-1], ends):
+            if len(plain_text[lo:hi].rstrip()) > width and level + 1 < len(seps):
+                parts.extend(split(lo, hi, level + 1))
+            else:
+                parts.append((lo, hi))
+        return parts
+
+    pieces = split(0, len(plain_text), 0)
+    out, cur = [], None
+    for a, b in pieces:
+        if cur is None:
+            cur = [a, b]
+        elif len(plain_text[cur[0]:b].rstrip()) <= width:
+            cur[1] = b
+        else:
+            out.append(cur)
+            cur = [a, b]
+    if cur is not None:
+        out.append(cur)
+    for a, b in out:
+        part = line[a:b]
+        part.rstrip()
+        console.print(part, soft_wrap=True)
