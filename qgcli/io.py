@@ -512,6 +512,24 @@ def tagged_bfloat16(dataset):
     return dataset.dtype.kind == "u" and dataset.attrs.get("dtype") in ("bfloat16", b"bfloat16")
 
 
+def h5_open(parent_id, name, *, readonly=True):
+    """The h5py object (Group, Dataset or Datatype) that ``name`` (bytes, relative to the low-level
+    ``parent_id``) names: what ``group[name]`` gives, without its per-call path checks (a walk over
+    thousands of groups calls this once per object).  Raises as ``group[name]`` does."""
+    import h5py
+    from h5py import h5i, h5o
+
+    oid = h5o.open(parent_id, name)
+    otype = h5i.get_type(oid)
+    if otype == h5i.GROUP:
+        return h5py.Group(oid)
+    if otype == h5i.DATASET:
+        return h5py.Dataset(oid, readonly=readonly)
+    if otype == h5i.DATATYPE:
+        return h5py.Datatype(oid)
+    raise TypeError("Unknown object type")
+
+
 def read_attributes(obj):
     """An HDF5 object's attributes, name -> value (strings as ``str``).
 
@@ -539,7 +557,8 @@ def read_attributes_many(objs):
                 if dtype.kind == "O":
                     out[key_text] = f"<{_h5_object_kind(dtype)}: not read>"
                     if attr.shape == ():
-                        strings.append((out, key_text, attr, obj.file.filename))
+                        # the file's name only for the first (the message of a stuck read names it)
+                        strings.append((out, key_text, attr, None if strings else obj.file.filename))
                 elif dtype.kind in "biuf" and dtype.subdtype is None and attr.shape == ():
                     out[key_text] = _scalar_attribute(attr, dtype)  # what obj.attrs[key] gives, opened once
                 else:

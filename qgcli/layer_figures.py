@@ -128,8 +128,9 @@ def draw(task):
         if not _IN_WORKER:
             container.close()
     kw = dict(task.options)
-    common = dict(num_bits=task.num_bits, narrow_range=task.narrow_range, axis=task.axis, title=kw.get("title"),
-                  width=kw.get("width", 6.4), height=kw.get("height"))
+    common = dict(num_bits=task.num_bits, narrow_range=task.narrow_range, axis=task.axis, title=kw.get("title"))
+    # Only the sizes given: each plot has its own default height (None would reach matplotlib as a size).
+    common.update({k: kw[k] for k in ("width", "height") if kw.get(k) is not None})
     if task.kind == "channels":
         fig = plots.channels(x, mn, mx, gradients=g, **common)
     else:

@@ -121,22 +121,25 @@ def is_run_file(text):
 
 
 def _is_dataset(group, name):
+    return _dataset(group, name) is not None
+
+
+def _dataset(group, name, readonly=None):
+    """The Dataset hard-linked as ``name`` in ``group`` (opened once), or None.  Low-level: one link
+    lookup and one open (``group.get(name, getlink=True)`` then ``group[name]`` cost five times that)."""
     import h5py
+    from h5py import h5l
+
+    from qgcli.io import h5_open
 
     try:
-        return isinstance(group.get(name, getlink=True), h5py.HardLink) and isinstance(group[name], h5py.Dataset)
-    except Exception:  # noqa: BLE001 - damaged: not a layer marker
-        return False
-
-
-def _dataset(group, name):
-    """The Dataset hard-linked as ``name`` in ``group`` (opened once), or None."""
-    import h5py
-
-    try:
-        if not isinstance(group.get(name, getlink=True), h5py.HardLink):
+        raw = group._e(name)
+        links = group.id.links
+        if not links.exists(raw) or links.get_info(raw).type != h5l.TYPE_HARD:
             return None
-        obj = group[name]
+        if readonly is None:
+            readonly = group.file.mode == "r"
+        obj = h5_open(group.id, raw, readonly=readonly)
     except Exception:  # noqa: BLE001 - damaged: not an operand
         return None
     return obj if isinstance(obj, h5py.Dataset) else None
@@ -159,7 +162,7 @@ def _layer_groups(top, limit=None, *, groups=None):
             return True
         # The file's root is a layer by its operands only: qgcli's own outputs carry an op attribute there.
         # The attribute first: a group that has one needs no look at its datasets.
-        if (path != "/" and "op" in group.attrs) or any(k in group and _is_dataset(group, k) for k in _MARKERS):
+        if (path != "/" and "op" in group.attrs) or any(_dataset(group, k, True) is not None for k in _MARKERS):
             found.append(path)
             objects.append(group)
         return None
@@ -195,6 +198,7 @@ def discover(handle, group=None, *, label=None):
             raise FileFormatError(f"{label}: {group!r} is a dataset, not a group of a run file")
         top = node
     layers, groups = [], []
+    readonly = handle.file.mode == "r"
     paths = _layer_groups(top, groups=groups)
     try:  # every group's attributes at once: one guarded round trip for all their strings
         all_attrs = io.read_attributes_many(groups)
@@ -209,7 +213,7 @@ def discover(handle, group=None, *, label=None):
                 attrs = io.read_attributes(g)
             datasets, handles = {}, {}
             for key in g.keys():
-                ds = _dataset(g, key)
+                ds = _dataset(g, key, readonly)
                 if ds is not None:
                     if ds.shape is None:  # an HDF5 empty (null dataspace) dataset: no tensor
                         continue

@@ -8,6 +8,7 @@ exist (never NaN).
 import click
 
 from qgcli.summaries import dump_json, number, stdout_console
+from qgcli.tables import table_options
 
 INSPECT_SCHEMA = 1
 # qgcli's provenance attributes (written by `-o out.h5`), shown as one plain line.
@@ -149,11 +150,15 @@ def _h5_structure(source):
     """Groups (with attributes), datasets (path, shape, dtype, attributes) and non-hard links of an HDF5 file.
 
     Walks with HDF5's own link visitor, which descends through hard links only (each group once, so
-    cycles end) and never opens a soft or external link's target.
+    cycles end) and never opens a soft or external link's target.  One low-level visit lists every link
+    with its type; each object is opened once by its path, and the attributes of all of them are read
+    at the end in one batch (:func:`_attributes_many`: one guarded round trip for their strings).
     """
     import h5py
+    from h5py import h5g, h5l
+    from h5py._hl.compat import filename_decode
 
-    from qgcli.io import tagged_bfloat16
+    from qgcli.io import h5_open, tagged_bfloat16
     from qgcli.signals import deferred
 
     groups, datasets, links = [], [], []
@@ -162,19 +167,27 @@ def _h5_structure(source):
 
     path = io.BytesIO(source) if isinstance(source, bytes) else source  # bytes: an HDF5 stream from stdin
     with deferred(), h5py.File(path, "r") as f:
-        groups.append({"path": "/", "attributes": _attributes(f)})
-        seen[h5py.h5o.get_info(f.id).addr] = "/"
-        found = []
-        f.visititems_links(lambda name, link: found.append((name, link)))
-        for name, link in found:
-            if isinstance(link, h5py.ExternalLink):
-                links.append({"path": name, "kind": "external", "target": f"{link.filename}:{link.path}"})
+        fid = f.id
+        groups.append({"path": "/", "attributes": _attributes(f)})  # before the walk, which may fail after it
+        owners = []  # (entry, the object whose attributes it gets), filled in after the walk
+        seen[h5py.h5o.get_info(fid).addr] = "/"
+        found, lapl = [], f._lapl
+        fid.links.visit(found.append)  # names only: asking the visitor for link info fails on some damaged files
+        for raw in found:
+            name = f._d(raw)
+            # what ``f.get(name, getlink=True)`` looks up, without its per-call overhead
+            kind = fid.links.get_info(raw, lapl=lapl).type if h5g._path_valid(fid, raw, lapl) else None
+            if kind == h5l.TYPE_EXTERNAL:
+                filebytes, linkbytes = fid.links.get_val(raw, lapl=lapl)
+                links.append({"path": name, "kind": "external", "target": f"{filename_decode(filebytes)}:{f._d(linkbytes)}"})
                 continue
-            if isinstance(link, h5py.SoftLink):
-                links.append({"path": name, "kind": "soft", "target": link.path})
+            if kind == h5l.TYPE_SOFT:
+                links.append({"path": name, "kind": "soft", "target": f._d(fid.links.get_val(raw, lapl=lapl))})
                 continue
+            if kind not in (h5l.TYPE_HARD, None):
+                raise TypeError("Unknown link type")  # as h5py's own link lookup
             try:
-                obj = f[name]
+                obj = h5_open(fid, raw)
                 addr = h5py.h5o.get_info(obj.id).addr
             except Exception as exc:  # noqa: BLE001 - a damaged object: list it, don't stop
                 datasets.append({"path": name, "shape": None, "dtype": "unknown", "attributes": {},
@@ -185,15 +198,31 @@ def _h5_structure(source):
                 continue
             seen.setdefault(addr, name)
             if isinstance(obj, h5py.Group):
-                groups.append({"path": name, "attributes": _attributes(obj)})
+                groups.append({"path": name})
+                owners.append((groups[-1], obj))
             elif isinstance(obj, h5py.Dataset):
-                attrs = _attributes(obj)
                 dtype = "bfloat16" if tagged_bfloat16(obj) else str(obj.dtype)
-                datasets.append({"path": name, "shape": obj.shape, "dtype": dtype, "attributes": attrs,
-                                 "error": None})
+                datasets.append({"path": name, "shape": obj.shape, "dtype": dtype, "attributes": None, "error": None})
+                owners.append((datasets[-1], obj))
             else:  # a committed datatype
                 links.append({"path": name, "kind": "datatype", "target": str(getattr(obj, "dtype", ""))})
+        for (entry, _), attrs in zip(owners, _attributes_many([o for _, o in owners])):
+            entry["attributes"] = attrs
     return groups, datasets, links
+
+
+def _attributes_many(objs):
+    """:func:`_attributes` of each of ``objs``, all read in one batch; object by object (so that a broken
+    attribute table spoils its own entry only) where the batch fails."""
+    from qgcli.errors import QgcliError
+    from qgcli.io import read_attributes_many
+
+    try:
+        return [{key: _plain(value) for key, value in attrs.items()} for attrs in read_attributes_many(objs)]
+    except QgcliError:
+        raise
+    except Exception:  # noqa: BLE001 - found again, and recorded, by the object's own read
+        return [_attributes(obj) for obj in objs]
 
 
 def _matches(name, key):
@@ -304,11 +333,30 @@ def _provenance_line(attrs):
     return f"written by qgcli {attrs['qgcli_version']}: {op}" + (f" ({', '.join(parts)})" if parts else "")
 
 
+_TENSOR_COLS = _LAYER_COLS = None
+
+
+def _columns():
+    global _TENSOR_COLS, _LAYER_COLS
+    if _TENSOR_COLS is None:
+        from qgcli.tables import Col
+
+        _TENSOR_COLS = (Col("name", "left", priority=0), Col("shape", "left", priority=0),
+                        Col("dtype", "left", priority=0), Col("min", priority=1), Col("max", priority=1),
+                        Col("mean", priority=2), Col("std", priority=2), Col("nan", priority=1),
+                        Col("inf", priority=1), Col("zeros", priority=3), Col("size", priority=3))
+        _LAYER_COLS = (Col("layer", "left", priority=0), Col("op", "left", priority=0),
+                       Col("operands", "left", priority=0))
+
+
 def render_inspect(console, doc):
     from rich.markup import escape
-    from rich.table import Table
+    from rich.text import Text
 
+    from qgcli.tables import print_items, print_table
     from qgcli.text import printable_doc
+
+    _columns()
 
     doc = printable_doc(doc)  # names, attributes and messages from the file: no control characters
     for i, f in enumerate(doc["files"]):
@@ -316,54 +364,48 @@ def render_inspect(console, doc):
             console.print()
         kind = {"h5": "HDF5", "npz": "npz", "npy": "npy"}[f["format"]]
         count = len(f["tensors"])
-        console.print(f"[bold]{escape(f['file'])}[/]  {kind}, {_human_bytes(f['size_bytes'])}, "
+        print_items(console, f"[bold]{escape(f['file'])}[/]  {kind}, {_human_bytes(f['size_bytes'])}, "
                       f"{count} tensor{'s' if count != 1 else ''}")
         file_attrs = dict(f["attributes"])
         line = _provenance_line(file_attrs)
         if line:
-            console.print(f"  {escape(line)}")
+            print_items(console, f"  {escape(line)}")
             file_attrs = {k: v for k, v in file_attrs.items() if k not in _PROVENANCE}
         for k, v in file_attrs.items():
-            console.print(f"  {escape(k)}: {escape(str(v))}")
+            print_items(console, f"  {escape(k)}: {escape(str(v))}")
         if f.get("layers"):
-            layers = Table(show_edge=False, box=None, pad_edge=False, header_style="bold",
-                           title=f"{len(f['layers'])} layers (run file)", title_justify="left")
-            for col in ("layer", "op", "operands"):
-                layers.add_column(col, overflow="fold")
+            rows = []
             for lay in f["layers"]:
                 shapes = ", ".join(f"{n} [{', '.join(map(str, s))}]" for n, s in lay["operands"].items())
-                problem = f"  [red]{escape(lay['problem'])}[/]" if lay["problem"] else ""
-                layers.add_row(escape(lay["path"]), escape(lay["op"] or "(bundle)"), escape(shapes) + problem)
-            console.print(layers)
-        table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
-        for col, justify in (("name", "left"), ("shape", "left"), ("dtype", "left"), ("min", "right"),
-                             ("max", "right"), ("mean", "right"), ("std", "right"), ("nan", "right"),
-                             ("inf", "right"), ("zeros", "right"), ("size", "right")):
-            table.add_column(col, justify=justify)
-        notes = []
+                cell = Text(shapes)
+                if lay["problem"]:
+                    cell.append("  " + lay["problem"], style="red")
+                rows.append([lay["path"], lay["op"] or "(bundle)", cell])
+            print_table(console, _LAYER_COLS, rows, title=f"{len(f['layers'])} layers (run file)")
+        notes, rows, styles = [], [], []
         for t in f["tensors"]:
             shape = "?" if t["shape"] is None else "[" + ", ".join(map(str, t["shape"])) + "]"
             bad = (t["nan"] or 0) + (t["inf"] or 0)
-            style = "red" if t["error"] or bad else None
-            table.add_row(escape(t["name"] or "(array)"), shape, escape(t["dtype"]), number(t["min"]), number(t["max"]),
-                          number(t["mean"]), number(t["std"]), number(t["nan"]), number(t["inf"]), number(t["zeros"]),
-                          _human_bytes(t["nbytes"]), style=style)
+            styles.append("red" if t["error"] or bad else None)
+            rows.append([t["name"] or "(array)", shape, t["dtype"], number(t["min"]), number(t["max"]),
+                         number(t["mean"]), number(t["std"]), number(t["nan"]), number(t["inf"]), number(t["zeros"]),
+                         _human_bytes(t["nbytes"])])
             if t["error"]:
                 notes.append(f"{t['name']}: {t['error']}")
             extra = {k: v for k, v in t["attributes"].items() if f["attributes"].get(k, object()) != v}
             if extra:
                 notes.append(f"{t['name']}: {_attr_text(extra)}")
         if f["tensors"]:
-            console.print(table)
+            print_table(console, _TENSOR_COLS, rows, styles=styles, choice=True)
         for g in f["groups"]:
             if g["path"] != "/":
                 attrs = f"  ({escape(_attr_text(g['attributes']))})" if g["attributes"] else ""
-                console.print(f"  group {escape(g['path'])}/{attrs}")
+                print_items(console, f"  group {escape(g['path'])}/{attrs}")
         for lk in f["links"]:
             how = {"external": "not followed", "soft": "not followed", "hard": "listed once"}.get(lk["kind"], "not a tensor")
-            console.print(f"  {lk['kind']} link {escape(lk['path'])} -> {escape(lk['target'])} ({how})")
+            print_items(console, f"  {lk['kind']} link {escape(lk['path'])} -> {escape(lk['target'])} ({how})")
         for note in notes:
-            console.print(f"  [yellow]{escape(note)}[/]")
+            print_items(console, f"  [yellow]{escape(note)}[/]")
 
 
 _INSPECT_EPILOG = """\b
@@ -379,6 +421,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see the README).")
 @click.option("--no-stats", is_flag=True, help="Names, shapes and dtypes only (HDF5: reads no data).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+@table_options
 def inspect(files, as_json, no_stats, quiet):
     """Show what is in .npy/.npz/.h5 files: every tensor with its shape, dtype, min/max/mean/std over
     finite values, NaN/Inf/zero counts and size; HDF5 groups, attributes and links (never followed).

@@ -8,6 +8,7 @@ does not exist (never NaN).
 import click
 
 from qgcli.commands.options import (
+    QDQ_VARIANTS,
     TORCHAO_DTYPES,
     attribute_group,
     bundle_argument,
@@ -21,6 +22,7 @@ from qgcli.commands.options import (
     typed_overrides,
 )
 from qgcli.summaries import dump_json, number, stdout_console
+from qgcli.tables import table_options
 
 REPORT_SCHEMA = 1
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
@@ -47,6 +49,12 @@ def _parse_percentiles(ctx, param, value):
         if not 50.0 <= v <= 100.0:
             raise click.BadParameter(f"{v:g} is not between 50 and 100 (p picks the range [P(100-p), P(p)])")
     return tuple(values)
+
+
+def _qdq_flags(signed_input=None, range_given=None):
+    from qgcli.jobs import QdqAttributes
+
+    return QdqAttributes(signed_input, range_given)
 
 
 def _flag_metric(report):
@@ -141,35 +149,54 @@ def _span(lo, hi):
     return f"{lo:.3g}..{hi:.3g}"
 
 
+_PRIMED = "with the suggested range"
+# Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.tables).
+_REPORT_COLS = None
+
+
+def _report_cols():
+    global _REPORT_COLS
+    if _REPORT_COLS is None:
+        from qgcli.tables import Col
+
+        _REPORT_COLS = (
+            Col("ch", priority=0, prefix=True), Col("data", help="the channel's finite data range", priority=3),
+            Col("range", priority=1), Col("nudged", priority=0),
+            Col("clip<", help="values below/above the nudged range", priority=1),
+            Col("clip>", help="values below/above the nudged range", priority=1),
+            Col("blocked", help="gradient mass the STE mask zeroes", priority=0),
+            Col("d/dmin", help="backprop_wrt_min/max", priority=4), Col("d/dmax", help="backprop_wrt_min/max", priority=4),
+            Col("SQNR", help="dB", priority=1), Col("suggested", help="the suggested range [P(100-p), P(p)]", priority=2),
+            Col("p", help="its percentile", priority=3), Col("SQNR'", help=_PRIMED, priority=2),
+            Col("blocked'", help=_PRIMED, priority=3),
+        )
+    return _REPORT_COLS
+
+
 def render_report(console, doc, limited):
     from rich.markup import escape
-    from rich.table import Table
 
+    from qgcli.tables import print_items, print_table
     from qgcli.text import printable_doc
 
     doc = printable_doc(doc)  # dtypes and messages from the files: no control characters
     a, t = doc["attributes"], doc["total"]
-    src = ", ".join(f"{k} {v['shape']} {v['dtype']}" for k, v in doc["inputs"].items() if k in ("inputs", "gradients"))
+    src = [f"{k} {v['shape']} {v['dtype']}" for k, v in doc["inputs"].items() if k in ("inputs", "gradients")]
     axis = f" axis={a['axis']}" if a.get("axis") is not None else ""
-    console.print(f"[bold]{doc['op']}[/] num_bits={a['num_bits']} narrow_range={a['narrow_range']}{axis}  "
-                  f"{escape(src)}")
-    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
-    # Primed columns: what the suggested range would give.
-    for name in ("ch", "data", "range", "nudged", "clip<", "clip>", "blocked", "d/dmin", "d/dmax", "SQNR",
-                 "suggested", "p", "SQNR'", "blocked'"):
-        table.add_column(name, justify="right", no_wrap=name in ("data", "range", "nudged", "suggested"))
-    for r in doc["rows"]:
-        table.add_row("all" if r["channel"] is None else str(r["channel"]), _span(r["data_min"], r["data_max"]),
-                      _span(r["min"], r["max"]), _span(r["nudged_min"], r["nudged_max"]), _pct(r["clipped_below"]),
-                      _pct(r["clipped_above"]), _pct(r["gradient_blocked"]), number(r["backprop_wrt_min"], 3),
-                      number(r["backprop_wrt_max"], 3), _db(r["sqnr_db"], r["mse"]),
-                      _span(r["suggested_min"], r["suggested_max"]), number(r["suggested_percentile"], 5),
-                      _db(r["suggested_sqnr_db"], r["suggested_mse"]), _pct(r["suggested_gradient_blocked"]),
-                      style="red" if r["flagged"] else None)
-    console.print(table)
+    print_items(console, f"[bold]{doc['op']}[/] num_bits={a['num_bits']} narrow_range={a['narrow_range']}{axis}  "
+                f"{escape(', '.join(src))}")
+    rows = [["all" if r["channel"] is None else str(r["channel"]), _span(r["data_min"], r["data_max"]),
+             _span(r["min"], r["max"]), _span(r["nudged_min"], r["nudged_max"]), _pct(r["clipped_below"]),
+             _pct(r["clipped_above"]), _pct(r["gradient_blocked"]), number(r["backprop_wrt_min"], 3),
+             number(r["backprop_wrt_max"], 3), _db(r["sqnr_db"], r["mse"]),
+             _span(r["suggested_min"], r["suggested_max"]), number(r["suggested_percentile"], 5),
+             _db(r["suggested_sqnr_db"], r["suggested_mse"]), _pct(r["suggested_gradient_blocked"])]
+            for r in doc["rows"]]
+    print_table(console, _report_cols(), rows, styles=["red" if r["flagged"] else None for r in doc["rows"]],
+                choice=True)
     if limited:
-        console.print(f"... {doc['channels'] - len(doc['rows'])} more channels (--top K to show more, "
-                      "--json or --csv for all)")
+        print_items(console, f"... {doc['channels'] - len(doc['rows'])} more channels (--top K to show more, "
+                    "--json or --csv for all)")
     if doc["per_channel"]:
         total = f"all {doc['channels']} channels: "
     else:
@@ -179,11 +206,8 @@ def render_report(console, doc, limited):
         total += f"; gradient mass blocked {_pct(t['gradient_blocked'])}"
     total += (f"; SQNR {_db(t['sqnr_db'], t['mse'])} dB, with the suggested "
               f"range{'s' if doc['per_channel'] else ''} {_db(t['suggested_sqnr_db'], t['suggested_mse'])} dB")
-    console.print(escape(total), soft_wrap=True)
-    console.print("[dim]clip< clip>: values below/above the nudged range; blocked: gradient mass the STE mask zeroes; "
-                  "d/dmin d/dmax: backprop_wrt_min/max; primed: with the suggested range [P(100-p), P(p)][/]",
-                  soft_wrap=True)
-    console.print(f"[bold]{escape(doc['verdict'])}[/]", soft_wrap=True)
+    print_items(console, escape(total))
+    print_items(console, f"[bold]{escape(doc['verdict'])}[/]")
 
 
 def _db(v, mse=None):
@@ -227,9 +251,21 @@ Examples:
 @attribute_group(
     num_bits_option(),
     narrow_range_option(),
-    click.option("--variant", type=click.Choice(["args", "vars", "per-channel"]), default=None,
-                 help="TF op family; default: per-channel when min/max are vectors, else vars."),
+    click.option("--variant", type=click.Choice(["args", "vars", "per-channel", *QDQ_VARIANTS]), default=None,
+                 help="TF op family; default: per-channel when min/max are vectors, else vars. "
+                      "quantize-and-dequantize-v4/-v3/-v2: TF's QuantizeAndDequantize (--signed-input, "
+                      "--range-given, --round-mode; --axis K: one range per slice, -1 per tensor)."),
     click.option("--axis", type=int, default=None, help="Channel axis for the per-channel variant (TF: -1)."),
+)
+@option_group(
+    "qdq", lambda round_mode=None, **flags: (_qdq_flags(**flags), round_mode),
+    click.option("--signed-input/--no-signed-input", "signed_input", default=None,
+                 help="Signed grid [default: signed] (--variant quantize-and-dequantize-v*)."),
+    click.option("--range-given/--no-range-given", "range_given", default=None,
+                 help="Clamp to --min/--max instead of the data's range [default: not given; V3: given] "
+                      "(--variant quantize-and-dequantize-v*)."),
+    click.option("--round-mode", type=click.Choice(["HALF_TO_EVEN", "HALF_UP"]), default=None,
+                 help="Rounding [default: HALF_TO_EVEN] (--variant quantize-and-dequantize-v4/-v2)."),
 )
 @click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Show the K worst channels only.")
 @click.option("--sort", "sort", type=click.Choice(["worst", "blocked", "clipped", "sqnr", "gain", "channel"]),
@@ -243,6 +279,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see the README).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print one CSV row per channel on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+@table_options
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
               help="Compute with NumPy (cpu) or CuPy (gpu).")
 @click.option("--layer", "layer", metavar="PATH", default=None,
@@ -252,8 +289,8 @@ Examples:
                    "--granularity ...), one row per block, the gradient split into straight-through and scale path.")
 @click.option("--dtype", type=click.Choice(TORCHAO_DTYPES), default=None, help="torchao's dtype (--semantics torchao).")
 @torchao_options
-def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer, semantics,
-           dtype, torchao):
+def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer,
+           semantics, dtype, torchao):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -269,6 +306,12 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
     if as_json and as_csv:
         raise click.UsageError("--json and --csv both want stdout; pick one")
     operands, bundles = operands
+    if attributes.variant not in QDQ_VARIANTS:
+        for option, value in (("--signed-input", qdq[0].signed_input), ("--range-given", qdq[0].range_given),
+                              ("--round-mode", qdq[1])):
+            if value is not None:
+                raise click.BadParameter("only applies to --variant quantize-and-dequantize-v4/-v3/-v2",
+                                         param_hint=f"'{option}'")
     if semantics == "torchao" or dtype is not None or torchao.given():
         return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
                                as_json, as_csv, quiet, device, layer)
@@ -297,14 +340,20 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
         operands = Operands.of(operands, literal_ok=("min", "max"))
     num_bits, narrow_range, variant, axis = attributes.num_bits, attributes.narrow_range, attributes.variant, attributes.axis
     notes = []
+    qdq_attrs = None
     with Progress("reading operands", total=None, quiet=quiet) as progress:
         try:
-            _, x_raw, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=False)
+            if variant in QDQ_VARIANTS:
+                from qgcli.runners.quantize_and_dequantize import load_operands
+
+                x_raw, mn, mx, qdq_attrs = load_operands(operands, variant, qdq[0], qdq[1], axis)
+            else:
+                _, x_raw, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=False)
             progress.update(description="reading gradients")
             g_raw = operands.get("gradients", required=False)
         finally:
             operands.close()
-        if axis is not None and variant != "per-channel":
+        if axis is not None and variant not in ("per-channel", *QDQ_VARIANTS):
             raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
         for name, value in (("inputs", x_raw), ("gradients", g_raw)):
             if value is not None and str(value.dtype) != "float32":
@@ -321,15 +370,20 @@ def report(operands, attributes, top, sort, threshold, percentiles, as_json, as_
 
         result = channel_report(x_dev, mn, mx, g_dev, num_bits=num_bits, narrow_range=narrow_range,
                                 variant=variant, axis=-1 if axis is None else axis, percentiles=percentiles,
-                                on_step=on_step)
+                                on_step=on_step, **({"qdq": qdq_attrs} if qdq_attrs is not None else {}))
     attrs = {"num_bits": num_bits, "narrow_range": narrow_range,
-             "axis": (-1 if axis is None else axis) if variant == "per-channel" else None}
+             "axis": (-1 if axis is None else axis) if variant in ("per-channel", *QDQ_VARIANTS) else None,
+             **(qdq_attrs or {})}
+    if qdq_attrs is not None:
+        from qgcli.runners.quantize_and_dequantize import OPS, report_notes
+
+        notes += report_notes(variant, result)
     raw = {"inputs": x_raw, "gradients": g_raw, "min": mn, "max": mx}
     described = describe_arrays({k: v for k, v in raw.items() if v is not None and hasattr(v, "dtype")})
     for k, v in described.items():
         v["source"] = operands.sources.get(k, "default" if variant == "args" and k in ("min", "max") else None)
     limited = top is None and not as_json and not as_csv and result.channels > _TABLE_ROWS
-    doc = build_report_doc(result, op=TF_OPS[variant], attrs=attrs, inputs=described, threshold=threshold,
+    doc = build_report_doc(result, op=TF_OPS[variant] if qdq_attrs is None else OPS[variant], attrs=attrs, inputs=described, threshold=threshold,
                            sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
     if not quiet:
         from qgcli.text import printable
