@@ -139,7 +139,7 @@ def test_pipes_print_every_column_on_full_lines(tmp_path, numbers):
     _check(sections, numbers, None)
     assert "\x1b" not in r.stdout + r.stderr
     report = sections["report --top 4"]
-    header = [ln for ln in report if ln.startswith("ch ")][0].split()
+    header = [ln for ln in report if ln.lstrip().startswith("ch ")][0].split()
     assert header == ["ch", "data", "range", "nudged", "clip<", "clip>", "blocked", "d/dmin", "d/dmax", "SQNR",
                       "suggested", "p", "SQNR'", "blocked'"]
     assert not any("not shown" in ln for ln in report)
@@ -152,7 +152,7 @@ def test_pipes_print_every_column_on_full_lines(tmp_path, numbers):
 def test_columns_choice_and_unknown_names(cli):
     r = cli("report", str(PER_CHANNEL), "--top", "2", "--columns", "blocked,p")
     assert r.exit_code == 0, r.output
-    header = [ln for ln in r.stdout.splitlines() if ln.startswith("ch ")][0].split()
+    header = [ln for ln in r.stdout.splitlines() if ln.lstrip().startswith("ch ")][0].split()
     assert header == ["ch", "blocked", "p"]
     r = cli("report", str(PER_CHANNEL), "--columns", "nope")
     assert r.exit_code == 2 and "no column 'nope'" in r.output and "blocked" in r.output
