@@ -39,7 +39,15 @@ def execute(job):
     if job.family == "run-file":  # every group of a run file (qgcli.executors_runfile)
         from qgcli.executors_runfile import execute_run
 
+        if job.output.scheduler is not None:  # ... on a Dask cluster (qgcli.executors_dask)
+            from qgcli.executors_dask import execute_on_cluster
+
+            return execute_on_cluster(job, runner_for=runner_for)
+
         return execute_run(job, runner_for=runner_for, memory_plan=memory_plan)
+    if job.output.scheduler is not None:
+        raise click.BadParameter("runs the groups of a run file on a Dask cluster; one bundle runs here (drop "
+                                 "--scheduler)", param_hint="'--scheduler'")
     runner = runner_for(job)
     operands = Operands.of(job.operands, literal_ok=runner.LITERAL_OK)
     try:
@@ -69,6 +77,7 @@ def run_in_memory(runner, job, operands):
     if out.plot:
         check_figure_output(out.plot, inputs=operands.input_paths(), force=out.force, option="--plot")
         save_checked(result.figure(), out.plot, 100)
+        result.summary["figure"] = out.plot  # said in the summary's "wrote" lines (stderr) and its JSON
     return result.summary
 
 

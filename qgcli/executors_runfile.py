@@ -12,14 +12,16 @@ import os
 import click
 
 
-def execute_run(job, *, runner_for, memory_plan):
+def execute_run(job, *, runner_for, memory_plan, remote=None):
     """Run a :class:`qgcli.jobs.RunFileJob`; returns its summary (a JSON-safe dict).
 
     ``runner_for`` and ``memory_plan`` are :mod:`qgcli.executors`' own (handed over, so that the import runs
-    one way: executors -> executors_runfile)."""
+    one way: executors -> executors_runfile).  ``remote`` (:mod:`qgcli.executors_dask`) computes the groups
+    elsewhere: ``remote.start(job, path, layers)`` before any is written, then ``remote.result(layer)`` gives
+    each group's Result in place of ``runner.compute``; everything else (checks, writing) stays here."""
     from qgcli import io, runfile
 
-    _TOOLS.update(runner_for=runner_for, memory_plan=memory_plan)
+    _TOOLS.update(runner_for=runner_for, memory_plan=memory_plan, remote=remote)
     from qgcli.errors import FileFormatError, QgcliError
 
     path, group = runfile.split_target(job.target)
@@ -46,6 +48,8 @@ def execute_run(job, *, runner_for, memory_plan):
             skipped = f" ({len(bad)} invalid, skipped)" if bad else ""
             raise QgcliError(f"{where}: no group holds a {what} op to run{skipped}; {len(other)} groups of the other "
                              f"kind ({', '.join(sorted({l.label for l in other})) or 'none'})")
+        if remote is not None:
+            remote.start(job, path, mine)
         ran, skipped = _run_and_write(job, container, path, mine)
     finally:
         container.close()
@@ -121,8 +125,9 @@ def _compute(job, layer, group_job, runner, operands, skipped):
     """The runner's Result for one group, or None when it failed and --skip-invalid lets the run go on."""
     from qgcli.errors import QgcliError
 
+    remote = _TOOLS.get("remote")
     try:
-        return runner.compute(group_job, operands)
+        return runner.compute(group_job, operands) if remote is None else remote.result(layer)
     except _errors() as exc:
         layer.error = _failure(layer, exc)
         if not job.skip_invalid:

@@ -55,6 +55,7 @@ class OutputOptions:
     as_json: bool = False
     quiet: bool = False
     plot: Optional[str] = None
+    scheduler: Optional[str] = None  # --scheduler: a Dask scheduler address, or local[:N]
 
 
 @dataclass(frozen=True)

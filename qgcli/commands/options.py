@@ -320,12 +320,12 @@ def report_options(f):
 
 
 def _output_options(output, force=False, memory_limit=None, compression=None, plot=None, as_json=False,
-                    quiet=False, device="cpu"):
+                    quiet=False, device="cpu", scheduler=None):
     from qgcli.jobs import OutputOptions
 
     if as_json and output == "-":  # refused before any work, not after the data went to stdout
         raise click.UsageError("--json and -o - both want stdout; write the data to a file or drop --json")
-    return OutputOptions(output, force, compression, memory_limit, device, as_json, quiet, plot)
+    return OutputOptions(output, force, compression, memory_limit, device, as_json, quiet, plot, scheduler)
 
 
 def output_options(*, plot=False):
@@ -344,7 +344,11 @@ def output_options(*, plot=False):
     if plot:
         options.append(click.option("--plot", metavar="FIG", default=None,
                                     help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
-    options += [json_option(), quiet_option(), device_option()]
+    options += [json_option(), quiet_option(), device_option(),
+                click.option("--scheduler", metavar="ADDRESS|local[:N]", default=None,
+                             help="Run file: compute its groups on a Dask cluster (pip install 'qgcli[dask]'): a "
+                                  "scheduler address (tcp://host:8786), or local:N for N local worker processes. "
+                                  "Outputs are written here, bit for bit as without it.")]
     return option_group("output", _output_options, *options)
 
 
