@@ -111,7 +111,8 @@ def install():
                 signal.signal(sig, signal.SIG_IGN if exiting else handler)
             except (ValueError, OSError):
                 pass
-        sys.unraisablehook = old_hook
+        if not exiting:  # at exit, objects freed by the interpreter's shutdown must stay quiet too
+            sys.unraisablehook = old_hook
         _pending.clear()
         _deferring[0] = 0
         _installed[0] -= 1
