@@ -54,6 +54,8 @@ def render_closing_lines(console, s):
         print_items(console, f"[yellow]note:[/] {escape(note)}")
     if s["output"] and s["output"] != "-":
         print_items(console, f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}")
+    if s.get("figure"):
+        print_items(console, f"wrote the figure to {escape(s['figure'])}")
 
 
 def percent(x):

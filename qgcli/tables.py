@@ -143,7 +143,7 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
                       collapse_padding=False)
         for i in shown:
             c = cols[i]
-            table.add_column(c.name, justify=c.justify, no_wrap=True, min_width=widths[i], max_width=widths[i])
+            table.add_column(_text(c.name), justify=c.justify, no_wrap=True, min_width=widths[i], max_width=widths[i])
         for r, style in zip(rows, styles):
             table.add_row(*(r[i] for i in shown), style=style)
         if is_plain:

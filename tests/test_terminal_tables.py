@@ -177,3 +177,94 @@ def test_print_items_breaks_between_items_only():
     for item in ("gradients (1, 1000) float32", "inputs (1, 1000) float32", "min (1,) float32"):
         assert item in text, lines
     assert np.all([ln == ln.rstrip() for ln in lines])
+
+
+# nudge, compare-semantics, the layer report of a run file (and its trend table), torchao's block report.
+NOTEBOOK = ROOT / "samples" / "notebook.h5"
+RUN = ROOT / "samples" / "run.h5"
+MORE_DRIVER = """
+import sys
+from qgcli.cli import main
+per_channel, notebook, run, out = sys.argv[1:5]
+for name, args in (
+        ("nudge", ["nudge", "--min", "-1,-2,0.5,-0.125", "--max", "1,2,3,0.3", "-o", out + "/grid.h5"]),
+        ("compare-semantics", ["compare-semantics", per_channel, "-o", out + "/cmp.h5"]),
+        ("layers", ["report", run]),
+        ("torchao", ["report", notebook, "--semantics", "torchao", "--dtype", "int4", "--granularity",
+                     "per-group:40", "--top", "3"])):
+    print("=== " + name, flush=True)
+    try:
+        main(args, prog_name="qgcli", standalone_mode=False)
+    except SystemExit:
+        pass
+    sys.stdout.flush(); sys.stderr.flush()
+"""
+
+
+def _run_more_pty(width, tmp_path):
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-c", MORE_DRIVER, str(PER_CHANNEL), str(NOTEBOOK), str(RUN),
+                             str(tmp_path)], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=_env(),
+                            cwd=tmp_path)
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], 60)
+        if not ready:
+            proc.kill()
+            pytest.fail("no output for 60 s")
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(60) == 0
+    return ANSI.sub("", b"".join(chunks).decode().replace("\r\n", "\n"))
+
+
+def _json(*args):
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "qgcli", *map(str, args), "--json"], capture_output=True, text=True,
+                       env=_env(), check=True)
+    return json.loads(r.stdout)
+
+
+def test_more_tables_fit_80_columns_and_are_never_cut(tmp_path):
+    width = 80
+    sections = _sections(_run_more_pty(width, tmp_path))
+    assert set(sections) == {"nudge", "compare-semantics", "layers", "torchao"}
+    for name, lines in sections.items():
+        assert lines, name
+        for line in lines:
+            assert "…" not in line, (name, line)
+            assert len(line) <= width, (name, line)
+    text = {name: "\n".join(lines) for name, lines in sections.items()}
+    words = {name: {w for ln in lines for w in ln.replace(",", " ").split()} for name, lines in sections.items()}
+    # nudge: every channel's scale, zero point and nudged bounds whole
+    doc = _json("nudge", "--min", "-1,-2,0.5,-0.125", "--max", "1,2,3,0.3")
+    g = doc["grid"]
+    for c in range(4):
+        assert f"ch {c}" in text["nudge"]
+        for key in ("scale", "nudged_min", "nudged_max"):
+            assert f"{g[key][c]:.9g}" in words["nudge"], (key, c, text["nudge"])
+    assert "wrote scale" in text["nudge"] and "does not contain 0" in text["nudge"]
+    # compare-semantics: the index list is never broken inside an index
+    cmp_text = text["compare-semantics"]
+    for index in ("[0, 0, 2, 10]", "[0, 1, 3, 14]", "[1, 4, 2, 2]"):
+        assert index in cmp_text.replace("\n", " ") and any(index in ln for ln in sections["compare-semantics"])
+    assert "wrote outputs_tf" in cmp_text
+    # the layer report and its trend table: every layer name whole, the blocked share of each
+    doc = _json("report", RUN)
+    for row in doc["layers"][:5]:
+        line = [ln for ln in sections["layers"] if ln.startswith(row["path"] + " ") or ln == row["path"]]
+        assert line, (row["path"], text["layers"])
+    assert "blocked gradient by step" in text["layers"]
+    for name in doc["trends"]:
+        assert any(ln.split() and ln.split()[0] == name for ln in sections["layers"]), (name, text["layers"])
+    # torchao's block report
+    assert "block" in text["torchao"] and "blocked" in text["torchao"] and "Verdict" in text["torchao"]

@@ -78,37 +78,49 @@ _WHY = {
 
 
 def _render_compare(console, s):
+    """The report (``s`` already through :func:`qgcli.text.printable_doc`): lines broken between items only."""
     from rich.markup import escape
 
+    from qgcli.tables import print_items
+
     grids = s["grids"]
-    console.print(f"[bold]TensorFlow vs PyTorch[/] on {s['elements']:,} elements, integers "
-                  f"\\[{grids['quant_min']}, {grids['quant_max']}]"
-                  + (f", per channel on axis {grids['axis']}" if grids["per_channel"] else ""))
+    print_items(console, f"[bold]TensorFlow vs PyTorch[/] on {s['elements']:,} elements, integers "
+                f"\\[{grids['quant_min']}, {grids['quant_max']}]"
+                + (f", per channel on axis {grids['axis']}" if grids["per_channel"] else ""))
     tf, pt = grids["tf"], grids["torch"]
     if grids["per_channel"]:
         same = sum(1 for d in grids["differ"] if not d)
-        console.print(f"grids: {same} of {len(grids['differ'])} channels identical (scale and zero point)")
+        print_items(console, f"grids: {same} of {len(grids['differ'])} channels identical (scale and zero point)")
     else:
-        console.print(f"grid TF: scale {tf['scale']:.7g}, zero point {tf['zero_point']} (nudged [{tf['nudged_min']:.7g},"
-                      f" {tf['nudged_max']:.7g}]); PyTorch: scale {pt['scale']:.7g}, zero point {pt['zero_point']}",
-                      markup=False)
+        print_items(console, f"grid TF: scale {tf['scale']:.7g}, zero point {tf['zero_point']} (nudged "
+                    f"[{tf['nudged_min']:.7g}, {tf['nudged_max']:.7g}]); PyTorch: scale {pt['scale']:.7g}, "
+                    f"zero point {pt['zero_point']}", markup=False)
     for r in grids["reasons"][:8]:
         where = f"channel {r['channel']}: " if r["channel"] is not None else ""
         for why in r["reasons"]:
-            console.print(f"  {escape(where + why)}", soft_wrap=True)
+            print_items(console, f"  {escape(where + why)}")
     for part, label in (("forward", "forward values"), ("mask", "gradient masks")):
         d = s[part]
-        console.print(escape(f"{label} differ at {d['differ']:,} elements ({percent(d['share'])})"
-                             + (f"; first {', '.join(map(str, d['first'][:5]))}" if d["first"] else "")))
+        print_items(console, escape(f"{label} differ at {d['differ']:,} elements ({percent(d['share'])})"
+                                    + (f"; first {', '.join(map(str, d['first'][:5]))}" if d["first"] else "")))
         for reason, count in d["reasons"].items():
-            console.print(f"  {count:,} {reason}: {escape(_WHY[reason])}", soft_wrap=True)
+            print_items(console, f"  {count:,} {reason}: {escape(_WHY[reason])}")
     m = s["mask"]
     if m["differ"]:
-        console.print(f"  pass in TF only: {m['tf_only']:,}; in PyTorch only: {m['torch_only']:,}")
+        print_items(console, f"  pass in TF only: {m['tf_only']:,}; in PyTorch only: {m['torch_only']:,}")
     if "gradient" in s:
-        console.print(f"upstream gradient mass where the masks differ: {percent(s['gradient']['mass_on_differing_mask'])}")
+        print_items(console, "upstream gradient mass where the masks differ: "
+                    f"{percent(s['gradient']['mass_on_differing_mask'])}")
+
+
+def _render_wrote(console, s):
+    """The note that ends a run with ``-o FILE``: on stderr, as every command's ``wrote`` line."""
+    from rich.markup import escape
+
+    from qgcli.tables import print_items
+
     if s.get("output") and s["output"] != "-":
-        console.print(f"wrote {', '.join(s['written'])} to {escape(s['output'])}")
+        print_items(console, f"wrote {', '.join(s['written'])} to {escape(s['output'])}")
 
 
 _COMPARE_EPILOG = """\b
@@ -173,4 +185,14 @@ def compare_semantics(operands, num_bits, narrow_range, axis, first, output, for
                 "mask_reason_codes": ", ".join(f"{k}={v}" for k, v in MASK_REASONS.items())})
     finally:
         operands.close()
-    emit(json_safe(doc), as_json=as_json, quiet=quiet, render=_render_compare, output=output)
+    # The report is the result: stdout (stderr when -o - puts the data on stdout); "wrote" is a note: stderr.
+    if as_json or output == "-":
+        emit(json_safe(doc), as_json=as_json, quiet=quiet, render=_render_compare, output=output)
+        return
+    from qgcli.summaries import stderr_console, stdout_console
+    from qgcli.text import printable_doc
+
+    shown = printable_doc(json_safe(doc))
+    _render_compare(stdout_console(), shown)
+    if not quiet:
+        _render_wrote(stderr_console(), shown)

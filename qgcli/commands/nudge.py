@@ -4,7 +4,7 @@ observer choice for the same range beside it, and warnings.  Only click is impor
 import click
 
 from qgcli.commands.options import QDQ_VARIANTS
-from qgcli.summaries import emit, json_safe, stdout_console
+from qgcli.summaries import emit, json_safe, stderr_console, stdout_console
 
 
 def explain_grid(mn, mx, *, num_bits=8, narrow_range=False):
@@ -93,69 +93,88 @@ def explain_grid(mn, mx, *, num_bits=8, narrow_range=False):
     }
 
 
-def _render_nudge(console, doc):
-    from rich.markup import escape
-    from rich.table import Table
+_NUDGE_COLS = None
 
+
+def _nudge_cols():
+    global _NUDGE_COLS
+    if _NUDGE_COLS is None:
+        from qgcli.tables import Col
+
+        # Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.tables).
+        _NUDGE_COLS = (
+            Col("", justify="left", priority=0), Col("min", priority=1), Col("max", priority=1),
+            Col("scale", priority=0), Col("inv_scale", priority=3),
+            Col("zero_point_from_min", priority=3), Col("zero_point", priority=0),
+            Col("nudged_min", priority=0), Col("nudged_max", priority=0),
+            Col("torch scale", help="MinMaxObserver's scale and zero point for the same range", priority=2),
+            Col("torch zp", help="MinMaxObserver's scale and zero point for the same range", priority=2),
+        )
+    return _NUDGE_COLS
+
+
+def _render_nudge(console, doc, notes=None):
+    """The grid (``console``: stdout) and the warnings and ``wrote`` line (``notes``: stderr; default
+    ``console``)."""
+    from qgcli.tables import print_items, print_table
     from qgcli.text import printable_doc
 
     doc = printable_doc(doc)
     g = doc["grid"]
-    console.print(f"[bold]TensorFlow grid[/] num_bits={doc['num_bits']}"
-                  f"{' narrow_range' if doc['narrow_range'] else ''}: integers [{doc['quant_min']}, "
-                  f"{doc['quant_max']}], {doc['levels']} levels")
-    cols = ("min", "max", "scale", "inv_scale", "zero_point_from_min", "zero_point", "nudged_min", "nudged_max")
-    table = Table(show_edge=False, box=None, pad_edge=False)
-    table.add_column("")
-    for col in cols + ("torch scale", "torch zp"):
-        table.add_column(col, justify="right")
-    rows = list(range(len(g["min"]))) if doc["per_channel"] else [None]
-    for c in rows:
+    print_items(console, f"[bold]TensorFlow grid[/] num_bits={doc['num_bits']}"
+                f"{' narrow_range' if doc['narrow_range'] else ''}: integers \\[{doc['quant_min']}, "
+                f"{doc['quant_max']}], {doc['levels']} levels")
+    keys = ("min", "max", "scale", "inv_scale", "zero_point_from_min", "zero_point", "nudged_min", "nudged_max")
+    channels = list(range(len(g["min"]))) if doc["per_channel"] else [None]
+    rows = []
+    for c in channels:
         pick = (lambda v: v[c]) if c is not None else (lambda v: v)  # noqa: E731
-        table.add_row(f"ch {c}" if c is not None else "range",
-                      *(f"{pick(g[k]):.9g}" if isinstance(pick(g[k]), float) else str(pick(g[k])) for k in cols),
-                      f"{pick(doc['torch']['scale']):.9g}", str(pick(doc["torch"]["zero_point"])))
-    console.print(table)
-    console.print("scale = (max - min) / (quant_max - quant_min); zero point = round_half_away(quant_min - min/scale) "
-                  "clamped to [quant_min, quant_max]; nudged = (quant_min|quant_max - zero_point) * scale. "
-                  "torch: MinMaxObserver's choice for the same range.", soft_wrap=True, markup=False)
-    for w in doc["warnings"]:
-        where = f"channel {w['channel']}: " if w["channel"] is not None else ""
-        console.print(f"[yellow]warning:[/] {escape(where + w['message'])}", soft_wrap=True)
-    if not doc["warnings"]:
-        console.print("no warnings")
-    if doc.get("output") and doc["output"] != "-":
-        console.print(f"wrote {', '.join(doc['written'])} to {escape(doc['output'])}")
+        rows.append([f"ch {c}" if c is not None else "range",
+                     *(f"{pick(g[k]):.9g}" if isinstance(pick(g[k]), float) else str(pick(g[k])) for k in keys),
+                     f"{pick(doc['torch']['scale']):.9g}", str(pick(doc["torch"]["zero_point"]))])
+    print_table(console, _nudge_cols(), rows)
+    print_items(console, "scale = (max - min) / (quant_max - quant_min); zero point = round_half_away(quant_min - "
+                "min/scale) clamped to [quant_min, quant_max]; nudged = (quant_min|quant_max - zero_point) * scale. "
+                "torch: MinMaxObserver's choice for the same range.", markup=False)
+    _render_notes(notes or console, doc, "channel")
 
 
-def _render_qdq(console, doc):
-    """``--variant quantize-and-dequantize-v*``: ComputeQuantizationRange's grid, one line per range."""
+def _render_notes(console, doc, unit):
+    """Warnings (or "no warnings") and the ``wrote`` line: notes, on stderr beside the result on stdout."""
     from rich.markup import escape
 
-    from qgcli.text import printable_doc
+    from qgcli.tables import print_items
+
+    for w in doc["warnings"]:
+        where = f"{unit} {w['channel']}: " if w["channel"] is not None else ""
+        print_items(console, f"[yellow]warning:[/] {escape(where + w['message'])}")
+    if not doc["warnings"]:
+        print_items(console, "no warnings")
+    if doc.get("output") and doc["output"] != "-":
+        print_items(console, f"wrote {', '.join(doc['written'])} to {escape(doc['output'])}")
+
+
+def _render_qdq(console, doc, notes=None):
+    """``--variant quantize-and-dequantize-v*``: ComputeQuantizationRange's grid, one line per range."""
+    from qgcli.tables import print_items
+    from qgcli.text import markup, printable_doc
 
     doc = printable_doc(doc)
     g = doc["grid"]
-    console.print(f"[bold]{doc['op']} grid[/] num_bits={doc['num_bits']} "
-                  f"signed_input={str(doc['signed_input']).lower()}{' narrow_range' if doc['narrow_range'] else ''}: "
-                  f"integers [{doc['quant_min']}, {doc['quant_max']}], {doc['levels']} levels")
+    print_items(console, f"[bold]{markup(doc['op'])} grid[/] num_bits={doc['num_bits']} "
+                f"signed_input={str(doc['signed_input']).lower()}{' narrow_range' if doc['narrow_range'] else ''}: "
+                f"integers [{doc['quant_min']}, {doc['quant_max']}], {doc['levels']} levels")
     rows = range(len(g["lo"])) if doc["per_channel"] else [None]
     for c in rows:
         pick = (lambda v: v[c]) if c is not None else (lambda v: v)  # noqa: E731
-        console.print(f"{'range' if c is None else f'slice {c}'}: [{pick(g['input_min']):.7g}, "
-                      f"{pick(g['input_max']):.7g}] -> grid [{pick(g['lo']):.7g}, {pick(g['hi']):.7g}], "
-                      f"step {pick(g['step']):.7g} (scale {pick(g['scale']):.7g} levels per unit), "
-                      f"decided by {pick(g['decided_by'])}", soft_wrap=True, markup=False)
-    console.print("each bound proposes a scale, quant_min/input_min and quant_max/input_max (where positive); the "
-                  "smaller wins and the other side is moved onto the grid: step = bound / quant bound, "
-                  "output = round(clamp(x, lo, hi) * scale) * step (range_given).", soft_wrap=True, markup=False)
-    for w in doc["warnings"]:
-        where = f"slice {w['channel']}: " if w["channel"] is not None else ""
-        console.print(f"[yellow]warning:[/] {escape(where + w['message'])}", soft_wrap=True)
-    if not doc["warnings"]:
-        console.print("no warnings")
-    if doc.get("output") and doc["output"] != "-":
-        console.print(f"wrote {', '.join(doc['written'])} to {escape(doc['output'])}")
+        print_items(console, f"{'range' if c is None else f'slice {c}'}: [{pick(g['input_min']):.7g}, "
+                f"{pick(g['input_max']):.7g}] -> grid [{pick(g['lo']):.7g}, {pick(g['hi']):.7g}], "
+                f"step {pick(g['step']):.7g} (scale {pick(g['scale']):.7g} levels per unit), "
+                f"decided by {pick(g['decided_by'])}", markup=False)
+    print_items(console, "each bound proposes a scale, quant_min/input_min and quant_max/input_max (where positive); the "
+                "smaller wins and the other side is moved onto the grid: step = bound / quant bound, "
+                "output = round(clamp(x, lo, hi) * scale) * step (range_given).", markup=False)
+    _render_notes(notes or console, doc, "slice")
 
 
 _NUDGE_EPILOG = """\b
@@ -190,7 +209,7 @@ def nudge(bundle, min_, max_, num_bits, narrow_range, variant, signed_input, out
 
     Warns when the range does not contain 0, min >= max, the zero point sits exactly on a .5 tie, or it
     is clamped to the grid edge. Scalars or per-channel lists; MIN/MAX may also come from BUNDLE.
-    The explanation goes to stdout (a table, or JSON with --json).
+    The explanation goes to stdout (a table, or JSON with --json); warnings and the wrote line to stderr.
     """
     import numpy as np
 
@@ -225,7 +244,7 @@ def nudge(bundle, min_, max_, num_bits, narrow_range, variant, signed_input, out
     if output == "-":
         emit(json_safe(doc), as_json=False, quiet=False, render=_render_nudge)  # the table to stderr
         return
-    _render_nudge(stdout_console(), json_safe(doc))
+    _render_nudge(stdout_console(), json_safe(doc), notes=stderr_console())
 
 
 def _nudge_qdq(bundle, min_, max_, num_bits, narrow_range, variant, signed_input, output, force, as_json):
@@ -250,4 +269,4 @@ def _nudge_qdq(bundle, min_, max_, num_bits, narrow_range, variant, signed_input
     elif output == "-":
         emit(json_safe(doc), as_json=False, quiet=False, render=_render_qdq)
     else:
-        _render_qdq(stdout_console(), json_safe(doc))
+        _render_qdq(stdout_console(), json_safe(doc), notes=stderr_console())

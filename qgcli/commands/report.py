@@ -210,6 +210,17 @@ def render_report(console, doc, limited):
     print_items(console, f"[bold]{escape(doc['verdict'])}[/]")
 
 
+def _print_notes(notes):
+    """Notes on stderr, lines broken between words on a terminal (full lines off it)."""
+    from qgcli.summaries import stderr_console
+    from qgcli.tables import print_items
+    from qgcli.text import markup
+
+    console = stderr_console()
+    for note in notes:
+        print_items(console, f"note: {markup(note)}")
+
+
 def _db(v, mse=None):
     if v is None:
         return "inf" if mse == 0 else "-"
@@ -386,10 +397,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     doc = build_report_doc(result, op=TF_OPS[variant] if qdq_attrs is None else OPS[variant], attrs=attrs, inputs=described, threshold=threshold,
                            sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
     if not quiet:
-        from qgcli.text import printable
-
-        for note in notes:
-            click.echo(f"note: {printable(note)}", err=True)
+        _print_notes(notes)
     if as_json:
         dump_json(doc)
     elif as_csv:
@@ -419,10 +427,7 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
     doc = runner.report_doc(operands, config, threshold=threshold, sort="block" if sort == "channel" else sort,
                             top=top, device=device)
     if not quiet:
-        from qgcli.text import printable
-
-        for note in doc["notes"]:
-            click.echo(f"note: {printable(note)}", err=True)
+        _print_notes(doc["notes"])
     if as_json:
         dump_json(doc)
     elif as_csv:
@@ -489,38 +494,54 @@ def _layers_verdict(rows, threshold):
             f"mass (or clip more, without gradients): {names}{more}.")
 
 
-def _render_layers(console, doc, top):
-    from rich.table import Table
+_LAYER_COLS = None
 
+
+def _layer_cols():
+    global _LAYER_COLS
+    if _LAYER_COLS is None:
+        from qgcli.tables import Col
+
+        # Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.tables).
+        _LAYER_COLS = (
+            Col("layer", justify="left", priority=0), Col("op", justify="left", priority=3),
+            Col("shape", priority=3), Col("bits", priority=2), Col("clip<", priority=1), Col("clip>", priority=1),
+            Col("blocked", help="gradient mass the mask zeroes (TensorFlow's STE, PyTorch's mask for PyTorch "
+                                "groups)", priority=0),
+            Col("SQNR", help="dB", priority=1), Col("SQNR'", help=_PRIMED, priority=2),
+            Col("worst ch", help="the channel losing most", priority=2),
+        )
+    return _LAYER_COLS
+
+
+def _render_layers(console, doc, top):
+    from qgcli.tables import Col, print_items, print_table
     from qgcli.text import markup, printable_doc
 
     doc = printable_doc(doc)
-    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
-    for name in ("layer", "op", "shape", "bits", "clip<", "clip>", "blocked", "SQNR", "SQNR'", "worst ch"):
-        table.add_column(name, justify="left" if name in ("layer", "op") else "right", overflow="fold")
     shown = doc["layers"] if top is not None else doc["layers"][:_TABLE_ROWS * 2]
+    rows = []
     for r in shown:
-        worst = "-" if r["worst_channel"] is None else f"{r['worst_channel']} ({_pct(r['worst_channel_gradient_blocked'] if r['worst_channel_gradient_blocked'] is not None else r['worst_channel_clipped'])})"
-        table.add_row(markup(r["path"]), markup(r["op"] or ""), "x".join(map(str, r["shape"])), str(r["num_bits"]),
-                      _pct(r["clipped_below"]), _pct(r["clipped_above"]), _pct(r["gradient_blocked"]),
-                      _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst,
-                      style="red" if r["flagged"] else None)
-    console.print(table)
+        worst_share = (r["worst_channel_gradient_blocked"] if r["worst_channel_gradient_blocked"] is not None
+                       else r["worst_channel_clipped"])
+        worst = "-" if r["worst_channel"] is None else f"{r['worst_channel']} ({_pct(worst_share)})"
+        rows.append([r["path"], r["op"] or "", "x".join(map(str, r["shape"])), str(r["num_bits"]),
+                     _pct(r["clipped_below"]), _pct(r["clipped_above"]), _pct(r["gradient_blocked"]),
+                     _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst])
+    print_table(console, _layer_cols(), rows, styles=["red" if r["flagged"] else None for r in shown], choice=True)
     if len(shown) < len(doc["layers"]):
-        console.print(f"... {len(doc['layers']) - len(shown)} more layers (--top K, --json or --csv for all)")
+        print_items(console, f"... {len(doc['layers']) - len(shown)} more layers (--top K, --json or --csv for all)")
     if doc["trends"]:
         steps = doc["steps"]
-        trend = Table(show_edge=False, box=None, pad_edge=False, header_style="bold", title="blocked gradient by step")
-        trend.add_column("layer", overflow="fold")
-        for step in steps:
-            trend.add_column(markup(step), justify="right")
+        cols = (Col("layer", justify="left", priority=0),
+                *(Col(step, priority=1 if n in (0, len(steps) - 1) else 2) for n, step in enumerate(steps)))
+        trend = []
         for name, points in doc["trends"].items():
             by_step = {p["step"]: p for p in points}
-            trend.add_row(markup(name), *(_pct((by_step.get(s) or {}).get("gradient_blocked")) for s in steps))
-        console.print(trend)
+            trend.append([name, *(_pct((by_step.get(s) or {}).get("gradient_blocked")) for s in steps)])
+        # Columns are steps: --columns names the report's columns, so this table fits on its own.
+        print_table(console, cols, trend, title="blocked gradient by step", hint="--json or --csv")
     for item in doc["skipped"]:
-        console.print(f"[dim]not reported: {markup(item['path'])} ({markup(item['op'] or 'no op')}): "
-                      f"{markup(item['reason'])}[/]", soft_wrap=True)
-    console.print("[dim]blocked: gradient mass the mask zeroes (TensorFlow's STE, PyTorch's mask for PyTorch groups); "
-                  "SQNR': with the suggested range; worst ch: the channel losing most[/]", soft_wrap=True)
-    console.print(f"[bold]{markup(doc['verdict'])}[/]", soft_wrap=True)
+        print_items(console, f"[dim]not reported: {markup(item['path'])} ({markup(item['op'] or 'no op')}): "
+                    f"{markup(item['reason'])}[/]")
+    print_items(console, f"[bold]{markup(doc['verdict'])}[/]")

@@ -348,35 +348,48 @@ def report_doc(operands_specs, config, *, threshold, sort, top, device):
                       "notes": _notes(res, stats)})
 
 
+_REPORT_COLS = None
+
+
+def _report_cols():
+    global _REPORT_COLS
+    if _REPORT_COLS is None:
+        from qgcli.tables import Col
+
+        # Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.tables).
+        _REPORT_COLS = (
+            Col("block", priority=0), Col("scale", priority=0), Col("zero_point", priority=1),
+            Col("clipped", priority=1), Col("straight", priority=2), Col("scale path", priority=2),
+            Col("rounding", priority=3), Col("blocked", priority=0),
+        )
+    return _REPORT_COLS
+
+
 def render_report(console, doc, limit):
     from qgcli.summaries import number
-    from rich.table import Table
-
+    from qgcli.tables import print_items, print_table
     from qgcli.text import markup, printable_doc
 
     doc = printable_doc(doc)
     fields = " ".join(f"{k}={v}" for k, v in doc["attributes"].items() if v is not None)
-    console.print(f"[bold]{markup(doc['op'])}[/] {markup(fields)}", soft_wrap=True)
-    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
-    for name in ("block", "scale", "zero_point", "clipped", "straight", "scale path", "rounding", "blocked"):
-        table.add_column(name, justify="right")
+    print_items(console, f"[bold]{markup(doc['op'])}[/] {markup(fields)}")
 
     def pct(v):
         return "-" if v is None else f"{100 * v:.1f}%"
 
     rows = doc["rows"] if limit is None else doc["rows"][:limit]
-    for r in rows:
-        table.add_row(",".join(map(str, r["index"])) or "all", number(r["scale"], 5), number(r["zero_point"], 5),
-                      pct(r["clipped"]), pct(r["straight_through"]), pct(r["scale_path"]), pct(r["rounding"]),
-                      pct(r["gradient_blocked"]), style="red" if r["flagged"] else None)
-    console.print(table)
+    cells = [[",".join(map(str, r["index"])) or "all", number(r["scale"], 5), number(r["zero_point"], 5),
+              pct(r["clipped"]), pct(r["straight_through"]), pct(r["scale_path"]), pct(r["rounding"]),
+              pct(r["gradient_blocked"])] for r in rows]
+    print_table(console, _report_cols(), cells, styles=["red" if r["flagged"] else None for r in rows],
+                choice=True)
     if len(rows) < len(doc["rows"]):
-        console.print(f"... {len(doc['rows']) - len(rows)} more blocks (--top K, --json or --csv for all)")
-    console.print("[dim]straight / scale path / rounding: shares of the block's input-gradient mass (dy on unclipped "
-                  "elements / through the scale / torch's rounding); blocked: |dy| the mask zeroes[/]", soft_wrap=True)
+        print_items(console, f"... {len(doc['rows']) - len(rows)} more blocks (--top K, --json or --csv for all)")
+    print_items(console, "[dim]straight / scale path / rounding: shares of the block's input-gradient mass (dy on "
+                "unclipped elements / through the scale / torch's rounding); blocked: |dy| the mask zeroes[/]")
     for note in doc["notes"]:
-        console.print(f"[yellow]note:[/] {markup(note)}", soft_wrap=True)
-    console.print(f"[bold]{markup(doc['verdict'])}[/]", soft_wrap=True)
+        print_items(console, f"[yellow]note:[/] {markup(note)}")
+    print_items(console, f"[bold]{markup(doc['verdict'])}[/]")
 
 
 def write_report_csv(doc):
