@@ -30,20 +30,14 @@ def split_step(path):
 def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=None):
     """Rows (dicts of :data:`LAYER_KEYS`) for every fake-quant group of ``targets`` (``run.h5`` or
     ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied."""
-    from qgcli import io, runfile
-    from qgcli.errors import FileFormatError, QgcliError
+    from qgcli import runfile
+    from qgcli.errors import QgcliError
     from qgcli.operands import Operands
 
     rows, skipped = [], []
     for target in targets:
-        split = runfile.split_target(target)
-        if split is None:
-            raise QgcliError(f"{target} is not an HDF5 run file", operand="BUNDLE")
-        path, group = split
-        try:
-            container = io.Container.open(path)
-        except FileFormatError as exc:
-            raise QgcliError(str(exc), operand="BUNDLE") from None
+        path, group, container = runfile.open_target(target, operand="BUNDLE",
+                                                     not_a_run_file=f"{target} is not an HDF5 run file")
         prefix = path if len(targets) > 1 else None
         try:
             for layer in runfile.discover(container._opened(), group, label=path):

@@ -94,6 +94,22 @@ def split_target(text):
     return spec.path, group or None
 
 
+def open_target(target, *, operand, not_a_run_file):
+    """``(path, group, container)`` of a run-file target (``run.h5`` or ``run.h5:group``), the container open;
+    a QgcliError naming ``operand`` (``not_a_run_file`` when the target is no .h5 file)."""
+    from qgcli import io
+    from qgcli.errors import FileFormatError, QgcliError
+
+    where = split_target(target)
+    if where is None:
+        raise QgcliError(not_a_run_file, operand=operand)
+    path, group = where
+    try:
+        return path, group, io.Container.open(path)
+    except FileFormatError as exc:
+        raise QgcliError(str(exc), operand=operand) from None
+
+
 def is_run_file(text):
     """Whether BUNDLE ``text`` names a run file: ``file.h5:group`` always (the group must exist), a whole
     ``file.h5`` when its root holds no operands and some group below is a layer."""

@@ -84,18 +84,12 @@ def verify(target, *, rtol=DEFAULT_RTOL):
     """Verify run file ``target`` (``run.h5`` or ``run.h5:group``); returns the summary (JSON-safe dict):
     ``layers`` worst first, each with ``path``, ``op``, ``kind``, ``status`` (``identical``, ``within-rtol``,
     ``differs``, ``failed``, ``no-reference``), ``passed``, ``max_ulps``, ``rel`` and per-output ``outputs``."""
-    from qgcli import io, runfile
-    from qgcli.errors import FileFormatError, QgcliError
+    from qgcli import runfile
+    from qgcli.errors import QgcliError
     from qgcli.summaries import json_safe
 
-    where = runfile.split_target(target)
-    if where is None:
-        raise QgcliError(f"{target}: verify takes a run file (.h5, or file.h5:group)", operand="RUN")
-    path, group = where
-    try:
-        container = io.Container.open(path)
-    except FileFormatError as exc:
-        raise QgcliError(str(exc), operand="RUN") from None
+    path, group, container = runfile.open_target(
+        target, operand="RUN", not_a_run_file=f"{target}: verify takes a run file (.h5, or file.h5:group)")
     rows = []
     try:
         handle = container._opened()
