@@ -8,16 +8,11 @@
   names that sanitise alike all land inside ``DIR``, and ``index.json`` maps back to the exact names.
 - HDF5 outputs keep the exact names.
 """
-import fcntl
 import json
 import os
 import re
-import select
-import struct
 import subprocess
 import sys
-import termios
-import time
 
 import h5py
 import numpy as np
@@ -26,6 +21,7 @@ import pytest
 from hostile import CONTROLS, ESCAPES, EVIL, MARKUP, RAW_SEQUENCES, make_hostile_names
 from qgcli.paths import INDEX_NAME, MAX_COMPONENT_BYTES, group_file_paths, safe_component
 from qgcli.text import markup, one_line, printable, printable_doc
+from terminal import run_on_terminal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGR = re.compile(rb"\x1b\[[0-9;]*m")
@@ -52,41 +48,9 @@ def test_printable_escapes_what_repr_escapes_and_keeps_the_rest():
 
 def run_on_pty(args, cwd, env=None, timeout=60):
     """Run ``python -m qgcli ARGS`` with stdout and stderr on a pseudo-terminal (200x50); (exit code, bytes seen)."""
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
     environ = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS", "LINES")}
     environ.update({"TERM": "xterm-256color", "QGCLI_NO_PROGRESS": "1", "PYTHONPATH": ROOT}, **(env or {}))
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "qgcli", *args], stdin=subprocess.DEVNULL, stdout=slave,
-                                stderr=slave, cwd=cwd, env=environ, close_fds=True)
-    finally:
-        os.close(slave)
-    chunks, deadline = [], time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                proc.kill()
-                pytest.fail(f"qgcli {args[0]} did not finish within {timeout} s")
-            ready, _, _ = select.select([master], [], [], min(left, 1.0))
-            if not ready:
-                if proc.poll() is not None and not select.select([master], [], [], 0.2)[0]:
-                    break
-                continue
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: every writer closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        os.close(master)
-    return code, b"".join(chunks)
+    return run_on_terminal([sys.executable, "-m", "qgcli", *args], width=200, cwd=cwd, env=environ, timeout=timeout)
 
 
 def assert_terminal_safe(out, *, progress=False):

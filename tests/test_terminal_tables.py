@@ -3,18 +3,16 @@
 Each width runs one real process on a pseudo-terminal whose size is set with TIOCSWINSZ (COLUMNS unset, so
 rich reads the size from the terminal as it would for a person), and once with stdout/stderr on pipes.
 """
-import fcntl
 import os
 import re
-import select
-import struct
 import subprocess
 import sys
-import termios
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from terminal import run_on_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_CHANNEL = ROOT / "samples" / "per_channel.h5"
@@ -42,27 +40,14 @@ def _env():
 
 
 def _run_pty(width, tmp_path):
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(PER_CHANNEL), str(tmp_path / f"g{width}.h5")],
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=_env(), cwd=tmp_path)
-    os.close(slave)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([master], [], [], 60)
-        if not ready:
-            proc.kill()
-            pytest.fail("no output for 60 s")
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    assert proc.wait(60) == 0
-    return ANSI.sub("", b"".join(chunks).decode().replace("\r\n", "\n"))
+    return _terminal_text([sys.executable, "-c", DRIVER, str(PER_CHANNEL), str(tmp_path / f"g{width}.h5")],
+                          width, tmp_path)
+
+
+def _terminal_text(argv, width, tmp_path):
+    code, data = run_on_terminal(argv, width=width, cwd=tmp_path, env=_env())
+    assert code == 0
+    return ANSI.sub("", data.decode().replace("\r\n", "\n"))
 
 
 def _sections(text):
@@ -202,28 +187,8 @@ for name, args in (
 
 
 def _run_more_pty(width, tmp_path):
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-c", MORE_DRIVER, str(PER_CHANNEL), str(NOTEBOOK), str(RUN),
-                             str(tmp_path)], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=_env(),
-                            cwd=tmp_path)
-    os.close(slave)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([master], [], [], 60)
-        if not ready:
-            proc.kill()
-            pytest.fail("no output for 60 s")
-        try:
-            data = os.read(master, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    assert proc.wait(60) == 0
-    return ANSI.sub("", b"".join(chunks).decode().replace("\r\n", "\n"))
+    return _terminal_text([sys.executable, "-c", MORE_DRIVER, str(PER_CHANNEL), str(NOTEBOOK), str(RUN),
+                           str(tmp_path)], width, tmp_path)
 
 
 def _json(*args):
