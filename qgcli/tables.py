@@ -100,7 +100,7 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
     ``styles``: a rich style per row (or None); ``title``: a line printed above.  The first column is the
     record's label (``ch 3``, a tensor's name) and is always shown.  Returns the names of the columns shown.
     """
-    from rich.table import Table
+    from rich.text import Text
 
     if choice:
         wide = wide or bool(_CHOICE["wide"])
@@ -139,17 +139,11 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
     if blocks:
         _print_blocks(console, cols, rows, styles, shown)
     else:
-        table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold", padding=(0, GAP // 2),
-                      collapse_padding=False)
-        for i in shown:
-            c = cols[i]
-            table.add_column(_text(c.name), justify=c.justify, no_wrap=True, min_width=widths[i], max_width=widths[i])
-        for r, style in zip(rows, styles):
-            table.add_row(*(r[i] for i in shown), style=style)
-        if is_plain:
-            console.print(table, width=max(width, total(shown)), crop=False)
-        else:
-            console.print(table)
+        # Laid out here rather than by rich's Table, whose column widths differ between rich releases (13.0
+        # widened and then cropped a table measured to fit): each cell padded to its measured width.
+        header = [Text(cols[i].name, style="bold") for i in shown]
+        for cells, style in [(header, None)] + [([r[i] for i in shown], st) for r, st in zip(rows, styles)]:
+            console.print(_line(cols, shown, widths, cells, style), soft_wrap=True, crop=False)
     if dropped:
         names = " ".join(cols[i].name for i in sorted(dropped))
         print_items(console, f"[dim]not shown to fit {width} columns: {_escape(names)} ({hint})[/]")
@@ -168,6 +162,25 @@ def _escape(text):
     from rich.markup import escape
 
     return escape(text)
+
+
+def _line(cols, shown, widths, cells, style):
+    """One table row: cells padded to their column's width and justified, GAP spaces apart, no trailing space."""
+    from rich.text import Text
+
+    line = Text()
+    for k, (i, cell) in enumerate(zip(shown, cells)):
+        pad = widths[i] - cell.cell_len
+        left = {"right": pad, "center": pad // 2}.get(cols[i].justify, 0)
+        if k:
+            line.append(" " * GAP)
+        line.append(" " * left)
+        line.append_text(cell)
+        if k < len(shown) - 1:
+            line.append(" " * (pad - left))
+    if style:
+        line.stylize(style)
+    return line
 
 
 def _print_blocks(console, cols, rows, styles, shown):
