@@ -110,7 +110,8 @@ def check_campaign(n_round_trips, n_dequantize):
     sys.path.insert(0, GOLDEN)
     import make_golden_quantize_campaign as campaign
 
-    stored = np.load(campaign.OUT)
+    with np.load(campaign.OUT) as npz:  # closed at once: an open NpzFile warns when collected
+        stored = {k: npz[k] for k in npz.files}
     assert str(stored["tensorflow_version"]).startswith("2.21")
     wrong = []
     for what, draw, n in (("round_trip", campaign.draw_round_trip, n_round_trips),

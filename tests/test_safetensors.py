@@ -21,10 +21,11 @@ def test_spec_bundle_and_output(tmp_path, runner):
     r = runner.invoke(main, ["fakequant-grad", "--inputs", f"{bundle}:inputs", "--gradients",
                                   f"{bundle}:gradients", "--min", "-1", "--max", "1", "-o", ref])
     assert r.exit_code == 0, r.output
-    got, want = st.load_file(out), np.load(ref)
-    assert set(got) == set(want.files)
-    for k in want.files:
-        np.testing.assert_array_equal(got[k], want[k])
+    got = st.load_file(out)
+    with np.load(ref) as want:
+        assert set(got) == set(want.files)
+        for k in want.files:
+            np.testing.assert_array_equal(got[k], want[k])
     assert io.load_spec(io.parse_spec(f"{bundle}:inputs")).tobytes() == x.tobytes()
 
 
