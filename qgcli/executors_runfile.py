@@ -19,16 +19,13 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     one way: executors -> executors_runfile).  ``remote`` (:mod:`qgcli.executors_dask`) computes the groups
     elsewhere: ``remote.start(job, path, layers)`` before any is written, then ``remote.result(layer)`` gives
     each group's Result in place of ``runner.compute``; everything else (checks, writing) stays here."""
-    from qgcli import io, runfile
+    from qgcli import runfile
 
     _TOOLS.update(runner_for=runner_for, memory_plan=memory_plan, remote=remote)
-    from qgcli.errors import FileFormatError, QgcliError
+    from qgcli.errors import QgcliError
 
-    path, group = runfile.split_target(job.target)
-    try:
-        container = io.Container.open(path)
-    except FileFormatError as exc:
-        raise QgcliError(str(exc), operand="BUNDLE") from None
+    path, group, container = runfile.open_target(job.target, operand="BUNDLE",
+                                                 not_a_run_file=f"{job.target} is not an HDF5 run file")
     try:
         layers = runfile.discover(container._opened(), group, label=path)
         kind = runfile.KIND_OF_COMMAND[job.command]
