@@ -44,8 +44,6 @@ TF_OPS = {
 }
 C_OUTPUTS, C_MASK, C_BACKPROPS = "C0", "red", "brown"
 C_RAW, C_NUDGED, C_CLIP = "0.35", "tab:green", "tab:red"
-# Right of the nudged max and below the top level a staircase has no points and the mask is 0 there.
-_LEGEND = dict(loc="lower right", bbox_to_anchor=(1.0, 0.07), fontsize=7, framealpha=0.9)
 # Per-channel panels: the legend sits above the panel, where no channel's bar can be.
 _PANEL_LEGEND = dict(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncols=2, frameon=False,
                      borderaxespad=0.1)
@@ -64,6 +62,9 @@ class FakeQuantData:
     outputs: np.ndarray
     mask: np.ndarray
     backprops: np.ndarray | None
+    # (lo, hi): where the op's gradient mask is 1, inclusive (0-d or one per channel, channel last); None when
+    # the variant has no such range.  Only used to draw the mask's step edges exactly (checked against ``mask``).
+    mask_range: tuple | None = None
 
 
 def infer_variant(variant, min):
@@ -107,17 +108,20 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
         mask = ops.fake_quant_with_min_max_args_gradient(ones, x, lo, hi, **attrs)
         backprops = None if g is None else ops.fake_quant_with_min_max_args_gradient(g, x, lo, hi, **attrs)
         grid = ops.nudge(np.float32(lo), np.float32(hi), **attrs)
+        mask_range = _nudged_range(grid)
     elif variant == "vars":
         outputs = ops.fake_quant_with_min_max_vars(x, min, max, **attrs)
         mask = ops.fake_quant_with_min_max_vars_gradient(ones, x, min, max, **attrs)[0]
         backprops = None if g is None else ops.fake_quant_with_min_max_vars_gradient(g, x, min, max, **attrs)[0]
         grid = ops.nudge(min, max, **attrs)
+        mask_range = _nudged_range(grid)
     elif variant == "per-channel":
         pc = dict(attrs, axis=axis)
         outputs = ops.fake_quant_with_min_max_vars_per_channel(x, min, max, **pc)
         mask = ops.fake_quant_with_min_max_vars_per_channel_gradient(ones, x, min, max, **pc)[0]
         backprops = None if g is None else ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, min, max, **pc)[0]
         grid = ops.nudge(min, max, **attrs)
+        mask_range = _nudged_range(grid)
         x, outputs, mask = (xp.moveaxis(a, axis, -1) for a in (x, outputs, mask))
         backprops = None if backprops is None else xp.moveaxis(backprops, axis, -1)
     elif variant == "quantize-dequantize":
@@ -127,6 +131,7 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
         res, grid = qdq.plot_data(x, min, max, narrow_range=narrow_range, axis=qaxis, **(quantize or {}))
         lo, hi = qdq.range_bounds(res.output_min, res.output_max, x.ndim, qaxis, xp)
         outputs = res.outputs
+        mask_range = tuple(np.asarray(to_numpy(b), np.float32) for b in (res.output_min, res.output_max))
         mask = qdq.quantize_dequantize_backprops(ones, x, lo, hi)["backprops_wrt_input"]
         backprops = None if g is None else qdq.quantize_dequantize_backprops(g, x, lo, hi)["backprops_wrt_input"]
         if grid.per_channel:
@@ -144,12 +149,23 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
             x, outputs, mask = (xp.moveaxis(a, qaxis, -1) for a in (x, outputs, mask))
             backprops = None if backprops is None else xp.moveaxis(backprops, qaxis, -1)
         op = grid.op
+        # V4Grad masks on the range given; V2/V3 register a pass-through gradient (ones everywhere).
+        given = tuple(np.asarray(to_numpy(b), np.float32) for b in (grid.min, grid.max))
+        mask_range = given if variant.endswith("v4") else (np.float32(-np.inf), np.float32(np.inf))
     else:
         raise QgcliError(f"unknown variant {variant!r} (use {', '.join(TF_OPS)}, quantize-dequantize, "
                          "quantize-and-dequantize-v4/-v3/-v2)", operand="--variant")
     op = TF_OPS.get(variant, op if variant.startswith("quantize-and-dequantize-v") else "QuantizeV2+Dequantize")
     return FakeQuantData(variant, op, grid, to_numpy(x), to_numpy(outputs), to_numpy(mask),
-                         None if backprops is None else to_numpy(backprops))
+                         None if backprops is None else to_numpy(backprops), mask_range)
+
+
+def _nudged_range(grid):
+    """TF's fake-quant gradient: 1 on the nudged range, inclusive; everywhere where min == max == 0."""
+    passthrough = np.asarray(grid.passthrough, bool)
+    lo = np.where(passthrough, -np.inf, np.asarray(grid.nudged_min, np.float32)).astype(np.float32)
+    hi = np.where(passthrough, np.inf, np.asarray(grid.nudged_max, np.float32)).astype(np.float32)
+    return lo, hi
 
 
 def _scalar(value, name):
@@ -195,6 +211,7 @@ class _View:
     grid: object | None
     channel: int | None
     channels: int | None
+    mask_range: tuple | None  # (lo, hi) floats of the one grid drawn, else None
 
 
 def _select(data, channel):
@@ -212,8 +229,15 @@ def _select(data, channel):
     else:
         pick = lambda a: None if a is None else a.reshape(-1)  # noqa: E731
         grid = None if per_channel else data.grid
+    mask_range = None
+    if grid is not None and data.mask_range is not None:
+        ends = [np.asarray(b) for b in data.mask_range]
+        if all(b.ndim == 0 for b in ends):
+            mask_range = tuple(float(b) for b in ends)
+        elif channel is not None:
+            mask_range = tuple(float(b[channel]) for b in ends)
     return _View(data, pick(data.x), pick(data.outputs), pick(data.mask), pick(data.backprops), grid, channel,
-                 depth if per_channel else None)
+                 depth if per_channel else None, mask_range)
 
 
 # --- subsampling ---------------------------------------------------------------------------------------
@@ -295,11 +319,66 @@ def _grid_dict(grid):
     return None if grid is None else grid_summary(grid)
 
 
-def _points_note(ax, shown, total, dropped):
+def _points_note(shown, total, dropped):
+    """How many points a line plot draws (the title of its legend, gid ``"points"``)."""
     text = f"{shown:,} points" if shown == total else f"{shown:,} of {total:,} points (deterministic subsample)"
     if dropped:
         text += f"; {dropped:,} NaN/inf not drawn"
-    ax.text(0.995, 0.01, text, transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="0.3", gid="points")
+    return text
+
+
+def _figure_legend(fig, handles, note, *, text_gids=None):
+    """One opaque legend below the axes, where no data can be (constrained layout makes room for it), titled
+    with ``note``; its columns as many as the figure's width holds.  ``text_gids``: label -> gid of its text."""
+    labels = [h.get_label() for h in handles]
+    longest = max([len(t) for t in labels] + [1])
+    # 7-point DejaVu Sans: about 3.9 px per character at 100 dpi, plus the handle and the padding.
+    per_column = longest * 0.039 + 0.55
+    ncols = int(max(1, min(len(handles), (fig.get_figwidth() - 0.3) // per_column)))
+    legend = fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=7, framealpha=1.0,
+                        title=note, title_fontsize=7)
+    legend.get_title().set_gid("points")
+    for text in legend.get_texts():
+        gid = (text_gids or {}).get(text.get_text())
+        if gid is not None:
+            text.set_gid(gid)
+    return legend
+
+
+def _step(x, f, lo, hi):
+    """``(xs, ys)`` drawing ``f`` as a step function with vertical edges exactly at ``lo`` and ``hi``, when it is
+    one: a constant below ``lo``, one on ``[lo, hi]`` (inclusive) and one above ``hi`` on every finite element of
+    ``x`` (checked here, so the line drawn is the op's values whatever the sampling); else None."""
+    x, f = np.asarray(x), np.asarray(f)
+    finite = np.isfinite(x)
+    if not finite.any():
+        return None
+    # Masked reductions, no copies: a figure of 10^8 elements checks its step in a few passes.
+    below_part, above_part = x < lo, x > hi  # NaN in neither
+    parts = (below_part, finite & ~below_part & ~above_part, above_part)
+    values = []
+    for part in parts:
+        if not part.any():
+            values.append(None)
+            continue
+        least, most = f.min(where=part, initial=np.inf), f.max(where=part, initial=-np.inf)
+        if least != most or not np.isfinite(least):
+            return None
+        values.append(float(least))
+    below, inside, above = values
+    if inside is None:  # no element on the range: its value there is not known
+        return None
+    left, right = float(x.min(where=finite, initial=np.inf)), float(x.max(where=finite, initial=-np.inf))
+    pieces = [(left, lo, below), (left if below is None else lo, right if above is None else hi, inside),
+              (hi, right, above)]
+    merged = []  # (start, end, value), equal neighbours joined: no edge where the value does not change
+    for a, b, v in (p for p in pieces if p[2] is not None):
+        if merged and merged[-1][2] == v:
+            merged[-1] = (merged[-1][0], b, v)
+        else:
+            merged.append((a, b, v))
+    return (np.array([end for a, b, _ in merged for end in (a, b)]),
+            np.array([v for _, _, v in merged for _ in (0, 1)]))
 
 
 def _mark_bounds(ax, grid, orientation="v"):
@@ -318,7 +397,7 @@ def _mark_bounds(ax, grid, orientation="v"):
 
 
 def _staircase_axes(ax, view, max_points):
-    """The notebook's first figure on ``ax``; returns (indices drawn, legend handles)."""
+    """The notebook's first figure on ``ax``; returns (indices drawn, legend handles, points note)."""
     total = view.x.size
     keys = [view.outputs, view.mask] + ([view.backprops] if view.backprops is not None else [])
     idx = subsample(view.x, *keys, max_points=max_points)
@@ -345,8 +424,7 @@ def _staircase_axes(ax, view, max_points):
                     handles.append(h)
         if 0 < levels.size <= TICK_LEVELS:
             ax.set_yticks([float(v) for v in levels])
-    _points_note(ax, idx.size, total, total - int(np.isfinite(view.x).sum()))
-    return idx, handles
+    return idx, handles, _points_note(idx.size, total, total - int(np.isfinite(view.x).sum()))
 
 
 def _summary(kind, view, idx, **extra):
@@ -386,76 +464,76 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
     view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
-    idx, handles = _staircase_axes(ax, view, max_points)
-    ax.legend(handles=handles, **_LEGEND)
+    idx, handles, note = _staircase_axes(ax, view, max_points)
+    _figure_legend(fig, handles, note)
     ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Quantization staircase"), 9), fontsize=9)
     fig.qgcli_summary = _summary("staircase", view, idx)
     return fig
 
 
 def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=False, variant=None, axis=-1,
-        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None):
+        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None):
     """The staircase plus the STE gradient function on a red twin axis (the notebook's second figure).
 
-    With ``gradients``, also ``backprops_wrt_input`` in brown (the third figure): on the staircase's axis
-    as in the notebook, or on an axis of its own when its magnitude differs from the outputs' by more
-    than 20x (it would be a flat line otherwise).
+    The gradient function is drawn as the step it is, its edges exactly on the range where the op's mask is
+    1 (inclusive: TF's nudged bounds), after checking every element's mask against it; the op's values at the
+    inputs drawn are the red dots (gid ``"mask"``).  With ``gradients``, ``backprops_wrt_input`` in brown (the
+    notebook's third figure) on a panel of its own below, sharing the x axis.  ``height``: 4.8 inches, 7.6
+    with ``gradients``.
 
     >>> fig = ste(np.array([-9.0, -1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
     >>> fig.axes[1].get_lines()[0].get_ydata().tolist()
     [0.0, 1.0, 0.0]
+    >>> step = fig.axes[1].get_lines()[1]
+    >>> step.get_gid(), step.get_xdata().tolist()
+    ('mask_step', [-9.0, -8.0, -8.0, 4.0, 4.0, 5.0])
     """
     view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize)
-    fig = new_figure(width, height)
-    ax = fig.add_subplot()
-    idx, handles = _staircase_axes(ax, view, max_points)
+    with_bp = view.backprops is not None
+    fig = new_figure(width, height if height is not None else (7.6 if with_bp else 4.8))
+    grid_spec = fig.add_gridspec(2 if with_bp else 1, 1, height_ratios=[3, 2] if with_bp else [1])
+    ax = fig.add_subplot(grid_spec[0])
+    idx, handles, note = _staircase_axes(ax, view, max_points)
     ax.set_ylabel("quantized (outputs)")
     xs = view.x[idx]
     ax2 = ax.twinx()
-    (mask_line,) = ax2.plot(xs, view.mask[idx], ls="-" if view.grid is not None else "none",
-                            marker=None if view.grid is not None else ".", ms=2,
-                            color=C_MASK, gid="mask", label="gradient function (STE mask)")
+    step = None if view.mask_range is None else _step(view.x, view.mask, *view.mask_range)
+    label = "gradient function (STE mask)"
+    # The op's mask at the points drawn; joined only where there is no step to draw (it would ramp).
+    (mask_line,) = ax2.plot(xs, view.mask[idx], ls="-" if view.grid is not None and step is None else "none",
+                            marker="." if step is not None or view.grid is None else None, ms=2,
+                            color=C_MASK, gid="mask", label=label if step is None else "_nolegend_")
+    if step is not None:
+        (mask_line,) = ax2.plot(*step, ls="-", lw=1.5, color=C_MASK, gid="mask_step", label=label)
     ax2.set_ylabel("gradient function", color="r")
     ax2.set_ylim(-0.05, 1.05)
     handles.insert(1, mask_line)
-    separate = False
-    if view.backprops is not None:
-        bp = view.backprops[idx]
-        separate = _separate_scale(bp, view.outputs[idx])
-        target = ax
-        if separate:
-            target = ax.twinx()
-            target.spines.right.set_position(("axes", 1.13))
-            target.set_ylabel("backprops_wrt_input", color=C_BACKPROPS)
-            target.tick_params(axis="y", colors=C_BACKPROPS)
-        # Joined as in the notebook when it shares the outputs' scale (e.g. gradients = outputs there);
-        # an unrelated gradient joined in x order would be a zigzag, so it gets points only.
-        joined = view.grid is not None and not separate
-        (bp_line,) = target.plot(xs, bp, ls="-" if joined else "none", color=C_BACKPROPS,
-                                 marker="x", ms=4 if joined else 3, gid="backprops", label="backprops_wrt_input")
+    if with_bp:
+        ax.set_xlabel("")
+        ax3 = fig.add_subplot(grid_spec[1], sharex=ax)
+        ax.tick_params(axis="x", labelbottom=False)
+        # Points only: an upstream gradient joined in x order would be a zigzag.
+        (bp_line,) = ax3.plot(xs, view.backprops[idx], ls="none", color=C_BACKPROPS, marker="x", ms=3,
+                              gid="backprops", label="backprops_wrt_input")
+        ax3.set_ylabel("backprops_wrt_input", color=C_BACKPROPS)
+        ax3.set_xlabel("floating point (inputs)")
+        ax3.axhline(0, color="k", lw=1.0)
+        ax3.axvline(0, color="k", lw=1.0)
+        ax3.grid(True)
+        if view.grid is not None:
+            for value in (view.grid.nudged_min, view.grid.nudged_max):
+                ax3.axvline(float(value), color=C_NUDGED, ls=":", lw=1.6, gid="nudged_bound:backprops")
         handles.insert(2, bp_line)
-    ax.legend(handles=handles, **_LEGEND)
+    _figure_legend(fig, handles, note)
     ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Straight-through estimator"), 9), fontsize=9)
-    fig.qgcli_summary = _summary("ste", view, idx, backprops=view.backprops is not None,
-                                 backprops_axis="own" if separate else "outputs")
+    fig.qgcli_summary = _summary("ste", view, idx, backprops=with_bp, backprops_axis="own" if with_bp else None,
+                                 mask_drawn="step" if step is not None else "points")
     return fig
 
 
 def _pixels_per_step(fig, step, span):
     """About how many pixels apart two levels are on an axis spanning ``span`` (90% of the width)."""
     return float(step) / span * 0.9 * fig.get_figwidth() * fig.dpi if span > 0 else 0.0
-
-
-def _separate_scale(a, b):
-    """True when ``a`` and ``b`` (finite parts) differ in magnitude by more than 20x."""
-    def size(v):
-        v = np.abs(v[np.isfinite(v)])
-        return float(v.max()) if v.size else 0.0
-
-    sa, sb = size(a), size(b)
-    if sa == 0 or sb == 0:
-        return False
-    return not (1 / 20 <= sa / sb <= 20)
 
 
 def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
@@ -490,40 +568,43 @@ def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=N
     if data_range[0] == data_range[1]:
         data_range = (data_range[0] - 0.5, data_range[1] + 0.5)
     counts, edges = np.histogram(finite.astype(np.float64), bins=bins, range=data_range)
-    ax.stairs(counts, edges, fill=True, color=C_OUTPUTS, alpha=0.75, gid="counts", label="inputs",
-              baseline=0.5 if log else 0)
+    handles = [ax.stairs(counts, edges, fill=True, color=C_OUTPUTS, alpha=0.75, gid="counts", label="inputs",
+                         baseline=0.5 if log else 0)]
     ax.set_xlim(lo, hi)
-    handles = []
+    below, above = stats["clipped_below"], stats["clipped_above"]
+    n = stats["elements"]
+    # The clipped shares label the shaded regions in the legend (no text over the bars).
+    shares = (f"below nudged_min: {100 * below:.2f}% ({round(below * n):,})",
+              f"above nudged_max: {100 * above:.2f}% ({round(above * n):,})")
     if view.grid is not None:
         grid = view.grid
         handles += _mark_bounds(ax, grid)
-        ax.axvspan(lo, float(grid.nudged_min), color=C_CLIP, alpha=0.12, lw=0, gid="clip_region",
-                   label="clipped region")
-        ax.axvspan(float(grid.nudged_max), hi, color=C_CLIP, alpha=0.12, lw=0, gid="clip_region")
         levels = grid_levels(grid)
         if levels.size <= LINE_LEVELS:
             for k, level in enumerate(levels):
-                ax.axvline(float(level), color="0.2", ls=(0, (1, 3)), lw=0.8, gid="level",
-                           label="levels" if k == 0 else "_nolegend_")
+                h = ax.axvline(float(level), color="0.2", ls=(0, (1, 3)), lw=0.8, gid="level",
+                               label="levels" if k == 0 else "_nolegend_")
+                handles += [h] if k == 0 else []
         elif levels.size <= RUG_LEVELS and _pixels_per_step(fig, grid.scale, hi - lo) >= 3:
-            ax.vlines(levels.astype(np.float64), 0, 0.025, transform=ax.get_xaxis_transform(), color="0.2",
-                      lw=0.5, gid="level", label="levels")
+            handles.append(ax.vlines(levels.astype(np.float64), 0, 0.025, transform=ax.get_xaxis_transform(),
+                                     color="0.2", lw=0.5, gid="level", label="levels"))
+        handles.append(ax.axvspan(lo, float(grid.nudged_min), color=C_CLIP, alpha=0.12, lw=0, gid="clip_region",
+                                  label=shares[0]))
+        handles.append(ax.axvspan(float(grid.nudged_max), hi, color=C_CLIP, alpha=0.12, lw=0, gid="clip_region",
+                                  label=shares[1]))
+    else:  # one grid per channel: no region to shade, the shares still counted against each channel's grid
+        from matplotlib.patches import Patch
+
+        handles += [Patch(color=C_CLIP, alpha=0.12, label=f"{t} (each channel's grid)") for t in shares]
     ax.set_xlabel("floating point (inputs)")
     ax.set_ylabel("count" + (" (log)" if log else ""))
     if log:
         ax.set_yscale("log")
     ax.grid(True, alpha=0.5)
-    below, above = stats["clipped_below"], stats["clipped_above"]
-    n = stats["elements"]
-    ax.text(0.01, 0.98, f"below nudged_min:\n{100 * below:.2f}% ({round(below * n):,})", transform=ax.transAxes,
-            ha="left", va="top", fontsize=8, color=C_CLIP, gid="clipped_below")
-    ax.text(0.99, 0.98, f"above nudged_max:\n{100 * above:.2f}% ({round(above * n):,})", transform=ax.transAxes,
-            ha="right", va="top", fontsize=8, color=C_CLIP, gid="clipped_above")
     dropped = view.x.size - finite.size
     note = f"{finite.size:,} values, {bins} bins" + (f"; {dropped:,} NaN/inf not binned" if dropped else "")
-    ax.text(0.995, 0.01, note, transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="0.3", gid="points")
-    if handles:
-        ax.legend(loc="center left", fontsize=7, framealpha=0.9)
+    _figure_legend(fig, handles, note, text_gids={h.get_label(): gid for h, gid in
+                                                  zip(handles[-2:], ("clipped_below", "clipped_above"))})
     ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Inputs and quantization grid"), 9), fontsize=9)
     fig.qgcli_summary = {"plot": "hist", "op": data.op, "variant": data.variant, "elements": int(view.x.size),
                          "points": int(finite.size), "bins": int(bins), "channel": view.channel,
@@ -807,6 +888,26 @@ def _estimator_view(inputs, min, max, *, semantics, scale, zero_point, quant_min
                        variant=infer_variant(variant, min), axis=-1 if axis is None else axis)
 
 
+def _estimator_outputs_op(semantics, variant, min, per_channel):
+    """The op whose outputs an estimators figure draws."""
+    if semantics == "torch":
+        return f"torch.fake_quantize_per_{'channel' if per_channel else 'tensor'}_affine"
+    if variant == "quantize-dequantize":
+        return "QuantizeV2+Dequantize"
+    return TF_OPS[infer_variant(variant, min)]
+
+
+def _coinciding(funcs):
+    """``{name: earlier name}`` for each gradient function equal (bit for bit, NaN as NaN) to an earlier one."""
+    names, same = list(funcs), {}
+    for j, name in enumerate(names):
+        for other in names[:j]:
+            if other not in same and np.array_equal(funcs[name], funcs[other], equal_nan=True):
+                same[name] = other
+                break
+    return same
+
+
 def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTIMATORS, semantics="tf", scale=None,
                zero_point=None, quant_min=0, quant_max=255, num_bits=8, narrow_range=False, variant=None, axis=None,
                channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=7.2, height=None, quantize=None):
@@ -822,7 +923,7 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
 
     >>> fig = estimators(np.array([-9.0, -1.0, 0.5, 5.0], np.float32), -6.0, 6.0, num_bits=2,
     ...                  names=("ste", "identity"))
-    >>> [line.get_ydata().tolist() for line in fig.axes[1].get_lines()]
+    >>> [line.get_ydata().tolist() for line in fig.axes[1].get_lines() if line.get_gid().startswith("estimator:")]
     [[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
     """
     from qgcli.ops import estimators as est
@@ -876,9 +977,11 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
     fig = new_figure(width, height if height is not None else (7.6 if g is not None else 4.8))
     axes = fig.subplots(2 if g is not None else 1, 1, sharex=True, squeeze=False)[:, 0]
     ax = axes[0]
+    outputs_op = _estimator_outputs_op(semantics, variant, min, view.axis is not None)
     (line,) = ax.plot(xs, outf[idx], ls="-" if one_grid else "none", marker="+", color=C_OUTPUTS, gid="outputs",
-                      label=f"outputs ({'PyTorch' if semantics == 'torch' else 'TensorFlow'})")
+                      label=f"outputs ({outputs_op})")
     handles = [line]
+    bounds = None
     ax.set_ylabel("de-quantized (outputs)")
     ax.axhline(0, color="k", lw=1.0)
     ax.axvline(0, color="k", lw=1.0)
@@ -886,6 +989,7 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
     if one_grid:
         lo, hi = (np.atleast_1d(to_numpy(b)) for b in (view.lo, view.hi))
         k = 0 if view.axis is None else channel
+        bounds = (float(lo[k]), float(hi[k]))
         for j, bound in enumerate((lo[k], hi[k])):
             h = ax.axvline(float(bound), color=C_NUDGED, ls=":", lw=1.4, gid="grid_bound",
                            label=("grid min/max" if semantics != "tf" else "output_min/max (adjusted)"
@@ -895,18 +999,36 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
     ax2 = ax.twinx()
     ax2.set_ylabel("gradient function (dy = 1)")
     n = len(funcs)
+    same = _coinciding(funcs)
     for j, (name, f) in enumerate(funcs.items()):
-        # Thick-to-thin so that estimators that coincide (ste and lsq, say) all stay visible.
-        (h,) = ax2.plot(xs, f[idx], ls=_EST_STYLES[j % len(_EST_STYLES)] if one_grid else "none",
-                        marker=None if one_grid else ".", ms=2, lw=1.0 + 1.6 * (n - 1 - j) / ((n - 1) or 1),
-                        color=f"C{(j + 1) % 10}", gid=f"estimator:{name}", label=f"{name}")
+        # Thick-to-thin, each its own dash pattern, so that estimators that coincide all stay visible; one that
+        # coincides with an earlier one also gets sparse markers of its own shape and says so in the legend.
+        style = dict(ls=_EST_STYLES[j % len(_EST_STYLES)], lw=1.0 + 1.6 * (n - 1 - j) / ((n - 1) or 1),
+                     color=f"C{(j + 1) % 10}", zorder=2 + j)
+        label = f"{name} (= {same[name]} here)" if name in same else name
+        step = _step(xf, f, *bounds) if bounds is not None else None
+        # The values at the points drawn; joined only where there is no exact step to draw (a join would ramp).
+        points = dict(marker="." if step is not None or not one_grid else None, ms=2)
+        if name in same:
+            every = max_(1, idx.size // 12)
+            points = dict(marker="os^vD<>"[j % 7], ms=5, mfc="none", markevery=(every * j // n, every))
+        joined = one_grid and step is None
+        (h,) = ax2.plot(xs, f[idx], **{**style, **points, "ls": style["ls"] if joined else "none"},
+                        gid=f"estimator:{name}", label=label if step is None else "_nolegend_")
+        if step is not None:
+            (h,) = ax2.plot(*step, gid=f"estimator_step:{name}", label=label, **style)
+        if name in same:  # the legend shows its dash pattern and its markers
+            from matplotlib.lines import Line2D
+
+            h = Line2D([], [], **{**style, **points, "markevery": None}, label=label)
         handles.append(h)
     finite = np.concatenate([f[idx][np.isfinite(f[idx])] for f in funcs.values()] + [np.zeros(1)])
     # (min and max are this function's range operands)
     top = float(np.maximum(1.0, finite.max()))
     ax2.set_ylim(float(np.minimum(0.0, finite.min())) - 0.05 * top, 1.08 * top)
-    ax.legend(handles=handles, **_LEGEND)
-    _points_note(ax, idx.size, xf.size, xf.size - int(np.isfinite(xf).sum()))
+    note = _points_note(idx.size, xf.size, xf.size - int(np.isfinite(xf).sum()))
+    if same:
+        note += "\n" + "; ".join(f"{k} coincides with {v} on the plotted range" for k, v in same.items())
     cosines = {}
     if g is not None:
         ax3 = axes[1]
@@ -920,15 +1042,17 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
             cosines[name] = float(b64 @ ref64 / denom) if denom else None
             extra = "; ".join(f"{k.replace('backprop_wrt_', 'd')}={_fmt(np.sum(v))}" for k, v in extras[name].items())
             label = f"{name} (cos vs ste {cosines[name]:.4f})" if cosines[name] is not None else name
-            ax3.plot(xs, b[idx], ls="none", marker="ox+^vsd"[j % 7], ms=3, mfc="none", color=f"C{(j + 1) % 10}",
-                     gid=f"backprops:{name}", label=label + (f"; {extra}" if extra else ""))
+            (h,) = ax3.plot(xs, b[idx], ls="none", marker="ox+^vsd"[j % 7], ms=3, mfc="none",
+                            color=f"C{(j + 1) % 10}", gid=f"backprops:{name}",
+                            label="backprops " + label + (f"; {extra}" if extra else ""))
+            handles.append(h)
         ax3.set_ylabel("backprops_wrt_input")
         ax3.axhline(0, color="k", lw=1.0)
         ax3.grid(True)
-        ax3.legend(fontsize=7, loc="best", framealpha=0.9)
         ax3.set_xlabel("floating point (inputs)")
     else:
         ax.set_xlabel("floating point (inputs)")
+    _figure_legend(fig, handles, note)
     where = f", channel {channel}" if channel is not None else ""
     if title is None:
         if semantics == "torch":
@@ -953,6 +1077,7 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
     ax.set_title(_wrapped(fig, title, 9), fontsize=9)
     fig.qgcli_summary = {
         "plot": "estimators", "op": "TensorFlow" if semantics == "tf" else "PyTorch", "semantics": semantics,
+        "outputs_op": outputs_op, "coincide": [[k, v] for k, v in same.items()],
         "estimators": [p.text for p in parsed], "elements": int(xf.size), "points": int(idx.size),
         "channel": channel, "cosine_vs_ste": cosines or None, "range_gradients": extras or None,
     }
@@ -996,7 +1121,7 @@ def layers(rows, *, steps=(), trends=None, title=None, width=None, height=None):
 
     >>> fig = layers([{"path": "a", "gradient_blocked": 0.5, "clipped": 0.1, "sqnr_db": 20.0},
     ...               {"path": "b", "gradient_blocked": None, "clipped": 0.2, "sqnr_db": 30.0}])
-    >>> [p.get_width() for p in fig.axes[0].patches if p.get_gid() == "gradient_blocked"]
+    >>> [float(p.get_width()) for p in fig.axes[0].patches if p.get_gid() == "gradient_blocked"]
     [50.0]
     """
     rows = list(rows)

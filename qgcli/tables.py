@@ -59,14 +59,16 @@ def plain(console):
     return not console.is_terminal
 
 
-def parse_columns(text, cols, *, param_hint="--columns"):
-    """The names of ``--columns a,b,c`` checked against ``cols`` (``all`` is every column); None for None."""
+def parse_columns(text, cols, *, param_hint="--columns", others=()):
+    """The names of ``--columns a,b,c`` checked against ``cols`` (``all`` is every column); None for None.
+    ``others``: the column names of the command's other table (a report's trend table): accepted and left to
+    that table; None when every name given is one of those."""
     if text is None:
         return None
     import click
 
     names = [c.name for c in cols]
-    chosen = []
+    chosen, elsewhere = [], False
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
@@ -75,10 +77,15 @@ def parse_columns(text, cols, *, param_hint="--columns"):
         elif part in names:
             if part not in chosen:
                 chosen.append(part)
+        elif part in others:
+            elsewhere = True
         else:
-            raise click.BadParameter(f"no column {part!r}; choose from {', '.join(names)} (or all)",
+            choices = names + [n for n in others if n not in names]
+            raise click.BadParameter(f"no column {part!r}; choose from {', '.join(choices)} (or all)",
                                      param_hint=param_hint)
     if not chosen:
+        if elsewhere:
+            return None
         raise click.BadParameter("name at least one column", param_hint=param_hint)
     return chosen
 
@@ -92,11 +99,12 @@ def _text(cell):
 
 
 def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, title=None, legend=True,
-                hint="--wide or --columns", choice=False):
+                hint="--wide or --columns", choice=False, choice_others=()):
     """Print ``rows`` (lists of cells, one per column of ``cols``) as a table that fits ``console``.
 
     ``wide``: every column; ``columns``: the column names to show, in that order (see :func:`parse_columns`);
-    ``choice``: apply the command's ``--wide`` / ``--columns`` (:func:`table_options`) to this table;
+    ``choice``: apply the command's ``--wide`` / ``--columns`` (:func:`table_options`) to this table
+    (``choice_others``: the names of its other table's columns, see :func:`parse_columns`);
     ``styles``: a rich style per row (or None); ``title``: a line printed above.  The first column is the
     record's label (``ch 3``, a tensor's name) and is always shown.  Returns the names of the columns shown.
     """
@@ -105,7 +113,7 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
     if choice:
         wide = wide or bool(_CHOICE["wide"])
         if columns is None and _CHOICE["columns"] is not None:
-            columns = parse_columns(_CHOICE["columns"], cols)
+            columns = parse_columns(_CHOICE["columns"], cols, others=choice_others)
     rows = [[_text(c) for c in r] for r in rows]
     styles = list(styles) if styles is not None else [None] * len(rows)
     index = {c.name: i for i, c in enumerate(cols)}

@@ -40,6 +40,12 @@ def by_gid(ax, gid):
     return [a for a in ax.get_children() if a.get_gid() == gid]
 
 
+def text(fig, gid):
+    """The one Text with ``gid`` anywhere in ``fig`` (legend titles and entries included)."""
+    (found,) = fig.findobj(lambda a: a.get_gid() == gid and hasattr(a, "get_text"))
+    return found.get_text()
+
+
 def line(ax, gid):
     (found,) = [ln for ln in ax.get_lines() if ln.get_gid() == gid]
     return found
@@ -85,7 +91,7 @@ def test_staircase_is_the_op_with_marks_and_labels(nb):
     assert ax.get_ylabel() == "de-quantized (outputs)"
     title = ax.get_title()
     assert "num_bits=2" in title and "[-6, 6] nudged to [-8, 4]" in title and "4 levels" in title
-    assert by_gid(ax, "points")[0].get_text() == "1,000 points"
+    assert text(fig, "points") == "1,000 points"
     # Axes through 0, as in the notebook.
     assert any(ln.get_ydata()[0] == 0 and ln.get_color() == "k" for ln in ax.get_lines()[1:])
     assert fig.qgcli_summary["grid"]["nudged_min"] == -8.0
@@ -103,12 +109,12 @@ def test_ste_mask_is_tf_gradient_function_and_backprops_the_gradient_op(nb):
     np.testing.assert_array_equal(mask.get_xdata(), xs)
     assert mask.get_color() == "red"
     assert ax2.get_ylabel() == "gradient function" and ax2.yaxis.label.get_color() == "r"
-    # The notebook overlays backprops on the staircase's axis, brown with 'x' markers.
-    bp = line(ax, "backprops")
+    # backprops on a panel of their own below (the notebook overlays them on the staircase), brown 'x' markers.
+    bp = line(fig.axes[2], "backprops")
     expected_bp = ops.fake_quant_with_min_max_vars_gradient(g, x, mn, mx, num_bits=2)[0]
     np.testing.assert_array_equal(bits(bp.get_ydata()), bits(expected_bp.reshape(-1)[order]))
     assert bp.get_color() == "brown" and bp.get_marker() == "x"
-    assert fig.qgcli_summary["backprops_axis"] == "outputs"
+    assert fig.qgcli_summary["backprops_axis"] == "own" and fig.axes[2].get_shared_x_axes().joined(ax, fig.axes[2])
     # The mask drops to 0 outside the nudged range [-8, 4], inclusive.
     inside = (xs >= -8) & (xs <= 4)
     assert np.all(mask.get_ydata()[inside] == 1) and np.all(mask.get_ydata()[~inside] == 0)
@@ -224,7 +230,7 @@ def test_subsample_is_deterministic_and_keeps_every_step():
     for level in np.unique(full):
         on = np.sort(finite)[full == level]
         assert on.min() in xs and on.max() in xs
-    note = by_gid(fig.axes[0], "points")[0].get_text()
+    note = text(fig, "points")
     assert note == f"{xs.size:,} of 50,000 points (deterministic subsample); 50 NaN/inf not drawn"
     assert fig.qgcli_summary["points"] == xs.size
 
@@ -247,8 +253,8 @@ def test_hist_counts_shading_and_clipped_shares(nb):
     assert values.sum() == 1000
     # Clipped shares from the op: the gradient op's backprop_wrt_min/max with unit gradients count them.
     _, below, above = ops.fake_quant_with_min_max_vars_gradient(np.ones_like(x), x, nb["min"], nb["max"], num_bits=2)
-    assert by_gid(ax, "clipped_below")[0].get_text() == f"below nudged_min:\n{float(below) / 10:.2f}% ({int(below)})"
-    assert by_gid(ax, "clipped_above")[0].get_text() == f"above nudged_max:\n{float(above) / 10:.2f}% ({int(above)})"
+    assert text(fig, "clipped_below") == f"below nudged_min: {float(below) / 10:.2f}% ({int(below)})"
+    assert text(fig, "clipped_above") == f"above nudged_max: {float(above) / 10:.2f}% ({int(above)})"
     # axvspan draws a Rectangle on matplotlib >= 3.9, a Polygon before: read the x extent from the patch's path.
     spans = sorted((xs.min(), xs.max()) for xs in (p.get_patch_transform().transform(p.get_path().vertices)[:, 0]
                                                   for p in by_gid(ax, "clip_region")))
@@ -267,7 +273,7 @@ def test_hist_of_nonfinite_and_one_channel(pc):
     x[0, 0, 1, 2] = np.inf
     fig = plots.hist(x, pc["min"], pc["max"], channel=2, bins=10)
     ax = fig.axes[0]
-    assert by_gid(ax, "points")[0].get_text() == "254 values, 10 bins; 2 NaN/inf not binned"
+    assert text(fig, "points") == "254 values, 10 bins; 2 NaN/inf not binned"
     assert by_gid(ax, "counts")[0].get_data().values.sum() == 254
     assert fig.qgcli_summary["clipped_above"] > 0  # +inf is clipped above
 
@@ -335,7 +341,7 @@ def test_plots_take_the_inputs_array_module(xp, nb, monkeypatch):
         monkeypatch.setenv("QGCLI_NATIVE", "0")
     x, g = xp.asarray(nb["inputs"]), xp.asarray(nb["gradients"])
     fig = plots.ste(x, nb["min"], nb["max"], gradients=g, num_bits=2)
-    for gid, axis in (("outputs", 0), ("mask", 1), ("backprops", 0)):
+    for gid, axis in (("outputs", 0), ("mask", 1), ("backprops", 2)):
         np.testing.assert_array_equal(bits(line(fig.axes[axis], gid).get_ydata()),
                                       bits(line(ref.axes[axis], gid).get_ydata()))
 
@@ -386,7 +392,8 @@ def test_plots_use_no_pyplot_and_the_command_module_no_matplotlib():
 @pytest.mark.parametrize("argv, size", [
     (["staircase", NOTEBOOK, "--num-bits", "2"], (640, 480)),
     (["ste", NOTEBOOK, "--num-bits", "2"], (640, 480)),
-    (["ste", NOTEBOOK, "--num-bits", "2", "--gradients", NOTEBOOK + ":gradients"], (640, 480)),
+    (["ste", NOTEBOOK, "--num-bits", "2"], (640, 480)),
+    (["ste", NOTEBOOK, "--num-bits", "2", "--gradients", NOTEBOOK + ":gradients"], (640, 760)),  # two panels
     (["hist", NOTEBOOK, "--num-bits", "2", "--log", "--bins", "30"], (640, 480)),
     (["channels", PER_CHANNEL], (800, 820)),
     (["staircase", PER_CHANNEL, "--channel", "3", "--width", "3", "--height", "2", "--dpi", "80"], (240, 160)),
@@ -449,7 +456,7 @@ def test_cli_channels_of_bn_grad_and_fakequant_grad_outputs(cli, tmp_path):
     (["ste", NOTEBOOK, "--gradients", NOTEBOOK + ":nope", "-o", "{tmp}/f.png"], "Error: gradients: "),
     (["hist", NOTEBOOK, "--min", "3", "--max", "-3", "-o", "{tmp}/f.png"], "Error: min: "),
     (["ste", NOTEBOOK, "--dpi", "1200", "--width", "20", "-o", "{tmp}/f.png"],
-     "Error: Invalid value for '--dpi': 20 x 4.8 in at 1200 dpi exceeds 20000 pixels per side"),
+     "Error: Invalid value for '--dpi': 20 x 7.6 in at 1200 dpi exceeds 20000 pixels per side"),
     (["channels", NOTEBOOK, "-o", "{tmp}/f.png"], "Error: min: plot channels needs one min/max per channel"),
     (["channels", NOTEBOOK, "--variant", "vars", "-o", "{tmp}/f.png"],
      "Error: Invalid value for '--variant': plot channels draws per-channel ops only"),
@@ -484,7 +491,7 @@ def test_fakequant_grad_plot_writes_numbers_and_picture(cli, tmp_path):
     with h5py.File(out, "r") as f:
         assert set(f) == {"backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"}
     size, pixels = png_pixels(fig)
-    assert size == (640, 480)
+    assert size == (640, 760)  # the STE figure with its backprops panel
     assert_not_blank(pixels)
     # The same picture as `qgcli plot ste --gradients`, pixel for pixel.
     ref = tmp_path / "ref.png"
@@ -537,19 +544,30 @@ def test_fakequant_grad_plot_never_overwrites_an_input(cli, tmp_path):
     assert result.exit_code == 2 and "is also an input" in result.stderr
 
 
-# --- the README's figures ------------------------------------------------------------------------------
+# --- the figures of docs/plots.md ---------------------------------------------------------------------
 
-DOC_FIGURES = ["notebook_staircase.png", "notebook_ste.png", "notebook_ste_backprop.png", "per_channel.png"]
+def _doc_figures():
+    """The PNG names docs/make_figures.sh writes (docs/NAME.png)."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "make_figures.sh"), encoding="utf-8") as fh:
+        return sorted(set(re.findall(r"docs/([\w.-]+\.png)", fh.read())))
 
 
-@pytest.mark.parametrize("name", DOC_FIGURES)
-def test_readme_shows_the_committed_figures(name):
-    path = os.path.join(ROOT, "docs", name)
-    size, pixels = png_pixels(path)
+def test_make_figures_writes_the_figures_the_page_shows():
+    names = _doc_figures()
+    assert {"notebook_staircase.png", "notebook_ste.png", "notebook_ste_backprop.png", "per_channel.png"} <= set(names)
+    with open(os.path.join(ROOT, "docs", "plots.md"), encoding="utf-8") as fh:
+        page = fh.read()
+    for name in names:
+        assert f"]({name})" in page, name  # embedded by a path relative to docs/
+
+
+@pytest.mark.parametrize("name", _doc_figures())
+def test_the_committed_figures_are_drawn(name):
+    size, pixels = png_pixels(os.path.join(ROOT, "docs", name))
     assert size[0] >= 600
     assert_not_blank(pixels)
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
-        assert f"(docs/{name})" in fh.read()
 
 
 def test_buffer_rendering_needs_no_display():

@@ -75,7 +75,7 @@ def _operand_options(*, gradients_help=None, channel=True, variants=PLOT_VARIANT
     return decorate
 
 
-def _figure_options(width, height):
+def _figure_options(width, height, height_default="1 + 2.4 per panel"):
     """-o FIG, --force, --dpi, --title, --width, --height, --json, --quiet, --device as ``figure``."""
     return option_group(
         "figure", _figure,
@@ -91,7 +91,7 @@ def _figure_options(width, height):
                      help="Figure width in inches."),
         click.option("--height", type=click.FloatRange(1, 50), default=height, show_default=height is not None,
                      help="Figure height in inches." + ("" if height is not None else
-                                                        "  [default: 1 + 2.4 per panel]")),
+                                                        f"  [default: {height_default}]")),
         json_option(),
         quiet_option(),
         device_option(),
@@ -218,7 +218,7 @@ def _render_layers(console, s):
 
 
 def _render(console, s):
-    what = s.get("op") or ", ".join(s.get("vectors", []))
+    what = s.get("outputs_op") or s.get("op") or ", ".join(s.get("vectors", []))
     size = f"{s['size_px'][0]}x{s['size_px'][1]} px" if s["size_px"] else f"{s['size_in'][0]:g}x{s['size_in'][1]:g} in"
     detail = (f"{s['channels']} channels" if s["plot"] == "channels"
               else f"{s['points']:,} of {s['elements']:,} points" if s["plot"] != "hist"
@@ -226,6 +226,9 @@ def _render(console, s):
     where = "stdout" if s["output"] == "-" else s["output"]
     console.print(f"wrote {where} ({s['format']}, {size}): {s['plot']} of {what}, {detail}", soft_wrap=True,
                   markup=False)  # the path and the operand names are the user's: no markup in them
+    for name, other in s.get("coincide") or ():
+        console.print(f"note: estimator {name} coincides with {other} on the plotted range (drawn over it, "
+                      "with markers)", soft_wrap=True, markup=False)
 
 
 _PLOT_HELP = """Draw the tutorial notebook's figures and per-channel views from saved tensors.
@@ -350,7 +353,7 @@ Examples:
 @qdq_options
 @_MAX_POINTS
 @_LAYER
-@_figure_options(6.4, 4.8)
+@_figure_options(6.4, None, "4.8; 7.6 with --gradients")
 def ste(operands, attributes, channel, quantize, qdq, max_points, layer, figure):
     """The staircase plus the STE gradient function (TF's mask) on a red twin axis.
 
@@ -366,7 +369,7 @@ def ste(operands, attributes, channel, quantize, qdq, max_points, layer, figure)
                          **_view_kwargs(attributes, var, channel, figure, quantize, qdq_attrs))
 
     _refuse_qdq_options(attributes, qdq)
-    _run("plot ste", operands, figure, draw, layer=layer,
+    _run("plot ste", operands, figure, draw, layer=layer, tallest=7.6,
          per_layer=("ste", _layer_options(figure, quantize, channel=channel, max_points=max_points)))
 
 
@@ -464,7 +467,7 @@ Examples:
               help="An estimator to draw (repeat the option): ste, identity, scaled:G[,E], lsq, pact, ewgs:DELTA. "
                    "Default: ste, identity, scaled:0.9, pact, ewgs:1.")
 @_MAX_POINTS
-@_figure_options(7.2, None)
+@_figure_options(7.2, None, "4.8; 7.6 with gradients")
 def estimators(operands, attributes, channel, quantize, semantics, estimator_names, max_points, figure):
     """The staircase with several gradient estimators' gradient functions overlaid.
 

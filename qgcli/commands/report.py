@@ -528,7 +528,8 @@ def _render_layers(console, doc, top):
         rows.append([r["path"], r["op"] or "", "x".join(map(str, r["shape"])), str(r["num_bits"]),
                      _pct(r["clipped_below"]), _pct(r["clipped_above"]), _pct(r["gradient_blocked"]),
                      _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst])
-    print_table(console, _layer_cols(), rows, styles=["red" if r["flagged"] else None for r in shown], choice=True)
+    print_table(console, _layer_cols(), rows, styles=["red" if r["flagged"] else None for r in shown], choice=True,
+                choice_others=doc["steps"] if doc["trends"] else ())
     if len(shown) < len(doc["layers"]):
         print_items(console, f"... {len(doc['layers']) - len(shown)} more layers (--top K, --json or --csv for all)")
     if doc["trends"]:
@@ -539,8 +540,10 @@ def _render_layers(console, doc, top):
         for name, points in doc["trends"].items():
             by_step = {p["step"]: p for p in points}
             trend.append([name, *(_pct((by_step.get(s) or {}).get("gradient_blocked")) for s in steps)])
-        # Columns are steps: --columns names the report's columns, so this table fits on its own.
-        print_table(console, cols, trend, title="blocked gradient by step", hint="--json or --csv")
+        # Columns are steps: --wide shows them all, --columns STEP,... the steps named (the report's column
+        # names given there are the layer table's).
+        print_table(console, cols, trend, title="blocked gradient by step", hint="--wide, --columns STEP,... or --json",
+                    choice=True, choice_others=[c.name for c in _layer_cols()])
     for item in doc["skipped"]:
         print_items(console, f"[dim]not reported: {markup(item['path'])} ({markup(item['op'] or 'no op')}): "
                     f"{markup(item['reason'])}[/]")
