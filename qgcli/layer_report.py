@@ -11,7 +11,8 @@ import re
 #: Keys of one layer row, in the order JSON and CSV give them.
 LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "channels", "clipped_below",
               "clipped_above", "clipped", "gradient_blocked", "sqnr_db", "suggested_min", "suggested_max",
-              "suggested_sqnr_db", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped")
+              "suggested_sqnr_db", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped",
+              "straight_through", "scale_path", "rounding")
 
 #: The percentiles ``qgcli report`` searches for a suggested range by default.
 DEFAULT_PERCENTILES = (100.0, 99.99, 99.9, 99.5, 99.0, 98.0, 95.0)
@@ -99,6 +100,8 @@ def _row(layer, operands, options, percentiles, device):
     row = {"op": layer.op, "family": layer.family, "shape": list(np.shape(inputs)), "num_bits": num_bits}
     if layer.family == "torch":
         return {**row, **_torch_row(layer, operands, inputs, gradients, options, num_bits, narrow_range)}
+    if layer.family == "torchao":
+        return {**row, **_torchao_row(layer, inputs, gradients, device)}
     from qgcli.ops.analysis import channel_report
     from qgcli.runners.fake_quant import TF_OPS, load_fake_quant_operands
 
@@ -161,6 +164,52 @@ def _torch_row(layer, operands, inputs, gradients, options, num_bits, narrow_ran
         row["gradient_blocked"] = float(np.where(view.inside, 0.0, mag).sum()) / total if total else 0.0
     if not np.isfinite(row["sqnr_db"]):
         row["sqnr_db"] = None
+    return row
+
+
+def _torchao_row(layer, inputs, gradients, device):
+    """torchao's own quantizer (the group's config): clipped shares, the gradient mass its mask blocks, and the
+    split of the input gradient (straight-through / scale path / rounding, as ``report --semantics torchao``
+    gives it over one tensor); worst channel: the block whose mask blocks most of its gradient."""
+    import numpy as np
+
+    from qgcli.backend import to_numpy
+    from qgcli.operands import to_device
+    from qgcli.ops import torchao_semantics as ts
+    from qgcli.ops.analysis import sqnr_db
+    from qgcli.runners.torchao import config_from_attributes
+
+    config = config_from_attributes(layer.attrs)
+    xp, (g, x) = to_device([gradients, inputs], device)
+    res = ts.fake_quantize(x, config, g)
+    nb, length = res.blocks
+    n = nb * length
+    x = to_numpy(x).astype(np.float64).reshape(nb, length)
+    y = to_numpy(res.outputs).astype(np.float64).reshape(nb, length)
+    clipped = ~to_numpy(res.inside).reshape(nb, length)
+    fin = np.isfinite(x)
+    err = np.where(fin & np.isfinite(y), y - x, 0.0)
+    bits = 8 if isinstance(config, ts.Float8FakeQuantizeConfig) else ts.bit_width(config.dtype)
+    row = {"num_bits": bits, "channels": nb, "clipped_below": float((clipped & (x < y)).sum()) / n,
+           "clipped_above": float((clipped & (x > y)).sum()) / n,
+           "sqnr_db": float(sqnr_db(float(np.sum(np.where(fin, x, 0.0) ** 2)), float(np.sum(err * err))))}
+    row["clipped"] = row["clipped_below"] + row["clipped_above"]
+    if not np.isfinite(row["sqnr_db"]):
+        row["sqnr_db"] = None
+    if gradients is None:
+        return row
+    b = {k: to_numpy(v) for k, v in ts.block_statistics(res, xp).items() if k != "elements"}
+    mag = np.abs(to_numpy(g).astype(np.float64)).reshape(nb, length)
+    mag = np.where(np.isfinite(mag), mag, 0.0)
+    blocked = np.where(clipped, mag, 0.0).sum(axis=1)
+    per_block = np.divide(blocked, mag.sum(axis=1), out=np.zeros(nb), where=mag.sum(axis=1) > 0)
+    total = float(mag.sum())
+    mass = sum(float(b[k].sum()) for k in ("straight_through", "scale_path", "rounding"))
+    worst = int(np.argmax(per_block))
+    row.update(gradient_blocked=float(blocked.sum()) / total if total else 0.0, worst_channel=worst,
+               worst_channel_gradient_blocked=float(per_block[worst]),
+               worst_channel_clipped=float(clipped[worst].sum()) / length,
+               **{k: float(b[k].sum()) / mass if mass else 0.0 for k in ("straight_through", "scale_path", "rounding")})
     return row
 
 

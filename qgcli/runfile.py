@@ -24,6 +24,10 @@ OPS = {
     "FusedBatchNorm": (BATCH_NORM, "batch-norm", "v1"),
     "FusedBatchNormV2": (BATCH_NORM, "batch-norm", "v2"),
     "FusedBatchNormV3": (BATCH_NORM, "batch-norm", "v3"),
+    # torchao's QAT fake quantizers (qgcli.capture.torch, fakequant --semantics torchao): the config is the
+    # group's attributes, named after torchao's config fields (qgcli.runners.torchao.config_from_attributes).
+    "torchao.IntxFakeQuantizer": (FAKE_QUANT, "torchao", "intx"),
+    "torchao.Float8FakeQuantizer": (FAKE_QUANT, "torchao", "float8"),
 }
 
 #: Operands (datasets) of each family: required, optional.
@@ -33,6 +37,7 @@ OPERANDS = {
     ("tf", "args"): (("inputs",), ("gradients",)),
     ("torch", None): (("inputs", "scale", "zero_point"), ("gradients",)),
     ("quantize-dequantize", None): (("inputs", "min", "max"), ("gradients",)),
+    ("torchao", None): (("inputs",), ("gradients",)),
     ("batch-norm", None): (("y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2"), ("reserve_space_3",)),
 }
 
@@ -296,6 +301,13 @@ def _problem(layer, command):
     for name in ("epsilon", "min", "max", "ensure_minimum_range"):
         if name in a and not _is_real(a[name]):
             return f"attribute {name}={a[name]!r} is not a number"
+    if fam == "torchao":
+        from qgcli.runners.torchao import config_from_attributes
+
+        try:
+            config_from_attributes(a)
+        except (ValueError, TypeError) as exc:
+            return f"attribute {exc}"
     if "data_format" in a and a["data_format"] not in _DATA_FORMATS:
         return f"attribute data_format={a['data_format']!r} is not one of {', '.join(_DATA_FORMATS)}"
     if "variance_kind" in a and a["variance_kind"] not in _VARIANCE_KINDS:
@@ -401,6 +413,8 @@ def layer_job(run, layer, operand_specs, output):
                            variance_kind=pick("variance_kind", "variance"), version=version,
                            all_outputs=run.all_outputs)
         return job, overrides
+    if layer.family == "torchao":
+        return _torchao_job(run, layer, operand_specs, output, given), overrides
     from qgcli.jobs import ESTIMATOR, QUANTIZE_DEQUANTIZE, TF, TORCH
 
     est = run.estimator
@@ -441,6 +455,21 @@ def layer_job(run, layer, operand_specs, output):
         overrides.pop("axis", None)
     return FakeQuantJob(family=family, num_bits=int(pick("num_bits", 8)), narrow_range=narrow_range, variant=variant,
                         axis=axis, **common), overrides
+
+
+def _torchao_job(run, layer, operand_specs, output, given):
+    """A torchao group runs its own config: the options of the other families do not apply to it."""
+    from qgcli.errors import QgcliError
+    from qgcli.jobs import TORCHAO, FakeQuantJob
+    from qgcli.runners.torchao import config_from_attributes
+
+    for name in given:
+        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to a torchao group (its config is the "
+                         "group's attributes)")
+    if run.estimator is not None:
+        raise QgcliError("--estimator does not apply to a torchao group (torchao's gradient is its own autograd)")
+    return FakeQuantJob(command=run.command, family=TORCHAO, with_gradients=run.with_gradients,
+                        operands=operand_specs, output=output, torchao=config_from_attributes(layer.attrs))
 
 
 def _plain(v):

@@ -20,6 +20,17 @@ Recorded, one group per call, named by module path (``conv1.weight_fake_quant`` 
   ``1/sqrt(var + eps)`` that PyTorch's ``native_batch_norm`` saves for its backward, with
   ``variance_kind = "inv-std"``, so that ``qgcli bn-grad`` runs PyTorch's backward formula.
 
+- every torchao QAT fake quantizer (``torchao.quantization.qat``: the ``weight_fake_quantizer`` and
+  ``activation_fake_quantizer`` of ``FakeQuantizedLinear`` / ``FakeQuantizedEmbedding``, or any
+  ``IntxFakeQuantizer`` / ``Float8FakeQuantizer`` module), as ``torchao.IntxFakeQuantizer`` /
+  ``torchao.Float8FakeQuantizer``: ``inputs``, ``gradients``, the config as attributes named after torchao's
+  fields (``dtype``, ``granularity`` with ``group_size``, ``mapping_type``, ``scale_precision``,
+  ``zero_point_precision``, ``zero_point_domain``, ``eps``, ``is_dynamic``; float8: ``dtype``, ``granularity``,
+  ``hp_value_lb`` / ``hp_value_ub``), and in ``reference/`` the module's ``outputs``, the autograd
+  ``backprops_wrt_input`` of a fresh quantizer of the same config replayed on the stored operands, and the
+  ``scale`` / ``zero_point`` it computed.  A config qgcli does not reproduce (static or learned qparams,
+  non-float32 inputs, fnuz or float64 dtypes, other torchao quantizers) is not recorded: ``skipped`` says why.
+
 How: a forward hook per module copies its input, parameters and output, and hooks the output tensor for the
 upstream gradient (``Tensor.register_hook``, which in-place ops after the module, like ``ReLU(inplace=True)``,
 do not disturb, unlike module backward hooks).  After the step the reference results (``reference/``) are
@@ -67,9 +78,13 @@ def capture(model, path, *, step=None, references=True, overwrite=False):
     cap = Capture(writer)
     handles = []
     fake_quant_types, bn_type = _module_types(torch)
+    torchao_type = _torchao_type()
+    fake_quant_types += (torchao_type,) if torchao_type else ()
     hooked = [(name, module) for name, module in model.named_modules() if isinstance(module, fake_quant_types)
               or isinstance(module, bn_type)]
     names = [name for name, _ in hooked]
+    if torchao_type:
+        cap.skipped.update(_torchao_unseen(model))
     for name, module in hooked:
         fake_quant = isinstance(module, fake_quant_types)
         leaf = "fake_quant" if fake_quant else "batch_norm"
@@ -77,7 +92,8 @@ def capture(model, path, *, step=None, references=True, overwrite=False):
         # the group <path>/batch_norm: a layer's group holds no other layer.
         if not name or any(other.startswith(name + ".") for other in names if other != name):
             name = f"{name}.{leaf}" if name else leaf
-        make = _fake_quant_hook if fake_quant else _batch_norm_hook
+        make = _batch_norm_hook if not fake_quant else (
+            _torchao_hook if torchao_type and isinstance(module, torchao_type) else _fake_quant_hook)
         handles.append(module.register_forward_hook(make(torch, cap, name)))
     try:
         yield cap
@@ -98,6 +114,29 @@ def _module_types(torch):
     from torch.ao.quantization.fake_quantize import FakeQuantizeBase
 
     return (FakeQuantizeBase,), torch.nn.modules.batchnorm._BatchNorm
+
+
+def _torchao_type():
+    """torchao's quantizer base class, when the user's code imported torchao (else no module can be one:
+    importing it here would cost seconds, and its log lines, for every torch.ao capture)."""
+    import sys
+
+    if "torchao" not in sys.modules:
+        return None
+    try:
+        from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
+    except ImportError:
+        return None
+    return FakeQuantizerBase
+
+
+def _torchao_unseen(model):
+    """torchao's prototype QAT layers (NVFP4, MX) fake-quantize inside their own forward, with no quantizer
+    module to hook: path -> why they are not recorded."""
+    return {name: f"{type(m).__name__}: torchao's prototype QAT quantizes inside the layer's forward (no quantizer "
+                  "module); qgcli does not reproduce NVFP4/MX"
+            for name, m in model.named_modules()
+            if type(m).__module__.startswith("torchao.prototype.") and type(m).__name__.endswith("FakeQuantizedLinear")}
 
 
 def _numpy(t):
@@ -256,3 +295,126 @@ def _write_batch_norm(torch, writer, name, s):
     writer.add(name, "FusedBatchNormV3",
                {"y_backprop": _numpy(as4(dy)), "x": _numpy(as4(x)), "scale": _numpy(weight).astype(np.float32),
                 "reserve_space_1": _numpy(mean), "reserve_space_2": _numpy(invstd)}, attrs, reference)
+
+
+# --- torchao's QAT fake quantizers -------------------------------------------------------------------------
+
+def _torch_dtype_name(dtype):
+    """``int4`` of ``torch.int4`` (and of torchao's older ``TorchAODType.INT4``)."""
+    return str(dtype).rpartition(".")[2].lower()
+
+
+def _torchao_config(module, x):
+    """qgcli's config of a torchao quantizer on float32 inputs ``x``; a QgcliError (its message one line) for a
+    config qgcli does not reproduce."""
+    from torchao.quantization.granularity import PerAxis, PerGroup, PerRow, PerTensor, PerToken
+    from torchao.quantization.qat.fake_quantizer import Float8FakeQuantizer, IntxFakeQuantizer
+
+    from qgcli.errors import QgcliError
+    from qgcli.ops import torchao_semantics as ts
+
+    c = module.config
+    gran = c.granularity
+    if not isinstance(module, (Float8FakeQuantizer, IntxFakeQuantizer)):
+        raise QgcliError(f"{type(module).__name__}: qgcli reproduces torchao's IntxFakeQuantizer and "
+                         "Float8FakeQuantizer only")
+    if isinstance(module, Float8FakeQuantizer):
+        if isinstance(gran, PerRow) and gran.dim not in (-1, x.dim() - 1):
+            raise QgcliError(f"PerRow(dim={gran.dim}): qgcli's per-row is the last dimension")
+        text = "per-row" if isinstance(gran, PerRow) else "per-tensor" if isinstance(gran, PerTensor) else str(gran)
+        return ts.float8_fake_quantize_config(_torch_dtype_name(c.dtype), text, c.hp_value_lb, c.hp_value_ub)
+    if not c.is_dynamic or c.range_learning:
+        raise QgcliError(f"{'range_learning=True' if c.range_learning else 'is_dynamic=False'}: qgcli computes "
+                         "torchao's dynamic qparams only")
+    if isinstance(gran, PerGroup):
+        text = f"per-group:{gran.group_size}"
+    elif isinstance(gran, PerAxis) and gran.axis == 0:
+        text = "per-channel"
+    elif isinstance(gran, PerToken):
+        text = "per-token"
+    else:
+        text = str(gran)
+
+    def precision(dtype):  # torchao's None: the input's dtype
+        return _torch_dtype_name(x.dtype if dtype is None else dtype)
+
+    return ts.intx_fake_quantize_config(_torch_dtype_name(c.dtype), text, c.mapping_type.name.lower(),
+                                        precision(c.scale_precision), precision(c.zero_point_precision),
+                                        c.zero_point_domain.name.lower(), c.eps)
+
+
+def _torchao_hook(torch, cap, name):
+    from qgcli.errors import QgcliError
+
+    def hook(module, args, output):
+        x = args[0]
+        if not getattr(module, "enabled", True) or output is x:
+            cap.skipped[name] = "fake quant disabled"
+            return
+        if x.dtype != torch.float32:
+            cap.skipped[name] = f"inputs are {_torch_dtype_name(x.dtype)}: qgcli reproduces torchao's float32 path only"
+            return
+        try:
+            config = _torchao_config(module, x)
+        except QgcliError as exc:
+            cap.skipped[name] = f"torchao config not reproduced by qgcli: {exc}"
+            return
+        state = {"x": x.detach().clone(), "out": output.detach().clone(), "dy": _grad_slot(output),
+                 "module": module, "config": config, "class": type(module).__name__}
+        cap.records.append((name, lambda writer: _write_torchao(torch, writer, name, state)))
+
+    return hook
+
+
+def _replay_torchao(torch, s, dy):
+    """A fresh quantizer of the module's config on the recorded tensors (the user's module keeps its state):
+    ``(outputs, backprops_wrt_input or None, scale or None, zero_point or None)``."""
+    from torchao.quantization.qat.fake_quantizer import Float8FakeQuantizer, IntxFakeQuantizer
+
+    module = s["module"]
+    fresh = (Float8FakeQuantizer if isinstance(module, Float8FakeQuantizer) else IntxFakeQuantizer)(module.config)
+    x = s["x"].clone().requires_grad_(dy is not None)
+    with torch.enable_grad():
+        y = fresh(x)
+        dx = torch.autograd.grad(y, x, dy)[0] if dy is not None else None
+    if isinstance(fresh, IntxFakeQuantizer):
+        return y.detach(), dx, fresh.scale, fresh.zero_point
+    scale = None
+    try:  # torchao's own scale (a private function: absent from another version, the scale is not compared)
+        from torchao.quantization.quant_primitives import _choose_scale_float8
+        from torchao.quantization.utils import get_block_size
+
+        c = module.config
+        scale = _choose_scale_float8(s["x"], get_block_size(s["x"].shape, c.granularity), c.dtype,
+                                     hp_value_lb=c.hp_value_lb, hp_value_ub=c.hp_value_ub)
+    except (ImportError, TypeError, RuntimeError):
+        pass
+    return y.detach(), dx, scale, None
+
+
+def _qparam(torch, t):
+    """A scale / zero point as qgcli writes it: float16 and int32 kept, other floats (bfloat16) as float32."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dtype not in (torch.float16, torch.int32, torch.float32):
+        t = t.to(torch.float32)
+    return _numpy(t)
+
+
+def _write_torchao(torch, writer, name, s):
+    import torchao
+
+    dy = s["dy"][0]
+    replayed, dx, scale, zero_point = _replay_torchao(torch, s, dy)
+    config = s["config"]
+    attrs = {k: v for k, v in config.attributes().items() if v is not None}
+    if getattr(config, "group_size", None) is not None:
+        attrs["group_size"] = config.group_size
+    attrs.update(framework="torchao", torchao_version=torchao.__version__, module=s["class"])
+    if not torch.equal(replayed, s["out"]):
+        attrs["note"] = "the module's output differs from a fresh quantizer of its config on the stored operands"
+    reference = {"outputs": _numpy(s["out"]), "backprops_wrt_input": None if dx is None else _numpy(dx),
+                 "scale": _qparam(torch, scale), "zero_point": _qparam(torch, zero_point)}
+    writer.add(name, config.op, {"inputs": _numpy(s["x"]), "gradients": None if dy is None else _numpy(dy)},
+               attrs, reference)

@@ -66,6 +66,34 @@ def build_config(dtype, torchao):
         raise click.BadParameter(message, param_hint=f"'{option}'")
 
 
+def config_from_attributes(attrs):
+    """The config a run-file group's attributes describe (``op`` ``torchao.IntxFakeQuantizer`` /
+    ``torchao.Float8FakeQuantizer`` and torchao's config fields, as :mod:`qgcli.capture.torch` and
+    ``fakequant --semantics torchao`` write them); a QgcliError naming the attribute qgcli refuses."""
+    import numpy as np
+
+    from qgcli.errors import QgcliError
+    from qgcli.ops import torchao_semantics as ts
+
+    a = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
+    a = {k: None if isinstance(v, str) and v == "none" else v for k, v in a.items()}  # None is written "none"
+    if a.get("op") == "torchao.Float8FakeQuantizer":
+        return ts.float8_fake_quantize_config(a.get("dtype") or "float8_e4m3fn", a.get("granularity") or "per-row",
+                                              a.get("hp_value_lb"), a.get("hp_value_ub"))
+    if "is_dynamic" in a and not a["is_dynamic"]:
+        raise QgcliError("False: qgcli computes torchao's dynamic qparams only (static ones are state of the "
+                         "quantizer, not of the tensor)", operand="is_dynamic")
+    if a.get("dtype") is None or a.get("granularity") is None:
+        raise QgcliError("a torchao.IntxFakeQuantizer group needs the attributes dtype and granularity",
+                         operand="granularity" if a.get("dtype") else "dtype")
+    granularity = str(a["granularity"])
+    if granularity.replace("_", "-") == "per-group" and a.get("group_size") is not None:
+        granularity = f"per-group:{int(a['group_size'])}"
+    return ts.intx_fake_quantize_config(
+        a["dtype"], granularity, a.get("mapping_type") or "symmetric", a.get("scale_precision") or "float32",
+        a.get("zero_point_precision") or "int32", a.get("zero_point_domain") or "int", a.get("eps"))
+
+
 def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output, torchao):
     """A :class:`qgcli.jobs.FakeQuantJob` of the torchao family, every other family's option refused."""
     import click
