@@ -282,6 +282,19 @@ def test_a_torchao_group_runs_its_own_config(tmp_path, cli):
     assert "--num-bits does not apply to a torchao group" in r.stderr and not (tmp_path / "nb.h5").exists()
 
 
+@pytest.mark.parametrize("option", [("--granularity", "per-token"), ("--eps", "1e-3"), ("--hp-value-ub", "4"),
+                                    ("--dtype", "int4"), ("--dtype", "float8_e5m2")])
+@pytest.mark.parametrize("command", ["fakequant", "fakequant-grad"])
+def test_torchao_options_are_refused_with_a_run_file(tmp_path, cli, command, option):
+    """A torchao group's config is its attributes: torchao's options would change nothing, so they are refused."""
+    path = tmp_path / "run.h5"
+    _hand_written(path)
+    r = cli(command, path, *option, "-o", tmp_path / "out.h5")
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert f"'{option[0]}'" in r.stderr and "carry their config as attributes" in r.stderr
+    assert not (tmp_path / "out.h5").exists()
+
+
 def test_torchao_group_attributes_are_checked_before_anything_runs(tmp_path, cli):
     path = tmp_path / "bad.h5"
     _hand_written(path, attrs={"w": {"granularity": "per-row"}, "a": {"is_dynamic": False}})

@@ -391,7 +391,24 @@ def run_file_target(operands):
         if given(name):
             raise click.BadParameter("a run file's groups name their op in their 'op' attribute (see the README, "
                                      "\"Whole models\")", param_hint=f"'{option}'")
+    _refuse_torchao_options()
     return bundle
+
+
+def _refuse_torchao_options():
+    """A run file's torchao groups carry their config as attributes: torchao's options (and a torchao --dtype)
+    would silently change nothing, so they are refused."""
+    from qgcli.runners.torchao import OPTION_NAMES
+
+    for name, option in OPTION_NAMES.items():
+        if given(name):
+            raise click.BadParameter("a run file's torchao groups carry their config as attributes; drop the "
+                                     "option or give one bundle file", param_hint=f"'{option}'")
+    ctx = click.get_current_context(silent=True)
+    dtype = ctx.params.get("dtype") if ctx is not None else None
+    if given("dtype") and isinstance(dtype, str) and dtype.startswith(("int", "uint", "float8")):
+        raise click.BadParameter(f"{dtype} is a torchao dtype; a run file's torchao groups carry their config as "
+                                 "attributes", param_hint="'--dtype'")
 
 
 def typed_overrides():
