@@ -7,11 +7,13 @@
 # 1. Writes HDF5 bundles of the seeded tensors of benchmarks/bench_ops.py (default: the big
 #    (32, 56, 56, 256) float32 NHWC shape): per-channel and per-tensor fake-quant (inputs, gradients, min,
 #    max) and batch norm (y_backprop, x, scale, reserve_space_1/2).
-# 2. Wall time, median of --repeats (3) runs, of `qgcli fakequant-grad BUNDLE.h5 -o OUT.h5` (both bundles)
-#    and `qgcli bn-grad BUNDLE.h5 -o OUT.h5 --epsilon 1e-3`, each against
+# 2. Wall time, median of --repeats (5) rounds, and peak RSS of `qgcli fakequant-grad BUNDLE.h5 -o OUT.h5`
+#    (both bundles) and `qgcli bn-grad BUNDLE.h5 -o OUT.h5 --epsilon 1e-3`, each against its I/O floor
+#    (benchmarks/io_floor.py: the same datasets read, an output as large written, fsynced, renamed) and
 #    benchmarks/tf_load_op_save.py under --tf-python (default /tmp/tfvenv/bin/python when it exists;
-#    skipped otherwise).  The TF figure includes importing TensorFlow, as qgcli's includes its imports;
-#    the TF import alone is timed too.  The outputs of both are compared afterwards.
+#    skipped otherwise), the commands alternated in each round (benchmarks/paired.py).  The TF figure
+#    includes importing TensorFlow, as qgcli's includes its imports; the TF import alone is timed too.
+#    The outputs of qgcli and TF are compared afterwards.
 # 3. Start-up, median of --startup-repeats (10): `qgcli --help` and `qgcli fakequant-grad --help` against
 #    `python -c pass` with the interpreter qgcli's entry point runs (goal: within 150 ms).
 #
@@ -22,7 +24,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TF_PY=""
 [[ -x /tmp/tfvenv/bin/python ]] && TF_PY=/tmp/tfvenv/bin/python
-REPEATS=3
+REPEATS=5
 STARTUP_REPEATS=10
 SIZE=big
 while [[ $# -gt 0 ]]; do
@@ -32,7 +34,7 @@ while [[ $# -gt 0 ]]; do
         --repeats) REPEATS="$2"; shift 2 ;;
         --startup-repeats) STARTUP_REPEATS="$2"; shift 2 ;;
         --size) SIZE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench_cli.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -108,24 +110,53 @@ shape = SIZES[size]
 print(f"# bundles: float32 NHWC {shape} ({np.prod(shape) * 4 / 1e6:.1f} MB per tensor), two full-size tensors each")
 EOF
 
+# End-to-end runs see the bytecode cached, as an installed qgcli does (PYTHONDONTWRITEBYTECODE would make
+# every run compile qgcli's modules again); the floor script runs under the same interpreter and settings.
+CACHED=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$WORK/pycache")
 echo
-echo "## End to end (HDF5 in, HDF5 out), wall time in ms, median of $REPEATS"
+echo "## End to end (HDF5 in, HDF5 out) against the I/O floor, seconds, median of $REPEATS rounds"
 echo
-printf '| %-38s | %10s | %10s | %8s |\n' "command" "qgcli ms" "TF ms" "qgcli/TF"
-printf '|%s|%s|%s|%s|\n' "$(printf -- '-%.0s' {1..40})" "------------" "------------" "----------"
-run_case() {  # label, qgcli args..., "--", tf args...
-    local label=$1 q t
-    shift
-    local qargs=() targs=()
+echo "Each round runs qgcli, then benchmarks/io_floor.py (the same datasets read with h5py, an output as large"
+echo "plus the small ones written to a temporary file, fsynced, renamed)$( [[ -n "$TF_PY" ]] && echo ", then TensorFlow"), one after"
+echo "the other, so that a passing load weighs on all alike.  Peak RSS: the largest of the runs; in + out: the"
+echo "bytes of the tensors read and written (goals: qgcli/floor <= 1.3, qgcli RSS <= in + out + 64 MB)."
+echo
+printf '| %-36s | %8s | %8s | %11s | %12s | %12s | %11s |%s\n' "command" "qgcli s" "floor s" "qgcli/floor" \
+    "qgcli RSS MB" "floor RSS MB" "in + out MB" "$( [[ -n "$TF_PY" ]] && printf ' %8s | %8s |' "TF s" "qgcli/TF")"
+printf '|%s|%s|%s|%s|%s|%s|%s|%s\n' "$(printf -- '-%.0s' {1..38})" "----------" "----------" "-------------" \
+    "--------------" "--------------" "-------------" "$( [[ -n "$TF_PY" ]] && echo '----------|----------|')"
+tensor_mb() {  # bundle, output, the bundle's large inputs (a,b): MB of those inputs plus every output
+    "$PY" - "$1" "$2" "$3" <<'EOF'
+import sys
+import h5py
+size = 0
+for path, names in ((sys.argv[1], sys.argv[3].split(",")), (sys.argv[2], None)):
+    with h5py.File(path, "r") as fh:
+        size += sum(fh[n].size * fh[n].dtype.itemsize for n in (names or list(fh)))
+print(f"{size / 1e6:.0f}")
+EOF
+}
+run_case() {  # label, bundle, floor options, "--", qgcli args..., "--", tf args...
+    local label=$1 bundle=$2 floor_opts=$3 q f t qr fr t_cell="" c
+    shift 4
+    local qargs=() targs=() cmds=() lines=()
     while [[ $1 != "--" ]]; do qargs+=("$1"); shift; done
     shift
     targs=("$@")
-    q=$(median_ms "$REPEATS" "$WORK/out.h5" "$QGCLI" "${qargs[@]}" -o "$WORK/out.h5")
-    t="-"
+    cmds=("$(printf '%q ' "${CACHED[@]}" "$QGCLI" "${qargs[@]}" -o "$WORK/out.h5" --force -q)"
+          "$(printf '%q ' "${CACHED[@]}" "$PY" "$ROOT/benchmarks/io_floor.py" "$bundle" "$WORK/out_floor.h5") $floor_opts")
+    [[ -n "$TF_PY" ]] && cmds+=("$(printf '%q ' "$TF_PY" "$ROOT/benchmarks/tf_load_op_save.py" "${targs[@]}" "$WORK/out_tf.h5")")
+    for c in "${cmds[@]}"; do bash -c "$c" >/dev/null 2>&1 || true; done  # warm-up: page cache, bytecode
+    mapfile -t lines < <("$PY" "$ROOT/benchmarks/paired.py" "$REPEATS" "${cmds[@]}")
+    [[ ${#lines[@]} -ge 2 ]] || { echo "bench_cli.sh: $label failed" >&2; return 1; }
+    read -r q qr <<<"${lines[0]}"
+    read -r f fr <<<"${lines[1]}"
     if [[ -n "$TF_PY" ]]; then
-        t=$(median_ms "$REPEATS" "$WORK/out_tf.h5" "$TF_PY" "$ROOT/benchmarks/tf_load_op_save.py" "${targs[@]}" "$WORK/out_tf.h5")
+        read -r t _ <<<"${lines[2]}"
+        t_cell=$(printf ' %8s | %8s |' "$t" "$(ratio "$q" "$t")")
     fi
-    printf '| %-38s | %10s | %10s | %8s |\n' "$label" "$q" "$t" "$( [[ $t == - ]] && echo - || ratio "$q" "$t")"
+    printf '| %-36s | %8s | %8s | %11s | %12s | %12s | %11s |%s\n' "$label" "$q" "$f" "$(ratio "$q" "$f")" "$qr" "$fr" \
+        "$(tensor_mb "$bundle" "$WORK/out.h5" "$(sed 's/--read \([^ ]*\).*/\1/' <<<"$floor_opts")")" "$t_cell"
     [[ -n "$TF_PY" ]] && "$PY" - "$WORK/out.h5" "$WORK/out_tf.h5" >>"$WORK/checks" <<'EOF'
 import sys
 import h5py
@@ -142,9 +173,15 @@ EOF
     [[ -n "$TF_PY" ]] && sed -i "\$s/^/  $label: /" "$WORK/checks"
     return 0
 }
-run_case "fakequant-grad per-channel bundle" fakequant-grad "$WORK/per_channel.h5" -- fakequant-grad "$WORK/per_channel.h5"
-run_case "fakequant-grad per-tensor bundle" fakequant-grad "$WORK/per_tensor.h5" -- fakequant-grad "$WORK/per_tensor.h5"
-run_case "bn-grad (training, NHWC, eps 1e-3)" bn-grad "$WORK/bn.h5" --epsilon 1e-3 -- bn-grad "$WORK/bn.h5" --epsilon 1e-3
+PC_FLOOR="--read inputs,gradients --big backprops_wrt_input --small backprop_wrt_min,backprop_wrt_max"
+PT_FLOOR="--read inputs,gradients --big backprops_wrt_input --scalars backprop_wrt_min,backprop_wrt_max"
+BN_FLOOR="--read y_backprop,x --big x_backprop --small scale_backprop,offset_backprop"
+run_case "fakequant-grad per-channel bundle" "$WORK/per_channel.h5" "$PC_FLOOR" -- \
+    fakequant-grad "$WORK/per_channel.h5" -- fakequant-grad "$WORK/per_channel.h5"
+run_case "fakequant-grad per-tensor bundle" "$WORK/per_tensor.h5" "$PT_FLOOR" -- \
+    fakequant-grad "$WORK/per_tensor.h5" -- fakequant-grad "$WORK/per_tensor.h5"
+run_case "bn-grad (training, NHWC, eps 1e-3)" "$WORK/bn.h5" "$BN_FLOOR" -- \
+    bn-grad "$WORK/bn.h5" --epsilon 1e-3 -- bn-grad "$WORK/bn.h5" --epsilon 1e-3
 if [[ -n "$TF_PY" ]]; then
     ti=$(median_ms "$REPEATS" "" "$TF_PY" -c 'import os; os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"; import tensorflow, h5py')
     echo

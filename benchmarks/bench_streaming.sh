@@ -8,8 +8,9 @@
 # /usr/bin/time -v:
 #   qgcli fakequant-grad big_pc.h5 -o out.h5 --memory-limit LIMIT -q     (streamed: inputs exceed LIMIT)
 #   qgcli fakequant-grad big_pc.h5 -o out.h5 --memory-limit 64G -q       (in memory)
-# and the same for bn-grad, printing "Maximum resident set size" and the elapsed time of each, and
-# checks that streamed and in-memory outputs are identical.  TMPDIR: where the ~4 GB of files go (removed
+# and the same for bn-grad, then both with --compression lzf and gzip (fakequant-grad) and lzf (bn-grad),
+# streamed and in memory, printing "Maximum resident set size" and the elapsed time of each and the file
+# sizes, and checks that streamed and in-memory outputs (compressed or not) are identical.  TMPDIR: where the ~4 GB of files go (removed
 # at the end).  QGCLI: the qgcli executable (default: the console script next to this python).
 set -euo pipefail
 
@@ -19,7 +20,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --limit) LIMIT="$2"; shift 2 ;;
         --shape) SHAPE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench_streaming.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -64,6 +65,15 @@ run "fakequant-grad streamed (--memory-limit $LIMIT)" "$WORK/fq_s.h5" fakequant-
 run "fakequant-grad in memory (--memory-limit 64G)" "$WORK/fq_m.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit 64G
 run "bn-grad streamed (--memory-limit $LIMIT)" "$WORK/bn_s.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit "$LIMIT"
 run "bn-grad in memory (--memory-limit 64G)" "$WORK/bn_m.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit 64G
+for codec in lzf gzip; do
+    run "fakequant-grad streamed, $codec" "$WORK/fq_s_$codec.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit "$LIMIT" \
+        --compression "$codec"
+    run "fakequant-grad in memory, $codec" "$WORK/fq_m_$codec.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit 64G \
+        --compression "$codec"
+done
+run "bn-grad streamed, lzf" "$WORK/bn_s_lzf.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit "$LIMIT" --compression lzf
+run "bn-grad in memory, lzf" "$WORK/bn_m_lzf.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit 64G --compression lzf
+ls -l "$WORK"/fq_*.h5 "$WORK"/bn_*.h5 | awk '{printf "%12d %s\n", $5, $NF}' | sed "s|$WORK/||"
 
 python - "$WORK" <<'EOF'
 import sys
@@ -72,7 +82,8 @@ import h5py
 import numpy as np
 
 work = sys.argv[1]
-for streamed, in_memory in (("fq_s", "fq_m"), ("bn_s", "bn_m")):
+for streamed, in_memory in (("fq_s", "fq_m"), ("bn_s", "bn_m"), ("fq_s_lzf", "fq_m_lzf"), ("fq_s_gzip", "fq_m_gzip"),
+                            ("bn_s_lzf", "bn_m_lzf"), ("fq_s_lzf", "fq_s"), ("bn_s_lzf", "bn_s")):
     with h5py.File(f"{work}/{streamed}.h5", "r") as a, h5py.File(f"{work}/{in_memory}.h5", "r") as b:
         for name in a:
             x, y = a[name], b[name]

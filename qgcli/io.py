@@ -700,14 +700,16 @@ def _write_h5(fh, arrays, attrs, compression=None):
         for name, array in arrays.items():
             raise_pending()  # between two datasets HDF5 is in a clean state: stop here on a signal
             array = np.asarray(array)
-            options = {}
+            data = array.view(np.uint16) if array.dtype.name == "bfloat16" else array
             if compression and array.ndim and array.size:
-                options = {"compression": compression, "chunks": True}
-            if array.dtype.name == "bfloat16":
-                ds = f.create_dataset(name, data=array.view(np.uint16), **options)
-                ds.attrs["dtype"] = "bfloat16"
+                from qgcli import h5_chunks  # chunks compressed on every core
+
+                ds = h5_chunks.create(f, name, data.shape, data.dtype, compression)
+                h5_chunks.write(ds, data)
             else:
-                ds = f.create_dataset(name, data=array, **options)
+                ds = f.create_dataset(name, data=data)
+            if array.dtype.name == "bfloat16":
+                ds.attrs["dtype"] = "bfloat16"
             for key, value in attrs.items():
                 ds.attrs[key] = value
 

@@ -42,14 +42,35 @@ def block_items(dataset_shape, itemsize, budget, copies):
     return max(1, min(int(dataset_shape[0]), budget // (8 * copies * per_item)))
 
 
-def _create(out, name, shape, dtype, attrs, compression):
-    options = {}
-    if compression and len(shape) and int(np.prod(shape)):
-        options = {"compression": compression, "chunks": True}
-    ds = out.create_dataset(name, shape=shape, dtype=dtype, **options)
-    for key, value in attrs.items():
-        ds.attrs[key] = value
-    return ds
+class _Output:
+    """A streamed output dataset and the first-axis block length that fits it: a compressed output is
+    written in whole chunk rows (each chunk compressed once, on the thread pool: :mod:`qgcli.h5_chunks`),
+    so the block is a multiple of the chunk's first extent, chosen together with the chunk shape."""
+
+    def __init__(self, out, name, shape, dtype, attrs, compression, *, step, budget, copies, work_itemsize):
+        from qgcli import h5_chunks
+
+        shape = tuple(shape)
+        chunks = None
+        if compression and shape and int(np.prod(shape)):
+            chunks = h5_chunks.chunk_shape(shape, np.dtype(dtype).itemsize)  # the layout in memory gives
+            per_item = int(np.prod(shape[1:], dtype=np.int64)) * work_itemsize
+            if chunks[0] * per_item * copies > budget:  # a chunk row would not fit: one item per chunk row
+                chunks = (1,) + chunks[1:]
+            step = max(chunks[0], step // chunks[0] * chunks[0])
+        self.ds = h5_chunks.create(out, name, shape, dtype, compression, chunks=chunks)
+        for key, value in attrs.items():
+            self.ds.attrs[key] = value
+        self.step = step
+        self.align = chunks[0] if chunks else 1
+        self._writer = h5_chunks.ChunkWriter(self.ds) if chunks else None
+
+    def write(self, start, block):
+        """Items ``[start, start + len(block))``; ``start`` a multiple of ``align``."""
+        if self._writer is not None:
+            self._writer.write_rows(start, block)
+        else:
+            self.ds[start:start + len(block)] = block
 
 
 def _rows(block, depth):
@@ -94,15 +115,22 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
     depth = shape[-1] if kind == "chip" else 1
     rows = int(np.prod(shape, dtype=np.int64)) // max(depth, 1)
     name = "backprops" if kind is None else "backprops_wrt_input"
-    dx_ds = _create(out, name, shape, _F32, attrs, compression)
     lo, hi = grid.mask_bounds()
     passthrough = grid.passthrough if grid.passthrough.any() else None
     step = block_items(shape, 4, budget, copies=6) if shape else 1
-    if kind is None or not shape:
-        for i in range(0, shape[0] if shape else 1, step):
-            sl = slice(i, i + step) if shape else ()
-            g, x = _rows(gradients[sl], depth), _rows(inputs[sl], depth)
-            dx_ds[sl] = blocked.backprop_rows(g, x, lo, hi, passthrough)[0].reshape(dx_ds[sl].shape)
+    dx_out = _Output(out, name, shape, _F32, attrs, compression, step=step, budget=budget, copies=6,
+                     work_itemsize=4)
+    step = dx_out.step
+    if not shape:
+        g, x = _rows(gradients[()], depth), _rows(inputs[()], depth)
+        dx_out.ds[()] = blocked.backprop_rows(g, x, lo, hi, passthrough)[0].reshape(())
+        _tick(progress, g.nbytes * 2)
+        return {}
+    if kind is None:
+        for i in range(0, shape[0], step):
+            g, x = _rows(gradients[i:i + step], depth), _rows(inputs[i:i + step], depth)
+            dx = blocked.backprop_rows(g, x, lo, hi, passthrough)[0]
+            dx_out.write(i, dx.reshape((-1,) + shape[1:]))
             _tick(progress, g.nbytes * 2)
         return {}
     plan = reduction.plan(rows, kind=kind)
@@ -119,25 +147,28 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
         sums_min.append(smin)
         sums_max.append(smax)
         dx_pending.append(dx)
-        written = _flush_rows(dx_ds, dx_pending, written, per_item, final=False)
+        written = _flush_rows(dx_out, dx_pending, written, per_item, final=False)
         _tick(progress, g.nbytes * 2)
-    written = _flush_rows(dx_ds, dx_pending, written, per_item, final=True)
+    written = _flush_rows(dx_out, dx_pending, written, per_item, final=True)
     dmin, dmax = blocked.finish_sums(plan, np.concatenate(sums_min), np.concatenate(sums_max), passthrough)
     if kind == "flat":
         dmin, dmax = dmin.reshape(()), dmax.reshape(())
     return {"backprop_wrt_min": dmin, "backprop_wrt_max": dmax}
 
 
-def _flush_rows(ds, pending, written, per_item, *, final):
-    """Write whole first-axis items from the pending dx rows into ``ds``; keep the remainder."""
+def _flush_rows(output, pending, written, per_item, *, final):
+    """Write whole first-axis items (whole chunk rows, unless ``final``) from the pending dx rows into
+    ``output``; keep the remainder."""
     if not pending:
         return written
     rows = np.concatenate(pending) if len(pending) > 1 else pending[0]
     items = len(rows) // per_item if per_item else 0
     if final:
         assert items * per_item == len(rows)
+    else:
+        items -= items % output.align
     if items:
-        ds[written:written + items] = rows[:items * per_item].reshape((items,) + ds.shape[1:])
+        output.write(written, rows[:items * per_item].reshape((items,) + output.ds.shape[1:]))
     pending[:] = [rows[items * per_item:]] if items * per_item < len(rows) else []
     return written + items
 
@@ -148,14 +179,19 @@ def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compres
 
     shape = tuple(inputs.shape)
     depth = shape[-1] if per_channel else 1
-    ds = _create(out, "outputs", shape, _F32, attrs, compression)
     params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
     passthrough = grid.passthrough if grid.passthrough.any() else None
     step = block_items(shape, 4, budget, copies=3) if shape else 1
-    for i in range(0, shape[0] if shape else 1, step):
-        sl = slice(i, i + step) if shape else ()
+    output = _Output(out, "outputs", shape, _F32, attrs, compression, step=step, budget=budget, copies=3,
+                     work_itemsize=4)
+    for i in range(0, shape[0] if shape else 1, output.step):
+        sl = slice(i, i + output.step) if shape else ()
         x = _rows(inputs[sl], depth)
-        ds[sl] = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush()).reshape(ds[sl].shape)
+        y = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush())
+        if shape:
+            output.write(i, y.reshape((-1,) + shape[1:]))
+        else:
+            output.ds[()] = y.reshape(())
         _tick(progress, x.nbytes)
 
 
@@ -211,7 +247,7 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
     else:
         out_dtype = x.dtype if x.dtype.itemsize <= 4 else np.dtype(_F32)
     step = block_items(shape, 8, budget, copies=6)
-    blocks = [slice(i, i + step) for i in range(0, shape[0], step)]
+    blocks = [slice(i, i + step) for i in range(0, shape[0], step)]  # pass 1: its sums keep this order
     sum_dy, sum_dyxc = np.zeros(channels, np.float64), np.zeros(channels, np.float64)
     for sl in blocks:
         dy_b, x_b = _read_float(y_backprop, sl), _read_float(x, sl)
@@ -224,16 +260,17 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
     n = int(np.prod(shape, dtype=np.int64)) // max(channels, 1)
     coefs = bn.gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind)
     storage = np.uint16 if out_dtype.name == "bfloat16" else out_dtype
-    ds = _create(out, "x_backprop", shape, storage, attrs, compression)
+    output = _Output(out, "x_backprop", shape, storage, attrs, compression, step=step, budget=budget, copies=6,
+                     work_itemsize=8)
     if out_dtype.name == "bfloat16":
-        ds.attrs["dtype"] = "bfloat16"
-    for sl in blocks:
+        output.ds.attrs["dtype"] = "bfloat16"
+    for sl in (slice(i, i + output.step) for i in range(0, shape[0], output.step)):  # element-wise: any blocks
         dy_b, x_b = _read_float(y_backprop, sl), _read_float(x, sl)
         acb = bn._acb_shape(dy_b.shape, channels_first)
         dx_b = np.empty(dy_b.shape, out_dtype)
         if n:
             bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
-        ds[sl] = dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b
+        output.write(sl.start, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
         _tick(progress, dy_b.nbytes + x_b.nbytes)
     zeros = np.zeros(channels, _F32)
     if n == 0 or channels == 0:

@@ -103,7 +103,10 @@ def build_summary(op, attrs, operands, raw, outputs, convention, notes, output):
 
     dx = outputs["x_backprop"]
     norms = channel_norms(dx, attrs["data_format"]) if dx.size else np.zeros(outputs["scale_backprop"].shape)
-    nonfinite = {k: int(np.size(v) - np.isfinite(np.asarray(v, np.float32)).sum()) for k, v in outputs.items()}
+    # A NaN or inf in a channel makes its float64 sum of squares non-finite: with every norm finite,
+    # x_backprop holds none, and its full-size isfinite pass (a third of the summary's time) is skipped.
+    nonfinite = {k: 0 if k == "x_backprop" and np.isfinite(norms).all() else
+                 int(np.size(v) - np.isfinite(np.asarray(v, np.float32)).sum()) for k, v in outputs.items()}
     notes = list(notes)
     for name, count in nonfinite.items():
         if count:

@@ -1,0 +1,130 @@
+"""Compressed HDF5 outputs written chunk by chunk, the chunks compressed on every core.
+
+HDF5 runs its filters on one thread, inside its global lock, and an output written in blocks that cut
+through chunks makes it read, decompress, patch and recompress each chunk once per block.  Here the output's
+chunk shape is chosen first (h5py's own guess, so the layout is the one ``chunks=True`` gives), blocks of
+whole chunk rows are handed over, and each chunk is compressed in the thread pool (``zlib.compress`` and
+h5py's own LZF routine both release the GIL) and stored with ``write_direct_chunk``.  The filters are HDF5's
+built-in ones (gzip at h5py's default level 4, h5py's LZF), with the bytes each filter itself would write, so
+any h5py reads the file without a plugin.  Where h5py's LZF routine cannot be found, HDF5 compresses as
+before (one thread).
+"""
+import ctypes
+import zlib
+
+import numpy as np
+
+GZIP_LEVEL = 4  # h5py's default for compression="gzip"
+_GROUP_BYTES = 16 << 20  # raw bytes of chunks compressed per round: bounds the compressed copies held
+
+
+def chunk_shape(shape, itemsize):
+    """The chunk shape h5py picks for ``chunks=True`` (chunks of at most about 1 MiB)."""
+    from h5py._hl.filters import guess_chunk
+
+    return tuple(int(c) for c in guess_chunk(tuple(shape), None, itemsize))
+
+
+def create(group, name, shape, dtype, compression, *, chunks=None):
+    """An empty dataset: contiguous without ``compression``, else chunked (``chunks`` or h5py's guess) with
+    that filter.  Scalars and empty arrays are never compressed."""
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    if not compression or not shape or not int(np.prod(shape)):
+        return group.create_dataset(name, shape=shape, dtype=dtype)
+    return group.create_dataset(name, shape=shape, dtype=dtype, compression=compression,
+                                chunks=chunks or chunk_shape(shape, dtype.itemsize))
+
+
+def write(ds, array):
+    """``ds[...] = array`` for a whole dataset made by :func:`create`."""
+    if ds.chunks is None or ds.compression is None:
+        ds[...] = array
+        return
+    writer = ChunkWriter(ds)
+    writer.write_rows(0, np.asarray(array))
+
+
+class ChunkWriter:
+    """Writes blocks of whole chunk rows (first-axis items ``[start, start + len(block))``, ``start`` a
+    multiple of the chunk's first extent, and the block ending on one or at the dataset's end) into the
+    chunked, compressed dataset ``ds``."""
+
+    def __init__(self, ds):
+        self.ds = ds
+        self.chunks = tuple(ds.chunks)
+        self.compress = _compressor(ds)
+
+    def write_rows(self, start, block):
+        ds, chunks = self.ds, self.chunks
+        if self.compress is None:  # no codec of our own: HDF5 compresses (still whole chunks per write)
+            ds[start:start + len(block)] = block
+            return
+        block = np.asarray(block, dtype=ds.dtype)  # any strides: each chunk is copied out on its own
+        if start % chunks[0] or (len(block) % chunks[0] and start + len(block) != ds.shape[0]):
+            raise ValueError(f"items {start}:{start + len(block)} cut through chunks of {chunks[0]} items")
+        from qgcli.ops.blocked import _map
+        from qgcli.signals import raise_pending
+
+        corners = list(np.ndindex(*(-(-n // c) for n, c in zip(block.shape, chunks))))
+        per_group = max(1, _GROUP_BYTES // (int(np.prod(chunks)) * block.itemsize))
+        for g in range(0, len(corners), per_group):
+            group = [tuple(i * c for i, c in zip(corner, chunks)) for corner in corners[g:g + per_group]]
+            stored = _map(lambda at: self.compress(_chunk(block, at, chunks)), group)
+            for at, (mask, data) in zip(group, stored):
+                ds.id.write_direct_chunk((start + at[0],) + at[1:], data, filter_mask=mask)
+            raise_pending()
+
+
+def _chunk(block, at, chunks):
+    """The chunk of ``block`` at corner ``at``, as HDF5 stores it: C order, an edge chunk padded with the
+    fill value (0)."""
+    part = block[tuple(slice(a, a + c) for a, c in zip(at, chunks))]
+    if part.shape != chunks:
+        padded = np.zeros(chunks, block.dtype)
+        padded[tuple(slice(0, n) for n in part.shape)] = part
+        part = padded
+    return np.ascontiguousarray(part)
+
+
+def _compressor(ds):
+    """``chunk -> (filter mask, bytes)`` for the dataset's one filter, or None."""
+    from h5py import h5z
+
+    plist = ds.id.get_create_plist()
+    filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+    if filters == [h5z.FILTER_DEFLATE]:
+        level = plist.get_filter_by_id(h5z.FILTER_DEFLATE)[1][0]
+        return lambda chunk: (0, zlib.compress(chunk.data, level))
+    if filters == [h5z.FILTER_LZF]:
+        lzf = _lzf_compress()
+        if lzf is None:
+            return None
+
+        def compress(chunk):
+            # h5py's filter: an output buffer as long as the input; a chunk that does not shrink is stored
+            # raw, its (optional) filter marked skipped in the mask.  No copies: write_direct_chunk takes
+            # any contiguous buffer.
+            out = np.empty(chunk.nbytes, np.uint8)
+            size = lzf(chunk.ctypes.data, chunk.nbytes, out.ctypes.data, chunk.nbytes)
+            return (0, out[:size]) if size else (1, chunk)
+
+        return compress
+    return None
+
+
+_lzf = []
+
+
+def _lzf_compress():
+    """h5py's LZF routine (``lzf_compress``, exported by its h5z extension), or None."""
+    if not _lzf:
+        try:
+            from h5py import h5z
+
+            fn = ctypes.CDLL(h5z.__file__).lzf_compress
+            fn.restype = ctypes.c_uint
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
+            _lzf.append(fn)
+        except (OSError, AttributeError):
+            _lzf.append(None)
+    return _lzf[0]

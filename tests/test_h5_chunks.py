@@ -1,0 +1,86 @@
+"""Compressed .h5 outputs written chunk by chunk (qgcli.h5_chunks): the bytes HDF5's own filters write, the
+layout ``chunks=True`` gives, and streamed blocks that write each chunk once."""
+import h5py
+import numpy as np
+import pytest
+
+from qgcli import h5_chunks
+
+
+def _tensor(shape, seed):
+    a = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    a.reshape(-1)[: a.size // 4] = 0.0  # a compressible stretch beside near-incompressible noise
+    return a
+
+
+def _chunks_of(ds):
+    """Every stored chunk of ``ds``: offset -> (filter mask, bytes)."""
+    out = {}
+    for i in range(ds.id.get_num_chunks()):
+        offset = ds.id.get_chunk_info(i).chunk_offset
+        out[offset] = ds.id.read_direct_chunk(offset)
+    return out
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+@pytest.mark.parametrize("shape", [(9, 70, 33), (3, 5000), (17,)])
+def test_chunks_are_the_bytes_hdf5_writes(tmp_path, compression, shape):
+    a = _tensor(shape, 1)
+    with h5py.File(tmp_path / "hdf5.h5", "w") as f:
+        f.create_dataset("x", data=a, compression=compression, chunks=True)
+    with h5py.File(tmp_path / "qgcli.h5", "w") as f:
+        h5_chunks.write(h5_chunks.create(f, "x", a.shape, a.dtype, compression), a)
+    with h5py.File(tmp_path / "hdf5.h5", "r") as f, h5py.File(tmp_path / "qgcli.h5", "r") as g:
+        want, got = f["x"], g["x"]
+        assert (got.chunks, got.compression, got.compression_opts) == (want.chunks, want.compression,
+                                                                       want.compression_opts)
+        assert np.array_equal(got[()].view(np.uint32), a.view(np.uint32))
+        assert _chunks_of(got) == _chunks_of(want)  # edge chunks padded as HDF5 pads them
+
+
+def test_lzf_chunk_that_does_not_shrink_is_stored_raw(tmp_path):
+    noise = np.random.default_rng(2).integers(0, 2**32, (64, 1024), dtype=np.uint32).view(np.float32)
+    with h5py.File(tmp_path / "o.h5", "w") as f:
+        h5_chunks.write(h5_chunks.create(f, "x", noise.shape, noise.dtype, "lzf"), noise)
+    with h5py.File(tmp_path / "o.h5", "r") as f:
+        masks = {mask for mask, _ in _chunks_of(f["x"]).values()}
+        assert masks == {1}  # LZF (an optional filter) skipped, as h5py's filter does
+        assert np.array_equal(f["x"][()].view(np.uint32), noise.view(np.uint32))
+
+
+def _bundle(path, shape):
+    with h5py.File(path, "w") as f:
+        f["inputs"], f["gradients"] = _tensor(shape, 3) * 2, _tensor(shape, 4)
+        f["min"], f["max"] = np.full(shape[-1], -2.5, np.float32), np.full(shape[-1], 3.0, np.float32)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+def test_streamed_compressed_output_is_the_in_memory_file(cli, tmp_path, compression):
+    # 4 MiB tensors, chunks (4, 16, 4, 32): with an 8M budget blocks of one item would cut through every
+    # chunk; here blocks are whole chunk rows (4 items; ChunkWriter refuses any other), each chunk written
+    # once, compressed by qgcli, and the file holds the same chunks as the one written in memory.
+    bundle, streamed, in_memory = tmp_path / "b.h5", tmp_path / "s.h5", tmp_path / "m.h5"
+    _bundle(bundle, (16, 64, 16, 64))
+    for out, limit in ((streamed, "8M"), (in_memory, "8G")):
+        r = cli("fakequant-grad", bundle, "-o", out, "--memory-limit", limit, "--compression", compression, "--json")
+        assert r.exit_code == 0, r.output
+        assert ("streamed from disk" in r.stdout) == (out == streamed)
+    with h5py.File(streamed, "r") as s, h5py.File(in_memory, "r") as m:
+        assert sorted(s) == sorted(m)
+        for name in m:
+            assert (s[name].chunks, s[name].compression) == (m[name].chunks, m[name].compression)
+            assert np.array_equal(s[name][()].view(np.uint32), m[name][()].view(np.uint32))
+        assert _chunks_of(s["backprops_wrt_input"]) == _chunks_of(m["backprops_wrt_input"])
+
+
+def test_a_chunk_row_over_the_budget_gets_one_item_per_chunk(cli, tmp_path):
+    bundle, streamed, in_memory = tmp_path / "b.h5", tmp_path / "s.h5", tmp_path / "m.h5"
+    _bundle(bundle, (16, 64, 16, 64))  # chunk rows of 4 items x 256 KiB x 6 working copies: over 1M
+    for out, limit in ((streamed, "1M"), (in_memory, "8G")):
+        r = cli("fakequant-grad", bundle, "-o", out, "--memory-limit", limit, "--compression", "lzf")
+        assert r.exit_code == 0, r.output
+    with h5py.File(streamed, "r") as s, h5py.File(in_memory, "r") as m:
+        got, want = s["backprops_wrt_input"], m["backprops_wrt_input"]
+        assert want.chunks == h5_chunks.chunk_shape(want.shape, 4) and want.chunks[0] == 4
+        assert got.chunks == (1,) + want.chunks[1:]
+        assert np.array_equal(got[()].view(np.uint32), want[()].view(np.uint32))
