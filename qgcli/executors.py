@@ -36,6 +36,7 @@ def execute(job):
     """Run ``job`` in memory or streamed; returns its summary (a JSON-safe dict)."""
     from qgcli.operands import Operands
 
+    job = with_default_scheduler(job)
     if job.family == "run-file":  # every group of a run file (qgcli.executors_runfile)
         from qgcli.executors_runfile import execute_run
 
@@ -45,12 +46,21 @@ def execute(job):
             return execute_on_cluster(job, runner_for=runner_for)
 
         return execute_run(job, runner_for=runner_for, memory_plan=memory_plan)
-    if job.output.scheduler is not None:
-        raise click.BadParameter("runs the groups of a run file on a Dask cluster; one bundle runs here (drop "
-                                 "--scheduler)", param_hint="'--scheduler'")
     runner = runner_for(job)
     operands = Operands.of(job.operands, literal_ok=runner.LITERAL_OK)
     try:
+        from qgcli import zarr_blocks
+
+        blocks = zarr_blocks.plan_for(job, operands, runner)  # Zarr tensors in row blocks (here or on a cluster)
+        if blocks is not None:
+            if job.output.scheduler is not None:
+                from qgcli.executors_dask import execute_blocks_on_cluster
+
+                return execute_blocks_on_cluster(job, blocks)
+            return blocks.execute()
+        if job.output.scheduler is not None:
+            raise click.BadParameter("runs the groups of a run file, or Zarr tensors, on a Dask cluster; this "
+                                     "bundle runs here (drop --scheduler)", param_hint="'--scheduler'")
         if not hasattr(runner, "stream"):
             plan = memory_plan(job, operands, streams=False, mode=job.mode)
         elif job.output.device != "cpu":
@@ -62,6 +72,36 @@ def execute(job):
         return run_in_memory(runner, job, operands)
     finally:
         operands.close()
+
+
+def default_scheduler():
+    """Dask's own ``DASK_SCHEDULER_ADDRESS`` setting: the scheduler of the work that can run on a cluster (run
+    files, Zarr tensors in blocks, ``report`` and ``verify`` of run files) when ``--scheduler`` is absent."""
+    import os
+
+    return os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+
+
+def with_default_scheduler(job):
+    """``job`` with :func:`default_scheduler` where it has no --scheduler and can use one: a run file, or
+    large operands in Zarr stores (a bundle of .h5/.npz files runs here as always)."""
+    import dataclasses
+
+    from qgcli import io, zarr_store
+
+    address = default_scheduler()
+    if address is None or job.output.scheduler is not None:
+        return job
+    if job.family != "run-file":
+        from qgcli.jobs import BATCH_NORM, TF
+
+        if job.family not in (TF, BATCH_NORM):  # the families that run Zarr tensors in blocks
+            return job
+        specs = job.operands.as_dict()
+        texts = [specs.get(name) or job.operands.bundle for name in getattr(job, "large_operands", ())]
+        if not texts or not all(t and zarr_store.is_zarr(io.parse_spec(t).path or "") for t in texts):
+            return job
+    return dataclasses.replace(job, output=dataclasses.replace(job.output, scheduler=address))
 
 
 def run_in_memory(runner, job, operands):

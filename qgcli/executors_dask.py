@@ -16,6 +16,7 @@ Nothing of Dask is imported unless ``--scheduler`` is given.
 import dataclasses
 import os
 import re
+import time
 
 import click
 
@@ -45,6 +46,65 @@ def execute_on_cluster(job, *, runner_for):
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def execute_blocks_on_cluster(job, blocks):
+    """Run a :class:`qgcli.zarr_blocks.BlockRun` with one task per block on the cluster of
+    ``job.output.scheduler``: the workers read their rows from the input stores and write their chunks of
+    the output store themselves; the client adds the leaf sums and renames the store into place."""
+    if job.output.memory_limit is not None:
+        raise click.BadParameter("blocks are sized by the Zarr chunks under --scheduler; drop --memory-limit "
+                                 "(the workers' own memory limits apply)", param_hint="'--memory-limit'")
+    client, cluster = connect(job.output.scheduler)
+    described = {}
+
+    def compute_all(function, work, parts):
+        info = client.scheduler_info().get("workers", {})
+        described.update(scheduler=client.scheduler.address, workers=len(info),
+                         tasks=described.get("tasks", 0) + len(parts))
+        started = time.perf_counter()
+        keys = [f"qgcli-{function.__name__}-{time.monotonic_ns()}-{i}" for i in range(len(parts))]
+        futures = client.map(function, [work] * len(parts), parts, pure=False, key=keys)
+        try:
+            return _gathered(client, futures)
+        except BaseException:
+            client.cancel(futures)
+            _drain(client, set(keys))  # a block still running would write into the store being removed
+            raise
+        finally:
+            described["wait_s"] = round(described.get("wait_s", 0) + time.perf_counter() - started, 6)
+
+    try:
+        summary = blocks.execute(compute_all)
+        summary["cluster"] = described
+        return summary
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _drain(client, keys, timeout=10.0):
+    """Wait (at most ``timeout`` s) until no worker still runs one of ``keys`` (cancelled tasks that had
+    started run to their end)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and keys & {k for ks in client.processing().values() for k in ks}:
+            time.sleep(0.05)
+    except (OSError, TimeoutError):
+        pass  # the scheduler is gone: nothing runs there any more
+
+
+def _gathered(client, futures):
+    """The futures' results in order; a task that killed its workers more often than Dask allows is a
+    one-line error (exit 1: nothing was written)."""
+    import distributed
+
+    try:
+        return client.gather(futures)
+    except distributed.KilledWorker as exc:
+        raise click.ClickException(f"a task failed on every worker it was given ({exc.args[0] if exc.args else ''}); "
+                                   "nothing was written") from None
 
 
 def _no_streaming(job, operands, *, streams, mode=None):
@@ -78,8 +138,9 @@ def connect(scheduler):
         return distributed.Client(scheduler, timeout=f"{CONNECT_TIMEOUT_S}s"), None
     except (OSError, TimeoutError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise QgcliError(f"no Dask scheduler answered at {scheduler} within {CONNECT_TIMEOUT_S} s ({reason})",
-                         operand="--scheduler") from None
+        # exit 1, not 2: the address may be right and the scheduler down (a runtime failure, not bad input)
+        raise click.ClickException(f"--scheduler: no Dask scheduler answered at {scheduler} within "
+                                   f"{CONNECT_TIMEOUT_S} s ({reason})") from None
 
 
 class ClusterCompute:
@@ -94,6 +155,7 @@ class ClusterCompute:
         self.window = max(2, 2 * sum(int(w.get("nthreads", 1)) for w in workers.values()))
         self.address = client.scheduler.address
         self.tasks = 0
+        self.waited = 0.0  # seconds the writer waited for results (the rest of a run is the client's own work)
         self._pending, self._futures = [], {}
 
     def start(self, job, path, layers):
@@ -124,7 +186,9 @@ class ClusterCompute:
             self._pending = [l for l in self._pending if l.path != layer.path]
             future = self._submit(layer)
         self._fill()
-        got = future.result()
+        started = time.perf_counter()
+        got = _gathered(self.client, future)
+        self.waited += time.perf_counter() - started
         if "error" in got:
             raise QgcliError(got["error"])
         return Result(got["outputs"], got["attrs"], got["summary"])
@@ -137,7 +201,7 @@ class ClusterCompute:
             self.client.cancel(futures)
 
     def describe(self):
-        return {"scheduler": self.address, "workers": self.workers, "tasks": self.tasks}
+        return {"scheduler": self.address, "workers": self.workers, "tasks": self.tasks, "wait_s": round(self.waited, 6)}
 
 
 def compute_group(job, path, layer, runner_for):
@@ -166,3 +230,54 @@ def compute_group(job, path, layer, runner_for):
         container.close()
     return {"outputs": {k: to_numpy(v) for k, v in result.outputs.items()}, "attrs": result.attrs,
             "summary": result.summary}
+
+
+class LayerMap:
+    """``with LayerMap(scheduler) as cluster``: ``cluster.map(function, path, layers, *args)`` gives
+    ``function(container, handle, path, layer, *args)`` of each layer, computed on the workers (each opens
+    the run file at ``path`` itself) and returned in order; for ``report`` and ``verify``, whose per-layer
+    results are small rows."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.tasks, self.waited = 0, 0.0
+
+    def __enter__(self):
+        self.client, self.cluster = connect(self.scheduler)
+        return self
+
+    def __exit__(self, *exc):
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def map(self, function, path, layers, *args):
+        plain = [dataclasses.replace(layer, nodes=None) for layer in layers]  # the worker opens the file itself
+        started = time.perf_counter()
+        futures = self.client.map(_on_layer, [function] * len(plain), [path] * len(plain), plain,
+                                  *[[a] * len(plain) for a in args], pure=False,
+                                  key=[f"qgcli-{function.__name__}-{time.monotonic_ns()}-{i}" for i in range(len(plain))])
+        self.tasks += len(plain)
+        try:
+            return _gathered(self.client, futures)
+        except BaseException:
+            self.client.cancel(futures)
+            raise
+        finally:
+            self.waited += time.perf_counter() - started
+
+    def describe(self):
+        workers = self.client.scheduler_info().get("workers", {})
+        return {"scheduler": self.client.scheduler.address, "workers": len(workers), "tasks": self.tasks,
+                "wait_s": round(self.waited, 6)}
+
+
+def _on_layer(function, path, layer, *args):
+    """On a worker: ``function`` of one layer of the run file at ``path``, opened here."""
+    from qgcli import io
+
+    container = io.Container.open(path)
+    try:
+        return function(container, container._opened(), path, layer, *args)
+    finally:
+        container.close()

@@ -146,9 +146,15 @@ def _run_and_write(job, container, path, layers):
     elif kind in ("npz", "stdout"):
         _write_npz(job, container, path, layers, dest, kind, ran, skipped)
     elif kind == "safetensors":  # one flat file, keys <group>/<name> as in .npz
-        arrays = {f"{layer.path}/{name}": a for layer, outs in _in_memory(job, container, path, layers, ran, skipped)
+        arrays = {f"{layer.path}/{name}": a for layer, outs, _ in _in_memory(job, container, path, layers, ran, skipped)
                   for name, a in outs.items()}
         io.atomic_write(dest, lambda tmp: io._write_safetensors(tmp, arrays))
+    elif kind == "zarr":  # one Zarr group per run-file group, with its attributes, as in .h5
+        from qgcli import zarr_store
+
+        zarr_store.write_groups(dest, ((layer.path, outs, _provenance(attrs)) for layer, outs, attrs in
+                                       _in_memory(job, container, path, layers, ran, skipped)),
+                                compression=out.compression)
     else:
         _write_dir(job, container, path, layers, dest, ran, skipped)
     return ran, skipped
@@ -254,7 +260,8 @@ def _put(grp, arrays, attrs, compression, np):
 
 
 def _in_memory(job, container, path, layers, ran, skipped):
-    """Yield ``(layer, outputs as NumPy arrays)`` group by group (outputs that are not .h5 do not stream)."""
+    """Yield ``(layer, outputs as NumPy arrays, the op's attributes)`` group by group (outputs that are not .h5
+    do not stream)."""
     from qgcli.backend import to_numpy
     memory_plan = _TOOLS["memory_plan"]
 
@@ -267,7 +274,7 @@ def _in_memory(job, container, path, layers, ran, skipped):
         if result is None:
             continue
         _record(ran, layer, group_job, result.summary, overrides)
-        yield layer, {k: to_numpy(v) for k, v in result.outputs.items()}
+        yield layer, {k: to_numpy(v) for k, v in result.outputs.items()}, result.attrs
 
 
 def _write_npz(job, container, path, layers, dest, kind, ran, skipped):
@@ -281,7 +288,7 @@ def _write_npz(job, container, path, layers, dest, kind, ran, skipped):
 
     def write(fh):
         with zipfile.ZipFile(fh, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for layer, arrays in _in_memory(job, container, path, layers, ran, skipped):
+            for layer, arrays, _ in _in_memory(job, container, path, layers, ran, skipped):
                 for name, array in arrays.items():
                     with zf.open(f"{layer.path}/{name}.npy", "w", force_zip64=True) as member:
                         np.lib.format.write_array(member, np.asarray(array), allow_pickle=False)
@@ -323,7 +330,7 @@ def _write_dir(job, container, path, layers, dest, ran, skipped):
     os.mkdir(staging, 0o700)
     try:
         moves = []
-        for layer, arrays in _in_memory(job, container, path, layers, ran, skipped):
+        for layer, arrays, _ in _in_memory(job, container, path, layers, ran, skipped):
             folder = group_folder(layer.path)
             os.makedirs(os.path.join(staging, folder), exist_ok=True)
             for name, array in arrays.items():

@@ -32,7 +32,8 @@ H5_SUFFIXES = (".h5", ".hdf5")
 NPZ_SUFFIXES = (".npz",)
 NPY_SUFFIXES = (".npy",)
 SAFETENSORS_SUFFIXES = (".safetensors",)
-_CONTAINER_SUFFIXES = H5_SUFFIXES + NPZ_SUFFIXES + SAFETENSORS_SUFFIXES
+ZARR_SUFFIXES = (".zarr",)  # a store (directory or URL): qgcli.zarr_store
+_CONTAINER_SUFFIXES = H5_SUFFIXES + NPZ_SUFFIXES + SAFETENSORS_SUFFIXES + ZARR_SUFFIXES
 _KNOWN_SUFFIXES = _CONTAINER_SUFFIXES + NPY_SUFFIXES
 _MAGIC = {"npy": b"\x93NUMPY", "npz": b"PK", "h5": b"\x89HDF\r\n\x1a\n"}
 _NUMBER = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf|infinity|nan)"
@@ -91,6 +92,10 @@ def parse_spec(text, *, allow_literal=False):
 
 def file_kind(path):
     """'npy', 'npz' or 'h5' from the file name; a clear error for anything else."""
+    from qgcli import zarr_store
+
+    if zarr_store.is_zarr(path):
+        return "zarr"
     lower = path.lower()
     if lower.endswith(NPY_SUFFIXES):
         return "npy"
@@ -164,6 +169,10 @@ class Container:
             container._opened()  # a damaged stream fails here, as a FileFormatError
             return container
         kind = file_kind(path)
+        if kind == "zarr":
+            from qgcli.zarr_store import ZarrContainer
+
+            return ZarrContainer.open(path)
         if not os.path.exists(path):
             raise FileFormatError(f"no such file: {path}")
         if os.path.isdir(path):
@@ -621,8 +630,12 @@ def load_spec(spec, stdin=None, default_key=None):
 
 def output_kind(dest):
     """'stdout', 'dir', 'h5', 'npz' or 'npy' for an ``-o`` target."""
+    from qgcli import zarr_store
+
     if dest == "-":
         return "stdout"
+    if zarr_store.is_zarr(dest):  # a directory, but one store, written as a whole
+        return "zarr"
     if dest.endswith(os.sep) or dest.endswith("/") or os.path.isdir(dest):
         return "dir"
     kind = file_kind(dest)
@@ -645,6 +658,11 @@ def check_output(dest, *, inputs=(), force=False, names=()):
         raise OutputError(f"cannot tell the output format of {dest!r}: use FILE.h5, FILE.npz, FILE.npy, DIR/ or -",
                           operand="--output") from None
     if kind == "stdout":
+        return kind
+    if kind == "zarr":
+        from qgcli import zarr_store
+
+        zarr_store.check_output(dest, inputs=inputs, force=force)
         return kind
     targets = _dir_targets(dest, names) if kind == "dir" else [dest]
     for target in targets:
@@ -888,6 +906,11 @@ def save_outputs(arrays, dest, *, attrs=None, stdout=None, compression=None):
         raise_pending()
         out.write(buf.getvalue())
         out.flush()
+        return
+    if kind == "zarr":
+        from qgcli import zarr_store
+
+        zarr_store.save(dest, arrays, attrs=attrs, compression=compression)
         return
     if kind == "h5":
         atomic_write(dest, lambda p: _write_h5(p, arrays, attrs, compression))

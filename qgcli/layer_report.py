@@ -28,42 +28,44 @@ def split_step(path):
     return None, path
 
 
-def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=None):
+def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=None, cluster=None):
     """Rows (dicts of :data:`LAYER_KEYS`) for every fake-quant group of ``targets`` (``run.h5`` or
-    ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied."""
+    ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied.
+    ``cluster``: a :class:`qgcli.executors_dask.LayerMap` that computes the rows on its workers."""
     from qgcli import runfile
-    from qgcli.errors import QgcliError
-    from qgcli.operands import Operands
 
     rows, skipped = [], []
     for target in targets:
         path, group, container = runfile.open_target(target, operand="BUNDLE",
                                                      not_a_run_file=f"{target} is not an HDF5 run file")
         prefix = path if len(targets) > 1 else None
+        order, todo = [], []  # order: each layer's name and its skip reason, or None (a row, from todo)
         try:
             for layer in runfile.discover(container._opened(), group, label=path):
                 name = layer.path if prefix is None else f"{prefix}:{layer.path}"
                 if layer.kind != runfile.FAKE_QUANT or layer.family == "quantize-dequantize":
                     reason = layer.error or ("not a quantizer" if layer.kind == runfile.BATCH_NORM else
                                              "QuantizeV2 groups are not reported yet")
-                    skipped.append({"path": name, "op": layer.op, "reason": reason})
+                else:
+                    reason = runfile.validate(layer, "report")
+                order.append((name, layer, reason))
+                if reason is None:
+                    todo.append((name, layer))
+            if cluster is None:
+                results = []
+                for name, layer in todo:
+                    if on_layer is not None:
+                        on_layer(name)
+                    results.append(layer_row(container, None, path, layer, dict(options), percentiles, device))
+            else:
+                results = cluster.map(layer_row, path, [layer for _, layer in todo], dict(options), percentiles,
+                                      device)
+            computed = iter(results)
+            for name, layer, reason in order:  # in discovery order, as the layers were found
+                row = {"error": reason} if reason is not None else next(computed)
+                if "error" in row:
+                    skipped.append({"path": name, "op": layer.op, "reason": row["error"]})
                     continue
-                reason = runfile.validate(layer, "report")
-                if reason is not None:
-                    skipped.append({"path": name, "op": layer.op, "reason": reason})
-                    continue
-                if on_layer is not None:
-                    on_layer(name)
-                specs = _literal_specs(layer)
-                operands = Operands.in_group(container, path, layer.path, specs, literal_ok=("min", "max"),
-                                             nodes=layer.nodes)
-                try:
-                    row = _row(layer, operands, dict(options), percentiles, device)
-                except (QgcliError, ValueError) as exc:
-                    skipped.append({"path": name, "op": layer.op, "reason": str(exc)})
-                    continue
-                finally:
-                    operands.close()
                 step, rest = split_step(layer.path)
                 if prefix is not None and step is None:
                     step, rest = path, layer.path  # several files: each file is a step
@@ -72,6 +74,21 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
         finally:
             container.close()
     return rows, skipped
+
+
+def layer_row(container, handle, path, layer, options, percentiles, device):
+    """The report row of one layer of the open run file, or ``{"error": reason}`` (the layer is skipped)."""
+    from qgcli.errors import QgcliError
+    from qgcli.operands import Operands
+
+    operands = Operands.in_group(container, path, layer.path, _literal_specs(layer), literal_ok=("min", "max"),
+                                 nodes=layer.nodes)
+    try:
+        return _row(layer, operands, options, percentiles, device)
+    except (QgcliError, ValueError) as exc:
+        return {"error": str(exc)}
+    finally:
+        operands.close()
 
 
 def _literal_specs(layer):

@@ -87,6 +87,16 @@ class Operands:
             raise self._error(name, str(exc)) from None
         return None
 
+    def location(self, name):
+        """``(path, key)`` of the file operand ``name`` comes from (``key`` None: the SPEC named none), or None
+        (a literal, stdin, or absent); read nothing."""
+        if name in self._specs:
+            spec = self._specs[name]
+            return None if spec.path is None else (spec.path, spec.key)
+        if self._bundle_container is not None and self.bundle_path is not None and self._bundle_container.has(name):
+            return self.bundle_path, name
+        return None
+
     def has(self, name):
         if name in self._specs:
             return True

@@ -86,10 +86,12 @@ def _ordered(i):
     return np.where(wide < 0, -(wide + np.int64(1 << (width - 1))), wide)
 
 
-def verify(target, *, rtol=DEFAULT_RTOL):
+def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
     """Verify run file ``target`` (``run.h5`` or ``run.h5:group``); returns the summary (JSON-safe dict):
     ``layers`` worst first, each with ``path``, ``op``, ``kind``, ``status`` (``identical``, ``within-rtol``,
-    ``differs``, ``failed``, ``no-reference``), ``passed``, ``max_ulps``, ``rel`` and per-output ``outputs``."""
+    ``differs``, ``failed``, ``no-reference``), ``passed``, ``max_ulps``, ``rel`` and per-output ``outputs``.
+    ``scheduler``: verify the layers on that Dask cluster (:class:`qgcli.executors_dask.LayerMap`; the summary
+    then has ``cluster``)."""
     from qgcli import runfile
     from qgcli.errors import QgcliError
     from qgcli.summaries import json_safe
@@ -102,8 +104,14 @@ def verify(target, *, rtol=DEFAULT_RTOL):
         layers = runfile.discover(handle, group, label=path)
         if not layers:
             raise QgcliError(f"{target}: no group of this file is a layer (a group with an op attribute)")
-        for layer in layers:
-            rows.append(_verify_layer(container, handle, path, layer, rtol))
+        if scheduler is None:
+            rows = [_verify_layer(container, handle, path, layer, rtol) for layer in layers]
+        else:
+            from qgcli.executors_dask import LayerMap
+
+            with LayerMap(scheduler) as cluster:
+                rows = cluster.map(_verify_layer, path, layers, rtol)
+                described = cluster.describe()
     finally:
         container.close()
     checked = [r for r in rows if r["status"] != "no-reference"]
@@ -118,6 +126,7 @@ def verify(target, *, rtol=DEFAULT_RTOL):
         "groups": len(rows), "verified": len(checked), "passed": len(checked) - len(failed),
         "failed": len(failed), "identical": sum(r["status"] == "identical" for r in rows),
         "no_reference": len(rows) - len(checked), "ok": not failed, "layers": rows,
+        **({"cluster": described} if scheduler is not None else {}),
     })
 
 

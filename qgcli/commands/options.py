@@ -11,8 +11,8 @@ import math
 import click
 
 OUTPUT_HELP = (
-    "Where to write: FILE.h5 / FILE.npz (one dataset/key per output), DIR/ (one .npy per output), "
-    "or - (npz on stdout)."
+    "Where to write: FILE.h5 / FILE.npz (one dataset/key per output), STORE.zarr (one array per output), "
+    "DIR/ (one .npy per output), or - (npz on stdout)."
 )
 QD_VARIANT = "quantize-dequantize"
 QDQ_VARIANTS = ("quantize-and-dequantize-v4", "quantize-and-dequantize-v3", "quantize-and-dequantize-v2")
@@ -308,6 +308,12 @@ def device_option():
                         help="Compute with NumPy (cpu) or CuPy (gpu).")
 
 
+def scheduler_option(help="Compute the run file's layers on a Dask cluster (pip install 'qgcli[dask]'): a scheduler "
+                          "address (tcp://host:8786), or local:N for N local worker processes. The workers open "
+                          "the run file at the same path."):
+    return click.option("--scheduler", metavar="ADDRESS|local[:N]", default=None, help=help)
+
+
 def force_option(help="Replace an existing output file."):
     return click.option("--force", is_flag=True, help=help)
 
@@ -346,9 +352,9 @@ def output_options(*, plot=False):
                                     help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
     options += [json_option(), quiet_option(), device_option(),
                 click.option("--scheduler", metavar="ADDRESS|local[:N]", default=None,
-                             help="Run file: compute its groups on a Dask cluster (pip install 'qgcli[dask]'): a "
-                                  "scheduler address (tcp://host:8786), or local:N for N local worker processes. "
-                                  "Outputs are written here, bit for bit as without it.")]
+                             help="Compute a run file's groups, or a Zarr tensor's row blocks, on a Dask cluster "
+                                  "(pip install 'qgcli[dask]'): a scheduler address (tcp://host:8786), or local:N "
+                                  "for N local worker processes. The same bits as without it.")]
     return option_group("output", _output_options, *options)
 
 

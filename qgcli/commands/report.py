@@ -18,6 +18,7 @@ from qgcli.commands.options import (
     option_group,
     run_file_target,
     spec_option,
+    scheduler_option,
     torchao_options,
     typed_overrides,
 )
@@ -300,8 +301,9 @@ Examples:
                    "--granularity ...), one row per block, the gradient split into straight-through and scale path.")
 @click.option("--dtype", type=click.Choice(TORCHAO_DTYPES), default=None, help="torchao's dtype (--semantics torchao).")
 @torchao_options
+@scheduler_option()
 def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer,
-           semantics, dtype, torchao):
+           semantics, dtype, torchao, scheduler):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -323,6 +325,9 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             if value is not None:
                 raise click.BadParameter("only applies to --variant quantize-and-dequantize-v4/-v3/-v2",
                                          param_hint=f"'{option}'")
+    if scheduler is not None and (semantics == "torchao" or dtype is not None or torchao.given() or layer is not None):
+        raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
+                                 "report runs here (drop --scheduler)", param_hint="'--scheduler'")
     if semantics == "torchao" or dtype is not None or torchao.given():
         return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
                                as_json, as_csv, quiet, device, layer)
@@ -335,11 +340,14 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         if layer is not None:
             raise click.BadParameter("takes one run file as BUNDLE", param_hint="'--layer'")
         return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device)
+                              device, scheduler)
     target = run_file_target(operands)
     if target is not None and layer is None:
         return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device)
+                              device, scheduler)
+    if scheduler is not None:
+        raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
+                                 "report runs here (drop --scheduler)", param_hint="'--scheduler'")
     if layer is not None:
         if target is None:
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
@@ -444,14 +452,27 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
 LAYERS_SCHEMA = 1
 
 
-def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device):
+def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None):
+    import contextlib
+
     from qgcli import __version__
     from qgcli.layer_report import LAYER_KEYS, report_layers, trends, worst_first
     from qgcli.progress import Progress
 
-    with Progress("reading layers", total=None, quiet=quiet) as progress:
-        rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
-                                      on_layer=lambda name: progress.update(description=f"layer {name}"))
+    from qgcli.executors import default_scheduler
+
+    scheduler = scheduler or default_scheduler()
+    cluster = None
+    with contextlib.ExitStack() as stack:
+        if scheduler is not None:  # the layers' rows computed on a Dask cluster (qgcli.executors_dask)
+            from qgcli.executors_dask import LayerMap
+
+            cluster = stack.enter_context(LayerMap(scheduler))
+        with Progress("reading layers", total=None, quiet=quiet) as progress:
+            rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
+                                          on_layer=lambda name: progress.update(description=f"layer {name}"),
+                                          cluster=cluster)
+        described = cluster.describe() if cluster is not None else None
     rows = worst_first(rows)
     for row in rows:
         metric = row["gradient_blocked"] if row["gradient_blocked"] is not None else row["clipped"]
@@ -460,7 +481,7 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
     doc = {"command": "report", "schema": LAYERS_SCHEMA, "qgcli_version": __version__, "run_files": list(targets),
            "threshold": threshold, "percentiles": list(percentiles), "steps": steps,
            "layers": rows if top is None else rows[:top], "trends": trend, "skipped": skipped,
-           "verdict": _layers_verdict(rows, threshold)}
+           "verdict": _layers_verdict(rows, threshold), **({"cluster": described} if described else {})}
     if as_json:
         dump_json(doc)
         return

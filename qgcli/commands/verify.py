@@ -6,7 +6,7 @@ a reduction beyond ``--rtol``), 2 for bad usage or a file that is no run file.
 """
 import click
 
-from qgcli.commands.options import json_option
+from qgcli.commands.options import json_option, scheduler_option
 from qgcli.summaries import dump_json, number, stdout_console
 
 _EXAMPLE = """\b
@@ -23,7 +23,8 @@ Examples:
                    "and fake-quant reductions (element-wise fake-quant outputs must be bit-identical).")
 @click.option("--top", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
 @json_option()
-def verify(run, rtol, top, as_json):
+@scheduler_option()
+def verify(run, rtol, top, as_json, scheduler):
     """Recompute every layer of run file RUN with qgcli and compare with the framework's own results.
 
     RUN is a run file written by qgcli.capture (or any run file whose groups hold a reference/ subgroup of
@@ -32,7 +33,9 @@ def verify(run, rtol, top, as_json):
     """
     from qgcli.verify import verify as verify_run
 
-    summary = verify_run(run, rtol=rtol)
+    from qgcli.executors import default_scheduler
+
+    summary = verify_run(run, rtol=rtol, scheduler=scheduler or default_scheduler())
     if as_json:
         dump_json(summary)
     else:

@@ -167,32 +167,12 @@ def compute(job, operands):
 
 def stream(job, operands, datasets, budget):
     """bn-grad on HDF5 datasets too large for memory (two passes)."""
-    import numpy as np
-
-    from qgcli import io, streaming
+    from qgcli import streaming
     from qgcli.ops import batch_norm as bn
 
-    if job.variance_kind == "auto":
-        raise click.BadParameter("is not available when x is streamed from disk; name the convention "
-                                 "(variance or inv-std) or raise --memory-limit", param_hint="'--variance-kind auto'")
-    x_ds, dy_ds = datasets["x"], datasets["y_backprop"]
-    data_format = job.data_format
-    if data_format is None:
-        data_format = "NDHWC" if x_ds.ndim == 5 else "NHWC"
-
-    def dtype_of(ds):
-        if io.tagged_bfloat16(ds):
-            import ml_dtypes
-
-            return np.dtype(ml_dtypes.bfloat16)
-        return ds.dtype
-
-    bn.batch_norm_grad_version(job.version, x_dtype=dtype_of(x_ds), data_format=data_format,
-                               y_backprop_dtype=dtype_of(dy_ds))
-    small_in = {name: operands.get(name) for name in ("scale", "reserve_space_1", "reserve_space_2")}
-    op = bn.VERSIONS[job.version].op
-    attrs = {"op": op, "epsilon": job.epsilon, "data_format": data_format, "is_training": job.is_training,
-             "version": job.version, "variance_kind": job.variance_kind}
+    setup = block_setup(job, operands, datasets)
+    x_ds, dy_ds, small_in = datasets["x"], datasets["y_backprop"], setup["small_in"]
+    data_format, attrs = setup["data_format"], setup["attrs"]
 
     def compute(out, advance):
         small = streaming.batch_norm_gradient(
@@ -205,27 +185,69 @@ def stream(job, operands, datasets, budget):
         return small
 
     def summarise(small):
-        channels = len(small["scale_backprop"])
-        outputs = {"x_backprop": {"shape": list(x_ds.shape), "dtype": str(dtype_of(x_ds))},
-                   **{k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)} for k, v in small.items()}}
-        kind = "a variance" if job.variance_kind == "variance" else "1/sqrt(var + eps)"
-        return json_safe({
-            "command": "bn-grad", "op": op, "attributes": attrs,
-            "convention": {"kind": None, "variance_kind": job.variance_kind,
-                           "description": f"reserve_space_2 read as {kind}"},
-            "inputs": {n: {"shape": list(ds.shape), "dtype": str(dtype_of(ds)), "source": operands.sources.get(n, n)}
-                       for n, ds in datasets.items()},
-            "channels": channels,
-            "per_channel": {"x_backprop_norm": [None] * channels,
-                            "scale_backprop": [float(v) for v in small["scale_backprop"]],
-                            "offset_backprop": [float(v) for v in small["offset_backprop"]]},
-            "norms": {"x_backprop": None,
-                      "scale_backprop": float(np.linalg.norm(np.asarray(small["scale_backprop"], np.float64))),
-                      "offset_backprop": float(np.linalg.norm(np.asarray(small["offset_backprop"], np.float64)))},
-            "outputs": outputs, "output": job.output.destination,
-            "notes": [f"streamed from disk in two passes: the inputs exceed --memory-limit ({budget / 2**30:.2f} "
-                      "GiB); x_backprop norms are not computed in this mode"],
-        })
+        return block_summary(job, operands, datasets, setup, small, [
+            f"streamed from disk in two passes: the inputs exceed --memory-limit ({budget / 2**30:.2f} "
+            "GiB); x_backprop norms are not computed in this mode"])
 
     total = 2 * sum(int(ds.size) * 4 for ds in datasets.values())
     return Streamed(attrs, compute, total, summarise)
+
+
+def dtype_of(ds):
+    """The dtype of an unread HDF5 dataset or Zarr array, bfloat16 where qgcli's tag says so."""
+    import numpy as np
+
+    from qgcli import io
+
+    if io.tagged_bfloat16(ds):
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return ds.dtype
+
+
+def block_setup(job, operands, datasets):
+    """What bn-grad computed block by block needs besides the blocks (HDF5 datasets or Zarr arrays, unread):
+    ``data_format``, the per-channel operands ``small_in`` (read), ``attrs``, ``op``."""
+    from qgcli.ops import batch_norm as bn
+
+    if job.variance_kind == "auto":
+        raise click.BadParameter("is not available when x is streamed from disk; name the convention "
+                                 "(variance or inv-std) or raise --memory-limit", param_hint="'--variance-kind auto'")
+    x_ds, dy_ds = datasets["x"], datasets["y_backprop"]
+    data_format = job.data_format
+    if data_format is None:
+        data_format = "NDHWC" if x_ds.ndim == 5 else "NHWC"
+    bn.batch_norm_grad_version(job.version, x_dtype=dtype_of(x_ds), data_format=data_format,
+                               y_backprop_dtype=dtype_of(dy_ds))
+    small_in = {name: operands.get(name) for name in ("scale", "reserve_space_1", "reserve_space_2")}
+    op = bn.VERSIONS[job.version].op
+    attrs = {"op": op, "epsilon": job.epsilon, "data_format": data_format, "is_training": job.is_training,
+             "version": job.version, "variance_kind": job.variance_kind}
+    return {"data_format": data_format, "small_in": small_in, "attrs": attrs, "op": op}
+
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    """The summary of bn-grad computed block by block (:func:`block_setup`; ``small``: the per-channel outputs)."""
+    import numpy as np
+
+    x_ds, op, attrs = datasets["x"], setup["op"], setup["attrs"]
+    channels = len(small["scale_backprop"])
+    outputs = {"x_backprop": {"shape": list(x_ds.shape), "dtype": str(dtype_of(x_ds))},
+               **{k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)} for k, v in small.items()}}
+    kind = "a variance" if job.variance_kind == "variance" else "1/sqrt(var + eps)"
+    return json_safe({
+        "command": "bn-grad", "op": op, "attributes": attrs,
+        "convention": {"kind": None, "variance_kind": job.variance_kind,
+                       "description": f"reserve_space_2 read as {kind}"},
+        "inputs": {n: {"shape": list(ds.shape), "dtype": str(dtype_of(ds)), "source": operands.sources.get(n, n)}
+                   for n, ds in datasets.items()},
+        "channels": channels,
+        "per_channel": {"x_backprop_norm": [None] * channels,
+                        "scale_backprop": [float(v) for v in small["scale_backprop"]],
+                        "offset_backprop": [float(v) for v in small["offset_backprop"]]},
+        "norms": {"x_backprop": None,
+                  "scale_backprop": float(np.linalg.norm(np.asarray(small["scale_backprop"], np.float64))),
+                  "offset_backprop": float(np.linalg.norm(np.asarray(small["offset_backprop"], np.float64)))},
+        "outputs": outputs, "output": job.output.destination, "notes": notes,
+    })

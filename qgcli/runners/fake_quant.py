@@ -149,8 +149,35 @@ def stream(job, operands, datasets, budget):
     import numpy as np
 
     from qgcli import streaming
-    from qgcli.errors import OperandError
     from qgcli.ops.analysis import grid_summary
+
+    setup = block_setup(job, operands, datasets)
+    with_gradients, x_ds, g_ds = job.with_gradients, datasets["inputs"], datasets.get("gradients")
+    variant, kind, divide, grid, attrs, op = (setup[k] for k in ("variant", "kind", "divide", "grid", "attrs", "op"))
+
+    def compute(out, advance):
+        common = dict(attrs=attrs, compression=job.output.compression, budget=budget, progress=advance)
+        if with_gradients:
+            return streaming.fake_quant_gradient(g_ds, x_ds, grid, out, kind=kind, **common)
+        streaming.fake_quant_forward(x_ds, grid, divide, out, per_channel=variant == "per-channel", **common)
+        return {}
+
+    def summarise(small):
+        return block_summary(job, operands, datasets, setup, small, [
+            f"streamed from disk in blocks: the inputs exceed --memory-limit ({budget / 2**30:.2f} GiB); "
+            "clipping statistics are not computed in this mode"])
+
+    total = sum(int(ds.size) * 4 for ds in datasets.values())
+    return Streamed(attrs, compute, total, summarise)
+
+
+def block_setup(job, operands, datasets):
+    """What a job computed block by block needs besides the blocks (HDF5 datasets or Zarr arrays, unread):
+    ``variant``, ``kind`` of the min/max sums ("flat", "chip", or None for Args), ``divide``, ``grid``,
+    ``attrs``, ``op``; channels on the last axis, float inputs (the operands are checked here)."""
+    import numpy as np
+
+    from qgcli.errors import OperandError
     from qgcli.ops.fake_quant import _args_grid, _prepare_per_channel, _prepare_per_tensor
 
     with_gradients, num_bits, narrow_range, axis = job.with_gradients, job.num_bits, job.narrow_range, job.axis
@@ -183,26 +210,27 @@ def stream(job, operands, datasets, budget):
         kind, attrs["axis"] = "chip", -1
     op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
     attrs = {"op": op, "variant": variant, **attrs}
+    return {"variant": variant, "kind": kind, "divide": divide, "grid": grid, "attrs": attrs, "op": op}
 
-    def compute(out, advance):
-        common = dict(attrs=attrs, compression=job.output.compression, budget=budget, progress=advance)
-        if with_gradients:
-            return streaming.fake_quant_gradient(g_ds, x_ds, grid, out, kind=kind, **common)
-        streaming.fake_quant_forward(x_ds, grid, divide, out, per_channel=variant == "per-channel", **common)
-        return {}
 
-    def summarise(small):
-        big = "outputs" if not with_gradients else ("backprops" if variant == "args" else "backprops_wrt_input")
-        outputs = {big: {"shape": list(x_ds.shape), "dtype": "float32"}}
-        outputs.update({k: {"shape": list(np.shape(v)), "dtype": "float32"} for k, v in small.items()})
-        return json_safe({
-            "command": job.command, "op": op, "variant": variant, "attributes": attrs,
-            "inputs": {n: {"shape": list(ds.shape), "dtype": str(ds.dtype), "source": operands.sources.get(n, n)}
-                       for n, ds in datasets.items()},
-            "grid": grid_summary(grid), "statistics": None, "outputs": outputs, "output": job.output.destination,
-            "notes": [f"streamed from disk in blocks: the inputs exceed --memory-limit ({budget / 2**30:.2f} GiB); "
-                      "clipping statistics are not computed in this mode"],
-        })
+def big_output(job, variant):
+    """The name of the output as large as the tensor."""
+    return "outputs" if not job.with_gradients else ("backprops" if variant == "args" else "backprops_wrt_input")
 
-    total = sum(int(ds.size) * 4 for ds in datasets.values())
-    return Streamed(attrs, compute, total, summarise)
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    """The summary of a job computed block by block (:func:`block_setup`; ``small``: the per-channel outputs)."""
+    import numpy as np
+
+    from qgcli.ops.analysis import grid_summary
+
+    x_ds = datasets["inputs"]
+    outputs = {big_output(job, setup["variant"]): {"shape": list(x_ds.shape), "dtype": "float32"}}
+    outputs.update({k: {"shape": list(np.shape(v)), "dtype": "float32"} for k, v in small.items()})
+    return json_safe({
+        "command": job.command, "op": setup["op"], "variant": setup["variant"], "attributes": setup["attrs"],
+        "inputs": {n: {"shape": list(ds.shape), "dtype": str(ds.dtype), "source": operands.sources.get(n, n)}
+                   for n, ds in datasets.items()},
+        "grid": grid_summary(setup["grid"]), "statistics": None, "outputs": outputs,
+        "output": job.output.destination, "notes": notes,
+    })
