@@ -6,12 +6,14 @@ file give per group exactly what `--semantics torchao` gives for one bundle; con
 are skipped with their reason.  Those tests skip without torchao; the run-file rules for torchao groups
 (verify's tolerances, attributes checked, options refused) are tested on hand-written run files everywhere."""
 import json
+import os
 import warnings
 
 import h5py
 import numpy as np
 import pytest
 
+from conftest import SAMPLES
 from qgcli.capture.runfile_writer import RunFileWriter
 from qgcli.ops import torchao_semantics as ts
 
@@ -308,3 +310,20 @@ def test_torchao_group_attributes_are_checked_before_anything_runs(tmp_path, cli
     doc = json.loads(r.stdout)
     assert [row["path"] for row in doc["layers"]] == ["layer/f"]
     assert {s["path"] for s in doc["skipped"]} == {"layer/w", "layer/a"}
+
+
+def test_report_table_shows_the_torchao_gradient_split(tmp_path, cli):
+    """The text report of a run file with torchao groups adds their split (straight through / scale path),
+    the numbers of --json; a run file without torchao groups has no such columns."""
+    path = tmp_path / "run.h5"
+    _hand_written(path)
+    doc = json.loads(cli("report", path, "--json").stdout)
+    r = cli("report", path, "--wide")
+    assert r.exit_code == 0, r.output
+    header = r.stdout.splitlines()[0].split()
+    assert header[-2:] == ["st", "scale"]
+    for layer in doc["layers"]:
+        line = next(line for line in r.stdout.splitlines() if line.startswith(layer["path"] + " "))
+        assert line.split()[-2:] == [f"{100 * layer['straight_through']:.1f}%", f"{100 * layer['scale_path']:.1f}%"]
+    plain = cli("report", os.path.join(SAMPLES, "run.h5"), "--wide")
+    assert plain.exit_code == 0 and "scale" not in plain.stdout.splitlines()[0].split()

@@ -535,6 +535,14 @@ def _layer_cols():
     return _LAYER_COLS
 
 
+def _torchao_cols():
+    """The columns torchao groups add: the split of their input gradient (``report --semantics torchao``)."""
+    from qgcli.tables import Col
+
+    return (Col("st", help="torchao: share of the input gradient's mass passed straight through", priority=2),
+            Col("scale", help="torchao: share through the scale (qparams inside autograd)", priority=2))
+
+
 def _render_layers(console, doc, top):
     from qgcli.tables import Col, print_items, print_table
     from qgcli.text import markup, printable_doc
@@ -549,7 +557,12 @@ def _render_layers(console, doc, top):
         rows.append([r["path"], r["op"] or "", "x".join(map(str, r["shape"])), str(r["num_bits"]),
                      _pct(r["clipped_below"]), _pct(r["clipped_above"]), _pct(r["gradient_blocked"]),
                      _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst])
-    print_table(console, _layer_cols(), rows, styles=["red" if r["flagged"] else None for r in shown], choice=True,
+    cols = _layer_cols()
+    if any(r.get("scale_path") is not None for r in shown):  # torchao groups: their gradient split too
+        cols += _torchao_cols()
+        for row, r in zip(rows, shown):
+            row += [_pct(r.get("straight_through")), _pct(r.get("scale_path"))]
+    print_table(console, cols, rows, styles=["red" if r["flagged"] else None for r in shown], choice=True,
                 choice_others=doc["steps"] if doc["trends"] else ())
     if len(shown) < len(doc["layers"]):
         print_items(console, f"... {len(doc['layers']) - len(shown)} more layers (--top K, --json or --csv for all)")
@@ -564,7 +577,7 @@ def _render_layers(console, doc, top):
         # Columns are steps: --wide shows them all, --columns STEP,... the steps named (the report's column
         # names given there are the layer table's).
         print_table(console, cols, trend, title="blocked gradient by step", hint="--wide, --columns STEP,... or --json",
-                    choice=True, choice_others=[c.name for c in _layer_cols()])
+                    choice=True, choice_others=[c.name for c in _layer_cols() + _torchao_cols()])
     for item in doc["skipped"]:
         print_items(console, f"[dim]not reported: {markup(item['path'])} ({markup(item['op'] or 'no op')}): "
                     f"{markup(item['reason'])}[/]")
