@@ -327,3 +327,12 @@ def test_report_table_shows_the_torchao_gradient_split(tmp_path, cli):
         assert line.split()[-2:] == [f"{100 * layer['straight_through']:.1f}%", f"{100 * layer['scale_path']:.1f}%"]
     plain = cli("report", os.path.join(SAMPLES, "run.h5"), "--wide")
     assert plain.exit_code == 0 and "scale" not in plain.stdout.splitlines()[0].split()
+
+
+@pytest.mark.parametrize("option", [("--semantics", "torchao"), ("--dtype", "int4"), ("--granularity", "per-token")])
+def test_report_of_a_run_file_refuses_torchao_options(tmp_path, cli, option):
+    path = tmp_path / "run.h5"
+    _hand_written(path)
+    r = cli("report", path, *option)
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1 and f"'{option[0]}'" in r.stderr, r.output
+    assert "run file" in r.stderr

@@ -329,6 +329,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
     if semantics == "torchao" or dtype is not None or torchao.given():
+        run_file_target(operands)  # a run file's torchao groups carry their config: refuses these options
         return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
                                as_json, as_csv, quiet, device, layer)
     if len(bundles) > 1:  # several run files: each a step (or its step groups)
