@@ -329,7 +329,7 @@ def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=F
     """TensorFlow's ``FakeQuantWithMinMaxVars``: like Args with scalar tensors ``min``/``max``; divides by ``scale``.
 
     >>> fake_quant_with_min_max_vars(np.array([-6.0, -1.0, 1.0, 6.0], np.float32), -6.0, 6.0, num_bits=2)
-    array([-8., -0.,  0.,  4.], dtype=float32)
+    array([-4.,  0.,  0.,  4.], dtype=float32)
     """
     xp = array_module(inputs)
     x = as_float32(inputs, "inputs", xp)

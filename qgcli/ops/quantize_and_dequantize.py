@@ -233,7 +233,7 @@ def quantize_and_dequantize_v4(input, input_min, input_max, *, signed_input=True
 
     >>> import numpy as np
     >>> x = np.array([-3.0, -2.0, 0.0, 1.0, 2.5, 3.0], np.float32)
-    >>> quantize_and_dequantize_v4(x, -2.0, 2.5, num_bits=4, range_given=True).round(4).tolist()
+    >>> [round(v, 4) for v in quantize_and_dequantize_v4(x, -2.0, 2.5, num_bits=4, range_given=True).tolist()]
     [-2.8571, -2.1429, 0.0, 1.0714, 2.5, 2.5]
     """
     return _run("v4", input, input_min, input_max, signed_input, num_bits, range_given, round_mode, narrow_range,
