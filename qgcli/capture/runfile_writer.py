@@ -1,5 +1,5 @@
 """Write a run file from NumPy arrays: one group per op, its operands as datasets, the op and its attributes
-as group attributes (README, "Whole models"), and the framework's own results in a ``reference/`` subgroup
+as group attributes (docs/whole-models.md), and the framework's own results in a ``reference/`` subgroup
 under qgcli's output names (``outputs``, ``backprops_wrt_input``, ``x_backprop`` ...), which ``qgcli verify``
 compares with qgcli's recomputation.
 

@@ -324,7 +324,7 @@ def fakequant(operands, attributes, quantize, qdq, semantics, torchao, output, s
     fake_quantize_per_{tensor,channel}_affine on the operands inputs, scale, zero_point. With
     --variant quantize-dequantize: the notebook's tf.quantize + tf.dequantize (QuantizeV2 + Dequantize, --dtype,
     --mode, --round-mode), writing outputs, quantized, output_min, output_max.
-    BUNDLE may be a run file (groups with an 'op' attribute, see "Whole models" in the README, or
+    BUNDLE may be a run file (groups with an 'op' attribute, see docs/whole-models.md, or
     run.h5:GROUP): every fake-quant group runs, outputs at the same group paths.
     """
     job = run_file_job("fakequant", operands, output, skip_invalid=skip_invalid)
@@ -360,7 +360,7 @@ def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, esti
     for lsq, backprop_wrt_alpha for pact); --semantics torch runs PyTorch's op (lsq: its learnable op).
     --variant quantize-dequantize: the estimator over QuantizeV2's adjusted range [output_min, output_max] of
     the notebook's round trip (its custom gradient 0.9 * dy is --estimator scaled:0.9).
-    BUNDLE may be a run file (see "Whole models" in the README): every fake-quant group runs.
+    BUNDLE may be a run file (see docs/whole-models.md): every fake-quant group runs.
     """
     job = run_file_job("fakequant-grad", operands, output, skip_invalid=skip_invalid, estimator=estimator)
     if job is not None:

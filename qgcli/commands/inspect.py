@@ -1,12 +1,13 @@
 """``qgcli inspect``: what is in these files (any .npy/.npz/.h5, not only qgcli's).
 
 The result goes to stdout: a rich table (plain text when stdout is not a terminal) or one JSON document
-with ``--json``; progress and notes go to stderr.  The JSON layout is documented in the README ("JSON output
-of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value does not
+with ``--json``; progress and notes go to stderr.  The JSON layout is documented in docs/formats.md ("JSON
+output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value does not
 exist (never NaN).
 """
 import click
 
+from qgcli.commands.options import hdf5_bound_options
 from qgcli.summaries import dump_json, number, stdout_console
 from qgcli.tables import table_options
 
@@ -418,10 +419,11 @@ Examples:
 
 @click.command("inspect", epilog=_INSPECT_EPILOG, short_help="List tensors, shapes, dtypes, statistics, attributes.")
 @click.argument("files", nargs=-1, required=True, metavar="FILE...", type=click.Path(allow_dash=True))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see the README).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see docs/formats.md).")
 @click.option("--no-stats", is_flag=True, help="Names, shapes and dtypes only (HDF5: reads no data).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options
+@hdf5_bound_options
 def inspect(files, as_json, no_stats, quiet):
     """Show what is in .npy/.npz/.h5 files: every tensor with its shape, dtype, min/max/mean/std over
     finite values, NaN/Inf/zero counts and size; HDF5 groups, attributes and links (never followed).

@@ -285,7 +285,7 @@ def estimator_options(f):
         "estimator", _estimator_options,
         click.option("--estimator", metavar="NAME[:PARAMS]", default=None,
                      help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
-                          "lsq, pact, ewgs:DELTA. See the README for the formulas."),
+                          "lsq, pact, ewgs:DELTA. See docs/estimators.md for the formulas."),
         click.option("--grad-factor", type=GradFactor(), default=None,
                      help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
                           "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
@@ -395,8 +395,8 @@ def run_file_target(operands):
                                  "bundle file", param_hint=f"'--{name.rstrip('_').replace('_', '-')}'")
     for name, option in _RUN_FILE_REFUSED.items():
         if given(name):
-            raise click.BadParameter("a run file's groups name their op in their 'op' attribute (see the README, "
-                                     "\"Whole models\")", param_hint=f"'{option}'")
+            raise click.BadParameter("a run file's groups name their op in their 'op' attribute (see "
+                                     "docs/whole-models.md)", param_hint=f"'{option}'")
     _refuse_torchao_options()
     return bundle
 

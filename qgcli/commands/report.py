@@ -1,8 +1,8 @@
 """``qgcli report``: per channel (or per tensor), what a fake-quant range does to the data and to its gradient.
 
 The result goes to stdout: a rich table (plain text when stdout is not a terminal), one JSON document with
-``--json``, CSV with ``--csv``; progress and notes go to stderr.  The JSON layout is documented in the README
-("JSON output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value
+``--json``, CSV with ``--csv``; progress and notes go to stderr.  The JSON layout is documented in
+docs/formats.md ("JSON output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value
 does not exist (never NaN).
 """
 import click
@@ -288,7 +288,7 @@ Examples:
 @click.option("--percentiles", default="100,99.99,99.9,99.5,99,98,95", show_default=True,
               callback=_parse_percentiles, metavar="P,...",
               help="Percentiles searched for the suggested range [P(100-p), P(p)]; the best SQNR wins.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see the README).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see docs/formats.md).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print one CSV row per channel on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options

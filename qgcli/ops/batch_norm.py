@@ -20,7 +20,7 @@ target is accuracy: within float32 rounding of TensorFlow and never farther than
 coefficients and ``x_backprop`` itself are evaluated in float64 too, in the order of TF's Eigen kernel,
 and rounded to float32 once, so every output is the float32 nearest the exact value for all but
 pathological data.  Measured against TF 2.21 (oneDNN): no element of ``x_backprop`` is farther from the
-float64 result than TF's, at about 1.3x the time of a float32 evaluation (README, "bn-grad" numerics).
+float64 result than TF's, at about 1.3x the time of a float32 evaluation (docs/batch-norm.md, "Accuracy").
 ``x`` and ``y_backprop`` of dtype float16/bfloat16 are widened first; ``x_backprop`` is rounded to the
 input dtype once (TF rounds its float32 result, a second rounding that can fall on the wrong side of a tie).
 

@@ -154,7 +154,7 @@ def parse_granularity(text):
 def intx_fake_quantize_config(dtype, granularity, mapping_type="symmetric", scale_precision="float32",
                               zero_point_precision="int32", zero_point_domain="int", eps=None):
     """An :class:`IntxFakeQuantizeConfig`, refused where torchao refuses it (or computes something qgcli does
-    not reproduce: see the README, "torchao QAT")."""
+    not reproduce: see docs/estimators.md, "torchao QAT")."""
     bit_width(dtype)
     gran, group = parse_granularity(granularity) if isinstance(granularity, str) else granularity
     if gran in ("per-tensor", "per-row"):
