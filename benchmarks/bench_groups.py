@@ -1,169 +1,192 @@
-"""Many small groups: qgcli inspect / report / fakequant-grad against a plain h5py script (issue 27).
+"""Thousands of groups: qgcli inspect / report / fakequant-grad against a plain h5py script (issue 27).
 
-    python benchmarks/bench_groups.py [--groups 2000 20000] [--repeat 3] [--keep DIR]
+    python benchmarks/bench_groups.py [--groups 2000 20000 200000] [--nested 500 1000 2000] [--repeat 3]
+                                      [--keep DIR] [--only inspect report ...]
 
-Builds (seeded, in a temporary folder unless --keep) run files of N groups, each one small per-channel
-FakeQuant layer (inputs (8, 4) float32, min/max (4,), gradients), nested ``step_S/block_B/layer_L/wq`` as
-captured run files are.  For each command it times the CLI in-process (interpreter start-up not counted)
-and the *h5py floor*: a plain script doing the least equivalent work, with the same ops on the same arrays:
+Builds, seeded, in a temporary folder (or DIR, kept and reused), the two files of issue 27 as run files:
 
-* inspect:        ``visititems`` once, every object's attributes, shape/dtype of every dataset, then reading
-                  each dataset and its statistics (``--no-stats``: no reading);
-* report:         ``visititems`` once, the group attributes, reading the four operands, the per-group report;
-* fakequant-grad: the same reading, the gradient op, and one HDF5 group with its datasets and provenance
-                  attributes written per layer.
+* ``flat_N.h5``: N groups side by side, each one FakeQuantWithMinMaxArgs layer holding a (2,) float32
+  ``inputs`` and its ``gradients`` (the issue's one dataset, and the gradient fakequant-grad needs);
+* ``nested_N.h5``: N groups nested one inside the other, the same layer at the bottom.
 
-Old and new code can be compared in one process: ``--qgcli PATH`` puts another checkout first on sys.path.
-Every figure is the best of --repeat runs; the ratio is qgcli / floor.
+Each command runs as a subprocess (``python -m qgcli ...``, output to /dev/null, so start-up, the JSON writing
+and peak RSS are the real ones) alternated with its *h5py floor*, a plain script doing the least equivalent
+work: ``visititems`` over the file with every object's attributes and every dataset's shape/dtype, then
+reading each dataset (inspect: with its statistics; --no-stats: no reading), or reading each layer's operands
+and running the op (report: the per-layer analysis; fakequant-grad: the gradient, written as one HDF5 group
+with its datasets and attributes per layer).  The floor runs as a subprocess too.  Figures are the median of
+--repeat runs; ratio = qgcli / floor.  The slope is a least-squares fit of seconds against groups over the
+flat sizes (microseconds per group), with the ratio of per-group cost between the largest and smallest
+size (1.0 = linear).
+
+The nested file deeper than qgcli's default bound (512) is run with ``--max-depth``.  h5py's own visit
+builds every full path name, so the floor is quadratic in the depth, and so is inspect's output (it lists
+every path): the nested sizes stay in the thousands.
 """
 import argparse
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
+COMMANDS = ("inspect", "inspect --no-stats", "report", "fakequant-grad")
 
-def make(path, groups, seed=0):
+
+def make_flat(path, groups, seed=0):
     import h5py
     import numpy as np
 
     rng = np.random.default_rng(seed)
     with h5py.File(path, "w") as f:
         for i in range(groups):
-            w = rng.standard_normal((8, 4)).astype(np.float32)
-            hi = (np.abs(w).max(axis=0) * 0.8).astype(np.float32)
-            g = f.create_group(f"step_{i // 200:03d}/block_{(i // 10) % 20:02d}/layer_{i % 10}/wq")
-            g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
-            g.attrs["num_bits"] = 8
-            g["inputs"] = w
-            g["min"] = -hi
-            g["max"] = hi
-            g["gradients"] = (rng.standard_normal(w.shape) * 1e-2).astype(np.float32)
+            g = f.create_group(f"g{i:07d}")
+            g.attrs["op"] = "FakeQuantWithMinMaxArgs"
+            g["inputs"] = rng.standard_normal(2).astype(np.float32) * 4
+            g["gradients"] = rng.standard_normal(2).astype(np.float32)
 
+
+def make_nested(path, groups, seed=0):
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        gid = f.id
+        for _ in range(groups):
+            gid = h5py.h5g.create(gid, b"g")  # relative to the last one: h5py's by-path create is quadratic
+        g = h5py.Group(gid)
+        g.attrs["op"] = "FakeQuantWithMinMaxArgs"
+        g["inputs"] = rng.standard_normal(2).astype(np.float32) * 4
+        g["gradients"] = rng.standard_normal(2).astype(np.float32)
+
+
+# --- the floors (run as: python bench_groups.py --floor COMMAND FILE OUT) --------------------------------------
 
 def _walk(f):
     import h5py
 
     groups, datasets = [], []
-
-    def visit(name, obj):
-        (groups if isinstance(obj, h5py.Group) else datasets).append((name, obj))
-
-    f.visititems(visit)
+    f.visititems(lambda name, obj: (groups if isinstance(obj, h5py.Group) else datasets).append((name, obj)))
     return groups, datasets
 
 
-def floor_inspect(path, stats=True):
+def floor(command, path, out):
     import h5py
-
-    from qgcli.commands.inspect import tensor_stats
 
     with h5py.File(path, "r") as f:
         groups, datasets = _walk(f)
-        out = [dict(g.attrs) for _, g in groups]
-        for _, d in datasets:
-            out.append((d.shape, d.dtype, dict(d.attrs)))
-            if stats:
+        listing = [(name, dict(g.attrs)) for name, g in groups]
+        listing += [(name, d.shape, d.dtype, dict(d.attrs)) for name, d in datasets]
+        if command == "inspect":
+            from qgcli.commands.inspect import tensor_stats
+
+            for _, d in datasets:
                 tensor_stats(d[()])
-    return out
+        elif command == "report":
+            from qgcli.ops.analysis import channel_report
+
+            for _, g in groups:
+                if "op" in g.attrs:
+                    x = g["inputs"][()]
+                    channel_report(x, -6.0, 6.0, g["gradients"][()], variant="args")
+        elif command == "fakequant-grad":
+            from qgcli import __version__, ops
+
+            with h5py.File(out, "w") as o:
+                for name, g in groups:
+                    if "op" in g.attrs:
+                        dx = ops.fake_quant_with_min_max_args_gradient(g["gradients"][()], g["inputs"][()])
+                        og = o.create_group(name)
+                        og["backprops_wrt_input"] = dx
+                        og.attrs["qgcli_version"] = __version__
+                        og.attrs["op"] = g.attrs["op"]
+    return listing
 
 
-def _layers(f):
-    groups, _ = _walk(f)
-    for name, g in groups:
-        attrs = dict(g.attrs)
-        if "op" in attrs:
-            yield name, attrs, g["inputs"][()], g["min"][()], g["max"][()], g["gradients"][()]
+# --- timing ------------------------------------------------------------------------------------------------------
+
+def _timed(argv, env=None):
+    """Seconds and peak RSS (MiB) of one subprocess run (GNU time's %M)."""
+    t = time.perf_counter()
+    r = subprocess.run(["/usr/bin/time", "-f", "%M", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       env=env, text=True)
+    seconds = time.perf_counter() - t
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed: {r.stderr[-2000:]}")
+    return seconds, int(r.stderr.strip().splitlines()[-1]) / 1024
 
 
-def floor_report(path):
-    import h5py
-
-    from qgcli.ops.analysis import channel_report
-
-    with h5py.File(path, "r") as f:
-        return [channel_report(x, lo, hi, gr) for _, _, x, lo, hi, gr in _layers(f)]
-
-
-def floor_grad(path, out):
-    import h5py
-
-    from qgcli import __version__, ops
-
-    with h5py.File(path, "r") as f, h5py.File(out, "w") as o:
-        for name, attrs, x, lo, hi, gr in _layers(f):
-            dx, dmin, dmax = ops.fake_quant_with_min_max_vars_per_channel_gradient(gr, x, lo, hi)
-            g = o.create_group(name)
-            g["backprops_wrt_input"] = dx
-            g["backprop_wrt_min"] = dmin
-            g["backprop_wrt_max"] = dmax
-            g.attrs["qgcli_version"] = __version__
-            g.attrs["op"] = attrs["op"]
-            g.attrs["num_bits"] = attrs["num_bits"]
+def measure(file, command, repeat, tmp, depth):
+    out = os.path.join(tmp, "out.h5")
+    words = command.split()
+    qgcli = [sys.executable, "-m", "qgcli", *words, file, *(("--json",) if words[0] != "fakequant-grad" else
+                                                            ("-o", out, "--force", "-q")),
+             "--max-depth", str(max(512, depth + 1))]
+    floor_cmd = [sys.executable, os.path.abspath(__file__), "--floor", command.replace(" --no-stats", "-no-stats"),
+                 file, os.path.join(tmp, "floor.h5")]
+    mine, base, rss = [], [], []
+    for _ in range(repeat):  # alternated, so that load on the machine hits both alike
+        s, _ = _timed(floor_cmd)
+        base.append(s)
+        s, peak = _timed(qgcli)
+        mine.append(s)
+        rss.append(peak)
+    return statistics.median(mine), statistics.median(base), max(rss)
 
 
-def best(fn, repeat):
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def slope(points):
+    """Least-squares seconds per group over (groups, seconds) points, in microseconds."""
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points) * 1e6
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--groups", type=int, nargs="+", default=[2000, 20000])
+    parser.add_argument("--groups", type=int, nargs="+", default=[2000, 20000, 200000])
+    parser.add_argument("--nested", type=int, nargs="+", default=[2000])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--keep", help="build the files in DIR (kept; reused when present)")
-    parser.add_argument("--only", nargs="+", choices=("inspect", "inspect-no-stats", "report", "fakequant-grad"))
-    parser.add_argument("--qgcli", help="a checkout whose qgcli to time instead of this one")
+    parser.add_argument("--only", nargs="+", choices=COMMANDS)
+    parser.add_argument("--floor", nargs=3, metavar=("COMMAND", "FILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.qgcli:
-        sys.path.insert(0, os.path.abspath(args.qgcli))
-    from click.testing import CliRunner
-
-    from qgcli.cli import main as cli
-
-    runner = CliRunner()
+    if args.floor:
+        command, path, out = args.floor
+        floor("inspect-no-stats" if command == "inspect-no-stats" else command, path, out)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or tmp
         os.makedirs(where, exist_ok=True)
-        for n in args.groups:
-            path = os.path.join(where, f"groups_{n}.h5")
+        files = [(f"flat_{n}.h5", n, make_flat, 1) for n in args.groups]
+        files += [(f"nested_{n}.h5", n, make_nested, n) for n in args.nested]
+        print("| file | command | qgcli s | floor s | ratio | peak RSS MiB |")
+        print("|---|---|---|---|---|---|")
+        for name, n, make, depth in files:
+            path = os.path.join(where, name)
             if not os.path.exists(path):
                 make(path, n)
-            out = os.path.join(tmp, "out.h5")
-
-            def run(argv):
-                r = runner.invoke(cli, argv)
-                assert r.exit_code == 0, r.output[-2000:]
-
-            cases = {
-                "inspect": (lambda: run(["inspect", path, "--json"]), lambda: floor_inspect(path)),
-                "inspect-no-stats": (lambda: run(["inspect", path, "--json", "--no-stats"]),
-                                     lambda: floor_inspect(path, stats=False)),
-                "report": (lambda: run(["report", path, "--json", "-q"]), lambda: floor_report(path)),
-                "fakequant-grad": (lambda: run(["fakequant-grad", path, "-o", out, "--force", "-q"]),
-                                   lambda: floor_grad(path, os.path.join(tmp, "floor.h5"))),
-            }
-            for name, (mine, floor) in cases.items():
-                if args.only and name not in args.only:
+            for command in COMMANDS:
+                if args.only and command not in args.only:
                     continue
-                t_floor, t_mine = [], []
-                for _ in range(args.repeat):  # interleaved, so that load on the machine hits both alike
-                    t_floor.append(best(floor, 1))
-                    t_mine.append(best(mine, 1))
-                rows.append((name, n, min(t_mine), min(t_floor)))
-                print(f"{name:17s} {n:6d} groups: qgcli {min(t_mine):7.2f} s  h5py floor {min(t_floor):7.2f} s  "
-                      f"ratio {min(t_mine) / min(t_floor):5.2f}  overhead "
-                      f"{(min(t_mine) - min(t_floor)) / n * 1e3:6.3f} ms/group", flush=True)
-    print()
-    print("| command | groups | qgcli s | h5py floor s | ratio |")
-    print("|---|---|---|---|---|")
-    for name, n, mine, floor in rows:
-        print(f"| {name} | {n} | {mine:.2f} | {floor:.2f} | {mine / floor:.2f}x |")
+                mine, base, rss = measure(path, command, args.repeat, tmp, depth)
+                rows.append((name, n, command, mine, base))
+                print(f"| {name} | {command} | {mine:.2f} | {base:.2f} | {mine / base:.2f}x | {rss:.0f} |", flush=True)
+    flat = [r for r in rows if r[0].startswith("flat_")]
+    if len({r[1] for r in flat}) > 1:
+        print()
+        print("| command | slope, qgcli us/group | slope, floor us/group | per-group cost, largest / smallest |")
+        print("|---|---|---|---|")
+        for command in COMMANDS:
+            pts = sorted((n, mine, base) for _, n, c, mine, base in flat if c == command)
+            if len(pts) < 2:
+                continue
+            growth = (pts[-1][1] / pts[-1][0]) / (pts[0][1] / pts[0][0])
+            print(f"| {command} | {slope([(n, m) for n, m, _ in pts]):.0f} | {slope([(n, b) for n, _, b in pts]):.0f} "
+                  f"| {growth:.2f} |")
     return 0
 
 

@@ -1,12 +1,13 @@
 """Run-file overhead: 500 small groups (64x64 per-channel weights) through fakequant-grad and report.
 
-    python benchmarks/bench_runfile.py [--groups 500]
+    python benchmarks/bench_runfile.py [--groups 500] [--repeat 5]
 
-Prints the time of the ops alone (the library calls on arrays already in memory), of the CLI over the run
+Prints the time (median of --repeat, the ops and the CLI alternated) of the ops alone (the library calls on arrays already in memory), of the CLI over the run
 file (in-process, so interpreter start-up is not counted), and the overhead per group beyond the ops.
 """
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +44,7 @@ def best(fn, repeat=3):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--groups", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     from click.testing import CliRunner
 
@@ -73,7 +75,11 @@ def main():
 
         n = args.groups
         for name, op_fn, cli_fn in (("fakequant-grad", grad_ops, grad_cli), ("report", report_ops, report_cli)):
-            t_ops, t_cli = best(op_fn), best(cli_fn)
+            ops_times, cli_times = [], []
+            for _ in range(args.repeat):  # alternated, so that load on the machine hits both alike
+                ops_times.append(best(op_fn, 1))
+                cli_times.append(best(cli_fn, 1))
+            t_ops, t_cli = statistics.median(ops_times), statistics.median(cli_times)
             print(f"{name:15s} {n} groups: ops {t_ops * 1e3:8.1f} ms, CLI {t_cli * 1e3:8.1f} ms, "
                   f"overhead {(t_cli - t_ops) / n * 1e3:.2f} ms/group")
     return 0

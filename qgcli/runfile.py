@@ -5,7 +5,7 @@ as group attributes, with the framework's own names.
 one group of it) with their op, kind and attributes, and :func:`validate` finds what keeps a layer from
 running, from the dataset shapes alone (nothing is read).  :func:`layer_job` turns a layer and the
 command's options into the job of its family (:mod:`qgcli.jobs`): the group's attributes, except where an
-option was given on the command line.  The layout is documented in the README ("Whole models").
+option was given on the command line.  The layout is documented in docs/whole-models.md.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -77,8 +77,9 @@ class Layer:
     datasets: dict  # name -> (shape tuple, dtype str)
     error: Optional[str] = None
     notes: list = field(default_factory=list)
-    #: The open h5py group and hard-linked datasets found by :func:`discover` (so that running the layer
-    #: does not look them up again): ``{"group": Group, "datasets": {name: Dataset}}``, or None.
+    #: An open h5py group and hard-linked datasets for running the layer without looking them up again
+    #: (``{"group": Group, "datasets": {name: Dataset}}``), or None.  :func:`discover` leaves it None:
+    #: holding every layer's open objects made memory grow with the file (20,000 groups: 1.2 GB).
     nodes: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
@@ -129,16 +130,42 @@ def is_run_file(text):
     if not os.path.isfile(path):
         return False
     from qgcli import io
-    from qgcli.errors import FileFormatError
+    from qgcli.errors import FileFormatError, QgcliError
 
     try:
         with io.Container.open(path) as container:
             root = container._opened()
             if any(name in root for name in _MARKERS if _is_dataset(root, name)):
                 return False
-            return bool(_layer_groups(root, limit=1))
+            return _has_layer(root, path)
     except FileFormatError:
         return False  # the single-bundle path reports it in its words
+    except QgcliError:
+        raise  # the bounds on depth and group count (qgcli.h5walk)
+    except io.CORRUPT_FILE_ERRORS:
+        return False  # damaged structure: the same
+
+
+def _has_layer(root, label):
+    """Whether some group below ``root`` is a layer: a walk over the groups (datasets unopened) that ends at
+    the first one with an ``op`` attribute or a marker dataset."""
+    from qgcli import h5walk
+    from qgcli.signals import deferred
+
+    found = []
+
+    def layer(node):
+        if node.kind == "group" and "op" in node.obj.attrs:
+            found.append(node.path)
+        elif node.kind == "dataset" and b"/" in node.raw and node.raw.rpartition(b"/")[2].decode("utf-8", "replace") \
+                in _MARKERS:
+            found.append(node.path)
+        return bool(found)
+
+    with deferred():
+        for _ in h5walk.walk(root, label=label, operand="BUNDLE", datasets=False, stop=layer):
+            pass
+    return bool(found)
 
 
 def _is_dataset(group, name):
@@ -166,50 +193,16 @@ def _dataset(group, name, readonly=None):
     return obj if isinstance(obj, h5py.Dataset) else None
 
 
-def _layer_groups(top, limit=None, *, groups=None):
-    """Paths (absolute in the file) of the groups under ``top`` (itself included) that are layers, in file
-    order: a group with an ``op`` attribute or one of the marker datasets.  HDF5's visitor follows hard
-    links only and visits each object once, so a hard-link cycle ends.  ``groups``: a list that receives
-    the open h5py Group of each path (so that callers do not look the paths up again)."""
-    from h5py import h5o
-
-    from qgcli.signals import deferred
-
-    found = []
-    objects = [] if groups is None else groups
-
-    def check(path, group):
-        if limit is not None and len(found) >= limit:
-            return True
-        # The file's root is a layer by its operands only: qgcli's own outputs carry an op attribute there.
-        # The attribute first: a group that has one needs no look at its datasets.
-        if (path != "/" and "op" in group.attrs) or any(_dataset(group, k, True) is not None for k in _MARKERS):
-            found.append(path)
-            objects.append(group)
-        return None
-
-    base = top.name.rstrip("/")
-    if check(top.name, top):
-        return found
-
-    def visit(name, info):
-        # Groups only: the object info says which links are groups, so datasets are never opened here.
-        if info.type == h5o.TYPE_GROUP and name != b".":
-            return check(f"{base}/{name.decode('utf-8', 'surrogateescape')}", top[name])
-        return None
-
-    with deferred():
-        h5o.visit(top.id, visit, info=True)
-    return found
-
-
-def discover(handle, group=None, *, label=None):
+def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     """The layers of an open h5py File (under ``group`` when given), each with its op, attributes and the
-    shapes of its datasets; a group that names no group is a FileFormatError."""
+    shapes of its datasets; a group that names no group is a FileFormatError.  One walk
+    (:mod:`qgcli.h5walk`, whose bounds it enforces), the groups' attributes read in batches as it goes.
+    Nothing stays open: running a layer opens its group again (``Layer.nodes`` is None)."""
     import h5py
 
-    from qgcli import io
+    from qgcli import h5walk, io
     from qgcli.errors import FileFormatError
+    from qgcli.signals import deferred
 
     label = label or handle.filename
     top = handle
@@ -218,37 +211,92 @@ def discover(handle, group=None, *, label=None):
         if not isinstance(node, h5py.Group):
             raise FileFormatError(f"{label}: {group!r} is a dataset, not a group of a run file")
         top = node
-    layers, groups = [], []
-    readonly = handle.file.mode == "r"
-    paths = _layer_groups(top, groups=groups)
-    try:  # every group's attributes at once: one guarded round trip for all their strings
-        all_attrs = io.read_attributes_many(groups)
+    # Per group, in file order: [path, its attributes (or the error reading them), its open Group until
+    # they are read].  A group with an op is read in batches as the walk goes and then closed, so that the
+    # walk holds a bounded number of objects open (an open group costs ~17 KB, 20,000 of them 400 MB).
+    groups, children, pending = [], {}, []
+
+    def flush():
+        for entry, attrs in zip(pending, _attributes_of([e[2] for e in pending])):
+            entry[1], entry[2] = attrs, None
+        pending.clear()
+
+    def add(path, g):
+        has_op = path != "/" and "op" in g.attrs  # the attribute first: such a group needs no look at its datasets
+        groups.append([path, None, g if has_op else None])
+        children[path] = []
+        if has_op:
+            pending.append(groups[-1])
+            if len(pending) >= ATTRIBUTE_BATCH:
+                flush()
+
+    with deferred():
+        add(top.name, top)
+        for node in h5walk.walk(top, label=label, operand=operand):
+            if node.kind == "group":
+                add("/" + _text(node.raw), node.obj)
+            elif node.kind == "dataset":
+                parent, _, name = node.raw.rpartition(b"/")
+                ds = node.obj  # closed again at once: an open HDF5 dataset costs tens of KB
+                children["/" + _text(parent) if parent else "/"].append((_text(name), ds.shape, str(ds.dtype)))
+        flush()
+        layers = []
+        for path, attrs, _ in groups:
+            datasets = children[path]
+            if attrs is None:  # no op: a layer by its operands only, read now (today's bundles, rare in run files)
+                if not any(name in _MARKERS for name, _, _ in datasets):
+                    continue
+                attrs = _attributes_of([top if path == top.name else handle.file[path]])[0]
+            if isinstance(attrs, Exception):
+                layers.append(Layer(path.lstrip("/") or "/", None, None, None, None, {}, {},
+                                    error=f"cannot be read: {io._reason(attrs)}"))
+            else:
+                layers.append(layer(path, attrs, datasets))
+    return layers
+
+
+def _text(raw):
+    return raw.decode("utf-8", "surrogateescape")
+
+
+#: Groups whose attributes are read in one batch: a batch holds its string attributes open until they are
+#: read, and HDF5 checks each attribute it opens against every open one (one batch for 20,000 groups took minutes).
+ATTRIBUTE_BATCH = 256
+
+
+def _attributes_of(groups):
+    """Each group's attributes as read (one guarded round trip for their strings), group by group where the
+    batch fails, with the error in place of the attributes of a group that cannot be read."""
+    from qgcli import io
+    from qgcli.errors import FileFormatError
+
+    try:
+        return io.read_attributes_many(groups)
     except FileFormatError:
         raise
     except io.CORRUPT_FILE_ERRORS:
-        all_attrs = [None] * len(groups)  # group by group below, so that the damaged one is named
-    for path, g, attrs in zip(paths, groups, all_attrs):
-        name = path.lstrip("/") or "/"
+        pass
+    out = []
+    for g in groups:
         try:
-            if attrs is None:
-                attrs = io.read_attributes(g)
-            datasets, handles = {}, {}
-            for key in g.keys():
-                ds = _dataset(g, key, readonly)
-                if ds is not None:
-                    if ds.shape is None:  # an HDF5 empty (null dataspace) dataset: no tensor
-                        continue
-                    datasets[key] = (tuple(int(s) for s in ds.shape), str(ds.dtype))
-                    handles[key] = ds
+            out.append(io.read_attributes(g))
         except FileFormatError:
             raise
         except io.CORRUPT_FILE_ERRORS as exc:
-            layers.append(Layer(name, None, None, None, None, {}, {}, error=f"cannot be read: {io._reason(exc)}"))
-            continue
-        layer = _layer(name, attrs, datasets)
-        layer.nodes = {"group": g, "datasets": handles}
-        layers.append(layer)
-    return layers
+            out.append(exc)
+    return out
+
+
+def layer(path, attrs, datasets):
+    """The Layer of the group at ``path`` (absolute in the file) given its attributes as read and the
+    datasets hard-linked in it (``[(name, shape, dtype)]``, in file order); None when the group is no layer
+    (no ``op`` attribute, no marker dataset)."""
+    name = path.lstrip("/") or "/"
+    if not ((path != "/" and "op" in attrs) or any(n in _MARKERS for n, _, _ in datasets)):
+        return None
+    shapes = {n: (tuple(int(s) for s in shape), dtype) for n, shape, dtype in datasets
+              if shape is not None}  # an HDF5 empty (null dataspace) dataset: no tensor
+    return _layer(name, attrs, shapes)
 
 
 def _layer(path, attrs, datasets):

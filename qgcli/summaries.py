@@ -79,9 +79,17 @@ def emit(summary, *, as_json, quiet, render, output=None):
 
 
 def dump_json(doc, *, safe=True):
-    """One JSON document on stdout (NaN/inf as null when ``safe``)."""
-    json.dump(json_safe(doc) if safe else doc, sys.stdout, indent=2, allow_nan=False, default=_json_default)
-    sys.stdout.write("\n")
+    """One JSON document on stdout (NaN/inf as null when ``safe``), written in blocks: ``json.dump`` writes
+    every token on its own (a run file's listing: hundreds of thousands of writes)."""
+    encoder = json.JSONEncoder(indent=2, allow_nan=False, default=_json_default)
+    block = []
+    for piece in encoder.iterencode(json_safe(doc) if safe else doc):
+        block.append(piece)
+        if len(block) >= 8192:
+            sys.stdout.write("".join(block))
+            block.clear()
+    block.append("\n")
+    sys.stdout.write("".join(block))
 
 
 def _json_default(value):

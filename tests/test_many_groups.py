@@ -1,9 +1,15 @@
 """The walks over many groups (issue 27): low-level opens and batched attribute reads give what h5py's
-high-level lookups give, object for object, and a broken attribute table spoils its own entry only."""
+high-level lookups give, object for object, and a broken attribute table spoils its own entry only; each
+object is opened once whatever the depth; files nested deeper, or holding more groups, than the bounds are
+refused at once (exit 2, one line, nothing written); the bounds are options and environment variables."""
+import json
+import time
+
 import h5py
 import numpy as np
+import pytest
 
-from qgcli import io, runfile
+from qgcli import h5walk, io, runfile
 from qgcli.commands import inspect as inspect_cmd
 
 
@@ -64,6 +70,138 @@ def test_attributes_batch_falls_back_object_by_object(monkeypatch, tmp_path):
         objs = [f["step_0/layer_0/wq"], f["step_0"]]
         want = [inspect_cmd._attributes(o) for o in objs]
         monkeypatch.setattr(io, "read_attributes_many", broken)
-        assert inspect_cmd._attributes_many(objs) == [{"<unreadable>": "OSError: a damaged attribute table"}] * 2
+        assert [plain for plain, _ in inspect_cmd._attributes_many(objs)] == \
+            [{"<unreadable>": "OSError: a damaged attribute table"}] * 2
         monkeypatch.undo()
-        assert inspect_cmd._attributes_many(objs) == want
+        assert [plain for plain, _ in inspect_cmd._attributes_many(objs)] == want
+
+
+def _nested(path, depth, *, layer=True):
+    """``depth`` groups nested one inside the other, a FakeQuantWithMinMaxArgs layer at the bottom."""
+    with h5py.File(path, "w") as f:
+        gid = f.id
+        for _ in range(depth):
+            gid = h5py.h5g.create(gid, b"g")
+        g = h5py.Group(gid)
+        if layer:
+            g.attrs["op"] = "FakeQuantWithMinMaxArgs"
+        g["inputs"] = np.array([0.5, -7.0], np.float32)
+        g["gradients"] = np.ones(2, np.float32)
+
+
+def _flat(path, groups):
+    with h5py.File(path, "w") as f:
+        for i in range(groups):
+            g = f.create_group(f"g{i:04d}")
+            g.attrs["op"] = "FakeQuantWithMinMaxArgs"
+            g["inputs"] = np.array([i, -i], np.float32)
+            g["gradients"] = np.ones(2, np.float32)
+
+
+def test_documented_bounds(cli):
+    assert (h5walk.MAX_DEPTH, h5walk.MAX_GROUPS) == (512, 10_000_000)
+    for command in ("inspect", "report", "fakequant-grad", "bn-grad", "fakequant"):
+        text = cli(command, "--help").output
+        assert "--max-depth" in text and "QGCLI_MAX_DEPTH" in text and "--max-groups" in text, command
+
+
+@pytest.mark.parametrize("command", ["inspect", "report", "fakequant-grad", "fakequant"])
+def test_deep_file_refused_before_any_work(tmp_path, cli, command):
+    path = tmp_path / "deep.h5"
+    _nested(path, 40)
+    out = tmp_path / "out.h5"
+    argv = [command, str(path), "--max-depth", "20"] + (["-o", str(out)] if command.startswith("fakequant") else [])
+    h5walk.OPENS[0] = 0
+    r = cli(*argv)
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "deeper than 20 levels" in r.output and "--max-depth" in r.output and "Traceback" not in r.output
+    assert h5walk.OPENS[0] <= 21  # the walk stopped where the bound was passed: no group below, no dataset
+    assert not out.exists()
+    assert cli(*[a for a in argv if a not in ("--max-depth", "20")], "--max-depth", "50").exit_code == 0
+
+
+def test_many_groups_refused_by_environment(tmp_path, runner, monkeypatch):
+    from qgcli.cli import main
+
+    path = tmp_path / "flat.h5"
+    _flat(path, 60)
+    monkeypatch.setenv("QGCLI_MAX_GROUPS", "10")
+    h5walk.OPENS[0] = 0
+    r = runner.invoke(main, ["inspect", str(path), "--json"])
+    assert r.exit_code == 2 and "more than 10 groups" in r.output and "QGCLI_MAX_GROUPS" in r.output
+    assert h5walk.OPENS[0] <= 11 * 3  # ten groups and their datasets, then the eleventh: nothing more
+    r = runner.invoke(main, ["inspect", str(path), "--json", "--max-groups", "60"])
+    assert r.exit_code == 0, r.output
+    monkeypatch.delenv("QGCLI_MAX_GROUPS")
+    assert runner.invoke(main, ["inspect", str(path), "--json"]).exit_code == 0  # back to the default
+
+
+def test_deep_file_refused_quickly_in_a_subprocess(tmp_path):
+    """Past the default bound: refused in about the time of the start-up, whatever lies below."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "deep.h5"
+    _nested(path, 3000)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "qgcli", "inspect", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "deeper than 512 levels" in r.stderr
+    assert time.perf_counter() - t < 60  # generous: the old full-path walk took minutes here
+
+
+@pytest.mark.parametrize("depth", [100, 400])
+def test_each_object_opened_once_whatever_the_depth(tmp_path, cli, depth):
+    """Linear in the groups: the walk opens every object once, relative to its parent (never a full path
+    from the root, which made a deep file quadratic), and inspect and report walk the file once."""
+    path = tmp_path / "deep.h5"
+    _nested(path, depth)
+    h5walk.OPENS[0] = 0
+    r = cli("inspect", str(path), "--json")
+    assert r.exit_code == 0, r.output
+    assert h5walk.OPENS[0] == depth + 2  # the groups, inputs, gradients
+    doc = json.loads(r.output)["files"][0]
+    assert len(doc["groups"]) == depth + 1 and [t["name"].count("/") for t in doc["tensors"]] == [depth] * 2
+    assert [lay["path"] for lay in doc["layers"]] == ["/".join(["g"] * depth)]
+    h5walk.OPENS[0] = 0
+    assert cli("report", str(path), "--json").exit_code == 0
+    assert h5walk.OPENS[0] <= 2 * (depth + 2)  # the probe for a run file (groups only), then the one walk
+
+
+def test_attribute_batches_cover_the_file(tmp_path):
+    """More objects than one attribute batch: every group's attributes and layers as h5py gives them."""
+    path = tmp_path / "flat.h5"
+    n = inspect_cmd.ATTRIBUTE_BATCH + 40
+    _flat(path, n)
+    layers = []
+    groups, datasets, _ = inspect_cmd._h5_structure(str(path), layers=layers)
+    assert len(groups) == n + 1 and len(datasets) == 2 * n
+    assert all(g["attributes"] == {"op": "FakeQuantWithMinMaxArgs"} for g in groups[1:])
+    assert [lay.path for lay in layers] == [f"g{i:04d}" for i in range(n)]
+    with h5py.File(path, "r") as f:
+        assert [lay.path for lay in runfile.discover(f)] == [lay.path for lay in layers]
+
+
+def test_json_written_in_blocks():
+    """The listing of many groups reaches stdout in a few large writes (json.dump wrote every token)."""
+    import io as _io
+    import sys
+
+    from qgcli.summaries import dump_json
+
+    class Counting(_io.StringIO):
+        writes = 0
+
+        def write(self, text):
+            Counting.writes += 1
+            return super().write(text)
+
+    doc = {"files": [{"tensors": [{"name": f"g{i}", "shape": [2], "min": 0.5} for i in range(5000)]}]}
+    saved, sys.stdout = sys.stdout, Counting()
+    try:
+        dump_json(doc)
+        text = sys.stdout.getvalue()
+    finally:
+        sys.stdout = saved
+    assert text == json.dumps(doc, indent=2) + "\n"
+    assert Counting.writes < 20

@@ -252,3 +252,46 @@ def test_subprocess_run_on_the_sample(tmp_path):
     assert "8 of 10 groups ran" in proc.stderr
     with h5py.File(out) as f:
         assert "step_000200/head/act_quant/backprops_wrt_input" in f
+
+
+def _peak_rss_mib(argv):
+    """Peak RSS of one qgcli run and whatever it starts, measured by a fresh process that waits for it (so
+    that an earlier test's memory does not count)."""
+    code = ("import resource, subprocess, sys\n"
+            "r = subprocess.run([sys.executable, '-m', 'qgcli', *sys.argv[1:]])\n"
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024, file=sys.stderr)\n"
+            "sys.exit(r.returncode)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return int(r.stderr.strip().splitlines()[-1])
+
+
+def test_large_group_streams_under_memory_limit_like_a_bundle(tmp_path):
+    """Issue 18: a large group of a run file streams under --memory-limit exactly as the same operands as
+    one bundle: the same bits, and memory bounded by the limit rather than the data."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((128, 256, 256)) * 2).astype(np.float32)  # 32 MiB per operand
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    run, bundle = tmp_path / "run.h5", tmp_path / "bundle.h5"
+    with h5py.File(run, "w") as f:
+        _layer(f, "step_0/big", "FakeQuantWithMinMaxArgs", {"min": -3.0, "max": 3.0}, inputs=x, gradients=g)
+        _layer(f, "step_0/small", "FakeQuantWithMinMaxArgs", {"min": -3.0, "max": 3.0},
+               inputs=x[0, :4], gradients=g[0, :4])
+    with h5py.File(bundle, "w") as f:
+        f["inputs"], f["gradients"] = x, g
+    del x, g
+    streamed = _peak_rss_mib(["fakequant-grad", str(run), "-o", str(tmp_path / "run_out.h5"), "--memory-limit", "8M",
+                              "-q"])
+    single = _peak_rss_mib(["fakequant-grad", str(bundle), "--variant", "args", "--min", "-3", "--max", "3", "-o",
+                            str(tmp_path / "bundle_out.h5"), "--memory-limit", "8M", "-q"])
+    in_memory = _peak_rss_mib(["fakequant-grad", str(run), "-o", str(tmp_path / "mem_out.h5"), "-q"])
+    with h5py.File(tmp_path / "run_out.h5", "r") as a, h5py.File(tmp_path / "bundle_out.h5", "r") as b, \
+            h5py.File(tmp_path / "mem_out.h5", "r") as m:
+        assert set(a["step_0/big"]) == set(b) and set(a["step_0/big"])
+        for name in b:
+            want = b[name][()]
+            assert np.array_equal(a["step_0/big"][name][()], want) and np.array_equal(m["step_0/big"][name][()], want)
+            assert a["step_0/big"][name].dtype == want.dtype
+    # In memory the run holds both operands and the output (96 MiB); streamed, a few 8 MiB blocks.
+    assert streamed < in_memory - 40, (streamed, single, in_memory)
+    assert streamed < single + 24, (streamed, single)

@@ -147,83 +147,118 @@ def _read_entry(container, name, attributes, with_stats, shape=None, dtype=None,
     return _tensor_entry(name, array.shape, array.dtype, attributes, stats=stats)
 
 
-def _h5_structure(source):
+def _h5_structure(source, *, label="-", layers=None, reads=None):
     """Groups (with attributes), datasets (path, shape, dtype, attributes) and non-hard links of an HDF5 file.
 
-    Walks with HDF5's own link visitor, which descends through hard links only (each group once, so
-    cycles end) and never opens a soft or external link's target.  One low-level visit lists every link
-    with its type; each object is opened once by its path, and the attributes of all of them are read
-    at the end in one batch (:func:`_attributes_many`: one guarded round trip for their strings).
+    One walk (:func:`qgcli.h5walk.walk`: HDF5's own visiting order, each object opened once relative to its
+    parent, the file's bounds on depth and group count enforced).  Attributes are read in batches of
+    :data:`ATTRIBUTE_BATCH` objects as the walk goes (one guarded round trip per batch for their strings),
+    and each object is closed once its batch is read: the walk holds a bounded number of objects open,
+    whatever the size of the file.  ``layers``: a list that receives the file's run-file layers
+    (:func:`qgcli.runfile.layer`), from the same walk.  ``reads``: ``(the container's label, which paths)``
+    to read each of those datasets while the walk has it open: its entry gets ``read``, ``(shape, dtype,
+    statistics, None)`` or ``(None, None, None, the error)``, what the container's own read gives.
     """
     import h5py
-    from h5py import h5g, h5l
-    from h5py._hl.compat import filename_decode
 
-    from qgcli.io import h5_open, tagged_bfloat16
+    from qgcli import h5walk, runfile
+    from qgcli.io import tagged_bfloat16
     from qgcli.signals import deferred
 
     groups, datasets, links = [], [], []
-    seen = {}
+    run_groups, children = [], {"/": []}  # (path, raw attributes) and path -> [(name, shape, dtype)]
+    pending = []  # (entry, object, whether a group) whose attributes the next batch reads
+
+    def flush():
+        for (entry, _, group), (attrs, raw) in zip(pending, _attributes_many([o for _, o, _ in pending])):
+            entry["attributes"] = attrs
+            if group:
+                run_groups.append(("/" + entry["path"], raw))
+        pending.clear()
+
     import io
 
     path = io.BytesIO(source) if isinstance(source, bytes) else source  # bytes: an HDF5 stream from stdin
     with deferred(), h5py.File(path, "r") as f:
-        fid = f.id
         groups.append({"path": "/", "attributes": _attributes(f)})  # before the walk, which may fail after it
-        owners = []  # (entry, the object whose attributes it gets), filled in after the walk
-        seen[h5py.h5o.get_info(fid).addr] = "/"
-        found, lapl = [], f._lapl
-        fid.links.visit(found.append)  # names only: asking the visitor for link info fails on some damaged files
-        for raw in found:
-            name = f._d(raw)
-            # what ``f.get(name, getlink=True)`` looks up, without its per-call overhead
-            kind = fid.links.get_info(raw, lapl=lapl).type if h5g._path_valid(fid, raw, lapl) else None
-            if kind == h5l.TYPE_EXTERNAL:
-                filebytes, linkbytes = fid.links.get_val(raw, lapl=lapl)
-                links.append({"path": name, "kind": "external", "target": f"{filename_decode(filebytes)}:{f._d(linkbytes)}"})
-                continue
-            if kind == h5l.TYPE_SOFT:
-                links.append({"path": name, "kind": "soft", "target": f._d(fid.links.get_val(raw, lapl=lapl))})
-                continue
-            if kind not in (h5l.TYPE_HARD, None):
-                raise TypeError("Unknown link type")  # as h5py's own link lookup
-            try:
-                obj = h5_open(fid, raw)
-                addr = h5py.h5o.get_info(obj.id).addr
-            except Exception as exc:  # noqa: BLE001 - a damaged object: list it, don't stop
+        for node in h5walk.walk(f, label=label):
+            # A name that is not UTF-8 ends the listing with the decoding error, as h5py's path check ends it.
+            name, kind = node.raw.decode("utf-8"), node.kind
+            if kind in ("external", "soft", "hard"):
+                links.append({"path": name, "kind": kind, "target": node.target})
+            elif kind == "broken":
                 datasets.append({"path": name, "shape": None, "dtype": "unknown", "attributes": {},
-                                 "error": f"cannot open: {type(exc).__name__}: {exc}"})
-                continue
-            if addr in seen and isinstance(obj, h5py.Group):
-                links.append({"path": name, "kind": "hard", "target": seen[addr]})
-                continue
-            seen.setdefault(addr, name)
-            if isinstance(obj, h5py.Group):
+                                 "error": node.error})
+            elif kind == "group":
                 groups.append({"path": name})
-                owners.append((groups[-1], obj))
-            elif isinstance(obj, h5py.Dataset):
-                dtype = "bfloat16" if tagged_bfloat16(obj) else str(obj.dtype)
-                datasets.append({"path": name, "shape": obj.shape, "dtype": dtype, "attributes": None, "error": None})
-                owners.append((datasets[-1], obj))
+                pending.append((groups[-1], node.obj, True))
+                children["/" + name] = []
+            elif kind == "dataset":
+                obj = node.obj
+                shape, numpy_dtype = obj.shape, str(obj.dtype)
+                dtype = "bfloat16" if tagged_bfloat16(obj) else numpy_dtype
+                datasets.append({"path": name, "shape": shape, "dtype": dtype, "attributes": None, "error": None})
+                if reads is not None and shape is not None and reads[1](name):
+                    datasets[-1]["read"] = _read_open(obj, name, reads[0])
+                pending.append((datasets[-1], obj, False))
+                parent, _, leaf = name.rpartition("/")
+                children.get("/" + parent, []).append((leaf, shape, numpy_dtype))
             else:  # a committed datatype
-                links.append({"path": name, "kind": "datatype", "target": str(getattr(obj, "dtype", ""))})
-        for (entry, _), attrs in zip(owners, _attributes_many([o for _, o in owners])):
-            entry["attributes"] = attrs
+                links.append({"path": name, "kind": "datatype", "target": str(getattr(node.obj, "dtype", ""))})
+            if len(pending) >= ATTRIBUTE_BATCH:
+                flush()
+        flush()
+    if layers is not None:
+        for group_path, raw in run_groups:
+            if isinstance(raw, Exception):
+                continue  # unreadable attributes: the group's entry says so
+            layer = runfile.layer(group_path, raw, children[group_path])
+            if layer is not None:
+                layers.append(layer)
     return groups, datasets, links
 
 
-def _attributes_many(objs):
-    """:func:`_attributes` of each of ``objs``, all read in one batch; object by object (so that a broken
-    attribute table spoils its own entry only) where the batch fails."""
-    from qgcli.errors import QgcliError
-    from qgcli.io import read_attributes_many
+def _read_open(obj, name, label):
+    """What :func:`_read_entry` reads of a dataset, from the open Dataset (as ``Container.read`` reads it)."""
+    from qgcli import io
+    from qgcli.errors import FileFormatError
 
     try:
-        return [{key: _plain(value) for key, value in attrs.items()} for attrs in read_attributes_many(objs)]
+        array = io._read_dataset_node(io._checked_dataset(obj, name, label), name, label)
+    except FileFormatError as exc:
+        return None, None, None, str(exc)
+    return array.shape, array.dtype, tensor_stats(array), None
+
+
+def _attributes_many(objs):
+    """``(attributes as JSON values, as read)`` of each of ``objs``, in one batch; object by object (so that
+    a broken attribute table spoils its own entry only) where the batch fails, with the exception in place
+    of the attributes as read."""
+    from qgcli.errors import QgcliError
+    from qgcli.io import read_attributes, read_attributes_many
+
+    try:
+        return [({key: _plain(value) for key, value in raw.items()}, raw) for raw in read_attributes_many(objs)]
     except QgcliError:
         raise
     except Exception:  # noqa: BLE001 - found again, and recorded, by the object's own read
-        return [_attributes(obj) for obj in objs]
+        pass
+    out = []
+    for obj in objs:
+        try:
+            raw = read_attributes(obj)
+            out.append(({key: _plain(value) for key, value in raw.items()}, raw))
+        except QgcliError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken attribute table must not stop the listing
+            out.append(({"<unreadable>": f"{type(exc).__name__}: {exc}"}, exc))
+    return out
+
+
+#: Objects whose attributes are read in one batch.  A batch keeps its string attributes open until they are
+#: read, and HDF5 checks every attribute it opens against all those open: one batch for the whole file made
+#: the listing quadratic in the number of groups (20,000 groups: minutes).
+ATTRIBUTE_BATCH = 256
 
 
 def _matches(name, key):
@@ -236,7 +271,7 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
     import os
 
     from qgcli import io
-    from qgcli.errors import FileFormatError, OperandError
+    from qgcli.errors import FileFormatError, OperandError, QgcliError
 
     spec = io.parse_spec(text)
     try:
@@ -253,20 +288,25 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
             if spec.key is not None:
                 raise OperandError(f"{label} is an .npy file with one array; it has no key {spec.key!r}",
                                    operand="FILE")
-            todo = [("", None, None, {})]
+            todo = [("", None, None, {}, None)]
         elif container.kind == "npz":
-            todo = [(n, None, None, {}) for n in container.names() if spec.key is None or n == spec.key]
+            todo = [(n, None, None, {}, None) for n in container.names() if spec.key is None or n == spec.key]
             npz_source = stdin.read() if spec.path is None else spec.path
         else:
+            layers = []
             try:
-                groups, datasets, links = _h5_structure(spec.path if spec.path is not None else stdin.read())
+                reads = (container.label, lambda p: spec.key is None or _matches(p, spec.key)) if with_stats else None
+                groups, datasets, links = _h5_structure(spec.path if spec.path is not None else stdin.read(),
+                                                        label=label, layers=layers, reads=reads)
+            except QgcliError:
+                raise  # the bounds on depth and group count (qgcli.h5walk): already one clean error
             except io.CORRUPT_FILE_ERRORS as exc:  # damaged HDF5 metadata: one clean error, not a traceback
                 raise OperandError(f"{label}: cannot list its structure: {io._reason(exc)}", operand="FILE") from None
             entry["attributes"] = groups[0]["attributes"]
             entry["groups"] = [g for g in groups if spec.key is None or _matches(g["path"], spec.key)
                                or g["path"] == "/"]
             entry["links"] = [lk for lk in links if spec.key is None or _matches(lk["path"], spec.key)]
-            entry["layers"] = _layers(container, spec.key, label)
+            entry["layers"] = _layers(layers, spec.key)
             todo = []
             for d in datasets:
                 if spec.key is not None and not _matches(d["path"], spec.key):
@@ -277,31 +317,31 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
                 if d["shape"] is None:  # an HDF5 empty (null dataspace) dataset: no values to read
                     entry["tensors"].append(_tensor_entry(d["path"], None, d["dtype"], d["attributes"]))
                     continue
-                todo.append((d["path"], d["shape"], d["dtype"], d["attributes"]))
+                todo.append((d["path"], d["shape"], d["dtype"], d["attributes"], d.get("read")))
         if spec.key is not None and not todo and not entry["tensors"]:
             raise OperandError(f"{label} has no tensor or group {spec.key!r}", operand="FILE")
         if progress is not None:
             progress.update(total=(progress.total or 0) + len(todo))
-        for name, shape, dtype, attrs in todo:
+        for name, shape, dtype, attrs, done in todo:
             if progress is not None:
                 progress.update(description=f"{label}:{name}" if name else label)
-            entry["tensors"].append(_read_entry(container, name, attrs, with_stats, shape, dtype,
-                                                source=npz_source if container.kind == "npz" else None))
+            if done is not None:  # read during the walk
+                array_shape, array_dtype, stats, error = done
+                entry["tensors"].append(_tensor_entry(name, shape, dtype or "unknown", attrs, error=error) if error
+                                        else _tensor_entry(name, array_shape, array_dtype, attrs, stats=stats))
+            else:
+                entry["tensors"].append(_read_entry(container, name, attrs, with_stats, shape, dtype,
+                                                    source=npz_source if container.kind == "npz" else None))
             if progress is not None:
                 progress.advance()
     return entry
 
 
-def _layers(container, key, label):
+def _layers(layers, key):
     """A run file's groups as layers (path, op, operand shapes, what keeps one from running); [] for a file
     whose groups hold no op (a plain bundle)."""
-    from qgcli import io, runfile
-    from qgcli.errors import QgcliError
+    from qgcli import runfile
 
-    try:
-        layers = runfile.discover(container._opened(), None, label=label)
-    except (QgcliError, *io.CORRUPT_FILE_ERRORS):  # damaged structure: the tensor listing reports it
-        return []
     out = []
     for layer in layers:
         if layer.path == "/" or (key is not None and not _matches(layer.path, key.strip("/"))):

@@ -371,9 +371,31 @@ _OPERAND_PARAMS = ("gradients", "inputs", "min_", "max_", "y_backprop", "x_", "s
 
 
 def skip_invalid_option(f):
+    """--skip-invalid, and the bounds on a run file's structure (:func:`hdf5_bound_options`)."""
+    f = hdf5_bound_options(f)
     return click.option("--skip-invalid", is_flag=True,
                         help="Run file: run the valid groups and list the others (default: refuse the whole run "
                              "when any group of the command's kind is incomplete or invalid).")(f)
+
+
+def _set_bound(ctx, param, value):
+    from qgcli import h5walk
+
+    h5walk.LIMITS[param.name] = getattr(h5walk, f"MAX_{param.name.upper()}") if value is None else value
+
+
+def hdf5_bound_options(f):
+    """--max-depth, --max-groups (or QGCLI_MAX_DEPTH / QGCLI_MAX_GROUPS): what an HDF5 file's structure may
+    cost before it is refused (:mod:`qgcli.h5walk`); set for the command, nothing passed to it."""
+    from qgcli.h5walk import MAX_DEPTH, MAX_GROUPS
+
+    for name, default, what in (("depth", MAX_DEPTH, "groups nested deeper than N levels"),
+                                ("groups", MAX_GROUPS, "more than N groups")):
+        f = click.option(f"--max-{name}", name, type=click.IntRange(min=1), default=None, metavar="N",
+                         envvar=f"QGCLI_MAX_{name.upper()}", show_envvar=True, expose_value=False,
+                         callback=_set_bound,
+                         help=f"HDF5: refuse a file with {what}, before any work (default {default:,}).")(f)
+    return f
 
 
 def run_file_target(operands):

@@ -13,6 +13,7 @@ from qgcli.commands.options import (
     attribute_group,
     bundle_argument,
     given,
+    hdf5_bound_options,
     narrow_range_option,
     num_bits_option,
     option_group,
@@ -301,6 +302,7 @@ Examples:
                    "--granularity ...), one row per block, the gradient split into straight-through and scale path.")
 @click.option("--dtype", type=click.Choice(TORCHAO_DTYPES), default=None, help="torchao's dtype (--semantics torchao).")
 @torchao_options
+@hdf5_bound_options
 @scheduler_option()
 def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer,
            semantics, dtype, torchao, scheduler):
