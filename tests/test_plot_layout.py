@@ -7,7 +7,6 @@ area of any axes (legends sit outside the data, so none can hide a line).
 """
 import os
 
-import h5py
 import numpy as np
 import pytest
 from matplotlib.text import Text
@@ -15,26 +14,10 @@ from matplotlib.text import Text
 from qgcli import ops, plots
 
 from conftest import SAMPLES
+from test_plots import NOTEBOOK, nb, pc  # noqa: F401  (the bundles, read once per module, as fixtures)
 
-NOTEBOOK = os.path.join(SAMPLES, "notebook.h5")
-PER_CHANNEL = os.path.join(SAMPLES, "per_channel.h5")
 RUN = os.path.join(SAMPLES, "run.h5")
 F32 = np.float32
-
-
-def _read(path):
-    with h5py.File(path, "r") as f:
-        return {k: f[k][()] for k in f}
-
-
-@pytest.fixture(scope="module")
-def nb():
-    return _read(NOTEBOOK)
-
-
-@pytest.fixture(scope="module")
-def pc():
-    return _read(PER_CHANNEL)
 
 
 def _lines(fig, gid):
