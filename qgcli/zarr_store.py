@@ -3,7 +3,8 @@
 A store is a ``.zarr`` directory or an fsspec URL ending in ``.zarr`` (``file:///data/a.zarr``,
 ``s3://bucket/a.zarr`` with s3fs installed, ``gs://`` with gcsfs).  As a SPEC, ``a.zarr:group/array`` names
 one array; ``a.zarr`` is a bundle (its arrays by TensorFlow name) or, when the store's root is an array,
-that array.  Outputs go to a new store (Zarr format 3; ``-o a.zarr``) built under a hidden temporary name
+that array.  Outputs go to a new store (``-o a.zarr``; Zarr format 3, or 2 under zarr's own setting
+``ZARR_DEFAULT_ZARR_FORMAT=2``, for readers on zarr-python 2) built under a hidden temporary name
 beside the target and renamed into place, so a failed run leaves no partial store.  Object-store URLs have
 no rename: the temporary store is moved there at the end (not atomic; said in docs/scaling-out.md).
 
@@ -248,13 +249,24 @@ def chunks_for(shape, itemsize, chunk_bytes=CHUNK_BYTES):
     return (max(1, min(int(shape[0]), chunk_bytes // per_item)), *(max(1, int(s)) for s in shape[1:]))
 
 
+def output_format():
+    """The Zarr format outputs are written in: zarr's own ``default_zarr_format`` setting (3 unless
+    ``ZARR_DEFAULT_ZARR_FORMAT`` or zarr's config says 2)."""
+    return int(_zarr().config.get("default_zarr_format"))
+
+
 def codecs(compression):
-    """zarr ``compressors`` for ``--compression`` (None: stored raw, as .h5 outputs are by default)."""
+    """zarr ``compressors`` for ``--compression`` (None: stored raw, as .h5 outputs are by default), for the
+    output format: zarr's GzipCodec in format 3, numcodecs' GZip (what format 2 names) in format 2."""
     if compression is None:
         return None
     if compression != "gzip":
         raise OutputError(f"{compression} is an HDF5 filter; a Zarr store takes --compression gzip",
                           operand="--compression")
+    if output_format() == 2:
+        import numcodecs
+
+        return numcodecs.GZip(level=4)
     return _zarr().codecs.GzipCodec(level=4)
 
 
@@ -284,12 +296,14 @@ def put(group, name, array, *, attrs, compression):
 
 @contextlib.contextmanager
 def staged(dest):
-    """``with staged(dest) as stage``: a new Zarr group (``stage.group``, format 3) at ``stage.path``, a
-    temporary store beside ``dest`` renamed over it when the block ends without an error, removed otherwise."""
+    """``with staged(dest) as stage``: a new Zarr group (``stage.group``, in :func:`output_format`) at
+    ``stage.path``, a temporary store beside ``dest`` renamed over it when the block ends without an error,
+    removed otherwise."""
     zarr = _zarr()
     stage = _Stage(dest)
     try:
-        stage.group = zarr.create_group(store=open_store(stage.path, read_only=False), zarr_format=3)
+        stage.group = zarr.create_group(store=open_store(stage.path, read_only=False),
+                                         zarr_format=output_format())
         yield stage
         stage.commit()
     except BaseException:

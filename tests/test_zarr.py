@@ -100,6 +100,25 @@ def test_zarr_inputs_give_the_h5_inputs_results_and_zarr_outputs_hold_them(cli, 
     no_leftovers(tmp_path)
 
 
+def test_format_2_outputs_under_zarrs_own_setting(store, tmp_path):
+    """ZARR_DEFAULT_ZARR_FORMAT=2 (zarr's own setting) makes the outputs Zarr format 2, in memory and in
+    blocks, compressed or not, with the same bits as format 3."""
+    env = {**os.environ, "ZARR_DEFAULT_ZARR_FORMAT": "2"}
+    runs = {"v3.zarr": (), "v2.zarr": (), "v2-blocks.zarr": ("--memory-limit", "1M"),
+            "v2-gzip.zarr": ("--compression", "gzip")}
+    for name, extra in runs.items():
+        subprocess.run([sys.executable, "-m", "qgcli", "fakequant-grad", store, "-o", str(tmp_path / name), "-q",
+                        *extra], env=env if name.startswith("v2") else None, check=True, capture_output=True)
+    assert zarr.open_group(str(tmp_path / "v3.zarr"), mode="r").metadata.zarr_format == 3
+    for name in runs:
+        if name.startswith("v2"):
+            assert os.path.exists(tmp_path / name / ".zgroup")
+            assert zarr.open_group(str(tmp_path / name), mode="r").metadata.zarr_format == 2
+            same_bits(tmp_path / "v3.zarr", tmp_path / name)
+    with open(tmp_path / "v2-gzip.zarr" / "backprops_wrt_input" / ".zarray") as fh:
+        assert json.load(fh)["compressor"]["id"] == "gzip"
+
+
 KERNELS = pytest.mark.parametrize("native", ["", "0"], ids=["compiled-kernels", "numpy-kernels"])
 
 
