@@ -67,6 +67,14 @@ def _option(param, ctx):
     return line
 
 
+def _metavar(param, ctx):
+    """The parameter's metavar: click 8.2 takes the context, click 8.1 (the floor) does not."""
+    try:
+        return param.make_metavar(ctx)
+    except TypeError:
+        return param.make_metavar()
+
+
 def _command(cmd, ctx, depth):
     name = ctx.command_path
     lines = [f"{'#' * depth} `{name}`", ""]
@@ -76,7 +84,7 @@ def _command(cmd, ctx, depth):
     lines += [f"Usage: `{name} {pieces}`", ""]
     arguments = [p for p in cmd.get_params(ctx) if isinstance(p, click.Argument)]
     if arguments:
-        described = ", ".join(f"`{p.make_metavar(ctx)}`" + ("" if p.required else " (optional)") for p in arguments)
+        described = ", ".join(f"`{_metavar(p, ctx)}`" + ("" if p.required else " (optional)") for p in arguments)
         lines += [f"Arguments: {described}.", ""]
     options = [p for p in cmd.get_params(ctx) if isinstance(p, click.Option) and not p.hidden
                and "--help" not in p.opts]
