@@ -513,6 +513,36 @@ def _read_dataset_node(node, key, label):
     return np.asarray(data)
 
 
+#: Datasets up to this size take :func:`read_plain_dataset`'s one-call read (a run file's many small tensors).
+PLAIN_READ_BYTES = 1 << 20
+
+
+def read_plain_dataset(node, shape, dtype):
+    """What ``_read_dataset_node(_checked_dataset(node, ...))`` gives of a small Dataset of plain numbers kept
+    in its own file (``shape``, ``dtype``: the Dataset's, already asked), in one low-level read without
+    h5py's per-read layers; None for anything else, and on any error (the checked read then says why)."""
+    from h5py import h5d, h5s
+
+    # uint16 may be a bfloat16-tagged tensor; empty, object, compound and exotic types take the checked read.
+    if (dtype.kind not in "fiu" or dtype.itemsize > 8 or (dtype.kind == "u" and dtype.itemsize == 2)
+            or dtype.fields is not None or dtype.subdtype is not None):
+        return None
+    size = 1
+    for d in shape:
+        size *= d
+    if not 0 < size * dtype.itemsize <= PLAIN_READ_BYTES:
+        return None
+    try:
+        dcpl = node.id.get_create_plist()
+        if dcpl.get_layout() == h5d.VIRTUAL or dcpl.get_external_count():
+            return None  # data outside this file: the checked read refuses it
+        array = np.empty(shape, dtype=dtype)
+        node.id.read(h5s.ALL, h5s.ALL, array)
+    except CORRUPT_FILE_ERRORS:
+        return None
+    return array
+
+
 def tagged_bfloat16(dataset):
     """Whether an HDF5 dataset carries qgcli's ``dtype=bfloat16`` tag (bfloat16 stored as uint16).
 

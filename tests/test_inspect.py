@@ -298,3 +298,34 @@ def test_h5_odd_datasets_do_not_stop_the_listing(cli, tmp_path):
     assert t["label"]["dtype"] == "object" and "variable-length strings" in t["label"]["error"]
     assert "virtual dataset reading" in t["virtual"]["error"] and t["virtual"]["min"] is None
     assert {"path": "named_type", "kind": "datatype", "target": "float32"} in f["links"]
+
+
+def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path):
+    from qgcli import io as qio
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "plain.h5"
+    with h5py.File(path, "w") as f:
+        f["big_endian"] = rng.standard_normal((3, 4)).astype(">f4")
+        f["int8"] = rng.integers(-5, 5, 7).astype(np.int8)
+        f["half"] = np.array([1, np.nan, np.inf, 0], np.float16)
+        f["scalar"] = np.float64(3.5)
+        f.create_dataset("gzip", data=rng.standard_normal((20, 20)), chunks=(5, 5), compression="gzip")
+        f.create_dataset("fill_only", shape=(4,), dtype="f4", fillvalue=2.5)
+        f["uint32"] = np.arange(5, dtype=">u4")
+        f.create_dataset("external", shape=(4,), dtype="f4", external=[(str(tmp_path / "raw.bin"), 0, 16)])
+    with h5py.File(path, "r") as f:
+        for name in ("big_endian", "int8", "half", "scalar", "gzip", "fill_only", "uint32"):
+            ds = f[name]
+            fast = qio.read_plain_dataset(ds, ds.shape, ds.dtype)
+            checked = qio._read_dataset_node(qio._checked_dataset(ds, name, "x"), name, "x")
+            assert fast is not None and fast.dtype == checked.dtype and fast.shape == checked.shape, name
+            np.testing.assert_array_equal(fast, checked)
+        ds = f["external"]
+        assert qio.read_plain_dataset(ds, ds.shape, ds.dtype) is None  # left to the checked read, which refuses it
+    t = {t["name"]: t for t in inspect_json(cli, path)["files"][0]["tensors"]}
+    assert "external file" in t["external"]["error"] and t["external"]["min"] is None
+    assert t["big_endian"]["dtype"] == ">f4" and t["fill_only"]["min"] == t["fill_only"]["max"] == 2.5
+    with h5py.File(path, "r") as f:
+        check_stats(t["half"], f["half"][()])
+        check_stats(t["gzip"], f["gzip"][()])

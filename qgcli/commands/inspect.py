@@ -195,11 +195,12 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
                 children["/" + name] = []
             elif kind == "dataset":
                 obj = node.obj
-                shape, numpy_dtype = obj.shape, str(obj.dtype)
-                dtype = "bfloat16" if tagged_bfloat16(obj) else numpy_dtype
+                shape, file_dtype = obj.shape, obj.dtype  # each an HDF5 round trip: asked once
+                numpy_dtype = str(file_dtype)
+                dtype = "bfloat16" if file_dtype.kind == "u" and tagged_bfloat16(obj) else numpy_dtype
                 datasets.append({"path": name, "shape": shape, "dtype": dtype, "attributes": None, "error": None})
                 if reads is not None and shape is not None and reads[1](name):
-                    datasets[-1]["read"] = _read_open(obj, name, reads[0])
+                    datasets[-1]["read"] = _read_open(obj, name, reads[0], shape, file_dtype)
                 pending.append((datasets[-1], obj, False))
                 parent, _, leaf = name.rpartition("/")
                 children.get("/" + parent, []).append((leaf, shape, numpy_dtype))
@@ -218,15 +219,18 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
     return groups, datasets, links
 
 
-def _read_open(obj, name, label):
-    """What :func:`_read_entry` reads of a dataset, from the open Dataset (as ``Container.read`` reads it)."""
+def _read_open(obj, name, label, shape, dtype):
+    """What :func:`_read_entry` reads of a dataset, from the open Dataset (as ``Container.read`` reads it);
+    ``shape`` and ``dtype``: the walk's, so that a small plain dataset is read in one low-level call."""
     from qgcli import io
     from qgcli.errors import FileFormatError
 
-    try:
-        array = io._read_dataset_node(io._checked_dataset(obj, name, label), name, label)
-    except FileFormatError as exc:
-        return None, None, None, str(exc)
+    array = io.read_plain_dataset(obj, shape, dtype)
+    if array is None:
+        try:
+            array = io._read_dataset_node(io._checked_dataset(obj, name, label), name, label)
+        except FileFormatError as exc:
+            return None, None, None, str(exc)
     return array.shape, array.dtype, tensor_stats(array), None
 
 
