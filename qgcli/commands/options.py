@@ -426,6 +426,7 @@ def run_file_target(operands):
 def _refuse_torchao_options():
     """A run file's torchao groups carry their config as attributes: torchao's options (and a torchao --dtype)
     would silently change nothing, so they are refused."""
+    from qgcli.ops.torchao_semantics import FLOAT8_DTYPES, INT_DTYPES
     from qgcli.runners.torchao import OPTION_NAMES
 
     for name, option in OPTION_NAMES.items():
@@ -434,7 +435,7 @@ def _refuse_torchao_options():
                                      "option or give one bundle file", param_hint=f"'{option}'")
     ctx = click.get_current_context(silent=True)
     dtype = ctx.params.get("dtype") if ctx is not None else None
-    if given("dtype") and isinstance(dtype, str) and dtype.startswith(("int", "uint", "float8")):
+    if given("dtype") and dtype in INT_DTYPES + FLOAT8_DTYPES:
         raise click.BadParameter(f"{dtype} is a torchao dtype; a run file's torchao groups carry their config as "
                                  "attributes", param_hint="'--dtype'")
 
