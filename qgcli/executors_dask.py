@@ -13,7 +13,6 @@ are in flight, so the workers do not hold every result at once.
 A group is computed whole on one worker (no streaming): an explicit ``--memory-limit`` is refused.
 Nothing of Dask is imported unless ``--scheduler`` is given.
 """
-import dataclasses
 import os
 import re
 import time
@@ -165,9 +164,8 @@ class ClusterCompute:
         self._fill()
 
     def _submit(self, layer):
-        plain = dataclasses.replace(layer, nodes=None)  # the worker opens the file itself
         self.tasks += 1
-        return self.client.submit(compute_group, self.job, self.path, plain, self.runner_for, pure=False,
+        return self.client.submit(compute_group, self.job, self.path, layer, self.runner_for, pure=False,
                                   key=f"qgcli-group-{self.tasks}-{layer.path}")
 
     def _fill(self):
@@ -252,7 +250,7 @@ class LayerMap:
             self.cluster.close()
 
     def map(self, function, path, layers, *args):
-        plain = [dataclasses.replace(layer, nodes=None) for layer in layers]  # the worker opens the file itself
+        plain = list(layers)  # a Layer holds nothing open: the worker opens the file itself
         started = time.perf_counter()
         futures = self.client.map(_on_layer, [function] * len(plain), [path] * len(plain), plain,
                                   *[[a] * len(plain) for a in args], pure=False,

@@ -81,7 +81,7 @@ def _prepared(job, container, path, layer):
     group_job, overrides = layer_job(job, layer, specs, job.output)
     runner = _TOOLS["runner_for"](group_job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK,
-                                 nodes=layer.nodes)
+                                 known=layer.datasets)
     return group_job, runner, operands, overrides
 
 
@@ -186,28 +186,31 @@ def _record(ran, layer, group_job, summary, overrides):
 
 
 def _write_h5(job, container, path, layers, tmp, ran, skipped):
+    import h5py
     import numpy as np
 
     from qgcli import io
     from qgcli.backend import to_numpy
+    from qgcli.h5_small import SmallWriter
     memory_plan = _TOOLS["memory_plan"]
     from qgcli.signals import raise_pending
 
     compression = job.output.compression
     budgets = {}
     with io.open_h5_for_writing(tmp) as f:
+        writer = SmallWriter(f)  # thousands of small groups: HDF5's low-level calls, same objects
         for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
             raise_pending()
             try:
                 streams = hasattr(runner, "stream") and group_job.output.device == "cpu"
                 plan = None if _fits(layer, group_job, budgets) else \
                     memory_plan(group_job, operands, streams=streams, mode=group_job.mode)
-                grp = f.require_group(layer.path)
+                grp = h5py.Group(writer.group(layer.path))
                 if plan is not None:
                     streamed = runner.stream(group_job, operands, *plan)
                     attrs = _provenance(streamed.attrs)
                     small = streamed.compute(grp, lambda n: None)
-                    _put(grp, small, attrs, compression, np)
+                    _put(writer, grp, small, compression, np)
                     summary = streamed.summarise(small)
                 else:
                     result = _compute(job, layer, group_job, runner, operands, skipped)
@@ -215,10 +218,9 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
                         del f[layer.path]
                         continue
                     attrs = _provenance(result.attrs)
-                    _put(grp, {k: to_numpy(v) for k, v in result.outputs.items()}, attrs, compression, np)
+                    _put(writer, grp, {k: to_numpy(v) for k, v in result.outputs.items()}, compression, np)
                     summary = result.summary
-                for key, value in attrs.items():
-                    grp.attrs[key] = value
+                writer.attributes(grp.id, attrs)
             finally:
                 operands.close()
             _record(ran, layer, group_job, summary, overrides)
@@ -248,14 +250,14 @@ def _fits(layer, group_job, budgets):
     return need * 2 <= budgets[limit]
 
 
-def _put(grp, arrays, attrs, compression, np):
+def _put(writer, grp, arrays, compression, np):
     for name, array in arrays.items():
         array = np.asarray(array)
         options = {"compression": compression, "chunks": True} if compression and array.ndim and array.size else {}
         if array.dtype.name == "bfloat16":
             ds = grp.create_dataset(name, data=array.view(np.uint16), **options)
             ds.attrs["dtype"] = "bfloat16"
-        else:
+        elif options or not writer.dataset(grp.id, name, array):
             grp.create_dataset(name, data=array, **options)  # the op's attributes live on the group
 
 

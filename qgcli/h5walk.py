@@ -48,6 +48,7 @@ def _decode(raw):
 def walk(top, *, label, operand="FILE", datasets=True, stop=None):
     """Yield a :class:`Node` for every link below the open h5py Group (or File) ``top``, in ``H5Lvisit``'s
     order.  ``datasets=False``: datasets are yielded unopened (``obj`` None), for a walk after groups only;
+    ``datasets="ids"``: as their low-level DatasetID (its ``shape`` and ``dtype`` without h5py's wrapper);
     ``stop(node)`` true ends the walk after that node.  Raises a QgcliError naming ``operand`` where the file
     nests deeper than :data:`LIMITS` allow or holds more groups."""
     import h5py
@@ -108,7 +109,7 @@ def _hard(gid, name, raw, path, seen, datasets, readonly, h5py, h5i, h5o):
         oid = h5o.open(gid, name)
         OPENS[0] += 1
         otype = h5i.get_type(oid)
-        addr = h5o.get_info(oid).addr
+        addr = h5o.get_info(oid).addr if otype == h5i.GROUP else None  # only groups are entered, so only they repeat
     except Exception as exc:  # noqa: BLE001 - a damaged object: listed, not the end of the walk
         return Node(path, "broken", error=f"cannot open: {type(exc).__name__}: {exc}", raw=raw)
     if otype == h5i.GROUP:
@@ -116,9 +117,8 @@ def _hard(gid, name, raw, path, seen, datasets, readonly, h5py, h5i, h5o):
             return Node(path, "hard", target=seen[addr], raw=raw)
         seen[addr] = path
         return Node(path, "group", h5py.Group(oid), raw=raw)
-    seen.setdefault(addr, path)
     if otype == h5i.DATASET:
-        return Node(path, "dataset", h5py.Dataset(oid, readonly=readonly), raw=raw)
+        return Node(path, "dataset", oid if datasets == "ids" else h5py.Dataset(oid, readonly=readonly), raw=raw)
     if otype == h5i.DATATYPE:
         return Node(path, "datatype", h5py.Datatype(oid), raw=raw)
     return Node(path, "broken", error="cannot open: TypeError: Unknown object type", raw=raw)

@@ -517,10 +517,11 @@ def _read_dataset_node(node, key, label):
 PLAIN_READ_BYTES = 1 << 20
 
 
-def read_plain_dataset(node, shape, dtype):
+def read_plain_dataset(dsid, shape, dtype):
     """What ``_read_dataset_node(_checked_dataset(node, ...))`` gives of a small Dataset of plain numbers kept
-    in its own file (``shape``, ``dtype``: the Dataset's, already asked), in one low-level read without
-    h5py's per-read layers; None for anything else, and on any error (the checked read then says why)."""
+    in its own file (``dsid``: its low-level DatasetID; ``shape``, ``dtype``: its own, already asked), in one
+    low-level read without h5py's per-read layers; None for anything else, and on any error (the checked
+    read then says why)."""
     from h5py import h5d, h5s
 
     # uint16 may be a bfloat16-tagged tensor; empty, object, compound and exotic types take the checked read.
@@ -533,11 +534,11 @@ def read_plain_dataset(node, shape, dtype):
     if not 0 < size * dtype.itemsize <= PLAIN_READ_BYTES:
         return None
     try:
-        dcpl = node.id.get_create_plist()
+        dcpl = dsid.get_create_plist()
         if dcpl.get_layout() == h5d.VIRTUAL or dcpl.get_external_count():
             return None  # data outside this file: the checked read refuses it
         array = np.empty(shape, dtype=dtype)
-        node.id.read(h5s.ALL, h5s.ALL, array)
+        dsid.read(h5s.ALL, h5s.ALL, array)
     except CORRUPT_FILE_ERRORS:
         return None
     return array
@@ -584,14 +585,16 @@ def read_attributes(obj):
 def read_attributes_many(objs):
     """:func:`read_attributes` of each of ``objs`` (a run file's groups), with every scalar string attribute
     of all of them read in one guarded batch (one round trip to :mod:`qgcli.hdf5_guard`'s worker thread)."""
+    from h5py import h5a
+
     outs, strings = [], []  # strings: (dict, key, AttrID)
     for obj in objs:
         out = {}
         outs.append(out)
-        for key in obj.attrs.keys():
-            key_text = key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key
+        for key in _attribute_names(obj.id):
+            key_text = key.decode("utf-8", "surrogateescape")
             try:
-                attr = obj.attrs.get_id(key)
+                attr = h5a.open(obj.id, key)
                 dtype = attr.dtype
                 if dtype.kind == "O":
                     out[key_text] = f"<{_h5_object_kind(dtype)}: not read>"
@@ -620,6 +623,17 @@ def read_attributes_many(objs):
             elif value is not None:
                 out[key_text] = value
     return outs
+
+
+def _attribute_names(oid):
+    """The raw names of an object's attributes in ``obj.attrs.keys()``'s order (creation order where the
+    object tracks it, else by name), without h5py's per-call layers."""
+    from h5py import h5, h5a, h5p
+
+    tracked = oid.get_create_plist().get_attr_creation_order() & h5p.CRT_ORDER_TRACKED
+    names = []
+    h5a.iterate(oid, lambda name, *_: names.append(name), index_type=h5.INDEX_CRT_ORDER if tracked else h5.INDEX_NAME)
+    return names
 
 
 def _scalar_attribute(attr, dtype):

@@ -82,7 +82,7 @@ def layer_row(container, handle, path, layer, options, percentiles, device):
     from qgcli.operands import Operands
 
     operands = Operands.in_group(container, path, layer.path, _literal_specs(layer), literal_ok=("min", "max"),
-                                 nodes=layer.nodes)
+                                 known=layer.datasets)
     try:
         return _row(layer, operands, options, percentiles, device)
     except (QgcliError, ValueError) as exc:

@@ -44,14 +44,15 @@ class Operands:
         return cls(specs.bundle, specs.as_dict(), literal_ok=literal_ok)
 
     @classmethod
-    def in_group(cls, container, path, group, specs=None, *, literal_ok=(), nodes=None):
+    def in_group(cls, container, path, group, specs=None, *, literal_ok=(), known=None):
         """The operands of one group of an open run file (its datasets by TensorFlow name); ``specs``: literal
         operands given beside it (an Args group's min/max attributes).  The container stays the caller's.
-        ``nodes``: the group and datasets :func:`qgcli.runfile.discover` already opened (``Layer.nodes``)."""
+        ``known``: the datasets :func:`qgcli.runfile.discover` found hard-linked in the group
+        (``Layer.datasets``: name -> (shape, dtype)), read without looking them up again."""
         self = cls(None, dict(specs or {}), literal_ok=literal_ok)
         self.bundle_text = f"{path}:{group}"
         self.bundle_path = path
-        self._bundle_container = GroupView(container, group, nodes=nodes)
+        self._bundle_container = GroupView(container, group, known=known)
         return self
 
     @staticmethod
@@ -135,32 +136,39 @@ class GroupView:
 
     kind = "h5"
 
-    def __init__(self, container, group, *, owns=False, nodes=None):
+    def __init__(self, container, group, *, owns=False, known=None):
         from qgcli import io
 
         self._io = io
         self._container = container
+        self._group = group
         self._owns = owns
         self._label = f"{container.label}:{group.strip('/')}"
         self._resolved = {}  # name -> resolved object; each operand is looked up (and checked) once
         self._checked = {}
-        if nodes is not None:  # found by walking hard links only, as _h5_resolve would have
-            self._node = nodes["group"]
-            self._resolved.update(nodes["datasets"])
-            return
+        self._known = known or {}
+        self._gid = None  # the group's low-level id, for the known datasets' reads
+        self._node = None
+
+    def _group_node(self):
         # Resolved once: each operand is then one link below it (deep run-file paths cost nothing per read).
-        self._node = io._h5_resolve(container._opened(), group, container.label) if group.strip("/") else \
-            container._opened()
+        if self._node is None:
+            top = self._container._opened()
+            self._node = self._io._h5_resolve(top, self._group, self._container.label) if self._group.strip("/") \
+                else top
+        return self._node
 
     def _resolve(self, name):
         node = self._resolved.get(name)
         if node is None:
-            node = self._resolved[name] = self._io._h5_resolve(self._node, name, self._label)
+            node = self._resolved[name] = self._io._h5_resolve(self._group_node(), name, self._label)
         return node
 
     def has(self, name):
         from qgcli.errors import FileFormatError
 
+        if name in self._known:
+            return True
         try:
             self._resolve(name)
             return True
@@ -171,7 +179,24 @@ class GroupView:
         from qgcli.signals import deferred
 
         with deferred():
-            return self._io._read_dataset_node(self.dataset(name), name, self._label)
+            array = self._read_known(name) if name in self._known else None
+            return array if array is not None else self._io._read_dataset_node(self.dataset(name), name, self._label)
+
+    def _read_known(self, name):
+        """A small plain dataset discovery found (its path all hard links, as :func:`io._h5_resolve` would
+        follow) in one low-level open and read; None where the checked read must decide."""
+        import numpy as np
+        from h5py import h5d, h5g
+
+        shape, dtype = self._known[name]
+        try:
+            if self._gid is None:
+                raw = self._group.encode("utf-8", "surrogateescape")
+                self._gid = h5g.open(self._container._opened().id, raw or b"/")
+            dsid = h5d.open(self._gid, name.encode("utf-8", "surrogateescape"))
+            return self._io.read_plain_dataset(dsid, shape, np.dtype(dtype))
+        except (TypeError, ValueError, KeyError, *self._io.CORRUPT_FILE_ERRORS):
+            return None
 
     def dataset(self, name):
         ds = self._checked.get(name)

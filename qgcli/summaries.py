@@ -31,6 +31,11 @@ def json_safe(value):
         return value
     if t is list or t is tuple:
         isfinite = math.isfinite
+        try:
+            if all(map(isfinite, value)):  # every item a finite number (per-channel statistics): unchanged
+                return list(value)
+        except TypeError:  # an item that is no number
+            pass
         return [v if (type(v) is float and isfinite(v)) or type(v) is int or type(v) is str else json_safe(v)
                 for v in value]
     if t is dict:

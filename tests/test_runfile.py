@@ -295,3 +295,41 @@ def test_large_group_streams_under_memory_limit_like_a_bundle(tmp_path):
     # In memory the run holds both operands and the output (96 MiB); streamed, a few 8 MiB blocks.
     assert streamed < in_memory - 40, (streamed, single, in_memory)
     assert streamed < single + 24, (streamed, single)
+
+
+def test_group_operands_found_by_discovery_read_as_the_checked_read(tmp_path):
+    """A layer's datasets are read in one low-level call each (their path known from the walk); every kind
+    of dataset gives what the checked read gives, and what that read refuses is still refused."""
+    from qgcli import io as qio
+    from qgcli import runfile
+    from qgcli.errors import FileFormatError
+    from qgcli.operands import GroupView
+
+    rng = np.random.default_rng(5)
+    path = tmp_path / "run.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("step_0/läyer")
+        g.attrs["op"] = "FakeQuantWithMinMaxVars"
+        g["big_endian"] = rng.standard_normal((3, 4)).astype(">f4")
+        g["scalar"] = np.float32(1.5)
+        g["bf16"] = np.arange(4, dtype=np.uint16)
+        g["bf16"].attrs["dtype"] = "bfloat16"
+        g["large"] = rng.standard_normal(300_000).astype(np.float32)  # over the one-call read's size
+        g.create_dataset("gzip", data=rng.standard_normal((20, 20)), chunks=(5, 5), compression="gzip")
+        g.create_dataset("external", shape=(4,), dtype="f4", external=[(str(tmp_path / "raw.bin"), 0, 16)])
+    container = qio.Container.open(str(path))
+    try:
+        (layer,) = runfile.discover(container._opened())
+        fast = GroupView(container, layer.path, known=layer.datasets)
+        checked = GroupView(container, layer.path)
+        for name in ("big_endian", "scalar", "bf16", "large", "gzip"):
+            assert fast.has(name)
+            a, b = fast.read(name), checked.read(name)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a, b)
+        # the small plain ones took the one-call read; bfloat16 tags and large ones the checked read
+        assert set(fast._checked) == {"bf16", "large"}
+        with pytest.raises(FileFormatError, match="external file"):
+            fast.read("external")
+    finally:
+        container.close()

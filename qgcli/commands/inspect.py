@@ -225,7 +225,7 @@ def _read_open(obj, name, label, shape, dtype):
     from qgcli import io
     from qgcli.errors import FileFormatError
 
-    array = io.read_plain_dataset(obj, shape, dtype)
+    array = io.read_plain_dataset(obj.id, shape, dtype)
     if array is None:
         try:
             array = io._read_dataset_node(io._checked_dataset(obj, name, label), name, label)

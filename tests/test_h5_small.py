@@ -1,0 +1,62 @@
+"""qgcli.h5_small makes the objects h5py's high-level calls make: the two files come out byte for byte equal."""
+import h5py
+import numpy as np
+import pytest
+
+from qgcli.h5_small import SmallWriter
+
+ATTRS = {"qgcli_version": "1.0", "op": "FakeQuantWithMinMaxVarsPerChannelGradient", "num_bits": 8,
+         "narrow_range": False, "min": -0.5, "unicode": "µ-law", "vector": np.arange(3, dtype=np.int16)}
+
+
+def arrays(rng):
+    return {"backprops_wrt_input": rng.standard_normal((4, 6)).astype(np.float32),
+            "backprop_wrt_min": rng.standard_normal(6).astype(np.float64),
+            "counts": np.arange(5, dtype=">i4"), "mask": np.array([True, False]),
+            "scalar": np.array(2.5, dtype=np.float32), "empty": np.zeros((0, 3), np.float32)}
+
+
+def high_level(f, path, data, attrs):
+    grp = f.require_group(path)
+    for name, array in data.items():
+        grp.create_dataset(name, data=array)
+    for key, value in attrs.items():
+        grp.attrs[key] = value
+
+
+def low_level(f, path, data, attrs):
+    writer = SmallWriter(f)
+    gid = writer.group(path)
+    grp = h5py.Group(gid)
+    for name, array in data.items():
+        if not writer.dataset(gid, name, array):
+            grp.create_dataset(name, data=array)  # the caller's own call, as the run-file writer does
+    writer.attributes(gid, attrs)
+
+
+@pytest.mark.parametrize("paths", [["a/b/c"], ["x", "x/y"], ["/"], ["step_0/läyer 1", "step_0/läyer 2"]])
+def test_same_file_bytes_as_h5py_high_level_calls(tmp_path, paths):
+    rng = np.random.default_rng(0)
+    content = [(p, arrays(rng)) for p in paths]
+    files = {}
+    for way, write in (("high", high_level), ("low", low_level)):
+        files[way] = tmp_path / f"{way}.h5"
+        with h5py.File(files[way], "w") as f:
+            for path, data in content:
+                write(f, path, data, ATTRS)
+    with h5py.File(files["low"], "r") as f:  # what the low-level path was asked for is there
+        grp = f[paths[-1]]
+        np.testing.assert_array_equal(grp["backprops_wrt_input"][()], content[-1][1]["backprops_wrt_input"])
+        assert grp.attrs["op"] == ATTRS["op"] and grp.attrs["narrow_range"] == np.False_
+        assert grp["counts"].dtype == np.dtype(">i4") and grp["empty"].shape == (0, 3)
+    assert files["low"].read_bytes() == files["high"].read_bytes()
+
+
+def test_existing_attributes_are_replaced(tmp_path):
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        writer = SmallWriter(f)
+        gid = writer.group("g")
+        writer.attributes(gid, {"op": "a", "num_bits": 8})
+        writer.attributes(gid, {"op": "b"})
+        assert dict(f["g"].attrs) == {"op": "b", "num_bits": 8}
+        assert writer.group("g") == gid  # an existing group is opened, not refused
