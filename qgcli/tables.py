@@ -114,10 +114,17 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
         wide = wide or bool(_CHOICE["wide"])
         if columns is None and _CHOICE["columns"] is not None:
             columns = parse_columns(_CHOICE["columns"], cols, others=choice_others)
-    rows = [[_text(c) for c in r] for r in rows]
+    is_plain = plain(console)
+    if is_plain:  # no styles off a terminal: the cells' text only
+        from rich.cells import cell_len
+
+        rows = [[c.plain if isinstance(c, Text) else "" if c is None else str(c) for c in r] for r in rows]
+        widths = [max([len(c.name)] + [cell_len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    else:
+        rows = [[_text(c) for c in r] for r in rows]
+        widths = [max([len(c.name)] + [r[i].cell_len for r in rows]) for i, c in enumerate(cols)]
     styles = list(styles) if styles is not None else [None] * len(rows)
     index = {c.name: i for i, c in enumerate(cols)}
-    widths = [max([len(c.name)] + [r[i].cell_len for r in rows]) for i, c in enumerate(cols)]
 
     def total(idx):
         return sum(widths[i] for i in idx) + GAP * (len(idx) - 1)
@@ -131,7 +138,6 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
         shown = list(range(len(cols)))
         chosen = wide
     width = console.width
-    is_plain = plain(console)
     dropped = []
     if not is_plain and not chosen:
         # Drop the least important columns (the rightmost first among equals) until the table fits.
@@ -146,6 +152,8 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
         console.print(_text(title), style="bold", soft_wrap=True)
     if blocks:
         _print_blocks(console, cols, rows, styles, shown)
+    elif is_plain:
+        _write_plain(console, cols, shown, widths, [[c.name for c in cols]] + rows)
     else:
         # Laid out here rather than by rich's Table, whose column widths differ between rich releases (13.0
         # widened and then cropped a table measured to fit): each cell padded to its measured width.
@@ -189,6 +197,29 @@ def _line(cols, shown, widths, cells, style):
     if style:
         line.stylize(style)
     return line
+
+
+def _write_plain(console, cols, shown, widths, rows):
+    """The lines :func:`_line` gives, as plain text written straight to the console's file in large blocks:
+    rich takes ~0.15 ms a line, and an inspect of 20,000 groups prints 80,000 lines."""
+    from rich.cells import cell_len
+
+    last = shown[-1]
+    lines = []
+    for cells in rows:
+        parts = []
+        for i in shown:
+            text = cells[i]
+            pad = widths[i] - cell_len(text)
+            justify = cols[i].justify
+            left = pad if justify == "right" else pad // 2 if justify == "center" else 0
+            parts.append(" " * left + text + (" " * (pad - left) if i != last else ""))
+        lines.append((" " * GAP).join(parts))
+        if len(lines) >= 4096:
+            console.file.write("\n".join(lines) + "\n")
+            lines.clear()
+    if lines:
+        console.file.write("\n".join(lines) + "\n")
 
 
 def _print_blocks(console, cols, rows, styles, shown):

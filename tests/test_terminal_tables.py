@@ -233,3 +233,33 @@ def test_more_tables_fit_80_columns_and_are_never_cut(tmp_path):
         assert any(ln.split() and ln.split()[0] == name for ln in sections["layers"]), (name, text["layers"])
     # torchao's block report
     assert "block" in text["torchao"] and "blocked" in text["torchao"] and "Verdict" in text["torchao"]
+
+
+def test_plain_tables_are_the_lines_rich_prints():
+    """Off a terminal a table is written as plain text in blocks; its bytes are what rich prints of the same
+    laid-out lines (wide characters, every justification, styled Text cells, None and numbers)."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from qgcli import tables
+    from qgcli.summaries import _PLAIN_WIDTH
+
+    cols = [tables.Col("name", justify="left", priority=0), tables.Col("n"), tables.Col("mid", justify="center"),
+            tables.Col("note", justify="left")]
+    rows = [["a", 1, "x", None], ["长名字", 22.5, Text("styled", style="red"), "µ ünï"], ["", -3, "", "end"]]
+    rows += [[f"g{i}", i, "·" * (i % 5), "z" * (i % 3)] for i in range(5000)]  # more than one block
+    buf = io.StringIO()
+    console = Console(file=buf, highlight=False, emoji=False, width=_PLAIN_WIDTH, no_color=True)
+    assert tables.plain(console)
+    tables.print_table(console, cols, rows, legend=False)
+    cells = [[tables._text(c) for c in r] for r in rows]
+    widths = [max([len(c.name)] + [r[i].cell_len for r in cells]) for i, c in enumerate(cols)]
+    expected = io.StringIO()
+    reference = Console(file=expected, highlight=False, emoji=False, width=_PLAIN_WIDTH, no_color=True)
+    shown = list(range(len(cols)))
+    for line in [[Text(c.name, style="bold") for c in cols]] + cells:
+        reference.print(tables._line(cols, shown, widths, line, None), soft_wrap=True, crop=False)
+    assert buf.getvalue() == expected.getvalue()
+    assert buf.getvalue().splitlines()[2].startswith("长名字  22.5")
