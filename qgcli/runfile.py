@@ -200,6 +200,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     from qgcli import h5walk, io
     from qgcli.errors import FileFormatError
     from qgcli.signals import deferred
+    from qgcli.summaries import dtype_name
 
     label = label or handle.filename
     top = handle
@@ -235,7 +236,8 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
             elif node.kind == "dataset":
                 parent, _, name = node.raw.rpartition(b"/")
                 ds = node.obj  # a DatasetID, closed again at once: an open HDF5 dataset costs tens of KB
-                children["/" + _text(parent) if parent else "/"].append((_text(name), ds.shape, str(ds.dtype)))
+                where = "/" + _text(parent) if parent else "/"
+                children[where].append((_text(name), ds.shape, dtype_name(ds.dtype)))
         flush()
         layers = []
         for path, attrs, _ in groups:
