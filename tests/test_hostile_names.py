@@ -136,6 +136,25 @@ def test_text_output_on_a_pipe_is_escaped_and_json_keeps_exact_names(evil):
     assert {lk["path"] for lk in entry["links"]} == {EVIL + "soft", EVIL + "external"}
 
 
+def test_names_that_form_markup_only_together_print_as_they_are(tmp_path):
+    """A group "[" whose attribute is "]": each escaped alone is no tag, but "[" + "/  (" + "]" is one (the long
+    fuzz campaign found it); so is a link "[/x" to "]".  The lines print the names as they are."""
+    from click.testing import CliRunner
+
+    from qgcli.cli import main
+
+    path = tmp_path / "tags.h5"
+    with h5py.File(path, "w") as f:
+        f["inputs"] = np.zeros(3, np.float32)
+        f.create_group("[").attrs["]"] = "0"
+        f["[/x"] = h5py.SoftLink("/]")
+        f.attrs["[a"] = "]"
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "group [/  (]=0)" in r.output and "soft link [/x -> /] (not followed)" in r.output
+    assert "[a: ]" in r.output
+
+
 # --- file-system paths -------------------------------------------------------------------------------------
 
 HOSTILE_PATHS = ["outputs", "..", ".", "../../x", "/abs/olute", "a\\..\\b", "con", "NUL.txt", "com1", EVIL,

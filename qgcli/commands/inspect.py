@@ -417,7 +417,7 @@ def render_inspect(console, doc):
             print_items(console, f"  {escape(line)}")
             file_attrs = {k: v for k, v in file_attrs.items() if k not in _PROVENANCE}
         for k, v in file_attrs.items():
-            print_items(console, f"  {escape(k)}: {escape(str(v))}")
+            print_items(console, f"  {k}: {v}", markup=False)
         if f.get("layers"):
             rows = []
             for lay in f["layers"]:
@@ -444,11 +444,12 @@ def render_inspect(console, doc):
             print_table(console, _TENSOR_COLS, rows, styles=styles, choice=True)
         for g in f["groups"]:
             if g["path"] != "/":
-                attrs = f"  ({escape(_attr_text(g['attributes']))})" if g["attributes"] else ""
-                print_items(console, f"  group {escape(g['path'])}/{attrs}")
+                attrs = f"  ({_attr_text(g['attributes'])})" if g["attributes"] else ""
+                # Plain text, not markup: names escaped one by one still form a tag together ("[" + "/  (]").
+                print_items(console, f"  group {g['path']}/{attrs}", markup=False)
         for lk in f["links"]:
             how = {"external": "not followed", "soft": "not followed", "hard": "listed once"}.get(lk["kind"], "not a tensor")
-            print_items(console, f"  {lk['kind']} link {escape(lk['path'])} -> {escape(lk['target'])} ({how})")
+            print_items(console, f"  {lk['kind']} link {lk['path']} -> {lk['target']} ({how})", markup=False)
         for note in notes:
             print_items(console, f"  [yellow]{escape(note)}[/]")
 
