@@ -70,7 +70,16 @@ def test_streamed_compressed_output_is_the_in_memory_file(cli, tmp_path, compres
         for name in m:
             assert (s[name].chunks, s[name].compression) == (m[name].chunks, m[name].compression)
             assert np.array_equal(s[name][()].view(np.uint32), m[name][()].view(np.uint32))
-        assert _chunks_of(s["backprops_wrt_input"]) == _chunks_of(m["backprops_wrt_input"])
+        got, want = _chunks_of(s["backprops_wrt_input"]), _chunks_of(m["backprops_wrt_input"])
+        if compression == "gzip":
+            assert got == want
+        else:
+            # h5py's LZF leaves its hash table uninitialised (INIT_HTAB 0), so the same chunk may compress to
+            # other (valid) bytes from one call to the next (1 run in 20 here): the same chunks, masks and
+            # data, and about the same size; a chunk written twice would leave the file larger.
+            assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+            assert abs(sum(len(v[1]) for v in got.values()) / sum(len(v[1]) for v in want.values()) - 1) < 0.01
+    assert abs(streamed.stat().st_size / in_memory.stat().st_size - 1) < 0.01
 
 
 def test_a_chunk_row_over_the_budget_gets_one_item_per_chunk(cli, tmp_path):
