@@ -21,10 +21,12 @@ def refuse_outside(torchao, quantize_dtype):
     """Without --semantics torchao: its options do not apply (a torchao --dtype neither)."""
     import click
 
-    from qgcli.ops.torchao_semantics import FLOAT8_DTYPES, INT_DTYPES
-
     for field, value in torchao.given().items():
         raise click.BadParameter("only applies to --semantics torchao", param_hint=f"'{OPTION_NAMES[field]}'")
+    if quantize_dtype is None:
+        return  # (torchao's dtype lists not imported: most commands give no --dtype)
+    from qgcli.ops.torchao_semantics import FLOAT8_DTYPES, INT_DTYPES
+
     if quantize_dtype in INT_DTYPES + FLOAT8_DTYPES:
         raise click.BadParameter(f"{quantize_dtype} is a torchao dtype: it only applies to --semantics torchao",
                                  param_hint="'--dtype'")
