@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from qgcli import h5_chunks
+from qgcli.ops import native
 
 
 def _tensor(shape, seed):
@@ -35,7 +36,24 @@ def test_chunks_are_the_bytes_hdf5_writes(tmp_path, compression, shape):
         assert (got.chunks, got.compression, got.compression_opts) == (want.chunks, want.compression,
                                                                        want.compression_opts)
         assert np.array_equal(got[()].view(np.uint32), a.view(np.uint32))
-        assert _chunks_of(got) == _chunks_of(want)  # edge chunks padded as HDF5 pads them
+        if compression == "gzip":
+            assert _chunks_of(got) == _chunks_of(want)  # edge chunks padded as HDF5 pads them
+        else:  # qgcli's own LZF bytes: the chunks decode to what HDF5's decode to, padding included
+            assert _decoded(got) == _decoded(want)
+
+
+def _decoded(ds):
+    """Every stored chunk of ``ds`` decoded by HDF5 (edge chunks whole, with their padding)."""
+    out = {}
+    with h5py.File("decode.h5", "w", driver="core", backing_store=False) as scratch:
+        for k, (offset, (mask, data)) in enumerate(_chunks_of(ds).items()):
+            if mask:  # stored raw
+                out[offset] = (mask, bytes(data))
+                continue
+            one = scratch.create_dataset(str(k), shape=ds.chunks, dtype=ds.dtype, chunks=ds.chunks, compression="lzf")
+            one.id.write_direct_chunk((0,) * len(ds.chunks), data, filter_mask=mask)
+            out[offset] = (mask, one[()].tobytes())
+    return out
 
 
 def test_lzf_chunk_that_does_not_shrink_is_stored_raw(tmp_path):
@@ -71,7 +89,7 @@ def test_streamed_compressed_output_is_the_in_memory_file(cli, tmp_path, compres
             assert (s[name].chunks, s[name].compression) == (m[name].chunks, m[name].compression)
             assert np.array_equal(s[name][()].view(np.uint32), m[name][()].view(np.uint32))
         got, want = _chunks_of(s["backprops_wrt_input"]), _chunks_of(m["backprops_wrt_input"])
-        if compression == "gzip":
+        if compression == "gzip" or native.library() is not None:  # qgcli's LZF is deterministic
             assert got == want
         else:
             # h5py's LZF leaves its hash table uninitialised (INIT_HTAB 0), so the same chunk may compress to
@@ -93,3 +111,40 @@ def test_a_chunk_row_over_the_budget_gets_one_item_per_chunk(cli, tmp_path):
         assert want.chunks == h5_chunks.chunk_shape(want.shape, 4) and want.chunks[0] == 4
         assert got.chunks == (1,) + want.chunks[1:]
         assert np.array_equal(got[()].view(np.uint32), want[()].view(np.uint32))
+
+
+def _chunk_bytes(rng, kind, n):
+    if kind == "random":
+        return rng.integers(0, 256, n, dtype=np.uint8)
+    if kind == "runs":
+        return np.repeat(rng.integers(0, 4, n // 7 + 1, dtype=np.uint8), 7)[:n]
+    if kind == "gradient":
+        g = rng.standard_normal(n // 4 + 1).astype(np.float32)
+        g[rng.random(g.size) < 0.3] = 0
+        return g.view(np.uint8)[:n]
+    period = rng.integers(1, 9000)  # repeats nearer and farther than LZF's 8192-byte reach
+    return np.tile(rng.integers(0, 256, period, dtype=np.uint8), n // period + 1)[:n]
+
+
+@pytest.mark.skipif(native.library() is None, reason="the compiled kernels are not built")
+@pytest.mark.parametrize("kind", ["random", "runs", "gradient", "periodic"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 31, 32, 33, 300, 70_000, 1 << 20])
+def test_qgcli_lzf_chunks_decode_with_h5py_and_repeat(tmp_path, kind, n):
+    """qgcli's LZF compressor writes streams HDF5's LZF filter decodes to the same bytes, the same bytes on
+    every call, and 0 (the chunk is stored raw) where the stream would not be shorter."""
+    rng = np.random.default_rng(n)
+    data = _chunk_bytes(rng, kind, n)
+    lzf = native.library().qg_lzf_compress
+    out, again = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    size = lzf(data.ctypes.data, n, out.ctypes.data, n)
+    assert 0 <= size <= n and lzf(data.ctypes.data, n, again.ctypes.data, n) == size
+    assert out[:size].tobytes() == again[:size].tobytes()
+    if kind == "runs" and n >= 300:
+        assert 0 < size < n * 0.7  # repeats do compress
+    with h5py.File(tmp_path / "c.h5", "w") as f:
+        ds = f.create_dataset("c", shape=(n,), dtype=np.uint8, chunks=(n,), compression="lzf")
+        ds.id.write_direct_chunk((0,), out[:size] if size else data, filter_mask=0 if size else 1)
+    with h5py.File(tmp_path / "c.h5", "r") as f:
+        assert f["c"][()].tobytes() == data.tobytes()
+    if size > 8:
+        assert lzf(data.ctypes.data, n, out.ctypes.data, size - 1) == 0  # one byte short: does not fit

@@ -345,7 +345,72 @@ void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 3; }
+/* --- LZF compression (the format HDF5's LZF filter 32000 decodes), deterministic ----------------------
+ *
+ * The stream is a sequence of literal runs (a byte c < 32, then c + 1 bytes) and back references (a byte
+ * holding (length - 2) << 5 when length - 2 < 7, else 7 << 5 and one more byte length - 9, both with the
+ * distance - 1's high 5 bits, then the low 8 bits): lengths 3..264, distances 1..8192.  Greedy matching
+ * on a hash of 3 bytes, looking at fewer positions the longer nothing matches; the table (16 K positions,
+ * 64 KB: it stays in cache) cleared on every call so that the same chunk always gives the same bytes.  Returns the stream's length, or 0 where it would not fit
+ * in `cap` bytes (the caller then stores the chunk raw, as h5py's filter does). */
+#define QG_LZF_HLOG 14
+#define QG_LZF_MAX_OFF 8192
+#define QG_LZF_MAX_LEN 264
+#define QG_LZF_MAX_LIT 32
+
+static inline uint32_t qg_lzf_hash(const uint8_t *p) {
+    uint32_t v = ((uint32_t)p[0] << 16) | ((uint32_t)p[1] << 8) | p[2];
+    return (v * 2654435761u) >> (32 - QG_LZF_HLOG);
+}
+
+/* Literal runs of in[start, end) at out + *o; 0 when they do not fit. */
+static inline int qg_lzf_literals(const uint8_t *in, int64_t start, int64_t end, uint8_t *out, int64_t *o,
+                                  int64_t cap) {
+    while (start < end) {
+        int64_t run = end - start < QG_LZF_MAX_LIT ? end - start : QG_LZF_MAX_LIT;
+        if (*o + 1 + run > cap) return 0;
+        out[(*o)++] = (uint8_t)(run - 1);
+        memcpy(out + *o, in + start, (size_t)run);
+        *o += run;
+        start += run;
+    }
+    return 1;
+}
+
+int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap) {
+    uint32_t *table = calloc((size_t)1 << QG_LZF_HLOG, sizeof(uint32_t)); /* position + 1; 0: none */
+    if (!table) return 0;
+    int64_t ip = 0, lit = 0, o = 0, misses = 0;
+    while (ip + 2 < n) {
+        uint32_t h = qg_lzf_hash(in + ip);
+        int64_t cand = (int64_t)table[h] - 1;
+        table[h] = (uint32_t)(ip + 1);
+        if (cand < 0 || ip - cand > QG_LZF_MAX_OFF || in[cand] != in[ip] || in[cand + 1] != in[ip + 1]
+            || in[cand + 2] != in[ip + 2]) {
+            ip += 1 + (misses++ >> 5); /* incompressible bytes (random mantissas): look less often */
+            continue;
+        }
+        misses = 0;
+        int64_t limit = n - ip < QG_LZF_MAX_LEN ? n - ip : QG_LZF_MAX_LEN, len = 3;
+        while (len < limit && in[cand + len] == in[ip + len]) ++len;
+        if (!qg_lzf_literals(in, lit, ip, out, &o, cap) || o + 3 > cap) { free(table); return 0; }
+        int64_t off = ip - cand - 1, code = len - 2;
+        if (code < 7) {
+            out[o++] = (uint8_t)((code << 5) | (off >> 8));
+        } else {
+            out[o++] = (uint8_t)((7 << 5) | (off >> 8));
+            out[o++] = (uint8_t)(code - 7);
+        }
+        out[o++] = (uint8_t)(off & 0xff);
+        ip += len;
+        lit = ip;
+    }
+    int ok = qg_lzf_literals(in, lit, n, out, &o, cap);
+    free(table);
+    return ok ? o : 0;
+}
+
+int qg_abi_version(void) { return 4; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {
