@@ -147,7 +147,6 @@ class GroupView:
         self._resolved = {}  # name -> resolved object; each operand is looked up (and checked) once
         self._checked = {}
         self._known = known or {}
-        self._gid = None  # the group's low-level id, for the known datasets' reads
         self._node = None
 
     def _group_node(self):
@@ -183,19 +182,15 @@ class GroupView:
             return array if array is not None else self._io._read_dataset_node(self.dataset(name), name, self._label)
 
     def _read_known(self, name):
-        """A small plain dataset discovery found (its path all hard links, as :func:`io._h5_resolve` would
-        follow) in one low-level open and read; None where the checked read must decide."""
+        """A small plain dataset that discovery found, looked up as the checked read looks it up and read in
+        one low-level call; None where the checked read must decide.  (Opened with h5g/h5d.open from the file
+        instead, 30% faster, HDF5 kept ~11 KB more per group until the file closed: 220 MB at 20,000 groups.)"""
         import numpy as np
-        from h5py import h5d, h5g
 
         shape, dtype = self._known[name]
         try:
-            if self._gid is None:
-                raw = self._group.encode("utf-8", "surrogateescape")
-                self._gid = h5g.open(self._container._opened().id, raw or b"/")
-            dsid = h5d.open(self._gid, name.encode("utf-8", "surrogateescape"))
-            return self._io.read_plain_dataset(dsid, shape, np.dtype(dtype))
-        except (TypeError, ValueError, KeyError, *self._io.CORRUPT_FILE_ERRORS):
+            return self._io.read_plain_dataset(self._resolve(name).id, shape, np.dtype(dtype))
+        except self._io.CORRUPT_FILE_ERRORS:
             return None
 
     def dataset(self, name):
