@@ -299,6 +299,11 @@ def _limit(nbytes):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
 
 
+# Under the limit Python's own bytecode cache must not be written: its write stops short without an error,
+# and the truncated .pyc ("marshal data too short") then broke every later import of that module.
+NO_BYTECODE = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+
+
 def test_disk_full_is_a_clean_error(big, tmp_path):
     """Every output kind (and a figure) past a file-size limit: exit 1, one line, nothing left."""
     bundle, _ = big
@@ -313,7 +318,7 @@ def test_disk_full_is_a_clean_error(big, tmp_path):
     runs = {}
     for kind, args in cases.items():
         (tmp_path / kind).mkdir(exist_ok=True)
-        runs[kind] = Run(args, tmp_path / kind, args[-1], kind,
+        runs[kind] = Run(args, tmp_path / kind, args[-1], kind, env=NO_BYTECODE,
                          preexec_fn=_limit(16 << 10 if kind == "png" else 1 << 20))  # outputs: 8 MiB, ~60 KiB
     before = os.stat(bundle).st_mtime_ns, os.path.getsize(bundle)
     for kind, run in runs.items():
