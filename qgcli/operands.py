@@ -48,7 +48,7 @@ class Operands:
         """The operands of one group of an open run file (its datasets by TensorFlow name); ``specs``: literal
         operands given beside it (an Args group's min/max attributes).  The container stays the caller's.
         ``known``: the datasets :func:`qgcli.runfile.discover` found hard-linked in the group
-        (``Layer.datasets``: name -> (shape, dtype)), read without looking them up again."""
+        (``Layer.datasets``: name -> (shape, dtype)), the small ones read in one low-level call each."""
         self = cls(None, dict(specs or {}), literal_ok=literal_ok)
         self.bundle_text = f"{path}:{group}"
         self.bundle_path = path

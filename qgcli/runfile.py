@@ -194,7 +194,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     shapes of its datasets; a group that names no group is a FileFormatError.  One walk
     (:mod:`qgcli.h5walk`, whose bounds it enforces), the groups' attributes read in batches as it goes.
     Nothing stays open (holding every layer's open objects made memory grow with the file: 20,000 groups,
-    1.2 GB): running a layer opens its group again, and reads the datasets found here without looking them up."""
+    1.2 GB): running a layer opens its group again, and reads the small datasets found here in one call each."""
     import h5py
 
     from qgcli import h5walk, io
