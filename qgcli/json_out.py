@@ -55,6 +55,7 @@ def write(doc, stream, *, default):
         else:
             value(default(o), level)
 
+    # array() and obj() share their shape; kept apart, each loop stays free of a per-item branch.
     def array(o, level):
         if not o:
             out.append("[]")
