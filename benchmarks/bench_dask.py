@@ -33,21 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-def make_run(path, groups, seed=0):
-    import h5py
-
-    rng = np.random.default_rng(seed)
-    with h5py.File(path, "w") as f:
-        for i in range(groups):
-            w = rng.standard_normal((256, 256)).astype(np.float32)
-            hi = (np.abs(w).max(axis=0) * 0.8).astype(np.float32)
-            g = f.create_group(f"step_0/block_{i // 10:03d}/layer_{i % 10}/weight_quant")
-            g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
-            g.attrs["num_bits"] = 8
-            for k, v in dict(inputs=w, min=-hi, max=hi,
-                             gradients=(rng.standard_normal(w.shape) * 1e-2).astype(np.float32)).items():
-                g[k] = v
+from weight_runs import make_weight_run  # noqa: E402 - beside this script
 
 
 def make_store(path, mib, seed=0):
@@ -105,7 +91,7 @@ def main():
     os.makedirs(folder, exist_ok=True)
     run, store = os.path.join(folder, "run.h5"), os.path.join(folder, "big.zarr")
     if not os.path.exists(run):
-        make_run(run, args.groups)
+        make_weight_run(run, args.groups, side=256)
     if not os.path.exists(store):
         make_store(store, args.tensor_mib)
     print(f"{os.cpu_count()} CPU cores; run file {os.path.getsize(run) / 2**20:.0f} MiB ({args.groups} groups), "

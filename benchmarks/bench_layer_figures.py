@@ -12,21 +12,7 @@ import sys
 import tempfile
 import time
 
-import h5py
-import numpy as np
-
-
-def make(path, groups, rng):
-    with h5py.File(path, "w") as f:
-        for i in range(groups):
-            w = rng.standard_normal((64, 64)).astype(np.float32)
-            hi = np.abs(w).max(axis=0).astype(np.float32) * 0.8
-            g = f.create_group(f"step_0/block_{i // 10:03d}/layer_{i % 10}/weight_quant")
-            g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
-            g.attrs["num_bits"] = 8
-            for k, v in dict(inputs=w, min=-hi, max=hi,
-                             gradients=(rng.standard_normal(w.shape) * 1e-2).astype(np.float32)).items():
-                g[k] = v
+from weight_runs import make_weight_run
 
 
 def main():
@@ -40,7 +26,7 @@ def main():
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.h5")
-        make(path, args.groups, np.random.default_rng(0))
+        make_weight_run(path, args.groups)
         tasks, _ = layer_figures.plan(path, args.kind)
         results = {}
         for jobs in sorted({1, cores}):

@@ -12,24 +12,7 @@ import sys
 import tempfile
 import time
 
-import h5py
-import numpy as np
-
-
-def make(path, groups, rng):
-    arrays = []
-    with h5py.File(path, "w") as f:
-        for i in range(groups):
-            w = rng.standard_normal((64, 64)).astype(np.float32)
-            hi = np.abs(w).max(axis=0).astype(np.float32) * 0.8
-            g = f.create_group(f"step_0/block_{i // 10:03d}/layer_{i % 10}/weight_quant")
-            g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
-            g.attrs["num_bits"] = 8
-            gr = (rng.standard_normal(w.shape) * 1e-2).astype(np.float32)
-            for k, v in dict(inputs=w, min=-hi, max=hi, gradients=gr).items():
-                g[k] = v
-            arrays.append((gr, w, -hi, hi))
-    return arrays
+from weight_runs import make_weight_run
 
 
 def best(fn, repeat=3):
@@ -54,7 +37,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "run.h5")
-        arrays = make(path, args.groups, np.random.default_rng(0))
+        arrays = make_weight_run(path, args.groups)
         runner = CliRunner()
 
         def grad_ops():
