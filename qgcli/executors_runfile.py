@@ -13,7 +13,9 @@ import click
 
 
 def execute_run(job, *, runner_for, memory_plan, remote=None):
-    """Run a :class:`qgcli.jobs.RunFileJob`; returns its summary (a JSON-safe dict).
+    """Run a :class:`qgcli.jobs.RunFileJob`; returns its summary (a JSON-safe dict): one ``layers`` entry
+    per group that ran, whole with ``job.output.as_json`` and for the table's first :data:`TABLE_ROWS`,
+    path, op, family and overrides only for the others (see :func:`_record`).
 
     ``runner_for`` and ``memory_plan`` are :mod:`qgcli.executors`' own (handed over, so that the import runs
     one way: executors -> executors_runfile).  ``remote`` (:mod:`qgcli.executors_dask`) computes the groups
@@ -180,9 +182,17 @@ def _provenance(attrs):
     return {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
 
 
-def _record(ran, layer, group_job, summary, overrides):
+#: Groups the rendered table shows (the rest are counted).
+TABLE_ROWS = 40
+
+
+def _record(job, ran, layer, group_job, summary, overrides):
+    """One ran group.  Its whole summary is kept only where it will be shown (``--json``, or a row of the
+    table): 20,000 groups' summaries are 100 MB, and memory must not grow with the groups beyond the
+    listing.  Past the table, without --json, a group keeps its path, op, family and overrides."""
+    keep = job.output.as_json or len(ran) < TABLE_ROWS
     ran.append({"path": layer.path, "op": layer.op, "job_op": summary.get("op"), "family": group_job.family,
-                "overrides": overrides, "summary": summary})
+                "overrides": overrides, "summary": summary if keep else {}})
 
 
 def _write_h5(job, container, path, layers, tmp, ran, skipped):
@@ -223,7 +233,7 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
                 writer.attributes(grp.id, attrs)
             finally:
                 operands.close()
-            _record(ran, layer, group_job, summary, overrides)
+            _record(job, ran, layer, group_job, summary, overrides)
 
 
 def _fits(layer, group_job, budgets):
@@ -275,7 +285,7 @@ def _in_memory(job, container, path, layers, ran, skipped):
             operands.close()
         if result is None:
             continue
-        _record(ran, layer, group_job, result.summary, overrides)
+        _record(job, ran, layer, group_job, result.summary, overrides)
         yield layer, {k: to_numpy(v) for k, v in result.outputs.items()}, result.attrs
 
 
@@ -404,7 +414,7 @@ def render_run(console, s):
                                           ("clip<", "clip>", "blocked"))
     for col in columns:
         table.add_column(col, justify="left" if col in ("group", "op") else "right")
-    for layer in s["layers"][:40]:
+    for layer in s["layers"][:TABLE_ROWS]:
         inputs = layer.get("inputs", {})
         shape = (inputs.get("x") or inputs.get("inputs") or {}).get("shape")
         row = [text(layer["path"]), text(layer["op"] or ""), "x".join(str(d) for d in shape) if shape else "-"]
@@ -417,8 +427,8 @@ def render_run(console, s):
                     _share(st.get("gradient_blocked"), percent)]
         table.add_row(*row)
     console.print(table)
-    if len(s["layers"]) > 40:
-        console.print(f"... {len(s['layers']) - 40} more groups (--json for all)")
+    if len(s["layers"]) > TABLE_ROWS:
+        console.print(f"... {len(s['layers']) - TABLE_ROWS} more groups (--json for all)")
     for item in s["invalid"]:
         console.print(f"[yellow]skipped[/] {text(item['path'])}: {text(item['reason'])}", soft_wrap=True)
     for note in s["notes"]:

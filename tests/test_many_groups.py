@@ -205,3 +205,29 @@ def test_json_written_in_blocks():
         sys.stdout = saved
     assert text == json.dumps(doc, indent=2) + "\n"
     assert Counting.writes < 20
+
+
+def test_run_summaries_kept_only_where_shown(tmp_path, cli, monkeypatch):
+    """Without --json only the table's rows keep their whole summary (memory must not grow with the groups);
+    with --json every group has it, and the text still counts every group."""
+    from qgcli import executors, executors_runfile
+    from qgcli.jobs import OutputOptions, RunFileJob
+
+    monkeypatch.setattr(executors_runfile, "TABLE_ROWS", 3)
+    path = tmp_path / "run.h5"
+    with h5py.File(path, "w") as f:
+        for i in range(7):
+            g = f.create_group(f"q{i}")
+            g.attrs["op"] = "FakeQuantWithMinMaxArgs"
+            g["inputs"] = np.linspace(-8, 8, 5, dtype=np.float32)
+            g["gradients"] = np.ones(5, np.float32)
+    full = json.loads(cli("fakequant-grad", path, "-o", tmp_path / "a.h5", "--json").stdout)["layers"]
+    assert [layer["statistics"]["clipped_below"] for layer in full] == [0.2] * 7
+    short = executors.execute(RunFileJob("fakequant-grad", str(path), OutputOptions(str(tmp_path / "b.h5"))))["layers"]
+    assert [layer["path"] for layer in short] == [f"q{i}" for i in range(7)]
+    assert short[:3] == full[:3]
+    assert all(set(layer) == {"path", "op", "group_op", "family", "overrides"} for layer in short[3:])
+    text = cli("fakequant-grad", path, "-o", tmp_path / "c.h5")
+    assert text.exit_code == 0 and "... 4 more groups (--json for all)" in text.stderr
+    assert "wrote 7 groups" in text.stderr
+
