@@ -49,9 +49,13 @@ def execute(job):
     runner = runner_for(job)
     operands = Operands.of(job.operands, literal_ok=runner.LITERAL_OK)
     try:
-        from qgcli import zarr_blocks
+        from qgcli import zarr_store
 
-        blocks = zarr_blocks.plan_for(job, operands, runner)  # Zarr tensors in row blocks (here or on a cluster)
+        blocks = None
+        if zarr_store.locations(operands, job.large_operands) is not None:
+            from qgcli import zarr_blocks
+
+            blocks = zarr_blocks.plan_for(job, operands, runner)  # Zarr tensors in row blocks (here or on a cluster)
         if blocks is not None:
             if job.output.scheduler is not None:
                 from qgcli.executors_dask import execute_blocks_on_cluster

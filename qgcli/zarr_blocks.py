@@ -164,8 +164,8 @@ def plan_for(job, operands, runner):
     from qgcli.errors import FileFormatError, OperandError
     from qgcli.jobs import BATCH_NORM
 
-    locations = {name: operands.location(name) for name in job.large_operands}
-    if not all(loc is not None and zarr_store.is_zarr(loc[0]) for loc in locations.values()):
+    locations = zarr_store.locations(operands, job.large_operands)
+    if locations is None:
         return None
     budget = streaming.parse_memory_limit(job.output.memory_limit)
     arrays, sources = {}, {}

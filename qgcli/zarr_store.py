@@ -33,6 +33,13 @@ def is_zarr(path):
     return isinstance(path, str) and path.lower().rstrip("/").endswith(SUFFIX)
 
 
+def locations(operands, names):
+    """``{name: (store, key)}`` when every one of ``names`` comes from a Zarr store, else None: whether a job
+    runs in row blocks over Zarr (:func:`qgcli.zarr_blocks.plan_for`), asked before that module loads."""
+    found = {name: operands.location(name) for name in names}
+    return found if all(loc is not None and is_zarr(loc[0]) for loc in found.values()) else None
+
+
 def local_path(path):
     """The file-system path of a local store (a plain path or a ``file://`` URL); None for other URLs."""
     match = _URL.match(path)

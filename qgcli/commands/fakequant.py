@@ -58,9 +58,11 @@ def build_job(command, *, with_gradients, operands, attributes, quantize, semant
         return _quantize_dequantize_job(command, with_gradients, operands, attributes, quantize, semantics,
                                         estimator, output)
     refuse_quantize_options(quantize)
-    from qgcli.ops.estimators import parse_estimator
+    est = None
+    if estimator.estimator is not None:  # the estimators' module (6 ms) only where one is named
+        from qgcli.ops.estimators import parse_estimator
 
-    est = parse_estimator(estimator.estimator) if estimator.estimator is not None else None
+        est = parse_estimator(estimator.estimator)
     common = dict(command=command, with_gradients=with_gradients, operands=operands, output=output,
                   num_bits=attributes.num_bits, narrow_range=attributes.narrow_range, variant=attributes.variant,
                   axis=attributes.axis, estimator=est, grad_factor=estimator.grad_factor)
