@@ -15,7 +15,8 @@ work: ``visititems`` over the file with every object's attributes and every data
 reading each dataset (inspect: with its statistics; --no-stats: no reading), or reading each layer's operands
 and running the op (report: the per-layer analysis; fakequant-grad: the gradient, written as one HDF5 group
 with its datasets and attributes per layer).  The floor runs as a subprocess too.  Figures are the median of
---repeat runs; ratio = qgcli / floor.  The slope is a least-squares fit of seconds against groups over the
+--repeat runs; ratio = qgcli / floor; peak RSS the largest of the runs (the floor holds every object it
+walked, as a plain ``visititems`` script does).  The slope is a least-squares fit of seconds against groups over the
 flat sizes (microseconds per group), with the ratio of per-group cost between the largest and smallest
 size (1.0 = linear).
 
@@ -126,14 +127,15 @@ def measure(file, command, repeat, tmp, depth):
              "--max-depth", str(max(512, depth + 1))]
     floor_cmd = [sys.executable, os.path.abspath(__file__), "--floor", command.replace(" --no-stats", "-no-stats"),
                  file, os.path.join(tmp, "floor.h5")]
-    mine, base, rss = [], [], []
+    mine, base, rss, floor_rss = [], [], [], []
     for _ in range(repeat):  # alternated, so that load on the machine hits both alike
-        s, _ = _timed(floor_cmd)
+        s, peak = _timed(floor_cmd)
         base.append(s)
+        floor_rss.append(peak)
         s, peak = _timed(qgcli)
         mine.append(s)
         rss.append(peak)
-    return statistics.median(mine), statistics.median(base), max(rss)
+    return statistics.median(mine), statistics.median(base), max(rss), max(floor_rss)
 
 
 def slope(points):
@@ -163,8 +165,8 @@ def main():
         os.makedirs(where, exist_ok=True)
         files = [(f"flat_{n}.h5", n, make_flat, 1) for n in args.groups]
         files += [(f"nested_{n}.h5", n, make_nested, n) for n in args.nested]
-        print("| file | command | qgcli s | floor s | ratio | peak RSS MiB |")
-        print("|---|---|---|---|---|---|")
+        print("| file | command | qgcli s | floor s | ratio | qgcli peak RSS MiB | floor peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|")
         for name, n, make, depth in files:
             path = os.path.join(where, name)
             if not os.path.exists(path):
@@ -172,9 +174,10 @@ def main():
             for command in COMMANDS:
                 if args.only and command not in args.only:
                     continue
-                mine, base, rss = measure(path, command, args.repeat, tmp, depth)
+                mine, base, rss, floor_rss = measure(path, command, args.repeat, tmp, depth)
                 rows.append((name, n, command, mine, base))
-                print(f"| {name} | {command} | {mine:.2f} | {base:.2f} | {mine / base:.2f}x | {rss:.0f} |", flush=True)
+                print(f"| {name} | {command} | {mine:.2f} | {base:.2f} | {mine / base:.2f}x | {rss:.0f} | {floor_rss:.0f} |",
+                      flush=True)
     flat = [r for r in rows if r[0].startswith("flat_")]
     if len({r[1] for r in flat}) > 1:
         print()

@@ -351,15 +351,22 @@ void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict
  * holding (length - 2) << 5 when length - 2 < 7, else 7 << 5 and one more byte length - 9, both with the
  * distance - 1's high 5 bits, then the low 8 bits): lengths 3..264, distances 1..8192.  Greedy matching
  * on a hash of 3 bytes, looking at fewer positions the longer nothing matches; the table (16 K positions,
- * 64 KB: it stays in cache) cleared on every call so that the same chunk always gives the same bytes.  Returns the stream's length, or 0 where it would not fit
- * in `cap` bytes (the caller then stores the chunk raw, as h5py's filter does). */
+ * 64 KB: it stays in cache) cleared on every call so that the same chunk always gives the same bytes.
+ * Matches start only at multiples of `step` (the chunk's item size) and, for items of 4 bytes or more, cover
+ * at least 4 bytes (hashed on 4): the repeats of typed data (a float32 zero, a repeated value) start at item
+ * boundaries, and looking at every byte took 2.5x the time on float32 gradients.  A match may end anywhere;
+ * the search goes on at the next boundary.
+ * Returns the stream's length, or 0 where it would not fit in `cap` bytes (the caller then stores the chunk
+ * raw, as h5py's filter does). */
 #define QG_LZF_HLOG 14
 #define QG_LZF_MAX_OFF 8192
 #define QG_LZF_MAX_LEN 264
 #define QG_LZF_MAX_LIT 32
 
-static inline uint32_t qg_lzf_hash(const uint8_t *p) {
+/* A hash of the `width` (3 or 4) bytes at p. */
+static inline uint32_t qg_lzf_hash(const uint8_t *p, int width) {
     uint32_t v = ((uint32_t)p[0] << 16) | ((uint32_t)p[1] << 8) | p[2];
+    if (width == 4) v = (v << 8) | p[3];
     return (v * 2654435761u) >> (32 - QG_LZF_HLOG);
 }
 
@@ -377,21 +384,23 @@ static inline int qg_lzf_literals(const uint8_t *in, int64_t start, int64_t end,
     return 1;
 }
 
-int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap) {
+int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap, int64_t step) {
     uint32_t *table = calloc((size_t)1 << QG_LZF_HLOG, sizeof(uint32_t)); /* position + 1; 0: none */
     if (!table) return 0;
+    if (step < 1) step = 1;
+    int width = step >= 4 ? 4 : 3; /* items of 4 bytes or more: a match is at least one whole item */
     int64_t ip = 0, lit = 0, o = 0, misses = 0;
-    while (ip + 2 < n) {
-        uint32_t h = qg_lzf_hash(in + ip);
+    while (ip + width <= n) {
+        uint32_t h = qg_lzf_hash(in + ip, width);
         int64_t cand = (int64_t)table[h] - 1;
         table[h] = (uint32_t)(ip + 1);
         if (cand < 0 || ip - cand > QG_LZF_MAX_OFF || in[cand] != in[ip] || in[cand + 1] != in[ip + 1]
-            || in[cand + 2] != in[ip + 2]) {
-            ip += 1 + (misses++ >> 5); /* incompressible bytes (random mantissas): look less often */
+            || in[cand + 2] != in[ip + 2] || (width == 4 && in[cand + 3] != in[ip + 3])) {
+            ip += step * (1 + (misses++ >> 5)); /* incompressible bytes (random mantissas): look less often */
             continue;
         }
         misses = 0;
-        int64_t limit = n - ip < QG_LZF_MAX_LEN ? n - ip : QG_LZF_MAX_LEN, len = 3;
+        int64_t limit = n - ip < QG_LZF_MAX_LEN ? n - ip : QG_LZF_MAX_LEN, len = width;
         while (len < limit && in[cand + len] == in[ip + len]) ++len;
         if (!qg_lzf_literals(in, lit, ip, out, &o, cap) || o + 3 > cap) { free(table); return 0; }
         int64_t off = ip - cand - 1, code = len - 2;
@@ -402,15 +411,15 @@ int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict
             out[o++] = (uint8_t)(code - 7);
         }
         out[o++] = (uint8_t)(off & 0xff);
-        ip += len;
-        lit = ip;
+        lit = ip + len;
+        ip = (lit + step - 1) / step * step;
     }
     int ok = qg_lzf_literals(in, lit, n, out, &o, cap);
     free(table);
     return ok ? o : 0;
 }
 
-int qg_abi_version(void) { return 4; }
+int qg_abi_version(void) { return 5; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {
