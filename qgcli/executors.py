@@ -89,8 +89,6 @@ def default_scheduler():
 def with_default_scheduler(job):
     """``job`` with :func:`default_scheduler` where it has no --scheduler and can use one: a run file, or
     large operands in Zarr stores (a bundle of .h5/.npz files runs here as always)."""
-    import dataclasses
-
     from qgcli import io, zarr_store
 
     address = default_scheduler()
@@ -105,7 +103,7 @@ def with_default_scheduler(job):
         texts = [specs.get(name) or job.operands.bundle for name in getattr(job, "large_operands", ())]
         if not texts or not all(t and zarr_store.is_zarr(io.parse_spec(t).path or "") for t in texts):
             return job
-    return dataclasses.replace(job, output=dataclasses.replace(job.output, scheduler=address))
+    return job._replace(output=job.output._replace(scheduler=address))
 
 
 def run_in_memory(runner, job, operands):

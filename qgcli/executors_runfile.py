@@ -331,14 +331,13 @@ def group_folder(path):
 
 def _write_dir(job, container, path, layers, dest, ran, skipped):
     """Every group's .npy files written into a hidden staging folder beside DIR, then moved into place."""
-    import secrets
     import shutil
 
     from qgcli import io
 
     directory = os.path.abspath(dest.rstrip("/") or dest)
     parent = os.path.dirname(directory)
-    staging = os.path.join(parent, f".qgcli-{secrets.token_hex(8)}.tmpdir")
+    staging = os.path.join(parent, f".qgcli-{io.temp_token()}.tmpdir")
     os.mkdir(staging, 0o700)
     try:
         moves = []

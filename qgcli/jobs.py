@@ -8,7 +8,7 @@ the runner of its family (:mod:`qgcli.runners`), which returns a :class:`Result`
 nothing at start-up.
 """
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
 
 #: Fake-quant families: TensorFlow's op (STE), TensorFlow's grid with another estimator, PyTorch's op,
 #: TensorFlow's QuantizeV2 + Dequantize round trip.
@@ -20,8 +20,7 @@ QUANTIZE_AND_DEQUANTIZE = "quantize-and-dequantize"
 TORCHAO = "torchao"
 
 
-@dataclass(frozen=True)
-class OperandSpecs:
+class OperandSpecs(NamedTuple):
     """Where each operand comes from: a positional bundle file and ``--name SPEC`` options (None: not given)."""
 
     bundle: Optional[str] = None
@@ -43,8 +42,7 @@ class OperandSpecs:
         return OperandSpecs(self.bundle, tuple((n, given.get(n)) for n in names) + tuple(extra.items()))
 
 
-@dataclass(frozen=True)
-class OutputOptions:
+class OutputOptions(NamedTuple):
     """Where and how results go: the same meaning in every mode, or refused there."""
 
     destination: Optional[str]
@@ -58,8 +56,7 @@ class OutputOptions:
     scheduler: Optional[str] = None  # --scheduler: a Dask scheduler address, or local[:N]
 
 
-@dataclass(frozen=True)
-class FigureOptions:
+class FigureOptions(NamedTuple):
     """Where and how a figure is written, and the summary options."""
 
     destination: str  # a file, or "-" for stdout
@@ -74,8 +71,7 @@ class FigureOptions:
     device: str = "cpu"
 
 
-@dataclass(frozen=True)
-class FakeQuantAttributes:
+class FakeQuantAttributes(NamedTuple):
     """--num-bits, --narrow-range, --variant, --axis (``num_bits_given``: typed, not the default)."""
 
     num_bits: int = 8
@@ -85,8 +81,7 @@ class FakeQuantAttributes:
     num_bits_given: bool = False
 
 
-@dataclass(frozen=True)
-class QuantizeAttributes:
+class QuantizeAttributes(NamedTuple):
     """QuantizeV2's attributes (--dtype, --mode, --round-mode, --ensure-minimum-range); None: not given."""
 
     dtype: Optional[str] = None
@@ -108,16 +103,14 @@ class QuantizeAttributes:
         return {k: self.DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in self.DEFAULTS}
 
 
-@dataclass(frozen=True)
-class QdqAttributes:
+class QdqAttributes(NamedTuple):
     """QuantizeAndDequantizeV2/V3/V4's --signed-input, --range-given (None: not given)."""
 
     signed_input: Optional[bool] = None
     range_given: Optional[bool] = None
 
 
-@dataclass(frozen=True)
-class SemanticsOptions:
+class SemanticsOptions(NamedTuple):
     """--semantics and PyTorch's parameters (--scale/--zero-point are operand specs)."""
 
     semantics: str = "tf"
@@ -131,8 +124,7 @@ class SemanticsOptions:
                 "--quant-max": self.quant_max}
 
 
-@dataclass(frozen=True)
-class TorchaoOptions:
+class TorchaoOptions(NamedTuple):
     """torchao's config fields (--semantics torchao; --dtype is QuantizeAttributes.dtype); None: not given."""
 
     granularity: Optional[str] = None
@@ -146,19 +138,17 @@ class TorchaoOptions:
 
     def given(self):
         """``{field: value}`` of the fields given."""
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {k: v for k, v in self._asdict().items() if v is not None}
 
 
-@dataclass(frozen=True)
-class EstimatorOptions:
+class EstimatorOptions(NamedTuple):
     """--estimator (text, None: the framework's STE) and --grad-factor."""
 
     estimator: Optional[str] = None
     grad_factor: Any = None
 
 
-@dataclass(frozen=True)
-class FakeQuantJob:
+class FakeQuantJob(NamedTuple):
     """One fake-quant run (``fakequant`` / ``fakequant-grad``) of one family, options resolved and checked."""
 
     command: str
@@ -199,8 +189,7 @@ class FakeQuantJob:
         return ("gradients", "inputs") if self.with_gradients else ("inputs",)
 
 
-@dataclass(frozen=True)
-class BatchNormJob:
+class BatchNormJob(NamedTuple):
     """One ``bn-grad`` run."""
 
     operands: OperandSpecs
@@ -221,8 +210,7 @@ class BatchNormJob:
     large_operands = ("y_backprop", "x")
 
 
-@dataclass(frozen=True)
-class RunFileJob:
+class RunFileJob(NamedTuple):
     """A command (``fakequant``, ``fakequant-grad``, ``bn-grad``) over every group of its kind in a run file
     (``run.h5`` or ``run.h5:group``); :mod:`qgcli.runfile` builds each group's own job from its attributes.
 

@@ -179,7 +179,6 @@ def workers(n, jobs=None):
 def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, on_done=None):
     """Draw every task into ``directory`` (one file per group, named by :func:`qgcli.paths.group_file_paths`);
     returns ``(summaries in task order, index.json path or None, workers used)``."""
-    import secrets
     import shutil
 
     from qgcli import io
@@ -192,7 +191,7 @@ def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, o
         raise OutputError(f"{directory} is a file, not a directory", operand="--output")
     if os.path.isdir(directory) and os.listdir(directory) and not force:
         raise OutputError(f"{directory} exists and is not empty; use --force to write into it", operand="--output")
-    staging = os.path.join(os.path.dirname(directory), f".qgcli-{secrets.token_hex(8)}.tmpdir")
+    staging = os.path.join(os.path.dirname(directory), f".qgcli-{io.temp_token()}.tmpdir")
     os.mkdir(staging, 0o700)
     try:
         targets = [layout.target(staging, t.path) for t in tasks]

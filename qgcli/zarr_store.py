@@ -13,7 +13,6 @@ Nothing of zarr is imported until a store is opened.
 import contextlib
 import os
 import re
-import secrets
 import shutil
 
 import numpy as np
@@ -322,7 +321,7 @@ class _Stage:
     def __init__(self, dest):
         self.dest = dest
         self.local = local_path(dest)
-        name = f".qgcli-{secrets.token_hex(8)}.tmp.zarr"
+        name = f".qgcli-{os.urandom(8).hex()}.tmp.zarr"  # secrets.token_hex(8), as qgcli.io.temp_token
         if self.local is not None:
             parent = os.path.dirname(os.path.abspath(self.local))
             self.path = os.path.join(parent, name)
@@ -344,7 +343,7 @@ class _Stage:
         os.chmod(self.path, 0o777 & ~_umask())
         old = None
         if os.path.lexists(self.local):  # --force over a store: moved aside, then removed
-            old = os.path.join(os.path.dirname(self.path), f".qgcli-{secrets.token_hex(8)}.old.zarr")
+            old = os.path.join(os.path.dirname(self.path), f".qgcli-{os.urandom(8).hex()}.old.zarr")
             os.rename(self.local, old)
         try:
             os.rename(self.path, self.local)
