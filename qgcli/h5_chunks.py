@@ -66,14 +66,40 @@ class ChunkWriter:
         from qgcli.ops.blocked import _map
         from qgcli.signals import raise_pending
 
-        corners = list(np.ndindex(*(-(-n // c) for n, c in zip(block.shape, chunks))))
         per_group = max(1, _GROUP_BYTES // (int(np.prod(chunks)) * block.itemsize))
-        for g in range(0, len(corners), per_group):
-            group = [tuple(i * c for i, c in zip(corner, chunks)) for corner in corners[g:g + per_group]]
-            stored = _map(lambda at: self.compress(_chunk(block, at, chunks)), group)
-            for at, (mask, data) in zip(group, stored):
-                ds.id.write_direct_chunk((start + at[0],) + at[1:], data, filter_mask=mask)
-            raise_pending()
+        scratch = {}  # one chunk row's tiles, reused row after row (fresh pages cost as much as the copy)
+        for r in range(0, len(block), chunks[0]):  # one chunk row at a time: its copy is one row's memory
+            row = block[r:r + chunks[0]]
+            corners = [tuple(i * c for i, c in zip(corner, chunks))
+                       for corner in np.ndindex(*(-(-n // c) for n, c in zip(row.shape, chunks)))]
+            tiles = _tiles(row, chunks, scratch)
+            if tiles is None:
+                def work(k):
+                    return self.compress(_chunk(row, corners[k], chunks))
+            else:
+                def work(k):
+                    return self.compress(tiles[k])
+            for g in range(0, len(corners), per_group):
+                group = range(g, min(g + per_group, len(corners)))
+                for k, (mask, data) in zip(group, _map(work, group)):
+                    at = corners[k]
+                    ds.id.write_direct_chunk((start + r + at[0],) + at[1:], data, filter_mask=mask)
+                raise_pending()
+
+
+def _tiles(row, chunks, scratch):
+    """Every chunk of one chunk row, each C-ordered and one after another in :func:`numpy.ndindex` order, by
+    one copy (cut chunk by chunk, the copies took a quarter of an LZF write); None where an edge chunk needs
+    padding (then :func:`_chunk` cuts them)."""
+    if any(n % c for n, c in zip(row.shape, chunks)):
+        return None
+    split = [x for n, c in zip(row.shape, chunks) for x in (n // c, c)]
+    order = tuple(range(0, 2 * row.ndim, 2)) + tuple(range(1, 2 * row.ndim, 2))
+    view = row.reshape(split).transpose(order)
+    if scratch.get("tiles") is None or scratch["tiles"].shape != view.shape:
+        scratch["tiles"] = np.empty(view.shape, row.dtype)
+    np.copyto(scratch["tiles"], view)
+    return scratch["tiles"].reshape((-1,) + tuple(chunks))
 
 
 def _chunk(block, at, chunks):

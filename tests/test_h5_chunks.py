@@ -24,7 +24,7 @@ def _chunks_of(ds):
 
 
 @pytest.mark.parametrize("compression", ["gzip", "lzf"])
-@pytest.mark.parametrize("shape", [(9, 70, 33), (3, 5000), (17,)])
+@pytest.mark.parametrize("shape", [(9, 70, 33), (3, 5000), (17,), (16, 64, 256)])  # edge chunks, or none
 def test_chunks_are_the_bytes_hdf5_writes(tmp_path, compression, shape):
     a = _tensor(shape, 1)
     with h5py.File(tmp_path / "hdf5.h5", "w") as f:

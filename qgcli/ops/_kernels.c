@@ -384,11 +384,11 @@ static inline int qg_lzf_literals(const uint8_t *in, int64_t start, int64_t end,
     return 1;
 }
 
-int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap, int64_t step) {
-    uint32_t *table = calloc((size_t)1 << QG_LZF_HLOG, sizeof(uint32_t)); /* position + 1; 0: none */
-    if (!table) return 0;
-    if (step < 1) step = 1;
-    int width = step >= 4 ? 4 : 3; /* items of 4 bytes or more: a match is at least one whole item */
+/* The compressor for one item size: `step` and `width` are constants at each call below, so that the
+ * compiler specialises the loop (the alignment a shift, the compare one width). */
+static inline __attribute__((always_inline)) int64_t qg_lzf_items(
+    const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap, uint32_t *restrict table,
+    const int64_t step, const int width) {
     int64_t ip = 0, lit = 0, o = 0, misses = 0;
     while (ip + width <= n) {
         uint32_t h = qg_lzf_hash(in + ip, width);
@@ -402,7 +402,7 @@ int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict
         misses = 0;
         int64_t limit = n - ip < QG_LZF_MAX_LEN ? n - ip : QG_LZF_MAX_LEN, len = width;
         while (len < limit && in[cand + len] == in[ip + len]) ++len;
-        if (!qg_lzf_literals(in, lit, ip, out, &o, cap) || o + 3 > cap) { free(table); return 0; }
+        if (!qg_lzf_literals(in, lit, ip, out, &o, cap) || o + 3 > cap) return 0;
         int64_t off = ip - cand - 1, code = len - 2;
         if (code < 7) {
             out[o++] = (uint8_t)((code << 5) | (off >> 8));
@@ -414,9 +414,19 @@ int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict
         lit = ip + len;
         ip = (lit + step - 1) / step * step;
     }
-    int ok = qg_lzf_literals(in, lit, n, out, &o, cap);
+    return qg_lzf_literals(in, lit, n, out, &o, cap) ? o : 0;
+}
+
+/* `step`: the item size (1, 2, 4 or 8; any other size compresses as bytes). */
+int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap, int64_t step) {
+    uint32_t *table = calloc((size_t)1 << QG_LZF_HLOG, sizeof(uint32_t)); /* position + 1; 0: none */
+    if (!table) return 0;
+    int64_t size = step == 8 ? qg_lzf_items(in, n, out, cap, table, 8, 4)  /* a match: at least one item */
+                 : step == 4 ? qg_lzf_items(in, n, out, cap, table, 4, 4)  /* (4 bytes of it) */
+                 : step == 2 ? qg_lzf_items(in, n, out, cap, table, 2, 3)
+                             : qg_lzf_items(in, n, out, cap, table, 1, 3);
     free(table);
-    return ok ? o : 0;
+    return size;
 }
 
 int qg_abi_version(void) { return 5; }
