@@ -115,11 +115,13 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
         if columns is None and _CHOICE["columns"] is not None:
             columns = parse_columns(_CHOICE["columns"], cols, others=choice_others)
     is_plain = plain(console)
-    if is_plain:  # no styles off a terminal: the cells' text only
+    if is_plain:  # no styles off a terminal: the cells' text only, measured here and written by _write_plain
         from rich.cells import cell_len
 
-        rows = [[c.plain if isinstance(c, Text) else "" if c is None else str(c) for c in r] for r in rows]
-        widths = [max([len(c.name)] + [cell_len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+        widths = [len(c.name) for c in cols]
+        for r in rows:
+            for i, cell in enumerate(r):
+                widths[i] = max(widths[i], cell_len(_plain_text(cell)))
     else:
         rows = [[_text(c) for c in r] for r in rows]
         widths = [max([len(c.name)] + [r[i].cell_len for r in rows]) for i, c in enumerate(cols)]
@@ -199,9 +201,17 @@ def _line(cols, shown, widths, cells, style):
     return line
 
 
+def _plain_text(cell):
+    """A cell's text: a string as it is, a rich Text's plain text, "" for None."""
+    if type(cell) is str:
+        return cell
+    return "" if cell is None else getattr(cell, "plain", None) or str(cell)
+
+
 def _write_plain(console, cols, shown, widths, rows):
     """The lines :func:`_line` gives, as plain text written straight to the console's file in large blocks:
-    rich takes ~0.15 ms a line, and an inspect of 20,000 groups prints 80,000 lines."""
+    rich takes ~0.15 ms a line, and an inspect of 20,000 groups prints 80,000 lines.  Cells are turned into
+    text line by line (a copy of every row as text was a tenth of a large listing's memory)."""
     from rich.cells import cell_len
 
     last = shown[-1]
@@ -209,7 +219,7 @@ def _write_plain(console, cols, shown, widths, rows):
     for cells in rows:
         parts = []
         for i in shown:
-            text = cells[i]
+            text = _plain_text(cells[i])
             pad = widths[i] - cell_len(text)
             justify = cols[i].justify
             left = pad if justify == "right" else pad // 2 if justify == "center" else 0

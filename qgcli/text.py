@@ -55,13 +55,18 @@ def one_line(message):
 
 def printable_doc(value):
     """A JSON-like document (dicts, lists, strings, numbers) with :func:`printable` applied to every string,
-    dictionary keys included: what a text renderer receives, so no control character reaches it."""
+    dictionary keys included: what a text renderer receives, so no control character reaches it.  Containers
+    whose strings are all printable are returned as they are, not copied (an inspect listing of 20,000 groups
+    is tens of MB), so a renderer must not change what it receives."""
     if isinstance(value, (str, bytes)):
         return printable(value)
     if isinstance(value, dict):
-        return {printable(k) if isinstance(k, (str, bytes)) else k: printable_doc(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [printable_doc(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(printable_doc(v) for v in value)
+        items = [(printable(k) if isinstance(k, (str, bytes)) else k, printable_doc(v)) for k, v in value.items()]
+        same = all(new_k is k and new_v is v for (new_k, new_v), (k, v) in zip(items, value.items()))
+        return value if same else dict(items)
+    if isinstance(value, (list, tuple)):
+        out = [printable_doc(v) for v in value]
+        if all(new is old for new, old in zip(out, value)):
+            return value
+        return out if isinstance(value, list) else tuple(out)
     return value

@@ -42,6 +42,10 @@ def test_printable_escapes_what_repr_escapes_and_keeps_the_rest():
     assert one_line("no\n  such\tdataset \x1b[2J\r\n") == r"no such dataset \x1b[2J"
     doc = printable_doc({EVIL: [EVIL, (EVIL, 1.5)], "n": None, "x": 2})
     assert doc == {printable(EVIL): [printable(EVIL), (printable(EVIL), 1.5)], "n": None, "x": 2}
+    clean = {"tensors": [{"name": "a", "shape": [2]}], "files": ("x.h5",)}
+    mixed = {"clean": clean["tensors"], "evil": [EVIL]}
+    assert printable_doc(clean) is clean  # nothing to escape: not copied
+    assert printable_doc(mixed)["clean"] is clean["tensors"] and printable_doc(mixed)["evil"] == [printable(EVIL)]
 
 
 # --- a real terminal ---------------------------------------------------------------------------------------
