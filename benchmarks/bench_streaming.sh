@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # Peak memory (RSS) and wall time of qgcli on HDF5 inputs twice the memory budget: streamed vs in memory.
 #
-#   benchmarks/bench_streaming.sh [--limit 512M] [--shape 128,64,64,256]
+#   benchmarks/bench_streaming.sh [--limit 512M] [--shape 128,64,64,256] [--repeats 3]
 #
 # Writes a per-channel fake-quant bundle and a batch-norm bundle whose two big float32 tensors are each
-# as large as --limit (default: [128,64,64,256] = 512 MiB each, 1 GiB in all), then runs under
-# /usr/bin/time -v:
+# as large as --limit (default: [128,64,64,256] = 512 MiB each, 1 GiB in all), then runs
 #   qgcli fakequant-grad big_pc.h5 -o out.h5 --memory-limit LIMIT -q     (streamed: inputs exceed LIMIT)
 #   qgcli fakequant-grad big_pc.h5 -o out.h5 --memory-limit 64G -q       (in memory)
 # and the same for bn-grad, then both with --compression lzf and gzip (fakequant-grad) and lzf (bn-grad),
-# streamed and in memory, printing "Maximum resident set size" and the elapsed time of each and the file
-# sizes, and checks that streamed and in-memory outputs (compressed or not) are identical.  TMPDIR: where the ~4 GB of files go (removed
-# at the end).  QGCLI: the qgcli executable (default: the console script next to this python).
+# streamed and in memory: --repeats rounds of all of them in turn (benchmarks/paired.py), printing each
+# one's median elapsed time and peak RSS, and the file sizes; then checks that streamed and in-memory
+# outputs (compressed or not) are identical.  TMPDIR: where the ~4 GB of files go (removed at the end).
+# QGCLI: the qgcli executable (default: the console script next to this python).
 set -euo pipefail
 
 LIMIT=512M
 SHAPE=128,64,64,256
+REPEATS=3
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --limit) LIMIT="$2"; shift 2 ;;
+        --repeats) REPEATS="$2"; shift 2 ;;
         --shape) SHAPE="$2"; shift 2 ;;
         -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench_streaming.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
@@ -52,27 +54,32 @@ with h5py.File(f"{work}/big_pc.h5", "w") as f, h5py.File(f"{work}/big_bn.h5", "w
 EOF
 ls -l "$WORK"/*.h5
 
-run() {  # label, output, qgcli args...
-    local label=$1 out=$2
-    shift 2
-    /usr/bin/time -v "$QGCLI" "$@" -o "$out" -q 2>"$WORK/time.txt" >/dev/null
-    printf '%-44s peak RSS %6d MiB   elapsed %s\n' "$label" \
-        $(( $(awk -F': ' '/Maximum resident set size/ {print $2}' "$WORK/time.txt") / 1024 )) \
-        "$(awk -F': ' '/Elapsed \(wall clock\)/ {print $2}' "$WORK/time.txt")"
-}
-
-run "fakequant-grad streamed (--memory-limit $LIMIT)" "$WORK/fq_s.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit "$LIMIT"
-run "fakequant-grad in memory (--memory-limit 64G)" "$WORK/fq_m.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit 64G
-run "bn-grad streamed (--memory-limit $LIMIT)" "$WORK/bn_s.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit "$LIMIT"
-run "bn-grad in memory (--memory-limit 64G)" "$WORK/bn_m.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit 64G
+# label|output|qgcli arguments, in the order they run in each round
+CASES=(
+    "fakequant-grad streamed (--memory-limit $LIMIT)|fq_s|fakequant-grad $WORK/big_pc.h5 --memory-limit $LIMIT"
+    "fakequant-grad in memory (--memory-limit 64G)|fq_m|fakequant-grad $WORK/big_pc.h5 --memory-limit 64G"
+    "bn-grad streamed (--memory-limit $LIMIT)|bn_s|bn-grad $WORK/big_bn.h5 --epsilon 1e-3 --memory-limit $LIMIT"
+    "bn-grad in memory (--memory-limit 64G)|bn_m|bn-grad $WORK/big_bn.h5 --epsilon 1e-3 --memory-limit 64G"
+)
 for codec in lzf gzip; do
-    run "fakequant-grad streamed, $codec" "$WORK/fq_s_$codec.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit "$LIMIT" \
-        --compression "$codec"
-    run "fakequant-grad in memory, $codec" "$WORK/fq_m_$codec.h5" fakequant-grad "$WORK/big_pc.h5" --memory-limit 64G \
-        --compression "$codec"
+    CASES+=("fakequant-grad streamed, $codec|fq_s_$codec|fakequant-grad $WORK/big_pc.h5 --memory-limit $LIMIT --compression $codec"
+            "fakequant-grad in memory, $codec|fq_m_$codec|fakequant-grad $WORK/big_pc.h5 --memory-limit 64G --compression $codec")
 done
-run "bn-grad streamed, lzf" "$WORK/bn_s_lzf.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit "$LIMIT" --compression lzf
-run "bn-grad in memory, lzf" "$WORK/bn_m_lzf.h5" bn-grad "$WORK/big_bn.h5" --epsilon 1e-3 --memory-limit 64G --compression lzf
+CASES+=("bn-grad streamed, lzf|bn_s_lzf|bn-grad $WORK/big_bn.h5 --epsilon 1e-3 --memory-limit $LIMIT --compression lzf"
+        "bn-grad in memory, lzf|bn_m_lzf|bn-grad $WORK/big_bn.h5 --epsilon 1e-3 --memory-limit 64G --compression lzf")
+COMMANDS=()
+for case in "${CASES[@]}"; do
+    IFS='|' read -r _ out args <<<"$case"
+    COMMANDS+=("$QGCLI $args -o $WORK/$out.h5 --force -q")
+done
+# benchmarks/paired.py: each round runs every command once, in this order; median seconds, peak RSS (MB)
+mapfile -t RESULTS < <(python "$(dirname "${BASH_SOURCE[0]}")/paired.py" "$REPEATS" "${COMMANDS[@]}")
+echo "median of $REPEATS rounds"
+for i in "${!CASES[@]}"; do
+    IFS='|' read -r label _ _ <<<"${CASES[$i]}"
+    read -r seconds rss <<<"${RESULTS[$i]}"
+    printf '%-44s peak RSS %6.0f MiB   elapsed %6.2f s\n' "$label" "$rss" "$seconds"
+done
 ls -l "$WORK"/fq_*.h5 "$WORK"/bn_*.h5 | awk '{printf "%12d %s\n", $5, $NF}' | sed "s|$WORK/||"
 
 python - "$WORK" <<'EOF'

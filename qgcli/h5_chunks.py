@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 
 GZIP_LEVEL = 4  # h5py's default for compression="gzip"
-_GROUP_BYTES = 16 << 20  # raw bytes of chunks compressed per round: bounds the compressed copies held
+_GROUP_BYTES = 8 << 20  # raw bytes of chunks compressed per round (two rounds' buffers are held)
 
 
 def chunk_shape(shape, itemsize):
@@ -54,6 +54,7 @@ class ChunkWriter:
         self.ds = ds
         self.chunks = tuple(ds.chunks)
         self.compress = _compressor(ds)
+        self._raw = self._out = None
 
     def write_rows(self, start, block):
         ds, chunks = self.ds, self.chunks
@@ -66,72 +67,65 @@ class ChunkWriter:
         from qgcli.ops.blocked import _map
         from qgcli.signals import raise_pending
 
-        per_group = max(1, _GROUP_BYTES // (int(np.prod(chunks)) * block.itemsize))
-        scratch = {}  # one chunk row's tiles, reused row after row (fresh pages cost as much as the copy)
-        for r in range(0, len(block), chunks[0]):  # one chunk row at a time: its copy is one row's memory
-            row = block[r:r + chunks[0]]
-            corners = [tuple(i * c for i, c in zip(corner, chunks))
-                       for corner in np.ndindex(*(-(-n // c) for n, c in zip(row.shape, chunks)))]
-            tiles = _tiles(row, chunks, scratch)
-            if tiles is None:
-                def work(k):
-                    return self.compress(_chunk(row, corners[k], chunks))
-            else:
-                def work(k):
-                    return self.compress(tiles[k])
-            for g in range(0, len(corners), per_group):
-                group = range(g, min(g + per_group, len(corners)))
-                for k, (mask, data) in zip(group, _map(work, group)):
-                    at = corners[k]
-                    ds.id.write_direct_chunk((start + r + at[0],) + at[1:], data, filter_mask=mask)
-                raise_pending()
+        chunk_bytes = int(np.prod(chunks)) * block.itemsize
+        per_group = max(1, _GROUP_BYTES // chunk_bytes)
+        if self._raw is None:  # two groups' chunks as HDF5 stores them, and LZF's output: one group is written
+            self._raw = np.empty((2, per_group) + chunks, block.dtype)  # while the next is compressed
+            self._out = np.empty((2, per_group, chunk_bytes), np.uint8)
+        corners = [tuple(i * c for i, c in zip(corner, chunks))
+                   for corner in np.ndindex(*(-(-n // c) for n, c in zip(block.shape, chunks)))]
+        done = []  # the group compressed last, (corner, (mask, bytes)) each: written while the next compresses
+
+        def write_done():
+            for at, (mask, data) in done:
+                ds.id.write_direct_chunk((start + at[0],) + at[1:], data, filter_mask=mask)
+            done.clear()
+            raise_pending()
+
+        for n, g in enumerate(range(0, len(corners), per_group)):
+            group, half = range(g, min(g + per_group, len(corners))), n % 2
+
+            def work(k, g=g, half=half):  # on the pool: the copy and the compression of chunk k
+                slot = k - g
+                return self.compress(_chunk(block, corners[k], chunks, self._raw[half, slot]), self._out[half, slot])
+
+            stored = _map(work, group, meanwhile=write_done)
+            done.extend(zip((corners[k] for k in group), stored))
+        write_done()
 
 
-def _tiles(row, chunks, scratch):
-    """Every chunk of one chunk row, each C-ordered and one after another in :func:`numpy.ndindex` order, by
-    one copy (cut chunk by chunk, the copies took a quarter of an LZF write); None where an edge chunk needs
-    padding (then :func:`_chunk` cuts them)."""
-    if any(n % c for n, c in zip(row.shape, chunks)):
-        return None
-    split = [x for n, c in zip(row.shape, chunks) for x in (n // c, c)]
-    order = tuple(range(0, 2 * row.ndim, 2)) + tuple(range(1, 2 * row.ndim, 2))
-    view = row.reshape(split).transpose(order)
-    if scratch.get("tiles") is None or scratch["tiles"].shape != view.shape:
-        scratch["tiles"] = np.empty(view.shape, row.dtype)
-    np.copyto(scratch["tiles"], view)
-    return scratch["tiles"].reshape((-1,) + tuple(chunks))
-
-
-def _chunk(block, at, chunks):
-    """The chunk of ``block`` at corner ``at``, as HDF5 stores it: C order, an edge chunk padded with the
-    fill value (0)."""
+def _chunk(block, at, chunks, slot):
+    """The chunk of ``block`` at corner ``at`` copied into ``slot`` (a C-ordered array of the chunk's shape)
+    as HDF5 stores it: an edge chunk padded with the fill value (0).  Into a reused slot: a fresh array per
+    chunk cost as much as the copy."""
     part = block[tuple(slice(a, a + c) for a, c in zip(at, chunks))]
     if part.shape != chunks:
-        padded = np.zeros(chunks, block.dtype)
-        padded[tuple(slice(0, n) for n in part.shape)] = part
-        part = padded
-    return np.ascontiguousarray(part)
+        slot[...] = 0
+        slot[tuple(slice(0, n) for n in part.shape)] = part
+    else:
+        np.copyto(slot, part)
+    return slot
 
 
 def _compressor(ds):
-    """``chunk -> (filter mask, bytes)`` for the dataset's one filter, or None."""
+    """``(chunk, out) -> (filter mask, bytes)`` for the dataset's one filter, or None; ``out``: a scratch
+    buffer of the chunk's size the compressed bytes may go to (valid until the next group)."""
     from h5py import h5z
 
     plist = ds.id.get_create_plist()
     filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
     if filters == [h5z.FILTER_DEFLATE]:
         level = plist.get_filter_by_id(h5z.FILTER_DEFLATE)[1][0]
-        return lambda chunk: (0, zlib.compress(chunk.data, level))
+        return lambda chunk, out: (0, zlib.compress(chunk.data, level))
     if filters == [h5z.FILTER_LZF]:
         lzf = _lzf_compress()
         if lzf is None:
             return None
 
-        def compress(chunk):
-            # h5py's filter: an output buffer as long as the input; a chunk that does not shrink is stored
-            # raw, its (optional) filter marked skipped in the mask.  No copies: write_direct_chunk takes
-            # any contiguous buffer.
-            out = np.empty(chunk.nbytes, np.uint8)
+        def compress(chunk, out):
+            # h5py's filter: an output buffer (``out``, the writer's) as long as the input; a chunk that does
+            # not shrink is stored raw, its (optional) filter marked skipped in the mask.  No copies:
+            # write_direct_chunk takes any contiguous buffer.
             size = lzf(chunk.ctypes.data, chunk.nbytes, out.ctypes.data, chunk.nbytes, chunk.itemsize)
             return (0, out[:size]) if size else (1, chunk)
 

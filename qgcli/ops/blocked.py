@@ -44,11 +44,16 @@ def name_this_thread(name):
         pass
 
 
-def _map(fn, items):
+def _map(fn, items, *, meanwhile=None):
+    """``[fn(item) for item in items]`` on the thread pool; ``meanwhile()``, when given, runs on this thread
+    while the pool works (after every item is submitted)."""
     global _pool
     items = list(items)
     if len(items) <= 1 or workers() == 1:
-        return [fn(item) for item in items]
+        out = [fn(item) for item in items]
+        if meanwhile is not None:
+            meanwhile()
+        return out
     futures = []
     try:
         # A signal inside submit() could leave a worker started but unknown to the pool (the interpreter
@@ -60,6 +65,8 @@ def _map(fn, items):
                                                initializer=name_this_thread, initargs=("qgcli-pool",))
             for item in items:
                 futures.append(_pool.submit(fn, item))
+        if meanwhile is not None:
+            meanwhile()
         return [future.result() for future in futures]
     except BaseException:
         # Ctrl-C (or a failed block) while blocks run: the compiled kernels write through raw addresses
