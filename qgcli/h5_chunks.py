@@ -3,8 +3,9 @@
 HDF5 runs its filters on one thread, inside its global lock, and an output written in blocks that cut
 through chunks makes it read, decompress, patch and recompress each chunk once per block.  Here the output's
 chunk shape is chosen first (h5py's own guess, so the layout is the one ``chunks=True`` gives), blocks of
-whole chunk rows are handed over, and each chunk is compressed in the thread pool (``zlib.compress`` and
-the LZF compressors release the GIL) and stored with ``write_direct_chunk``.  The filters are HDF5's
+whole chunk rows are handed over, and each chunk is copied out and compressed in the thread pool
+(``zlib.compress`` and the LZF compressors release the GIL) into reused slots, then stored with
+``write_direct_chunk`` in chunk order while the pool compresses the next group.  The filters are HDF5's
 built-in gzip (h5py's default level 4, the bytes the filter itself writes) and h5py's LZF (filter 32000):
 LZF chunks come from qgcli's compiled compressor (``qg_lzf_compress``: the LZF format, other bytes than
 h5py's, decoded by h5py's filter), else h5py's own routine, else HDF5 compresses as before (one thread).

@@ -52,6 +52,11 @@ def clip_statistics(inputs, grid, gradients=None):
     return stats
 
 
+#: Columns a per-tensor statistics pass lays its values out in: the kernel's per-row work is paid once per
+#: 64 values (8 columns took 25 ms, 64 columns 19 ms on 25.7 M values; 256 columns 24 ms).
+_LANES = 64
+
+
 def _native_clip_statistics(lib, x2, g2, grid):
     """(counts [3, depth], mass [2, depth]) with the compiled kernel, row blocks on the thread pool."""
     from qgcli.ops.blocked import _table
@@ -59,12 +64,12 @@ def _native_clip_statistics(lib, x2, g2, grid):
     lo, hi = grid.mask_bounds()
     bounds = (lo, hi, grid.passthrough.astype(np.float32))
     rows, depth = x2.shape
-    if depth > 1 or rows < 8:
+    if depth > 1 or rows < _LANES:
         return _native_clip_matrix(lib, x2, g2, _table(bounds, depth))
-    # One grid for every value: lay them out 8 wide, so the kernel's loop over columns vectorizes.
-    main = rows - rows % 8
-    wide = _native_clip_matrix(lib, x2[:main].reshape(-1, 8), None if g2 is None else g2[:main].reshape(-1, 8),
-                               _table(bounds, 8))
+    # One grid for every value: lay them out _LANES wide, so the kernel's loop over columns vectorizes.
+    main = rows - rows % _LANES
+    wide = _native_clip_matrix(lib, x2[:main].reshape(-1, _LANES),
+                               None if g2 is None else g2[:main].reshape(-1, _LANES), _table(bounds, _LANES))
     rest = _native_clip_matrix(lib, x2[main:], None if g2 is None else g2[main:], _table(bounds, 1))
     return tuple(w.sum(axis=1, keepdims=True) + r for w, r in zip(wide, rest))
 
