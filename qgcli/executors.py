@@ -52,10 +52,11 @@ def execute(job):
         from qgcli import zarr_store
 
         blocks = None
-        if zarr_store.locations(operands, job.large_operands) is not None:
+        locations = zarr_store.locations(operands, job.large_operands)
+        if locations is not None:  # Zarr tensors: in row blocks (here or on a cluster) where they must be
             from qgcli import zarr_blocks
 
-            blocks = zarr_blocks.plan_for(job, operands, runner)  # Zarr tensors in row blocks (here or on a cluster)
+            blocks = zarr_blocks.plan_for(job, operands, runner, locations)
         if blocks is not None:
             if job.output.scheduler is not None:
                 from qgcli.executors_dask import execute_blocks_on_cluster

@@ -157,16 +157,14 @@ class BlockRun:
         return summary
 
 
-def plan_for(job, operands, runner):
-    """A :class:`BlockRun` when the job's large operands are all Zarr arrays and must be computed in blocks
-    (``--scheduler``, or more than the memory budget); None otherwise (the job runs as before)."""
+def plan_for(job, operands, runner, locations):
+    """A :class:`BlockRun` when the job's large operands, all Zarr arrays (``locations``:
+    :func:`qgcli.zarr_store.locations`), must be computed in blocks (``--scheduler``, or more than the memory
+    budget); None otherwise (the job runs as before)."""
     from qgcli import streaming, zarr_store
     from qgcli.errors import FileFormatError, OperandError
     from qgcli.jobs import BATCH_NORM
 
-    locations = zarr_store.locations(operands, job.large_operands)
-    if locations is None:
-        return None
     budget = streaming.parse_memory_limit(job.output.memory_limit)
     arrays, sources = {}, {}
     for name, (path, key) in locations.items():
