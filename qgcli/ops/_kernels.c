@@ -111,19 +111,26 @@ static inline float qg_dx(float g, float x, float lo, float hi, float passthroug
 static inline float qg_below(float g, float x, float lo) { return qg_flush(g) * ((x < lo) ? 1.0f : 0.0f); }
 static inline float qg_above(float g, float x, float hi) { return qg_flush(g) * ((x > hi) ? 1.0f : 0.0f); }
 
-/* bounds: [3][depth] rows lo, hi (the DAZ-adjusted mask bounds) and passthrough (1.0 or 0.0). */
-void qg_backprop(const float *restrict g, const float *restrict x, float *restrict dx, int64_t rows,
-                 int64_t depth, const float *restrict bounds) {
+/* bounds: [3][depth] rows lo, hi (the DAZ-adjusted mask bounds) and passthrough (1.0 or 0.0).
+ * In this function and the leaf functions below, dx may be g itself (the gradient written into its own
+ * buffer, one allocation and 100 MB of page faults fewer end to end): g and dx are not restrict, each value of
+ * g is read once, into a local, before dx at the same place is written, and ivdep tells the vectoriser that
+ * no iteration reads what another writes (without it, gcc would check for overlap at run time and run the
+ * aliased case scalar). */
+void qg_backprop(const float *g, const float *restrict x, float *dx, int64_t rows, int64_t depth,
+                 const float *restrict bounds) {
     const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
     if (depth == 1) {
+#pragma GCC ivdep
         for (int64_t k = 0; k < rows; ++k) dx[k] = qg_dx(g[k], x[k], lo[0], hi[0], passthrough[0]);
         return;
     }
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < depth; ++c) {
-            int64_t k = r * depth + c;
-            dx[k] = qg_dx(g[k], x[k], lo[c], hi[c], passthrough[c]);
-        }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gr = g + r * depth, *xr = x + r * depth;
+        float *dr = dx + r * depth;
+#pragma GCC ivdep
+        for (int64_t c = 0; c < depth; ++c) dr[c] = qg_dx(gr[c], xr[c], lo[c], hi[c], passthrough[c]);
+    }
 }
 
 /* Eigen's end of a leaf: p0 = ((acc0 + acc1) + acc2) + acc3 lane by lane (0 without a 32-value body),
@@ -135,11 +142,12 @@ static inline float qg_leaf_total(const float *restrict p0, float tail) {
 }
 
 /* One value per row (per-tensor gradient, or a single channel): a leaf is `length` consecutive values. */
-static void qg_leaf_flat(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length,
+static void qg_leaf_flat(const float *g, const float *restrict x, float *dx, int64_t length,
                          float lo, float hi, float passthrough, float *restrict sum_min, float *restrict sum_max) {
     float acc_min[32] = {0}, acc_max[32] = {0};
     int64_t body = length / 32 * 32, whole = length / 8 * 8;
     for (int64_t j = 0; j < body; j += 32)
+#pragma GCC ivdep
         for (int s = 0; s < 32; ++s) {
             float gv = g[j + s], xv = x[j + s];
             dx[j + s] = qg_dx(gv, xv, lo, hi, passthrough);
@@ -153,8 +161,9 @@ static void qg_leaf_flat(const float *restrict g, const float *restrict x, float
     }
     float t_min = 0.0f, t_max = 0.0f;
     for (int64_t j = body; j < length; ++j) {
-        dx[j] = qg_dx(g[j], x[j], lo, hi, passthrough);
-        float b = qg_below(g[j], x[j], lo), a = qg_above(g[j], x[j], hi);
+        float gv = g[j], xv = x[j];
+        dx[j] = qg_dx(gv, xv, lo, hi, passthrough);
+        float b = qg_below(gv, xv, lo), a = qg_above(gv, xv, hi);
         if (j < whole) {
             p_min[j & 7] += b;
             p_max[j & 7] += a;
@@ -168,7 +177,7 @@ static void qg_leaf_flat(const float *restrict g, const float *restrict x, float
 }
 
 /* Rows of `depth` channels: the same packet sums, down each column.  `acc` holds 2 * 41 * depth floats. */
-static void qg_leaf_columns(const float *restrict g, const float *restrict x, float *restrict dx, int64_t length,
+static void qg_leaf_columns(const float *g, const float *restrict x, float *dx, int64_t length,
                             int64_t depth, const float *restrict lo, const float *restrict hi,
                             const float *restrict passthrough, float *restrict acc, float *restrict sums_min,
                             float *restrict sums_max) {
@@ -178,12 +187,14 @@ static void qg_leaf_columns(const float *restrict g, const float *restrict x, fl
     int64_t body = length / 32 * 32, whole = length / 8 * 8;
     memset(acc, 0, sizeof(float) * 82 * (size_t)depth);
     for (int64_t j = 0; j < body; ++j) {
-        const float *restrict gr = g + j * depth, *xr = x + j * depth;
-        float *restrict dr = dx + j * depth, *am = acc_min + (j & 31) * depth, *ax = acc_max + (j & 31) * depth;
+        const float *gr = g + j * depth, *restrict xr = x + j * depth;
+        float *dr = dx + j * depth, *am = acc_min + (j & 31) * depth, *ax = acc_max + (j & 31) * depth;
+#pragma GCC ivdep
         for (int64_t c = 0; c < depth; ++c) {
-            dr[c] = qg_dx(gr[c], xr[c], lo[c], hi[c], passthrough[c]);
-            am[c] += qg_below(gr[c], xr[c], lo[c]);
-            ax[c] += qg_above(gr[c], xr[c], hi[c]);
+            float gv = gr[c], xv = xr[c];
+            dr[c] = qg_dx(gv, xv, lo[c], hi[c], passthrough[c]);
+            am[c] += qg_below(gv, xv, lo[c]);
+            ax[c] += qg_above(gv, xv, hi[c]);
         }
     }
     if (body)
@@ -195,14 +206,16 @@ static void qg_leaf_columns(const float *restrict g, const float *restrict x, fl
                 p_max[l * depth + c] = ((a[q0] + a[q1]) + a[q2]) + a[q3];
             }
     for (int64_t j = body; j < length; ++j) {
-        const float *restrict gr = g + j * depth, *xr = x + j * depth;
-        float *restrict dr = dx + j * depth;
+        const float *gr = g + j * depth, *restrict xr = x + j * depth;
+        float *dr = dx + j * depth;
         float *restrict pm = j < whole ? p_min + (j & 7) * depth : t_min;
         float *restrict pa = j < whole ? p_max + (j & 7) * depth : t_max;
+#pragma GCC ivdep
         for (int64_t c = 0; c < depth; ++c) {
-            dr[c] = qg_dx(gr[c], xr[c], lo[c], hi[c], passthrough[c]);
-            pm[c] += qg_below(gr[c], xr[c], lo[c]);
-            pa[c] += qg_above(gr[c], xr[c], hi[c]);
+            float gv = gr[c], xv = xr[c];
+            dr[c] = qg_dx(gv, xv, lo[c], hi[c], passthrough[c]);
+            pm[c] += qg_below(gv, xv, lo[c]);
+            pa[c] += qg_above(gv, xv, hi[c]);
         }
     }
     for (int64_t c = 0; c < depth; ++c) {
@@ -218,9 +231,9 @@ static void qg_leaf_columns(const float *restrict g, const float *restrict x, fl
 
 /* backprops_wrt_input for the rows of `n_leaves` consecutive leaves (lengths in rows) starting at g/x/dx,
  * and each leaf's Eigen sums of the below/above products into sums ([2][n_leaves][depth]); bounds as in
- * qg_backprop.
+ * qg_backprop (dx may be g).
  * Returns 0, or -1 when scratch memory could not be allocated. */
-int qg_backprop_leaves(const float *restrict g, const float *restrict x, float *restrict dx, int64_t depth,
+int qg_backprop_leaves(const float *g, const float *restrict x, float *dx, int64_t depth,
                        int64_t n_leaves, const int64_t *restrict lengths, const float *restrict bounds,
                        float *restrict sums) {
     const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
@@ -318,12 +331,14 @@ void qg_bn_sums(const float *restrict dy, const float *restrict x, int64_t a_len
 
 /* x_backprop = coef1 * ((dy - dy_mean) - (x - mean) * coef2) in training, coef1 * dy in inference; each
  * value rounded once to float32, the same operations in the same order as the NumPy path.  coefs: [4][C]
- * rows coef1, coef2, dy_mean, mean (the last three unused in inference). */
-void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict dx, int64_t a_len, int64_t c_len,
+ * rows coef1, coef2, dy_mean, mean (the last three unused in inference).  dx may be dy itself, as in
+ * qg_backprop. */
+void qg_bn_dx(const float *dy, const float *restrict x, float *dx, int64_t a_len, int64_t c_len,
               int64_t b_len, const double *restrict coefs, int training) {
     const double *coef1 = coefs, *coef2 = coefs + c_len, *dy_mean = coefs + 2 * c_len, *mean = coefs + 3 * c_len;
     if (b_len == 1) {
         for (int64_t a = 0; a < a_len; ++a)
+#pragma GCC ivdep
             for (int64_t c = 0; c < c_len; ++c) {
                 double d = (double)dy[a * c_len + c], v = (double)x[a * c_len + c];
                 dx[a * c_len + c] =
@@ -336,6 +351,7 @@ void qg_bn_dx(const float *restrict dy, const float *restrict x, float *restrict
             int64_t base = (a * c_len + c) * b_len;
             double c1 = coef1[c], c2 = training ? coef2[c] : 0.0, dm = training ? dy_mean[c] : 0.0,
                    m = training ? mean[c] : 0.0;
+#pragma GCC ivdep
             for (int64_t b = 0; b < b_len; ++b) {
                 double d = (double)dy[base + b];
                 dx[base + b] = (float)(training ? ((d - dm) - ((double)x[base + b] - m) * c2) * c1 : d * c1);
@@ -429,7 +445,7 @@ int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict
     return size;
 }
 
-int qg_abi_version(void) { return 5; }
+int qg_abi_version(void) { return 6; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

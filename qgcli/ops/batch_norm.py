@@ -40,6 +40,7 @@ import numpy as np
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
 from qgcli.ops import native
+from qgcli.ops.out_array import check_out, deliver
 
 _F32 = np.float32
 _F64 = np.float64
@@ -291,7 +292,7 @@ def fused_batch_norm_grad_to_odd(y_backprop, x, scale, reserve_space_1, reserve_
 
 def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, reserve_space_3=None, *,
                           epsilon=1e-4, data_format="NHWC", is_training=True, variance_kind="variance",
-                          _to_odd=False):
+                          out=None, _to_odd=False):
     """TensorFlow's ``FusedBatchNormGrad{,V2,V3}``: gradients of batch normalisation.
 
     Parameters
@@ -313,6 +314,10 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
     is_training : bool
     variance_kind : {"variance", "inv-std"}
         What ``reserve_space_2`` holds (see :func:`detect_variance_convention` to find out).
+    out : array, optional
+        Where to write ``x_backprop`` (returned): a writeable C-contiguous array of its shape and dtype on the
+        same device.  It may be ``y_backprop`` itself, which is then overwritten (no second tensor-sized
+        array); otherwise it must share no memory with the operands.
 
     Returns
     -------
@@ -350,19 +355,21 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
     var = _channel_operand(reserve_space_2, "reserve_space_2", channels, data_format)
     _check_variance(var, variance_kind)
     out_dtype = x.dtype if x.dtype.itemsize <= 4 else np.dtype(_F32)
+    out = check_out(out, xp, shape=x.shape, dtype=out_dtype, reused=dy, reused_name="y_backprop",
+                    others=(x,))
 
     acb = _acb_shape(x.shape, channels_first)
     n = acb[0] * acb[2]
     if n == 0 or channels == 0:  # TF: empty x_backprop, zero sums (both modes)
         zeros = xp.zeros(channels, _F32)
-        return xp.zeros(x.shape, out_dtype), zeros, zeros.copy()
+        return deliver(xp.zeros(x.shape, out_dtype), out), zeros, zeros.copy()
 
     x3, dy3 = x.reshape(acb), dy.reshape(acb)
     with np.errstate(all="ignore"):  # inf/NaN data propagate, as in TF
         sum_dy, sum_dyxc = (to_numpy(s) for s in _channel_sums(dy3, x3, mean, acb, xp))
     coefs = gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind)
-    dx = xp.empty(x.shape, out_dtype)
-    x_backprop_blocks(dy3, x3, dx.reshape(acb), acb, coefs, xp, to_odd=_to_odd)
+    dx = xp.empty(x.shape, out_dtype) if out is None else out
+    x_backprop_blocks(dy3, x3, dx.reshape(acb), acb, coefs, xp, to_odd=_to_odd)  # dx may be dy: see there
     return dx, xp.asarray(coefs.scale_backprop), xp.asarray(coefs.offset_backprop)
 
 
@@ -394,6 +401,7 @@ def gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_trainin
 
 def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp, *, to_odd=False):
     """Write ``x_backprop`` into ``dx3`` block by block ([A, C, B] views; dx3's dtype is the output dtype).
+    ``dx3`` may be ``dy3`` itself: each block of ``dy3`` is read before that block of ``dx3`` is written.
 
     ``to_odd``: float32 ``dx3`` rounded to odd, for a caller that narrows it to float16/bfloat16 later
     (CuPy has no bfloat16) and must still round only once."""
@@ -452,6 +460,8 @@ def channel_norms(a, data_format="NHWC"):
     a = xp.asarray(a)
     acb = _acb_shape(a.shape, channels_first)
     a3 = a.reshape(acb)
+    if native.for_arrays(xp, a3) is not None:  # sum(a * (a - 0)) on the compiled kernels and both cores
+        return np.sqrt(_channel_sums(a3, a3, np.zeros(acb[1]), acb, xp)[1])
     total = xp.zeros(acb[1], _F64)
     for i, j in _blocks(acb, xp):
         blk = a3[i, :, j].astype(_F64)

@@ -161,20 +161,21 @@ def quantize(x2, params, divide, flush):
     return out
 
 
-def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind):
+def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind, out=None):
     """``g * inside`` and, with ``reduce``, Eigen-order column sums of ``g * below`` and ``g * above``.
 
     ``g2``/``x2``: [rows, channels] float32, C-contiguous; ``lo``/``hi``: DAZ-adjusted mask bounds;
-    ``passthrough``: boolean per channel (min == max == 0) or None.
+    ``passthrough``: boolean per channel (min == max == 0) or None; ``out``: where ``g * inside`` goes
+    (shaped as ``g2``; it may be ``g2`` itself), or None for a new array.
     """
     rows, depth = x2.shape
     if rows == 0:
-        dx = np.empty_like(g2)
+        dx = np.empty_like(g2) if out is None else out
         return (dx, np.zeros(depth, _F32), np.zeros(depth, _F32)) if reduce else dx
     if not reduce:
-        return backprop_rows(g2, x2, lo, hi, passthrough)[0]
+        return backprop_rows(g2, x2, lo, hi, passthrough, out=out)[0]
     p = reduction.plan(rows, kind=kind)
-    dx, sums_min, sums_max = backprop_rows(g2, x2, lo, hi, passthrough, leaves=p.leaves)
+    dx, sums_min, sums_max = backprop_rows(g2, x2, lo, hi, passthrough, leaves=p.leaves, out=out)
     return (dx, *finish_sums(p, sums_min, sums_max, passthrough))
 
 
@@ -188,14 +189,15 @@ def finish_sums(plan, sums_min, sums_max, passthrough):
     return dmin, dmax
 
 
-def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
+def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None, out=None):
     """``(dx, leaf sums below, leaf sums above)`` for these rows; ``leaves`` (absolute ``(start, length)``,
-    tiling exactly these rows) or None for ``dx`` alone."""
+    tiling exactly these rows) or None for ``dx`` alone; ``dx`` is ``out`` (which may be ``g2``) if given."""
     rows, depth = x2.shape
+    dx = np.empty_like(g2) if out is None else out
     lib = native.library()
     if lib is not None:
-        return _backprop_rows_native(lib, g2, x2, lo, hi, passthrough, leaves)
-    dx = np.empty_like(g2)
+        return _backprop_rows_native(lib, g2, x2, dx, lo, hi, passthrough, leaves)
+    in_place = np.may_share_memory(dx, g2)
     keep = None if passthrough is None else ~passthrough
     if leaves:
         first = leaves[0][0]
@@ -205,9 +207,12 @@ def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
 
     def run(block):
         r0, r1, block_leaves = block
-        gb, xb, db = g2[r0:r1], x2[r0:r1], dx[r0:r1]
-        if _has_subnormal(gb):
-            gb = flush_subnormals(gb)
+        g_raw, xb, db = g2[r0:r1], x2[r0:r1], dx[r0:r1]
+        if in_place:  # the block's gradients, kept while its backprops overwrite them
+            copy = _scratch("gradients", g_raw.shape, _F32)
+            np.copyto(copy, g_raw)
+            g_raw = copy
+        gb = flush_subnormals(g_raw) if _has_subnormal(g_raw) else g_raw
         # Masks are computed straight into float32 (1.0 / 0.0): a float*float product is 3x faster than
         # float*bool, and no separate cast pass is needed.
         weight = np.greater_equal(xb, lo, out=_scratch("weight", xb.shape, _F32))
@@ -218,7 +223,7 @@ def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None):
         with np.errstate(all="ignore"):
             np.multiply(gb, weight, out=db)  # a product, as TF: g * 0 keeps -0.0 and NaN
             if passthrough is not None:
-                np.copyto(db, g2[r0:r1], where=passthrough)  # TF copies these gradients untouched
+                np.copyto(db, g_raw, where=passthrough)  # TF copies these gradients untouched
             if not block_leaves:
                 return None
             product = _scratch("product", gb.shape, _F32)
@@ -246,9 +251,8 @@ def _table(values, depth):
     return table
 
 
-def _backprop_rows_native(lib, g2, x2, lo, hi, passthrough, leaves):
+def _backprop_rows_native(lib, g2, x2, dx, lo, hi, passthrough, leaves):
     rows, depth = x2.shape
-    dx = np.empty_like(g2)
     bounds = _table((lo, hi, passthrough), depth)
     g_at, x_at, dx_at, bounds_at = (native.address(a, _F32) for a in (g2, x2, dx, bounds))
     if not leaves:

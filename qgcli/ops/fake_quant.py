@@ -24,6 +24,7 @@ import numpy as np
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
 from qgcli.ops import native
+from qgcli.ops.out_array import check_out, deliver
 from qgcli.ops.subnormals import TINY as _TINY, flush_subnormals
 
 _F32 = np.float32
@@ -259,7 +260,9 @@ def _masks(x, grid, xp):
     return inside, below, above
 
 
-def _backprops(gradients, x, grid, xp, *, reduce):
+def _backprops(gradients, x, grid, xp, *, reduce, out=None):
+    """``backprops_wrt_input`` (into ``out``, checked by :func:`_check_out`, when given) and, with ``reduce``,
+    the min/max sums."""
     depth = x.shape[-1] if grid.per_channel else 1
     g2 = xp.ascontiguousarray(gradients).reshape(-1, depth)
     x2 = xp.ascontiguousarray(x).reshape(-1, depth)
@@ -269,17 +272,24 @@ def _backprops(gradients, x, grid, xp, *, reduce):
 
         lo, hi = grid.mask_bounds()
         passthrough = grid.passthrough if grid.passthrough.any() else None
-        res = blocked.backprops(g2, x2, lo, hi, passthrough, reduce=reduce, kind=kind)
+        rows_out = None if out is None else out.reshape(g2.shape)
+        res = blocked.backprops(g2, x2, lo, hi, passthrough, reduce=reduce, kind=kind, out=rows_out)
     else:
         from qgcli.ops import cuda
 
         res = cuda.backprops(g2, x2, grid, reduce=reduce, kind=kind)
+    dx, dmin, dmax = res if reduce else (res, None, None)
+    dx = deliver(dx.reshape(x.shape), out)
     if not reduce:
-        return res.reshape(x.shape)
-    dx, dmin, dmax = res
+        return dx
     if not grid.per_channel:
         dmin, dmax = dmin.reshape(()), dmax.reshape(())
-    return dx.reshape(x.shape), dmin, dmax
+    return dx, dmin, dmax
+
+
+def _check_out(out, gradients, inputs, xp):
+    return check_out(out, xp, shape=inputs.shape, dtype=_F32, reused=gradients, reused_name="gradients",
+                     others=(inputs,))
 
 
 # --- the six TensorFlow ops ------------------------------------------------------------------------
@@ -317,12 +327,17 @@ def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narro
     return _quantize(x, _args_grid(min, max, num_bits, narrow_range), False, xp)
 
 
-def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False):
-    """TensorFlow's ``FakeQuantWithMinMaxArgsGradient``: ``backprops = gradients * (nudged_min <= inputs <= nudged_max)``."""
+def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False,
+                                          out=None):
+    """TensorFlow's ``FakeQuantWithMinMaxArgsGradient``: ``backprops = gradients * (nudged_min <= inputs <= nudged_max)``.
+
+    ``out``: where to write the backprops (returned), as in :func:`fake_quant_with_min_max_vars_gradient`.
+    """
     xp = array_module(gradients, inputs)
     g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
     _check_same_shape(g, x)
-    return _backprops(g, x, _args_grid(min, max, num_bits, narrow_range), xp, reduce=False)
+    out = _check_out(out, g, x, xp)
+    return _backprops(g, x, _args_grid(min, max, num_bits, narrow_range), xp, reduce=False, out=out)
 
 
 def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=False):
@@ -337,17 +352,28 @@ def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=F
     return _quantize(x, grid, True, xp)
 
 
-def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False):
+def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False, out=None):
     """TensorFlow's ``FakeQuantWithMinMaxVarsGradient``.
 
     Returns ``(backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``: the gradient masked to the nudged
     range (inclusive) and the sums of the gradient below and above it (0-d float32 arrays).
+
+    ``out``: a writeable C-contiguous float32 array shaped as ``inputs`` (same device) to write
+    ``backprops_wrt_input`` into; it is returned.  It may be ``gradients`` itself, which is then overwritten
+    (no second tensor-sized array: the CLI does this with the gradients it read); otherwise it must share
+    no memory with either operand.
+
+    >>> g = np.ones(3, np.float32)
+    >>> dx, _, dmax = fake_quant_with_min_max_vars_gradient(g, np.array([0.0, 1.0, 9.0], np.float32), -6.0, 6.0, out=g)
+    >>> dx is g, g, float(dmax)
+    (True, array([1., 1., 0.], dtype=float32), 1.0)
     """
     xp = array_module(gradients, inputs)
     g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
     _check_same_shape(g, x)
+    out = _check_out(out, g, x, xp)
     grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
-    return _backprops(g, x, grid, xp, reduce=True)
+    return _backprops(g, x, grid, xp, reduce=True, out=out)
 
 
 def fake_quant_with_min_max_vars_per_channel(inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1):
@@ -363,18 +389,19 @@ def fake_quant_with_min_max_vars_per_channel(inputs, min, max, *, num_bits=8, na
 
 
 def fake_quant_with_min_max_vars_per_channel_gradient(
-    gradients, inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1
+    gradients, inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1, out=None
 ):
     """TensorFlow's ``FakeQuantWithMinMaxVarsPerChannelGradient``.
 
     Returns ``(backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the latter two with one entry per
-    channel.
+    channel.  ``out``: as in :func:`fake_quant_with_min_max_vars_gradient`.
     """
     xp = array_module(gradients, inputs)
     g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
     _check_same_shape(g, x)
+    out = _check_out(out, g, x, xp)
     grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
+    if axis == x.ndim - 1:
+        return _backprops(g, x, grid, xp, reduce=True, out=out)
     dx, dmin, dmax = _backprops(_channel_last(g, axis), _channel_last(x, axis), grid, xp, reduce=True)
-    if axis != x.ndim - 1:
-        dx = xp.ascontiguousarray(xp.moveaxis(dx, -1, axis))
-    return dx, dmin, dmax
+    return deliver(xp.ascontiguousarray(xp.moveaxis(dx, -1, axis)), out), dmin, dmax

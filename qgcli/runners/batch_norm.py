@@ -53,12 +53,15 @@ def _dtype_notes(raw):
     return notes
 
 
-def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, version, device):
-    """Detect the convention if asked, run the op; returns (outputs, convention dict, x for norms)."""
+def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, version, device, overwrite=False):
+    """Detect the convention if asked, run the op; returns (outputs, convention dict).  ``overwrite``:
+    ``raw["y_backprop"]`` is this job's own array, read by nothing afterwards, so x_backprop may take its
+    buffer."""
     import numpy as np
 
     from qgcli.backend import to_numpy
     from qgcli.ops import batch_norm as bn
+    from qgcli.ops.out_array import can_take
 
     bn.batch_norm_grad_version(version, x_dtype=getattr(raw["x"], "dtype", None), data_format=data_format,
                                y_backprop_dtype=getattr(raw["y_backprop"], "dtype", None))
@@ -87,9 +90,10 @@ def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, versio
         convention["description"] = _CONVENTION_WORDS[variance_kind]
     # Widened bfloat16: x_backprop rounded to odd in float32, so that narrowing it below rounds only once.
     op = bn.fused_batch_norm_grad_to_odd if bf16 else bn.fused_batch_norm_grad
+    reuse = overwrite and dy.dtype == x.dtype and dy.dtype.itemsize <= 4 and can_take(dy, x)
     dx, dscale, doffset = op(
         dy, x, raw["scale"], raw["reserve_space_1"], rs2, epsilon=epsilon, data_format=data_format,
-        is_training=is_training, variance_kind=convention["variance_kind"])
+        is_training=is_training, variance_kind=convention["variance_kind"], out=dy if reuse else None)
     dx, dscale, doffset = to_numpy(dx), to_numpy(dscale), to_numpy(doffset)
     if bf16:
         dx = dx.astype(raw["x"].dtype)
@@ -150,7 +154,8 @@ def compute(job, operands):
         notes.append(f"TensorFlow's CPU kernel refuses {data_format} with is_training=False; computed as its "
                      "registered gradient does (transposed to channels-last)")
     outputs, convention = run_bn_grad(raw, epsilon=job.epsilon, data_format=data_format, is_training=job.is_training,
-                                      variance_kind=job.variance_kind, version=job.version, device=job.output.device)
+                                      variance_kind=job.variance_kind, version=job.version, device=job.output.device,
+                                      overwrite=True)
     from qgcli.ops.batch_norm import VERSIONS, placeholder_outputs
 
     op = VERSIONS[job.version].op

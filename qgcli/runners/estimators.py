@@ -16,7 +16,7 @@ LITERAL_OK = ("min", "max")
 
 def compute(job, operands):
     from qgcli.ops import estimators
-    from qgcli.ops.analysis import blocked_by
+    from qgcli.ops.analysis import blocked_by, clip_statistics
     from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
 
     est, grad_factor, axis = job.estimator, job.grad_factor, job.axis
@@ -49,8 +49,8 @@ def compute(job, operands):
     if view.axis is not None:
         g = xp.moveaxis(g, view.axis, -1)
     raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
-    summary = build_summary(job.command, op, variant, operands, raw, outputs, grid, view.inputs, g, attrs,
-                            job.output.destination)
+    summary = build_summary(job.command, op, variant, operands, raw, outputs, grid,
+                            clip_statistics(view.inputs, grid, g), attrs, job.output.destination)
     summary["estimator"] = json_safe(details)
     summary["statistics"]["estimator_blocked"] = blocked_by(gradients, outputs["backprops_wrt_input"])
     return Result(outputs, attrs, summary)

@@ -53,47 +53,57 @@ def load_fake_quant_operands(operands, variant, *, with_gradients):
     return gradients, inputs, mn, mx, variant
 
 
-def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp):
-    """Call the op for ``variant``; returns (outputs dict, grid, inputs as float32 channels-last, gradients likewise)."""
+def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp, overwrite=False):
+    """Call the op for ``variant``; returns (outputs dict, grid, clipping statistics).
+
+    ``overwrite``: ``gradients`` is this job's own array and nothing reads it afterwards, so the backprops may
+    take its buffer (no second tensor-sized array to allocate and fault in); the statistics, which need the
+    gradients, are taken before the op.
+    """
     from qgcli import ops
-    from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
+    from qgcli.ops import fake_quant as fq
+    from qgcli.ops.analysis import clip_statistics
+    from qgcli.ops.out_array import can_take
 
     attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
-    x = as_float32(inputs, "inputs", xp)
+    x = fq.as_float32(inputs, "inputs", xp)
+    g = None if gradients is None else fq.as_float32(gradients, "gradients", xp)
+    if g is not None:
+        fq._check_same_shape(g, x)
+    # The op's own checks, in its order, before the statistics read anything.
     if variant == "args":
         lo, hi = float(mn), float(mx)
-        grid = _args_grid(lo, hi, num_bits, narrow_range)
-        if gradients is None:
-            out = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)}
-        else:
-            out = {"backprops": ops.fake_quant_with_min_max_args_gradient(gradients, x, lo, hi, **attrs)}
+        grid = fq._args_grid(lo, hi, num_bits, narrow_range)
     elif variant == "vars":
-        if gradients is None:
-            out = {"outputs": ops.fake_quant_with_min_max_vars(x, mn, mx, **attrs)}
-        else:
-            res = ops.fake_quant_with_min_max_vars_gradient(gradients, x, mn, mx, **attrs)
-            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
-        grid = nudge(mn, mx, **attrs)
+        grid = fq._prepare_per_tensor(x, mn, mx, num_bits, narrow_range, xp)
     else:
-        axis = -1 if axis is None else axis
-        if gradients is None:
-            out = {"outputs": ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx, axis=axis, **attrs)}
+        grid, axis = fq._prepare_per_channel(x, mn, mx, num_bits, narrow_range, -1 if axis is None else axis, xp)
+    x_last, g_last = x, g
+    if variant == "per-channel":  # the statistics take channels last
+        x_last, g_last = (None if a is None else xp.moveaxis(a, axis, -1) for a in (x, g))
+    stats = clip_statistics(x_last, grid, g_last)
+    out = g if overwrite and can_take(g, x) else None
+    if variant == "args":
+        if g is None:
+            outputs = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)}
         else:
-            res = ops.fake_quant_with_min_max_vars_per_channel_gradient(gradients, x, mn, mx, axis=axis, **attrs)
-            out = dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res))
-        grid = nudge(mn, mx, **attrs)
-        x = xp.moveaxis(x, axis, -1)
-        if gradients is not None:
-            gradients = xp.moveaxis(as_float32(gradients, "gradients", xp), axis, -1)
-    if gradients is not None and variant != "per-channel":
-        gradients = as_float32(gradients, "gradients", xp)
-    return out, grid, x, gradients
+            outputs = {"backprops": ops.fake_quant_with_min_max_args_gradient(g, x, lo, hi, out=out, **attrs)}
+        return outputs, grid, stats
+    if variant == "vars":
+        forward, gradient = ops.fake_quant_with_min_max_vars, ops.fake_quant_with_min_max_vars_gradient
+    else:
+        attrs["axis"] = axis
+        forward = ops.fake_quant_with_min_max_vars_per_channel
+        gradient = ops.fake_quant_with_min_max_vars_per_channel_gradient
+    if g is None:
+        return {"outputs": forward(x, mn, mx, **attrs)}, grid, stats
+    res = gradient(g, x, mn, mx, out=out, **attrs)
+    return dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res)), grid, stats
 
 
-def build_summary(command, op, variant, operands, raw, outputs, grid, x, g, attrs, output):
-    from qgcli.ops.analysis import clip_statistics, grid_summary
+def build_summary(command, op, variant, operands, raw, outputs, grid, stats, attrs, output):
+    from qgcli.ops.analysis import grid_summary
 
-    stats = clip_statistics(x, grid, g)
     notes = []
     for name, value in raw.items():
         dtype = getattr(value, "dtype", None)
@@ -123,15 +133,17 @@ def compute(job, operands):
         raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
     xp, (gradients, inputs) = to_device([gradients, inputs], job.output.device)
     op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
-    outputs, grid, x, g = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=job.num_bits,
-                                         narrow_range=job.narrow_range, axis=axis, xp=xp)
+    # The figure draws the gradients, so they are only overwritten without one.
+    outputs, grid, stats = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=job.num_bits,
+                                          narrow_range=job.narrow_range, axis=axis, xp=xp,
+                                          overwrite=not job.output.plot)
     attrs = {"op": op, "variant": variant, "num_bits": job.num_bits, "narrow_range": job.narrow_range}
     if variant == "per-channel":
         attrs["axis"] = -1 if axis is None else axis
     if variant == "args":
         attrs.update(min=float(mn), max=float(mx))
     raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
-    summary = build_summary(job.command, op, variant, operands, raw, outputs, grid, x, g, attrs,
+    summary = build_summary(job.command, op, variant, operands, raw, outputs, grid, stats, attrs,
                             job.output.destination)
 
     def figure():
