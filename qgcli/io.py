@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgcli.errors import FileFormatError, OperandError, OutputError, QgcliError
-from qgcli import hdf5_guard
+from qgcli import h5_contiguous, hdf5_guard
 from qgcli.signals import deferred, raise_pending
 
 H5_SUFFIXES = (".h5", ".hdf5")
@@ -499,7 +499,9 @@ def _read_dataset_node(node, key, label):
             raise FileFormatError(f"{label}: {key!r} holds {_h5_object_kind(node.dtype)}, not a tensor; "
                                   "qgcli does not read it")
         _check_memory(int(node.size or 0) * node.dtype.itemsize, f"{label}: {key!r}")
-        data = node[()]
+        data = h5_contiguous.read(node, f"{label}: dataset {key!r}")
+        if data is None:
+            data = node[()]
         bfloat16 = getattr(data, "dtype", None) == np.uint16 and tagged_bfloat16(node)
     except QgcliError:
         raise
