@@ -113,11 +113,10 @@ def _compile(recipe, n_leaves):
         roots = tuple(None if r is None else visit(r)[0] for r in (recipe[1], *recipe[2]))
     else:
         roots = (visit(recipe)[0],)
-    heights = sorted({h for h, _, _ in nodes})
-    levels = []
-    for height in heights:
-        members = [(n_leaves + i, left, right) for i, (h, left, right) in enumerate(nodes) if h == height]
-        levels.append(tuple(np.array(column, np.intp) for column in zip(*members)))
+    by_height = {}
+    for i, (height, left, right) in enumerate(nodes):
+        by_height.setdefault(height, []).append((n_leaves + i, left, right))
+    levels = [tuple(np.array(column, np.intp) for column in zip(*by_height[h])) for h in sorted(by_height)]
     return tuple(levels), roots
 
 
