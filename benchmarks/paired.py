@@ -1,5 +1,5 @@
-"""Time shell commands side by side: each round runs every command once, in the order given, so that a load
-that comes and goes weighs on all of them alike.
+"""Time shell commands side by side: each round runs every command once, so that a load that comes and goes
+weighs on all of them alike; round r starts with the r-th command (in the order given after it).
 
     python benchmarks/paired.py REPEATS 'COMMAND' ['COMMAND' ...]
 
@@ -30,9 +30,12 @@ def main():
     repeats, commands = int(sys.argv[1]), sys.argv[2:]
     times = [[] for _ in commands]
     peaks = [0.0] * len(commands)
-    for _ in range(repeats):
-        for i, command in enumerate(commands):
-            seconds, peak = run(command)
+    for round_ in range(repeats):
+        # Each round starts one command later, so that each follows every other alike: a command that
+        # always ran right after TensorFlow's (which leaves gigabytes of memory to be reclaimed) paid for it.
+        for k in range(len(commands)):
+            i = (round_ + k) % len(commands)
+            seconds, peak = run(commands[i])
             times[i].append(seconds)
             peaks[i] = max(peaks[i], peak)
     for t, peak in zip(times, peaks):
