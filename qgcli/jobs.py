@@ -55,6 +55,12 @@ class OutputOptions(NamedTuple):
     plot: Optional[str] = None
     scheduler: Optional[str] = None  # --scheduler: a Dask scheduler address, or local[:N]
 
+    @property
+    def shows_summary(self):
+        """Whether anyone sees the summary: --json prints it, and it is rendered unless --quiet.  Work that
+        only feeds it (clipping statistics, norms) is skipped otherwise."""
+        return self.as_json or not self.quiet
+
 
 class FigureOptions(NamedTuple):
     """Where and how a figure is written, and the summary options."""

@@ -212,3 +212,36 @@ def test_out_on_the_device_of_the_operands(xp):
     got = ops.fake_quant_with_min_max_vars_per_channel_gradient(own, x, mn, mx, out=own)
     assert got[0] is own
     assert_same_bits(tuple(to_numpy(a) for a in want), tuple(to_numpy(a) for a in got))
+
+
+@pytest.mark.parametrize("command", ["fakequant-grad", "bn-grad"])
+def test_work_only_the_summary_needs_is_skipped_when_nobody_sees_it(tmp_path, command):
+    from qgcli import executors
+    from qgcli.jobs import BatchNormJob, FakeQuantJob, OperandSpecs, OutputOptions, TF
+
+    rng = np.random.default_rng(9)
+    path = tmp_path / "b.h5"
+    with h5py.File(path, "w") as f:
+        if command == "bn-grad":
+            f["y_backprop"], f["x"] = rng.standard_normal((2, 2, 5, 5, 8)).astype(f32)  # finite: norms > 0
+            f["scale"], f["reserve_space_1"], f["reserve_space_2"] = np.ones(8, f32), np.zeros(8, f32), np.ones(8, f32)
+        else:
+            f["gradients"], f["inputs"] = hostile(rng, (40, 8)), hostile(rng, (40, 8))
+            f["min"], f["max"] = ranges(rng, 8)
+    summaries, files = [], []
+    for shown in (dict(quiet=True), dict(quiet=True, as_json=True), dict()):
+        out = OutputOptions(str(tmp_path / f"o{len(files)}.h5"), **shown)
+        specs = OperandSpecs(str(path), ())
+        job = (BatchNormJob(specs, out) if command == "bn-grad" else
+               FakeQuantJob(command, TF, True, specs, out))
+        summaries.append(executors.execute(job))
+        with h5py.File(out.destination, "r") as f:
+            files.append({k: f[k][()].tobytes() for k in f})
+    assert files[0] == files[1] == files[2]
+    quiet, as_json, rendered = summaries
+    if command == "bn-grad":
+        assert quiet["norms"]["x_backprop"] is None and quiet["per_channel"]["x_backprop_norm"] is None
+        assert as_json["norms"] == rendered["norms"] and as_json["norms"]["x_backprop"] > 0
+    else:
+        assert quiet["statistics"] is None
+        assert as_json["statistics"] == rendered["statistics"] and 0 < as_json["statistics"]["gradient_blocked"] < 1

@@ -100,16 +100,19 @@ def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, versio
     return {"x_backprop": dx, "scale_backprop": dscale, "offset_backprop": doffset}, convention
 
 
-def build_summary(op, attrs, operands, raw, outputs, convention, notes, output):
+def build_summary(op, attrs, operands, raw, outputs, convention, notes, output, *, with_norms=True):
+    """The summary; without ``with_norms`` (nobody will see it) x_backprop is not read again: no norms, and
+    its non-finite values are not counted."""
     import numpy as np
 
     from qgcli.ops.batch_norm import channel_norms
 
-    dx = outputs["x_backprop"]
-    norms = channel_norms(dx, attrs["data_format"]) if dx.size else np.zeros(outputs["scale_backprop"].shape)
+    dx, norms = outputs["x_backprop"], None
+    if with_norms:
+        norms = channel_norms(dx, attrs["data_format"]) if dx.size else np.zeros(outputs["scale_backprop"].shape)
     # A NaN or inf in a channel makes its float64 sum of squares non-finite: with every norm finite,
     # x_backprop holds none, and its full-size isfinite pass (a third of the summary's time) is skipped.
-    nonfinite = {k: 0 if k == "x_backprop" and np.isfinite(norms).all() else
+    nonfinite = {k: 0 if k == "x_backprop" and (norms is None or np.isfinite(norms).all()) else
                  int(np.size(v) - np.isfinite(np.asarray(v, np.float32)).sum()) for k, v in outputs.items()}
     notes = list(notes)
     for name, count in nonfinite.items():
@@ -120,7 +123,7 @@ def build_summary(op, attrs, operands, raw, outputs, convention, notes, output):
         if name in inputs:
             inputs[name]["source"] = source
     per_channel = {
-        "x_backprop_norm": [float(v) for v in norms],
+        "x_backprop_norm": None if norms is None else [float(v) for v in norms],
         "scale_backprop": [float(v) for v in outputs["scale_backprop"]],
         "offset_backprop": [float(v) for v in outputs["offset_backprop"]],
     }
@@ -133,7 +136,7 @@ def build_summary(op, attrs, operands, raw, outputs, convention, notes, output):
         "channels": len(per_channel["scale_backprop"]),
         "per_channel": per_channel,
         "norms": {
-            "x_backprop": float(np.sqrt(np.sum(norms.astype(np.float64) ** 2))),
+            "x_backprop": None if norms is None else float(np.sqrt(np.sum(norms.astype(np.float64) ** 2))),
             "scale_backprop": float(np.linalg.norm(outputs["scale_backprop"].astype(np.float64))),
             "offset_backprop": float(np.linalg.norm(outputs["offset_backprop"].astype(np.float64))),
         },
@@ -163,7 +166,8 @@ def compute(job, operands):
              "version": job.version, "variance_kind": convention["variance_kind"]}
     if convention.get("kind"):
         attrs["variance_convention"] = convention["kind"]
-    summary = build_summary(op, attrs, operands, raw, outputs, convention, notes, job.output.destination)
+    summary = build_summary(op, attrs, operands, raw, outputs, convention, notes, job.output.destination,
+                            with_norms=job.output.shows_summary)
     if job.all_outputs:
         outputs.update(placeholder_outputs(job.version))
         summary["outputs"] = describe_arrays(outputs)

@@ -53,8 +53,10 @@ def load_fake_quant_operands(operands, variant, *, with_gradients):
     return gradients, inputs, mn, mx, variant
 
 
-def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp, overwrite=False):
-    """Call the op for ``variant``; returns (outputs dict, grid, clipping statistics).
+def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp, overwrite=False,
+                   statistics=True):
+    """Call the op for ``variant``; returns (outputs dict, grid, clipping statistics, or None without
+    ``statistics``).
 
     ``overwrite``: ``gradients`` is this job's own array and nothing reads it afterwards, so the backprops may
     take its buffer (no second tensor-sized array to allocate and fault in); the statistics, which need the
@@ -78,10 +80,12 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
         grid = fq._prepare_per_tensor(x, mn, mx, num_bits, narrow_range, xp)
     else:
         grid, axis = fq._prepare_per_channel(x, mn, mx, num_bits, narrow_range, -1 if axis is None else axis, xp)
-    x_last, g_last = x, g
-    if variant == "per-channel":  # the statistics take channels last
-        x_last, g_last = (None if a is None else xp.moveaxis(a, axis, -1) for a in (x, g))
-    stats = clip_statistics(x_last, grid, g_last)
+    stats = None
+    if statistics:
+        x_last, g_last = x, g
+        if variant == "per-channel":  # the statistics take channels last
+            x_last, g_last = (None if a is None else xp.moveaxis(a, axis, -1) for a in (x, g))
+        stats = clip_statistics(x_last, grid, g_last)
     out = g if overwrite and can_take(g, x) else None
     if variant == "args":
         if g is None:
@@ -136,7 +140,7 @@ def compute(job, operands):
     # The figure draws the gradients, so they are only overwritten without one.
     outputs, grid, stats = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=job.num_bits,
                                           narrow_range=job.narrow_range, axis=axis, xp=xp,
-                                          overwrite=not job.output.plot)
+                                          overwrite=not job.output.plot, statistics=job.output.shows_summary)
     attrs = {"op": op, "variant": variant, "num_bits": job.num_bits, "narrow_range": job.narrow_range}
     if variant == "per-channel":
         attrs["axis"] = -1 if axis is None else axis
