@@ -10,8 +10,8 @@ tf_semantics.md §1.5):
   cut into ``floor(n / threads)``-sized shards, each reduced as above, and the shard sums are added to the
   sum of the leftover tail in shard order.
 
-The reduction is planned once as a list of *leaves* (runs of at most 8192 values) and a recipe to combine
-the leaf sums.  Leaves are summed in batches: consecutive leaves of equal length form one
+The reduction is planned once as a list of *leaves* (runs of at most 8192 values) and the order in which
+to combine the leaf sums.  Leaves are summed in batches: consecutive leaves of equal length form one
 ``[leaves, length, columns]`` view, so a 25-million-element vector costs a few dozen NumPy calls, and
 columns (channels) are vectorised too.  Callers may compute leaf sums block by block and combine them at
 the end (see :func:`combine`), which keeps the working set small.
@@ -51,13 +51,13 @@ def eigen_threads(n, cost, max_threads):
 
 @dataclass(frozen=True)
 class Plan:
-    """Leaves ``(start, length)`` in order, the nested recipe that adds their sums like Eigen, and that
-    recipe compiled into a few vectorised steps (see :func:`combine`)."""
+    """Leaves ``(start, length)`` in order and the Eigen order of adding their sums, compiled into a few
+    vectorised steps (see :func:`combine`)."""
 
     leaves: tuple
-    recipe: tuple  # ("shards", tail_recipe_or_None, (shard recipes)) / ("tree", left, right_or_None) / ("leaf", i)
+    sharded: bool  # Eigen's FullReducer cut the vector into shards (added to the tail's sum in order)
     levels: tuple = ()  # ((nodes, lefts, rights), ...) by height: node = (0 + left) + right
-    roots: tuple = ()  # (tail or None, shard roots...) for "shards"; (root,) otherwise
+    roots: tuple = ()  # (tail or None, shard roots...) when sharded; (root,) otherwise
 
 
 def plan(n, *, kind="flat", threads=None):
@@ -67,61 +67,52 @@ def plan(n, *, kind="flat", threads=None):
 
 @functools.lru_cache(maxsize=32)  # a 25-million-value plan has thousands of leaves: build it once
 def _plan(n, kind, threads):
-    leaves = []
+    """One walk of Eigen's trees: leaves in memory order, and each tree node (height, left, right) once its
+    halves are known.  A child is named by a reference: leaf i is i, node k is -2 - k, a missing right half
+    -1 (the zero row of :func:`combine`).  (Building a nested recipe and walking it again took twice as
+    long: 7 ms for a 25.7 M-value vector, paid by every process that reduces one.)"""
+    leaves, nodes = [], []
 
     def tree(first, count):
         if count <= LEAF:
             leaves.append((first, count))
-            return ("leaf", len(leaves) - 1)
+            return len(leaves) - 1, 0
         split = PACKET * -(-(first + -(-count // 2)) // PACKET)
         n_left = min(split - first, count)
-        left = tree(first, n_left)
-        right = tree(split, count - n_left) if n_left < count else None
-        return ("tree", left, right)
+        left, h_left = tree(first, n_left)
+        right, h_right = tree(split, count - n_left) if n_left < count else (-1, 0)
+        nodes.append((max(h_left, h_right) + 1, left, right))
+        return -1 - len(nodes), nodes[-1][0]
 
     used = eigen_threads(n, COST_PER_VALUE[kind], threads) if n else 1
     if used == 1:
-        recipe = tree(0, n)
+        roots = (tree(0, n)[0],)
     else:
         block = int(np.floor(np.float32(n) / np.float32(used)))  # Eigen computes this in float
         n_blocks = n // block
-        shards = tuple(tree(i * block, block) for i in range(n_blocks))
+        shards = [tree(i * block, block)[0] for i in range(n_blocks)]
         # Eigen reduces the leftover tail before adding the shards to it, so it comes last in memory order
         # but first in the sum.
-        tail = tree(n_blocks * block, n - n_blocks * block) if n_blocks * block < n else None
-        recipe = ("shards", tail, shards)
-    return Plan(tuple(leaves), recipe, *_compile(recipe, len(leaves)))
+        tail = tree(n_blocks * block, n - n_blocks * block)[0] if n_blocks * block < n else None
+        roots = (tail, *shards)
+    n_leaves = len(leaves)
 
+    def index(ref):  # a reference as a row of combine's values: leaf sums, then nodes, then the zero row
+        return ref if ref >= -1 else n_leaves - 2 - ref
 
-def _compile(recipe, n_leaves):
-    """Group the recipe's tree nodes by height, so each height is added in one vectorised step.
-
-    Values live in one array: leaf sums first, then tree nodes, then a row of zeros (index ``-1``) standing
-    in for a missing right half: ``(0 + left) + 0`` is ``0 + left``, since ``0 + left`` is never -0.0.
-    """
-    nodes = []  # (height, left, right)
-
-    def visit(r):
-        if r[0] == "leaf":
-            return r[1], 0
-        left, h_left = visit(r[1])
-        right, h_right = visit(r[2]) if r[2] is not None else (-1, 0)
-        nodes.append((max(h_left, h_right) + 1, left, right))
-        return n_leaves + len(nodes) - 1, nodes[-1][0]
-
-    if recipe[0] == "shards":
-        roots = tuple(None if r is None else visit(r)[0] for r in (recipe[1], *recipe[2]))
-    else:
-        roots = (visit(recipe)[0],)
-    by_height = {}
-    for i, (height, left, right) in enumerate(nodes):
-        by_height.setdefault(height, []).append((n_leaves + i, left, right))
-    levels = [tuple(np.array(column, np.intp) for column in zip(*by_height[h])) for h in sorted(by_height)]
-    return tuple(levels), roots
+    levels = []
+    if nodes:
+        heights, lefts, rights = (np.array(column, np.intp) for column in zip(*nodes))
+        lefts, rights = (np.where(r >= -1, r, n_leaves - 2 - r) for r in (lefts, rights))
+        for height in np.unique(heights):
+            members = np.flatnonzero(heights == height)
+            levels.append((n_leaves + members, lefts[members], rights[members]))
+    roots = tuple(None if r is None else index(r) for r in roots)
+    return Plan(tuple(leaves), used > 1, tuple(levels), roots)
 
 
 def combine(plan, sums, xp):
-    """Add leaf sums (``[leaves, columns]``, float32) following the plan's recipe; returns ``[columns]``."""
+    """Add leaf sums (``[leaves, columns]``, float32) in the plan's order; returns ``[columns]``."""
     f32 = xp.float32
     n_leaves, columns = sums.shape
     n_nodes = sum(len(level[0]) for level in plan.levels)
@@ -129,7 +120,7 @@ def combine(plan, sums, xp):
     values[:n_leaves] = sums
     for targets, lefts, rights in plan.levels:
         values[targets] = (f32(0) + values[lefts]) + values[rights]
-    if plan.recipe[0] != "shards":
+    if not plan.sharded:
         return values[plan.roots[0]]
     tail, *shards = plan.roots
     acc = values[tail] if tail is not None else xp.zeros(columns, f32)
