@@ -11,7 +11,8 @@
 #    (both bundles) and `qgcli bn-grad BUNDLE.h5 -o OUT.h5 --epsilon 1e-3`, each against its I/O floor
 #    (benchmarks/io_floor.py: the same datasets read, an output as large written, fsynced, renamed) and
 #    benchmarks/tf_load_op_save.py under --tf-python (default /tmp/tfvenv/bin/python when it exists;
-#    skipped otherwise), the commands alternated in each round (benchmarks/paired.py).  The TF figure
+#    skipped otherwise): qgcli and the floor alternated in each round (benchmarks/paired.py), TensorFlow in
+#    rounds of its own afterwards (its runs disturbed the pairs they shared a round with).  The TF figure
 #    includes importing TensorFlow, as qgcli's includes its imports; the TF import alone is timed too.
 #    The outputs of qgcli and TF are compared afterwards.
 # 3. Start-up, median of --startup-repeats (10): `qgcli --help` and `qgcli fakequant-grad --help` against
@@ -116,9 +117,9 @@ CACHED=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$WORK/pycache")
 echo
 echo "## End to end (HDF5 in, HDF5 out) against the I/O floor, seconds, median of $REPEATS rounds"
 echo
-echo "Each round runs qgcli, then benchmarks/io_floor.py (the same datasets read with h5py, an output as large"
-echo "plus the small ones written to a temporary file, fsynced, renamed)$( [[ -n "$TF_PY" ]] && echo ", then TensorFlow"), one after"
-echo "the other, so that a passing load weighs on all alike.  Peak RSS: the largest of the runs; in + out: the"
+echo "Each round runs qgcli and benchmarks/io_floor.py (the same datasets read with h5py, an output as large"
+echo "plus the small ones written to a temporary file, fsynced, renamed) one after the other, so that a passing"
+echo "load weighs on both alike$( [[ -n "$TF_PY" ]] && echo "; TensorFlow runs in rounds of its own after them").  Peak RSS: the largest of the runs; in + out: the"
 echo "bytes of the tensors read and written (goals: qgcli/floor <= 1.3, qgcli RSS <= in + out + 64 MB)."
 echo
 printf '| %-36s | %8s | %8s | %11s | %12s | %12s | %11s |%s\n' "command" "qgcli s" "floor s" "qgcli/floor" \
@@ -145,14 +146,17 @@ run_case() {  # label, bundle, floor options, "--", qgcli args..., "--", tf args
     targs=("$@")
     cmds=("$(printf '%q ' "${CACHED[@]}" "$QGCLI" "${qargs[@]}" -o "$WORK/out.h5" --force -q)"
           "$(printf '%q ' "${CACHED[@]}" "$PY" "$ROOT/benchmarks/io_floor.py" "$bundle" "$WORK/out_floor.h5") $floor_opts")
-    [[ -n "$TF_PY" ]] && cmds+=("$(printf '%q ' "$TF_PY" "$ROOT/benchmarks/tf_load_op_save.py" "${targs[@]}" "$WORK/out_tf.h5")")
+    local tf_cmd="$(printf '%q ' "$TF_PY" "$ROOT/benchmarks/tf_load_op_save.py" "${targs[@]}" "$WORK/out_tf.h5")"
     for c in "${cmds[@]}"; do bash -c "$c" >/dev/null 2>&1 || true; done  # warm-up: page cache, bytecode
     mapfile -t lines < <("$PY" "$ROOT/benchmarks/paired.py" "$REPEATS" "${cmds[@]}")
     [[ ${#lines[@]} -ge 2 ]] || { echo "bench_cli.sh: $label failed" >&2; return 1; }
     read -r q qr <<<"${lines[0]}"
     read -r f fr <<<"${lines[1]}"
     if [[ -n "$TF_PY" ]]; then
-        read -r t _ <<<"${lines[2]}"
+        # Timed in rounds of its own, after the pairs: each TensorFlow run leaves gigabytes of memory for the
+        # kernel to reclaim, which disturbed the qgcli and floor runs of the rounds it shared.
+        bash -c "$tf_cmd" >/dev/null 2>&1 || true
+        read -r t _ < <("$PY" "$ROOT/benchmarks/paired.py" "$REPEATS" "$tf_cmd")
         t_cell=$(printf ' %8s | %8s |' "$t" "$(ratio "$q" "$t")")
     fi
     printf '| %-36s | %8s | %8s | %11s | %12s | %12s | %11s |%s\n' "$label" "$q" "$f" "$(ratio "$q" "$f")" "$qr" "$fr" \
