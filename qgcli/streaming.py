@@ -129,7 +129,7 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
     if kind is None:
         for i in range(0, shape[0], step):
             g, x = _rows(gradients[i:i + step], depth), _rows(inputs[i:i + step], depth)
-            dx = blocked.backprop_rows(g, x, lo, hi, passthrough)[0]
+            dx = blocked.backprop_rows(g, x, lo, hi, passthrough, out=g)[0]  # the block read is ours to overwrite
             dx_out.write(i, dx.reshape((-1,) + shape[1:]))
             _tick(progress, g.nbytes * 2)
         return {}
@@ -143,7 +143,8 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
         if ready is None:
             continue
         (g, x), leaves = ready
-        dx, smin, smax = blocked.backprop_rows(g, x, lo, hi, passthrough, leaves=leaves)
+        # g holds rows read for this call (or joined from them): the gradient may overwrite them.
+        dx, smin, smax = blocked.backprop_rows(g, x, lo, hi, passthrough, leaves=leaves, out=g)
         sums_min.append(smin)
         sums_max.append(smax)
         dx_pending.append(dx)
@@ -267,7 +268,8 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
     for sl in (slice(i, i + output.step) for i in range(0, shape[0], output.step)):  # element-wise: any blocks
         dy_b, x_b = _read_float(y_backprop, sl), _read_float(x, sl)
         acb = bn._acb_shape(dy_b.shape, channels_first)
-        dx_b = np.empty(dy_b.shape, out_dtype)
+        # dy_b is this block's own array: x_backprop may overwrite it (no fresh pages per block).
+        dx_b = dy_b if dy_b.dtype == out_dtype and dy_b.flags.writeable else np.empty(dy_b.shape, out_dtype)
         if n:
             bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
         output.write(sl.start, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
