@@ -97,17 +97,17 @@ def _plan(n, kind, threads):
         roots = (tail, *shards)
     n_leaves = len(leaves)
 
-    def index(ref):  # a reference as a row of combine's values: leaf sums, then nodes, then the zero row
-        return ref if ref >= -1 else n_leaves - 2 - ref
+    def index(refs):  # references as rows of combine's values: leaf sums, then nodes, then the zero row
+        return np.where(refs >= -1, refs, n_leaves - 2 - refs)
 
     levels = []
     if nodes:
         heights, lefts, rights = (np.array(column, np.intp) for column in zip(*nodes))
-        lefts, rights = (np.where(r >= -1, r, n_leaves - 2 - r) for r in (lefts, rights))
+        lefts, rights = index(lefts), index(rights)
         for height in np.unique(heights):
             members = np.flatnonzero(heights == height)
             levels.append((n_leaves + members, lefts[members], rights[members]))
-    roots = tuple(None if r is None else index(r) for r in roots)
+    roots = tuple(None if r is None else int(index(r)) for r in roots)
     return Plan(tuple(leaves), used > 1, tuple(levels), roots)
 
 
