@@ -359,8 +359,6 @@ void qg_bn_dx(const float *dy, const float *restrict x, float *dx, int64_t a_len
         }
 }
 
-/* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
- * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
 /* --- LZF compression (the format HDF5's LZF filter 32000 decodes), deterministic ----------------------
  *
  * The stream is a sequence of literal runs (a byte c < 32, then c + 1 bytes) and back references (a byte
@@ -369,9 +367,9 @@ void qg_bn_dx(const float *dy, const float *restrict x, float *dx, int64_t a_len
  * on a hash of 3 bytes, looking at fewer positions the longer nothing matches; the table (16 K positions,
  * 64 KB: it stays in cache) cleared on every call so that the same chunk always gives the same bytes.
  * Matches start only at multiples of `step` (the chunk's item size) and, for items of 4 bytes or more, cover
- * at least 4 bytes (hashed on 4): the repeats of typed data (a float32 zero, a repeated value) start at item
- * boundaries, and looking at every byte took 2.5x the time on float32 gradients.  A match may end anywhere;
- * the search goes on at the next boundary.
+ * at least 4 bytes (hashed and compared as one 32-bit word): the repeats of typed data (a float32 zero, a
+ * repeated value) start at item boundaries, and looking at every byte took 2.5x the time on float32
+ * gradients.  A match may end anywhere (found 8 bytes at a time); the search goes on at the next boundary.
  * Returns the stream's length, or 0 where it would not fit in `cap` bytes (the caller then stores the chunk
  * raw, as h5py's filter does). */
 #define QG_LZF_HLOG 14
@@ -379,46 +377,64 @@ void qg_bn_dx(const float *dy, const float *restrict x, float *dx, int64_t a_len
 #define QG_LZF_MAX_LEN 264
 #define QG_LZF_MAX_LIT 32
 
-/* A hash of the `width` (3 or 4) bytes at p. */
-static inline uint32_t qg_lzf_hash(const uint8_t *p, int width) {
-    uint32_t v = ((uint32_t)p[0] << 16) | ((uint32_t)p[1] << 8) | p[2];
-    if (width == 4) v = (v << 8) | p[3];
-    return (v * 2654435761u) >> (32 - QG_LZF_HLOG);
-}
+static inline uint32_t qg_load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t qg_load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* Literal runs of in[start, end) at out + *o; 0 when they do not fit. */
-static inline int qg_lzf_literals(const uint8_t *in, int64_t start, int64_t end, uint8_t *out, int64_t *o,
-                                  int64_t cap) {
+/* Literal runs of in[start, end) (in: n bytes) at out + *o; 0 when they do not fit.  Where both buffers have
+ * room, a run is copied as a fixed 32 bytes (no call, no branch on its length); the bytes past it are
+ * overwritten by what follows or lie past the stream's end. */
+static inline int qg_lzf_literals(const uint8_t *in, int64_t n, int64_t start, int64_t end, uint8_t *out,
+                                  int64_t *o, int64_t cap) {
     while (start < end) {
         int64_t run = end - start < QG_LZF_MAX_LIT ? end - start : QG_LZF_MAX_LIT;
         if (*o + 1 + run > cap) return 0;
         out[(*o)++] = (uint8_t)(run - 1);
-        memcpy(out + *o, in + start, (size_t)run);
+        if (*o + QG_LZF_MAX_LIT <= cap && start + QG_LZF_MAX_LIT <= n)
+            memcpy(out + *o, in + start, QG_LZF_MAX_LIT);
+        else
+            memcpy(out + *o, in + start, (size_t)run);
         *o += run;
         start += run;
     }
     return 1;
 }
 
+/* How far a[0, limit) equals b[0, limit), given the first `len` bytes do. */
+static inline int64_t qg_lzf_extend(const uint8_t *a, const uint8_t *b, int64_t len, int64_t limit) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    while (len + 8 <= limit) {
+        uint64_t diff = qg_load64(a + len) ^ qg_load64(b + len);
+        if (diff) return len + (__builtin_ctzll(diff) >> 3);
+        len += 8;
+    }
+#endif
+    while (len < limit && a[len] == b[len]) ++len;
+    return len;
+}
+
 /* The compressor for one item size: `step` and `width` are constants at each call below, so that the
- * compiler specialises the loop (the alignment a shift, the compare one width). */
+ * compiler specialises the loop (the alignment a shift, the compare one width).  The table holds
+ * position + 8193, so that an empty slot (0) is a candidate out of reach. */
 static inline __attribute__((always_inline)) int64_t qg_lzf_items(
     const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap, uint32_t *restrict table,
     const int64_t step, const int width) {
     int64_t ip = 0, lit = 0, o = 0, misses = 0;
     while (ip + width <= n) {
-        uint32_t h = qg_lzf_hash(in + ip, width);
-        int64_t cand = (int64_t)table[h] - 1;
-        table[h] = (uint32_t)(ip + 1);
-        if (cand < 0 || ip - cand > QG_LZF_MAX_OFF || in[cand] != in[ip] || in[cand + 1] != in[ip + 1]
-            || in[cand + 2] != in[ip + 2] || (width == 4 && in[cand + 3] != in[ip + 3])) {
+        uint32_t v = width == 4 ? qg_load32(in + ip)
+                                : (uint32_t)in[ip] | (uint32_t)in[ip + 1] << 8 | (uint32_t)in[ip + 2] << 16;
+        uint32_t h = (v * 2654435761u) >> (32 - QG_LZF_HLOG);
+        int64_t cand = (int64_t)table[h] - (QG_LZF_MAX_OFF + 1);
+        table[h] = (uint32_t)(ip + QG_LZF_MAX_OFF + 1);
+        if (ip - cand > QG_LZF_MAX_OFF
+            || (width == 4 ? qg_load32(in + cand) != v
+                           : in[cand] != in[ip] || in[cand + 1] != in[ip + 1] || in[cand + 2] != in[ip + 2])) {
             ip += step * (1 + (misses++ >> 5)); /* incompressible bytes (random mantissas): look less often */
             continue;
         }
         misses = 0;
-        int64_t limit = n - ip < QG_LZF_MAX_LEN ? n - ip : QG_LZF_MAX_LEN, len = width;
-        while (len < limit && in[cand + len] == in[ip + len]) ++len;
-        if (!qg_lzf_literals(in, lit, ip, out, &o, cap) || o + 3 > cap) return 0;
+        int64_t limit = n - ip < QG_LZF_MAX_LEN ? n - ip : QG_LZF_MAX_LEN;
+        int64_t len = qg_lzf_extend(in + cand, in + ip, width, limit);
+        if (!qg_lzf_literals(in, n, lit, ip, out, &o, cap) || o + 3 > cap) return 0;
         int64_t off = ip - cand - 1, code = len - 2;
         if (code < 7) {
             out[o++] = (uint8_t)((code << 5) | (off >> 8));
@@ -430,12 +446,14 @@ static inline __attribute__((always_inline)) int64_t qg_lzf_items(
         lit = ip + len;
         ip = (lit + step - 1) / step * step;
     }
-    return qg_lzf_literals(in, lit, n, out, &o, cap) ? o : 0;
+    return qg_lzf_literals(in, n, lit, n, out, &o, cap) ? o : 0;
 }
 
-/* `step`: the item size (1, 2, 4 or 8; any other size compresses as bytes). */
+/* `step`: the item size (1, 2, 4 or 8; any other size compresses as bytes).  Chunks of 2 GiB or more (the
+ * table's positions are 32-bit) are left raw. */
 int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict out, int64_t cap, int64_t step) {
-    uint32_t *table = calloc((size_t)1 << QG_LZF_HLOG, sizeof(uint32_t)); /* position + 1; 0: none */
+    if (n >= ((int64_t)1 << 31)) return 0;
+    uint32_t *table = calloc((size_t)1 << QG_LZF_HLOG, sizeof(uint32_t));
     if (!table) return 0;
     int64_t size = step == 8 ? qg_lzf_items(in, n, out, cap, table, 8, 4)  /* a match: at least one item */
                  : step == 4 ? qg_lzf_items(in, n, out, cap, table, 4, 4)  /* (4 bytes of it) */
@@ -445,6 +463,8 @@ int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict
     return size;
 }
 
+/* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
+ * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
 int qg_abi_version(void) { return 6; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
