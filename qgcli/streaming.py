@@ -73,6 +73,21 @@ class _Output:
             self.ds[start:start + len(block)] = block
 
 
+class _Reader:
+    """First-axis blocks ``[start, stop)`` of an HDF5 dataset, read into one reused buffer of ``step`` items
+    (valid until the next read).  A fresh array per block cost its page faults on every read: malloc maps
+    blocks of 32 MiB and more afresh and unmaps them when they are freed."""
+
+    def __init__(self, ds, step):
+        self.ds = ds
+        self.buf = np.empty((min(step, ds.shape[0]),) + tuple(ds.shape[1:]), ds.dtype)
+
+    def __call__(self, start, stop):
+        n = min(stop, self.ds.shape[0]) - start
+        self.ds.read_direct(self.buf, np.s_[start:start + n], np.s_[:n])
+        return self.buf[:n]
+
+
 def _rows(block, depth):
     return np.ascontiguousarray(block, dtype=_F32).reshape(-1, depth)
 
@@ -87,20 +102,19 @@ class _LeafCutter:
         self.pending = []  # arrays of rows not yet part of a complete leaf, per operand
 
     def push(self, *arrays):
-        self.pending = [np.concatenate([p, a]) if len(p) else a for p, a in zip(self.pending, arrays)] \
-            if self.pending else list(arrays)
-        available = len(self.pending[0])
+        if self.pending:
+            arrays = [np.concatenate([p, a]) if len(p) else a for p, a in zip(self.pending, arrays)]
         take, count = 0, 0
-        while self.next + count < len(self.leaves) and take + self.leaves[self.next + count][1] <= available:
+        while self.next + count < len(self.leaves) and take + self.leaves[self.next + count][1] <= len(arrays[0]):
             take += self.leaves[self.next + count][1]
             count += 1
+        # What no whole leaf takes outlives this block's read buffer (the next read overwrites it): a copy.
+        self.pending = [a[take:].copy() for a in arrays]
         if not count:
             return None
-        chunk = [p[:take] for p in self.pending]
-        self.pending = [p[take:] for p in self.pending]
         leaves = tuple(self.leaves[self.next:self.next + count])
         self.next += count
-        return chunk, leaves
+        return [a[:take] for a in arrays], leaves
 
 
 def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compression, budget, progress=None):
@@ -126,9 +140,10 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
         dx_out.ds[()] = blocked.backprop_rows(g, x, lo, hi, passthrough)[0].reshape(())
         _tick(progress, g.nbytes * 2)
         return {}
+    read_g, read_x = _Reader(gradients, step), _Reader(inputs, step)
     if kind is None:
         for i in range(0, shape[0], step):
-            g, x = _rows(gradients[i:i + step], depth), _rows(inputs[i:i + step], depth)
+            g, x = _rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth)
             dx = blocked.backprop_rows(g, x, lo, hi, passthrough, out=g)[0]  # the block read is ours to overwrite
             dx_out.write(i, dx.reshape((-1,) + shape[1:]))
             _tick(progress, g.nbytes * 2)
@@ -139,7 +154,7 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
     dx_pending, written = [], 0
     per_item = rows // shape[0] if shape[0] else 0
     for i in range(0, shape[0], step):
-        ready = cutter.push(_rows(gradients[i:i + step], depth), _rows(inputs[i:i + step], depth))
+        ready = cutter.push(_rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth))
         if ready is None:
             continue
         (g, x), leaves = ready
@@ -170,7 +185,7 @@ def _flush_rows(output, pending, written, per_item, *, final):
         items -= items % output.align
     if items:
         output.write(written, rows[:items * per_item].reshape((items,) + output.ds.shape[1:]))
-    pending[:] = [rows[items * per_item:]] if items * per_item < len(rows) else []
+    pending[:] = [rows[items * per_item:].copy()] if items * per_item < len(rows) else []  # (see _LeafCutter)
     return written + items
 
 
@@ -185,9 +200,9 @@ def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compres
     step = block_items(shape, 4, budget, copies=3) if shape else 1
     output = _Output(out, "outputs", shape, _F32, attrs, compression, step=step, budget=budget, copies=3,
                      work_itemsize=4)
+    read = _Reader(inputs, output.step) if shape else None
     for i in range(0, shape[0] if shape else 1, output.step):
-        sl = slice(i, i + output.step) if shape else ()
-        x = _rows(inputs[sl], depth)
+        x = _rows(read(i, i + output.step) if shape else inputs[()], depth)
         y = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush())
         if shape:
             output.write(i, y.reshape((-1,) + shape[1:]))
@@ -204,10 +219,10 @@ def _tick(progress, nbytes):
         progress(nbytes)
 
 
-def _read_float(ds, sl):
-    """A block of an HDF5 dataset, bfloat16 restored from its uint16 storage."""
-    block = ds[sl]
-    if tagged_bfloat16(ds) and block.dtype == np.uint16:
+def _read_float(read, start, stop):
+    """A block of an HDF5 dataset (from its :class:`_Reader`), bfloat16 restored from its uint16 storage."""
+    block = read(start, stop)
+    if tagged_bfloat16(read.ds) and block.dtype == np.uint16:
         import ml_dtypes
 
         block = block.view(ml_dtypes.bfloat16)
@@ -250,8 +265,9 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
     step = block_items(shape, 8, budget, copies=6)
     blocks = [slice(i, i + step) for i in range(0, shape[0], step)]  # pass 1: its sums keep this order
     sum_dy, sum_dyxc = np.zeros(channels, np.float64), np.zeros(channels, np.float64)
+    read_dy, read_x = _Reader(y_backprop, step), _Reader(x, step)
     for sl in blocks:
-        dy_b, x_b = _read_float(y_backprop, sl), _read_float(x, sl)
+        dy_b, x_b = _read_float(read_dy, sl.start, sl.stop), _read_float(read_x, sl.start, sl.stop)
         acb = bn._acb_shape(dy_b.shape, channels_first)
         with np.errstate(all="ignore"):
             s_dy, s_dyxc = bn._channel_sums(dy_b.reshape(acb), x_b.reshape(acb), mean, acb, np)
@@ -265,14 +281,16 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
                      work_itemsize=8)
     if out_dtype.name == "bfloat16":
         output.ds.attrs["dtype"] = "bfloat16"
-    for sl in (slice(i, i + output.step) for i in range(0, shape[0], output.step)):  # element-wise: any blocks
-        dy_b, x_b = _read_float(y_backprop, sl), _read_float(x, sl)
+    if output.step != step:
+        read_dy, read_x = _Reader(y_backprop, output.step), _Reader(x, output.step)
+    for i in range(0, shape[0], output.step):  # element-wise: any blocks
+        dy_b, x_b = _read_float(read_dy, i, i + output.step), _read_float(read_x, i, i + output.step)
         acb = bn._acb_shape(dy_b.shape, channels_first)
-        # dy_b is this block's own array: x_backprop may overwrite it (no fresh pages per block).
+        # dy_b is this block's read buffer, written before the next read: x_backprop may overwrite it.
         dx_b = dy_b if dy_b.dtype == out_dtype and dy_b.flags.writeable else np.empty(dy_b.shape, out_dtype)
         if n:
             bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
-        output.write(sl.start, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
+        output.write(i, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
         _tick(progress, dy_b.nbytes + x_b.nbytes)
     zeros = np.zeros(channels, _F32)
     if n == 0 or channels == 0:
