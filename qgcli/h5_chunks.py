@@ -2,34 +2,48 @@
 
 HDF5 runs its filters on one thread, inside its global lock, and an output written in blocks that cut
 through chunks makes it read, decompress, patch and recompress each chunk once per block.  Here the output's
-chunk shape is chosen first (h5py's own guess, so the layout is the one ``chunks=True`` gives), blocks of
-whole chunk rows are handed over, and each chunk is copied out and compressed in the thread pool
-(``zlib.compress`` and the LZF compressors release the GIL) into reused slots, then stored with
-``write_direct_chunk`` in chunk order while the pool compresses the next group.  The filters are HDF5's
-built-in gzip (h5py's default level 4, the bytes the filter itself writes) and h5py's LZF (filter 32000):
-LZF chunks come from qgcli's compiled compressor (``qg_lzf_compress``: the LZF format, other bytes than
-h5py's, decoded by h5py's filter), else h5py's own routine, else HDF5 compresses as before (one thread).
-Any h5py reads the file without a plugin.
+chunk shape is chosen first (:func:`chunk_shape`: up to 1 MiB of whole trailing dimensions, the same in
+memory and streamed), blocks of whole chunk rows are handed over, and each chunk is compressed where it lies
+(copied out only where it is not contiguous, or an edge chunk to pad) on a pool of its own
+(``zlib.compress`` and the LZF compressors release the GIL), then stored with ``write_direct_chunk`` in
+chunk order while the pool compresses the next groups and the caller reads and computes the next block.
+The filters are HDF5's built-in gzip (h5py's default level 4, the bytes the filter itself writes) and
+h5py's LZF (filter 32000): LZF chunks come from qgcli's compiled compressor (``qg_lzf_compress``: the LZF
+format, other bytes than h5py's, decoded by h5py's filter), else h5py's own routine, else HDF5 compresses
+as before (one thread).  Any h5py reads the file without a plugin.
 """
 import ctypes
 import zlib
+from collections import deque
 
 import numpy as np
 
 GZIP_LEVEL = 4  # h5py's default for compression="gzip"
-_GROUP_BYTES = 8 << 20  # raw bytes of chunks compressed per round (two rounds' buffers are held)
+CHUNK_BYTES = 1 << 20  # the largest chunk h5py guesses, and HDF5's default chunk cache: a chunk read is cached
+_GROUP_BYTES = 8 << 20  # raw bytes of chunks compressed per group
+_RING = 4  # groups on their way at once: the pool compresses a block's worth while the next one is read
 
 
 def chunk_shape(shape, itemsize):
-    """The chunk shape h5py picks for ``chunks=True`` (chunks of at most about 1 MiB)."""
-    from h5py._hl.filters import guess_chunk
+    """Chunks of whole trailing dimensions, as many as fit in ``CHUNK_BYTES``: ``(1, .., 1, k, n_j+1, ..)``.
 
-    return tuple(int(c) for c in guess_chunk(tuple(shape), None, itemsize))
+    Each chunk is then one contiguous run of a C-ordered block (compressed where it lies, no gathering
+    copy), a streamed block can be a single first-axis item, and HDF5 writes 1 MiB per chunk: each
+    ``write_direct_chunk`` costs about 15-50 us besides its bytes, and h5py's own guess (``chunks=True``:
+    64 KiB chunks for a 256 MiB tensor) took 4096 of them, 0.2-0.3 s, where 256 take 0.07 s."""
+    chunk, size = [1] * len(shape), itemsize
+    for axis in reversed(range(len(shape))):
+        n = max(int(shape[axis]), 1)
+        if size * n > CHUNK_BYTES:
+            chunk[axis] = max(1, CHUNK_BYTES // size)
+            break
+        chunk[axis], size = n, size * n
+    return tuple(chunk)
 
 
 def create(group, name, shape, dtype, compression, *, chunks=None):
-    """An empty dataset: contiguous without ``compression``, else chunked (``chunks`` or h5py's guess) with
-    that filter.  Scalars and empty arrays are never compressed."""
+    """An empty dataset: contiguous without ``compression``, else chunked (``chunks`` or
+    :func:`chunk_shape`) with that filter.  Scalars and empty arrays are never compressed."""
     shape, dtype = tuple(shape), np.dtype(dtype)
     if not compression or not shape or not int(np.prod(shape)):
         return group.create_dataset(name, shape=shape, dtype=dtype)
@@ -44,18 +58,26 @@ def write(ds, array):
         return
     writer = ChunkWriter(ds)
     writer.write_rows(0, np.asarray(array))
+    writer.flush()
 
 
 class ChunkWriter:
     """Writes blocks of whole chunk rows (first-axis items ``[start, start + len(block))``, ``start`` a
     multiple of the chunk's first extent, and the block ending on one or at the dataset's end) into the
-    chunked, compressed dataset ``ds``."""
+    chunked, compressed dataset ``ds``.
+
+    The chunks are compressed on the pool in groups, up to ``_RING`` groups at a time, while the caller
+    goes on (reads the next block): a block must stay as it is until the next :meth:`write_rows` returns,
+    and :meth:`flush` writes what is still on its way.  HDF5 is only called from the caller's thread, in
+    chunk order (the same file whatever the threads)."""
 
     def __init__(self, ds):
         self.ds = ds
         self.chunks = tuple(ds.chunks)
         self.compress = _compressor(ds)
-        self._raw = self._out = None
+        self._raw = self._out = None  # per ring slot: the group's chunks as HDF5 stores them, and LZF's output
+        self._free = deque(range(_RING))
+        self._flight = deque()  # (slot, chunk positions, futures of (mask, bytes)), oldest first
 
     def write_rows(self, start, block):
         ds, chunks = self.ds, self.chunks
@@ -65,44 +87,76 @@ class ChunkWriter:
         block = np.asarray(block, dtype=ds.dtype)  # any strides: each chunk is copied out on its own
         if start % chunks[0] or (len(block) % chunks[0] and start + len(block) != ds.shape[0]):
             raise ValueError(f"items {start}:{start + len(block)} cut through chunks of {chunks[0]} items")
-        from qgcli.ops.blocked import _map
-        from qgcli.signals import raise_pending
+        from qgcli.ops.blocked import submit
 
         chunk_bytes = int(np.prod(chunks)) * block.itemsize
         per_group = max(1, _GROUP_BYTES // chunk_bytes)
-        if self._raw is None:  # two groups' chunks as HDF5 stores them, and LZF's output: one group is written
-            self._raw = np.empty((2, per_group) + chunks, block.dtype)  # while the next is compressed
-            self._out = np.empty((2, per_group, chunk_bytes), np.uint8)
+        if self._raw is None:
+            self._raw = np.empty((_RING, per_group) + chunks, block.dtype)
+            self._out = np.empty((_RING, per_group, chunk_bytes), np.uint8)
         corners = [tuple(i * c for i, c in zip(corner, chunks))
                    for corner in np.ndindex(*(-(-n // c) for n, c in zip(block.shape, chunks)))]
-        done = []  # the group compressed last, (corner, (mask, bytes)) each: written while the next compresses
+        earlier = len(self._flight)  # groups of the blocks before this one: written before this call returns
+        try:
+            for g in range(0, len(corners), per_group):
+                if not self._free:
+                    self._retire()
+                    earlier = max(0, earlier - 1)
+                slot, group = self._free.popleft(), corners[g:g + per_group]
 
-        def write_done():
-            for at, (mask, data) in done:
-                ds.id.write_direct_chunk((start + at[0],) + at[1:], data, filter_mask=mask)
-            done.clear()
-            raise_pending()
+                def work(k, slot=slot, group=group):  # on the pool: the copy and the compression of one chunk
+                    return self.compress(_chunk(block, group[k], chunks, self._raw[slot, k]), self._out[slot, k])
 
-        for n, g in enumerate(range(0, len(corners), per_group)):
-            group, half = range(g, min(g + per_group, len(corners))), n % 2
+                futures = submit(work, range(len(group)), pool="qgcli-codec")
+                self._flight.append((slot, [(start + at[0],) + at[1:] for at in group], futures))
+            for _ in range(earlier):
+                self._retire()
+            while self._flight and all(f.done() for f in self._flight[0][2]):
+                self._retire()
+        except BaseException:
+            self._abandon()
+            raise
 
-            def work(k, g=g, half=half):  # on the pool: the copy and the compression of chunk k
-                slot = k - g
-                return self.compress(_chunk(block, corners[k], chunks, self._raw[half, slot]), self._out[half, slot])
+    def flush(self):
+        """Write every chunk still being compressed."""
+        try:
+            while self._flight:
+                self._retire()
+        except BaseException:
+            self._abandon()
+            raise
 
-            stored = _map(work, group, meanwhile=write_done)
-            done.extend(zip((corners[k] for k in group), stored))
-        write_done()
+    def _abandon(self):
+        from qgcli.ops.blocked import abandon
+
+        abandon([f for _, _, futures in self._flight for f in futures])
+        self._flight.clear()
+        self._free = deque(range(_RING))
+
+    def _retire(self):
+        """Wait for the oldest group and write its chunks; a signal deferred meanwhile stops the run here."""
+        from qgcli.signals import raise_pending
+
+        slot, positions, futures = self._flight[0]
+        for at, future in zip(positions, futures):
+            mask, data = future.result()
+            self.ds.id.write_direct_chunk(at, data, filter_mask=mask)
+        self._flight.popleft()
+        self._free.append(slot)
+        raise_pending()
 
 
 def _chunk(block, at, chunks, slot):
-    """The chunk of ``block`` at corner ``at`` copied into ``slot`` (a C-ordered array of the chunk's shape)
-    as HDF5 stores it: an edge chunk padded with the fill value (0).  Into a reused slot: a fresh array per
-    chunk cost as much as the copy."""
+    """The chunk of ``block`` at corner ``at`` as HDF5 stores it (a C-ordered array of the chunk's shape):
+    where it lies when it is contiguous there (the chunks of :func:`chunk_shape` in a C-ordered block),
+    else copied into ``slot``, an edge chunk padded with the fill value (0).  Into a reused slot: a fresh
+    array per chunk cost as much as the copy."""
     part = block[tuple(slice(a, a + c) for a, c in zip(at, chunks))]
     if part.shape != chunks:
         slot[...] = 0
         slot[tuple(slice(0, n) for n in part.shape)] = part
+    elif part.flags.c_contiguous:
+        return part
     else:
         np.copyto(slot, part)
     return slot

@@ -53,7 +53,7 @@ class _Output:
         shape = tuple(shape)
         chunks = None
         if compression and shape and int(np.prod(shape)):
-            chunks = h5_chunks.chunk_shape(shape, np.dtype(dtype).itemsize)  # the layout in memory gives
+            chunks = h5_chunks.chunk_shape(shape, np.dtype(dtype).itemsize)  # as in memory
             per_item = int(np.prod(shape[1:], dtype=np.int64)) * work_itemsize
             if chunks[0] * per_item * copies > budget:  # a chunk row would not fit: one item per chunk row
                 chunks = (1,) + chunks[1:]
@@ -65,6 +65,12 @@ class _Output:
         self.align = chunks[0] if chunks else 1
         self._writer = h5_chunks.ChunkWriter(self.ds) if chunks else None
 
+    @property
+    def keeps_blocks(self):
+        """Whether a block written is still being read (compressed) after :meth:`write` returns, until the
+        next write returns: then the caller reads the next block into another buffer."""
+        return self._writer is not None
+
     def write(self, start, block):
         """Items ``[start, start + len(block))``; ``start`` a multiple of ``align``."""
         if self._writer is not None:
@@ -72,20 +78,29 @@ class _Output:
         else:
             self.ds[start:start + len(block)] = block
 
+    def finish(self):
+        """Write what is still being compressed."""
+        if self._writer is not None:
+            self._writer.flush()
+
 
 class _Reader:
-    """First-axis blocks ``[start, stop)`` of an HDF5 dataset, read into one reused buffer of ``step`` items
-    (valid until the next read).  A fresh array per block cost its page faults on every read: malloc maps
-    blocks of 32 MiB and more afresh and unmaps them when they are freed."""
+    """First-axis blocks ``[start, stop)`` of an HDF5 dataset, read into reused buffers of ``step`` items
+    in turn: one (a block is valid until the next read), or two for blocks an output keeps (valid until the
+    read after next).  A fresh array per block cost its page faults on every read: malloc maps blocks of
+    32 MiB and more afresh and unmaps them when they are freed."""
 
-    def __init__(self, ds, step):
+    def __init__(self, ds, step, *, buffers=1):
         self.ds = ds
-        self.buf = np.empty((min(step, ds.shape[0]),) + tuple(ds.shape[1:]), ds.dtype)
+        self.buffers = [np.empty((min(step, ds.shape[0]),) + tuple(ds.shape[1:]), ds.dtype)
+                        for _ in range(buffers)]
 
     def __call__(self, start, stop):
         n = min(stop, self.ds.shape[0]) - start
-        self.ds.read_direct(self.buf, np.s_[start:start + n], np.s_[:n])
-        return self.buf[:n]
+        buf = self.buffers[0]
+        self.buffers.append(self.buffers.pop(0))
+        self.ds.read_direct(buf, np.s_[start:start + n], np.s_[:n])
+        return buf[:n]
 
 
 def _rows(block, depth):
@@ -140,13 +155,15 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
         dx_out.ds[()] = blocked.backprop_rows(g, x, lo, hi, passthrough)[0].reshape(())
         _tick(progress, g.nbytes * 2)
         return {}
-    read_g, read_x = _Reader(gradients, step), _Reader(inputs, step)
+    read_g = _Reader(gradients, step, buffers=2 if dx_out.keeps_blocks else 1)  # the backprops go into g
+    read_x = _Reader(inputs, step)
     if kind is None:
         for i in range(0, shape[0], step):
             g, x = _rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth)
             dx = blocked.backprop_rows(g, x, lo, hi, passthrough, out=g)[0]  # the block read is ours to overwrite
             dx_out.write(i, dx.reshape((-1,) + shape[1:]))
             _tick(progress, g.nbytes * 2)
+        dx_out.finish()
         return {}
     plan = reduction.plan(rows, kind=kind)
     cutter = _LeafCutter(plan.leaves, depth)
@@ -166,6 +183,7 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
         written = _flush_rows(dx_out, dx_pending, written, per_item, final=False)
         _tick(progress, g.nbytes * 2)
     written = _flush_rows(dx_out, dx_pending, written, per_item, final=True)
+    dx_out.finish()
     dmin, dmax = blocked.finish_sums(plan, np.concatenate(sums_min), np.concatenate(sums_max), passthrough)
     if kind == "flat":
         dmin, dmax = dmin.reshape(()), dmax.reshape(())
@@ -209,6 +227,7 @@ def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compres
         else:
             output.ds[()] = y.reshape(())
         _tick(progress, x.nbytes)
+    output.finish()
 
 
 def _tick(progress, nbytes):
@@ -281,8 +300,9 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
                      work_itemsize=8)
     if out_dtype.name == "bfloat16":
         output.ds.attrs["dtype"] = "bfloat16"
-    if output.step != step:
-        read_dy, read_x = _Reader(y_backprop, output.step), _Reader(x, output.step)
+    if output.step != step or output.keeps_blocks:
+        read_dy = _Reader(y_backprop, output.step, buffers=2 if output.keeps_blocks else 1)  # x_backprop: in dy
+        read_x = _Reader(x, output.step)
     for i in range(0, shape[0], output.step):  # element-wise: any blocks
         dy_b, x_b = _read_float(read_dy, i, i + output.step), _read_float(read_x, i, i + output.step)
         acb = bn._acb_shape(dy_b.shape, channels_first)
@@ -292,6 +312,7 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
             bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
         output.write(i, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
         _tick(progress, dy_b.nbytes + x_b.nbytes)
+    output.finish()
     zeros = np.zeros(channels, _F32)
     if n == 0 or channels == 0:
         return {"scale_backprop": zeros, "offset_backprop": zeros.copy()}

@@ -1,5 +1,5 @@
-"""Compressed .h5 outputs written chunk by chunk (qgcli.h5_chunks): the bytes HDF5's own filters write, the
-layout ``chunks=True`` gives, and streamed blocks that write each chunk once."""
+"""Compressed .h5 outputs written chunk by chunk (qgcli.h5_chunks): the bytes HDF5's own filters write, chunks
+of whole trailing dimensions, and streamed blocks that write each chunk once."""
 import h5py
 import numpy as np
 import pytest
@@ -28,7 +28,7 @@ def _chunks_of(ds):
 def test_chunks_are_the_bytes_hdf5_writes(tmp_path, compression, shape):
     a = _tensor(shape, 1)
     with h5py.File(tmp_path / "hdf5.h5", "w") as f:
-        f.create_dataset("x", data=a, compression=compression, chunks=True)
+        f.create_dataset("x", data=a, compression=compression, chunks=h5_chunks.chunk_shape(shape, 4))
     with h5py.File(tmp_path / "qgcli.h5", "w") as f:
         h5_chunks.write(h5_chunks.create(f, "x", a.shape, a.dtype, compression), a)
     with h5py.File(tmp_path / "hdf5.h5", "r") as f, h5py.File(tmp_path / "qgcli.h5", "r") as g:
@@ -74,7 +74,7 @@ def _bundle(path, shape):
 
 @pytest.mark.parametrize("compression", ["gzip", "lzf"])
 def test_streamed_compressed_output_is_the_in_memory_file(cli, tmp_path, compression):
-    # 4 MiB tensors, chunks (4, 16, 4, 32): with an 8M budget blocks of one item would cut through every
+    # 4 MiB tensors, chunks (4, 64, 16, 64): with an 8M budget blocks of one item would cut through every
     # chunk; here blocks are whole chunk rows (4 items; ChunkWriter refuses any other), each chunk written
     # once, compressed by qgcli, and the file holds the same chunks as the one written in memory.
     bundle, streamed, in_memory = tmp_path / "b.h5", tmp_path / "s.h5", tmp_path / "m.h5"
@@ -111,6 +111,68 @@ def test_a_chunk_row_over_the_budget_gets_one_item_per_chunk(cli, tmp_path):
         assert want.chunks == h5_chunks.chunk_shape(want.shape, 4) and want.chunks[0] == 4
         assert got.chunks == (1,) + want.chunks[1:]
         assert np.array_equal(got[()].view(np.uint32), want[()].view(np.uint32))
+
+
+@pytest.mark.parametrize("shape, itemsize, want", [
+    ((64, 64, 64, 256), 4, (1, 16, 64, 256)),  # 1 MiB of whole rows of the second axis
+    ((16, 64, 16, 64), 4, (4, 64, 16, 64)),  # items of 256 KiB: four per chunk
+    ((3, 5000), 4, (3, 5000)),  # smaller than a chunk: one
+    ((2, 300_000), 4, (1, 262_144)),  # an item over 1 MiB: the last axis is cut
+    ((7, 100, 1000), 8, (1, 100, 1000)),  # 800 kB items: one per chunk, not two
+    ((5, 1, 3), 2, (5, 1, 3)),
+])
+def test_chunks_are_whole_trailing_dimensions_up_to_1_mib(shape, itemsize, want):
+    got = h5_chunks.chunk_shape(shape, itemsize)
+    assert got == want
+    assert int(np.prod(got)) * itemsize <= h5_chunks.CHUNK_BYTES
+    assert all(1 <= c <= n for c, n in zip(got, shape))
+
+
+def _rows_written_from_two_buffers(ds, data, rows):
+    """Blocks of ``data`` handed to a ChunkWriter from two buffers used in turn, each scribbled over as soon
+    as the writer may no longer read it (once the write after next returns): the contract streaming keeps."""
+    writer = h5_chunks.ChunkWriter(ds)
+    buffers = [np.empty((rows,) + data.shape[1:], data.dtype) for _ in range(2)]
+    for n, start in enumerate(range(0, len(data), rows)):
+        buf = buffers[n % 2][:len(data[start:start + rows])]
+        buf[...] = data[start:start + rows]
+        writer.write_rows(start, buf)
+        buffers[(n + 1) % 2][...] = np.nan  # the block before this one: the writer is done with it
+    writer.flush()
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_blocks_are_compressed_behind_the_callers_back_but_never_read_late(tmp_path, monkeypatch,
+                                                                            compression, threads):
+    monkeypatch.setenv("QGCLI_THREADS", threads)
+    data = _tensor((24, 48, 64, 32), 5)  # chunks (2, 48, 64, 32): 12 chunk rows, 1.5 per group
+    with h5py.File(tmp_path / "o.h5", "w") as f:
+        ds = h5_chunks.create(f, "x", data.shape, data.dtype, compression)
+        assert ds.chunks == (2, 48, 64, 32)
+        _rows_written_from_two_buffers(ds, data, rows=4)
+    with h5py.File(tmp_path / "o.h5", "r") as f:
+        assert np.array_equal(f["x"][()].view(np.uint32), data.view(np.uint32))
+
+
+def test_a_chunk_that_fails_to_compress_stops_the_write_and_leaves_no_work_behind(tmp_path):
+    data = _tensor((24, 48, 64, 32), 6)
+    with h5py.File(tmp_path / "o.h5", "w") as f:
+        writer = h5_chunks.ChunkWriter(h5_chunks.create(f, "x", data.shape, data.dtype, "gzip"))
+        compress, calls = writer.compress, []
+
+        def failing(chunk, out):
+            calls.append(1)
+            if len(calls) == 9:
+                raise MemoryError("no room for this chunk")
+            return compress(chunk, out)
+
+        writer.compress = failing
+        with pytest.raises(MemoryError, match="no room"):
+            for start in range(0, 24, 4):
+                writer.write_rows(start, data[start:start + 4])
+            writer.flush()
+        assert not writer._flight  # nothing left compressing into the writer's buffers
 
 
 def _chunk_bytes(rng, kind, n):

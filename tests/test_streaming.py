@@ -161,3 +161,25 @@ def test_cli_streaming_needs_an_h5_output(cli, big_bundle, tmp_path):
     assert not (tmp_path / "s.npz").exists()
     r = cli("fakequant-grad", big_bundle, "-o", tmp_path / "s.h5", "--memory-limit", "a lot")
     assert r.exit_code == 2 and "--memory-limit" in r.stderr
+
+
+@pytest.mark.parametrize("args", [("fakequant-grad",), ("fakequant-grad", "--variant", "vars", "--min", "-2", "--max", "2"),
+                                  ("fakequant-grad", "--variant", "args", "--min", "-2", "--max", "2"),
+                                  ("fakequant",), ("bn-grad",)])
+def test_a_compressed_stream_never_hands_over_a_buffer_still_being_compressed(cli, big_bundle, tmp_path,
+                                                                              monkeypatch, args):
+    """A compressed output reads each block until the write after it returns (qgcli.h5_chunks.ChunkWriter),
+    so two blocks written one after the other must never share memory: the next block is read elsewhere."""
+    handed = []
+    write = streaming._Output.write
+
+    def recording(self, start, block):
+        if self.keeps_blocks and handed:
+            assert not np.shares_memory(handed[-1], block), f"block at {start} overwrote the one before"
+        handed.append(block)
+        return write(self, start, block)
+
+    monkeypatch.setattr(streaming._Output, "write", recording)
+    r = cli(*args, big_bundle, "-o", tmp_path / "s.h5", "--memory-limit", "1M", "--compression", "lzf", "-q")
+    assert r.exit_code == 0, r.output
+    assert len(handed) > 2

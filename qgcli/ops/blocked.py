@@ -14,7 +14,7 @@ full-size ``g * mask`` temporary ever exists.
 """
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from qgcli.signals import deferred
 
 _F32 = np.float32
 BLOCK_ELEMENTS = 1 << 17  # 512 KiB of float32 per operand: the chain stays in L2/L3
-_pool = None
+_pools = {}  # name: ThreadPoolExecutor
 _pool_lock = threading.Lock()
 
 
@@ -44,36 +44,59 @@ def name_this_thread(name):
         pass
 
 
-def _map(fn, items, *, meanwhile=None):
-    """``[fn(item) for item in items]`` on the thread pool; ``meanwhile()``, when given, runs on this thread
-    while the pool works (after every item is submitted)."""
-    global _pool
+def submit(fn, items, *, pool="qgcli-pool"):
+    """Futures of ``fn(item)`` for every item, on the thread pool named ``pool`` (run here, and done, where
+    pools have one worker).  Whoever stops waiting for them early (an exception) must :func:`abandon` them.
+    Work that runs behind the caller's back (compressing a block while the next is read and computed) has
+    a pool of its own, so that the kernels' blocks do not queue behind it."""
     items = list(items)
-    if len(items) <= 1 or workers() == 1:
-        out = [fn(item) for item in items]
-        if meanwhile is not None:
-            meanwhile()
-        return out
+    if workers() == 1:
+        return [_run_here(fn, item) for item in items]
     futures = []
     try:
         # A signal inside submit() could leave a worker started but unknown to the pool (the interpreter
         # then waits for it for ever at exit) or submitted blocks nobody waits for: it waits until all are in.
         with deferred():
             with _pool_lock:
-                if _pool is None or _pool._max_workers != workers():
-                    _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="qgcli",
-                                               initializer=name_this_thread, initargs=("qgcli-pool",))
+                if pool not in _pools or _pools[pool]._max_workers != workers():
+                    _pools[pool] = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix=pool,
+                                                      initializer=name_this_thread, initargs=(pool,))
+            executor = _pools[pool]
             for item in items:
-                futures.append(_pool.submit(fn, item))
-        if meanwhile is not None:
-            meanwhile()
+                futures.append(executor.submit(fn, item))
+    except BaseException:
+        abandon(futures)
+        raise
+    return futures
+
+
+def _run_here(fn, item):
+    future = Future()
+    try:
+        future.set_result(fn(item))
+    except Exception as error:
+        future.set_exception(error)
+    return future
+
+
+def abandon(futures):
+    """Ctrl-C (or a failed block) while blocks run: the compiled kernels write through raw addresses into
+    arrays the caller frees as it unwinds, so cancel what has not started and wait for the rest."""
+    for future in futures:
+        future.cancel()
+    _wait_out(futures)
+
+
+def _map(fn, items):
+    """``[fn(item) for item in items]`` on the thread pool."""
+    items = list(items)
+    if len(items) <= 1 or workers() == 1:
+        return [fn(item) for item in items]
+    futures = submit(fn, items)
+    try:
         return [future.result() for future in futures]
     except BaseException:
-        # Ctrl-C (or a failed block) while blocks run: the compiled kernels write through raw addresses
-        # into arrays the caller frees as it unwinds, so cancel what has not started and wait for the rest.
-        for future in futures:
-            future.cancel()
-        _wait_out(futures)
+        abandon(futures)
         raise
 
 
