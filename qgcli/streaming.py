@@ -85,22 +85,62 @@ class _Output:
 
 
 class _Reader:
-    """First-axis blocks ``[start, stop)`` of an HDF5 dataset, read into reused buffers of ``step`` items
-    in turn: one (a block is valid until the next read), or two for blocks an output keeps (valid until the
-    read after next).  A fresh array per block cost its page faults on every read: malloc maps blocks of
-    32 MiB and more afresh and unmaps them when they are freed."""
+    """First-axis blocks ``[start, stop)`` of an HDF5 dataset, read in order into reused buffers of ``step``
+    items taken in turn: a block stays valid for ``buffers`` reads (2 for blocks an output keeps while it
+    compresses them).  A fresh array per block cost its page faults on every read: malloc maps blocks of
+    32 MiB and more afresh and unmaps them when they are freed.
+
+    A dataset stored as plain bytes (:func:`qgcli.h5_contiguous.extent`) is read one block ahead, with
+    ``os.preadv`` on a thread of its own, while the caller computes and writes this one; anything else
+    h5py reads when asked."""
 
     def __init__(self, ds, step, *, buffers=1):
-        self.ds = ds
-        self.buffers = [np.empty((min(step, ds.shape[0]),) + tuple(ds.shape[1:]), ds.dtype)
-                        for _ in range(buffers)]
+        from qgcli import h5_contiguous
+
+        self.ds, self.rows = ds, ds.shape[0]
+        self.where = h5_contiguous.extent(ds) if ds.size else None
+        self.what = f"dataset {ds.name!r}"  # the thread reading ahead must not call HDF5 (not thread-safe)
+        shape = (min(step, ds.shape[0]),) + tuple(ds.shape[1:])
+        self.buffers = [np.empty(shape, ds.dtype) for _ in range(buffers + (self.where is not None))]
+        self.ahead = None  # (start, stop, future of the buffer) of the block being read ahead
 
     def __call__(self, start, stop):
-        n = min(stop, self.ds.shape[0]) - start
-        buf = self.buffers[0]
+        stop = min(stop, self.rows)
+        if self.ahead is not None and self.ahead[:2] == (start, stop):
+            buf = self.ahead[2].result()
+        else:
+            self._drop_ahead()
+            buf = self._read(start, stop, self.buffers[0])
         self.buffers.append(self.buffers.pop(0))
-        self.ds.read_direct(buf, np.s_[start:start + n], np.s_[:n])
-        return buf[:n]
+        self.ahead = None
+        if self.where is not None and stop < self.rows:
+            self._read_ahead(stop, min(stop + (stop - start), self.rows))
+        return buf[:stop - start]
+
+    def _read(self, start, stop, buf):
+        if self.where is None:
+            self.ds.read_direct(buf, np.s_[start:stop], np.s_[:stop - start])
+        else:
+            from qgcli import h5_contiguous
+
+            item = buf[0].nbytes
+            data = memoryview(buf.reshape(-1).view(np.uint8))[:(stop - start) * item]
+            h5_contiguous.read_bytes(self.where, start * item, data, self.what)
+        return buf
+
+    def _read_ahead(self, start, stop):
+        from qgcli.ops.blocked import submit
+
+        buf = self.buffers[0]
+        future, = submit(lambda _: self._read(start, stop, buf), [None], pool="qgcli-read")
+        self.ahead = (start, stop, future)
+
+    def _drop_ahead(self):
+        if self.ahead is not None:
+            from qgcli.ops.blocked import abandon
+
+            abandon([self.ahead[2]])
+            self.ahead = None
 
 
 def _rows(block, depth):

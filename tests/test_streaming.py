@@ -183,3 +183,43 @@ def test_a_compressed_stream_never_hands_over_a_buffer_still_being_compressed(cl
     r = cli(*args, big_bundle, "-o", tmp_path / "s.h5", "--memory-limit", "1M", "--compression", "lzf", "-q")
     assert r.exit_code == 0, r.output
     assert len(handed) > 2
+
+
+@pytest.mark.parametrize("layout", [{}, {"chunks": (3, 16, 32, 16), "compression": "gzip"}])
+@pytest.mark.parametrize("command", ["fakequant-grad", "bn-grad"])
+def test_streams_read_plain_and_chunked_inputs_alike(cli, big_bundle, tmp_path, layout, command):
+    """Plain (contiguous) inputs are read one block ahead with os.preadv; chunked, compressed ones by h5py
+    in turn: the same outputs, bit for bit."""
+    bundle = tmp_path / "copy.h5"
+    with h5py.File(big_bundle, "r") as src, h5py.File(bundle, "w") as dst:
+        for name in src:
+            data = src[name][()]
+            dst.create_dataset(name, data=data, **(layout if data.ndim == 4 else {}))
+        assert (dst["x"].chunks is None) == (not layout)
+    outs = []
+    for source, limit in ((bundle, "1M"), (big_bundle, "8G")):
+        outs.append(tmp_path / f"{len(outs)}.h5")
+        r = cli(command, source, "-o", outs[-1], "--memory-limit", limit, "-q")
+        assert r.exit_code == 0, r.output
+    (a, _), (b, _) = _read(outs[0]), _read(outs[1])
+    for name in b:
+        if command == "bn-grad":
+            np.testing.assert_array_max_ulp(a[name], b[name], maxulp=1)  # float64 sums grouped otherwise
+        else:
+            np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32), err_msg=name)
+
+
+def test_a_file_cut_while_it_is_streamed_fails_on_the_block_it_lost(tmp_path):
+    """A file that shrinks under a run (another process truncates it) gives a FileFormatError naming the
+    dataset when the block read ahead comes up short, not zeros."""
+    path = _file(tmp_path, x=np.arange(64 * 1024, dtype=f32).reshape(64, 1024))
+    with h5py.File(path, "r") as f:
+        read = streaming._Reader(f["x"], 8)
+        assert read.where is not None  # a plain dataset: read ahead with os.preadv
+        assert np.array_equal(read(0, 8), np.arange(8 * 1024, dtype=f32).reshape(8, 1024))
+        read.ahead[2].result()  # block [8, 16) is in; the rest of the file goes
+        with open(path, "r+b") as fh:
+            fh.truncate(f["x"].id.get_offset() + 20 * 1024 * 4)
+        assert read(8, 16)[0, 0] == 8 * 1024
+        with pytest.raises(QgcliError, match="'/x'.*ends inside its data"):
+            read(16, 24)
