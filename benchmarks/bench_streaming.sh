@@ -9,8 +9,8 @@
 #   qgcli fakequant-grad big_pc.h5 -o out.h5 --memory-limit 64G -q       (in memory)
 # and the same for bn-grad, then both with --compression lzf and gzip (fakequant-grad) and lzf (bn-grad),
 # streamed and in memory: --repeats rounds of all of them in turn (benchmarks/paired.py), printing each
-# one's median elapsed time and peak RSS, and the file sizes; then checks that streamed and in-memory
-# outputs (compressed or not) are identical.  TMPDIR: where the ~4 GB of files go (removed at the end).
+# one's median elapsed time and peak RSS, the ratios of those medians, and the file sizes; then checks
+# that streamed and in-memory outputs (compressed or not) are identical.  TMPDIR: where the ~4 GB of files go (removed at the end).
 # QGCLI: the qgcli executable (default: the console script next to this python).
 set -euo pipefail
 
@@ -80,6 +80,20 @@ for i in "${!CASES[@]}"; do
     read -r seconds rss <<<"${RESULTS[$i]}"
     printf '%-44s peak RSS %6.0f MiB   elapsed %6.2f s\n' "$label" "$rss" "$seconds"
 done
+# the ratios issue 21 set goals for: streamed lzf against the uncompressed stream (goal: 2x at most), and
+# streamed against in memory with the same codec (goal: 1x at most)
+python - "${RESULTS[@]}" <<'EOF'
+import sys
+
+t = dict(zip(["fq_s", "fq_m", "bn_s", "bn_m", "fq_s_lzf", "fq_m_lzf", "fq_s_gzip", "fq_m_gzip", "bn_s_lzf",
+              "bn_m_lzf"], (float(r.split()[0]) for r in sys.argv[1:])))
+for op in ("fq", "bn"):
+    line = [f"{op}: streamed lzf / streamed {t[op + '_s_lzf'] / t[op + '_s']:.2f}x"]
+    for codec in ("lzf", "gzip"):
+        if f"{op}_s_{codec}" in t:
+            line.append(f"streamed / in memory with {codec} {t[f'{op}_s_{codec}'] / t[f'{op}_m_{codec}']:.2f}x")
+    print(", ".join(line))
+EOF
 ls -l "$WORK"/fq_*.h5 "$WORK"/bn_*.h5 | awk '{printf "%12d %s\n", $5, $NF}' | sed "s|$WORK/||"
 
 python - "$WORK" <<'EOF'

@@ -346,7 +346,7 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
     for i in range(0, shape[0], output.step):  # element-wise: any blocks
         dy_b, x_b = _read_float(read_dy, i, i + output.step), _read_float(read_x, i, i + output.step)
         acb = bn._acb_shape(dy_b.shape, channels_first)
-        # dy_b is this block's read buffer, written before the next read: x_backprop may overwrite it.
+        # dy_b is this block's read buffer, not needed once the block is written: x_backprop may overwrite it.
         dx_b = dy_b if dy_b.dtype == out_dtype and dy_b.flags.writeable else np.empty(dy_b.shape, out_dtype)
         if n:
             bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
