@@ -290,10 +290,11 @@ def _read_float(read, start, stop):
 
 def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, out, *, epsilon, data_format,
                         is_training, variance_kind, attrs, compression, budget, progress=None):
-    """FusedBatchNormGrad streamed from HDF5 datasets in two passes; ``x_backprop`` goes into ``out``.
+    """FusedBatchNormGrad streamed from HDF5 datasets; ``x_backprop`` goes into ``out``.
 
-    Pass 1 accumulates the per-channel float64 sums, pass 2 writes ``x_backprop`` block by block (the same
-    functions as :func:`qgcli.ops.fused_batch_norm_grad`). Returns the per-channel outputs.
+    Training takes two passes: the per-channel float64 sums, then ``x_backprop`` block by block.  Inference
+    takes one (its ``x_backprop`` does not depend on the sums).  The same functions as
+    :func:`qgcli.ops.fused_batch_norm_grad`.  Returns the per-channel outputs.
     """
     from qgcli.errors import OperandError
     from qgcli.ops import batch_norm as bn
@@ -321,31 +322,38 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
         out_dtype = np.dtype(ml_dtypes.bfloat16)
     else:
         out_dtype = x.dtype if x.dtype.itemsize <= 4 else np.dtype(_F32)
-    step = block_items(shape, 8, budget, copies=6)
-    blocks = [slice(i, i + step) for i in range(0, shape[0], step)]  # pass 1: its sums keep this order
-    sum_dy, sum_dyxc = np.zeros(channels, np.float64), np.zeros(channels, np.float64)
-    read_dy, read_x = _Reader(y_backprop, step), _Reader(x, step)
-    for sl in blocks:
-        dy_b, x_b = _read_float(read_dy, sl.start, sl.stop), _read_float(read_x, sl.start, sl.stop)
-        acb = bn._acb_shape(dy_b.shape, channels_first)
-        with np.errstate(all="ignore"):
-            s_dy, s_dyxc = bn._channel_sums(dy_b.reshape(acb), x_b.reshape(acb), mean, acb, np)
-        sum_dy += s_dy
-        sum_dyxc += s_dyxc
-        _tick(progress, dy_b.nbytes + x_b.nbytes)
     n = int(np.prod(shape, dtype=np.int64)) // max(channels, 1)
-    coefs = bn.gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind)
     storage = np.uint16 if out_dtype.name == "bfloat16" else out_dtype
+    step = block_items(shape, 8, budget, copies=6)
     output = _Output(out, "x_backprop", shape, storage, attrs, compression, step=step, budget=budget, copies=6,
                      work_itemsize=8)
     if out_dtype.name == "bfloat16":
         output.ds.attrs["dtype"] = "bfloat16"
-    if output.step != step or output.keeps_blocks:
+    sums = np.zeros((2, channels), np.float64)  # sum(dy), sum(dy * (x - mean)), added block by block in order
+
+    def add_sums(dy_b, x_b, acb):
+        with np.errstate(all="ignore"):
+            for total, part in zip(sums, bn._channel_sums(dy_b.reshape(acb), x_b.reshape(acb), mean, acb, np)):
+                total += part
+
+    def coefficients():
+        return bn.gradient_coefficients(sums[0], sums[1], n, scale, mean, var, eps, is_training, variance_kind)
+
+    if is_training:  # x_backprop needs the sums over the whole tensor: a pass of their own first
+        read_dy, read_x = _Reader(y_backprop, step), _Reader(x, step)
+        for i in range(0, shape[0], step):
+            dy_b, x_b = _read_float(read_dy, i, i + step), _read_float(read_x, i, i + step)
+            add_sums(dy_b, x_b, bn._acb_shape(dy_b.shape, channels_first))
+            _tick(progress, dy_b.nbytes + x_b.nbytes)
+    coefs = coefficients()  # inference: x_backprop = dy * scale / sqrt(var + eps), whatever the sums
+    if not is_training or output.step != step or output.keeps_blocks:
         read_dy = _Reader(y_backprop, output.step, buffers=2 if output.keeps_blocks else 1)  # x_backprop: in dy
         read_x = _Reader(x, output.step)
     for i in range(0, shape[0], output.step):  # element-wise: any blocks
         dy_b, x_b = _read_float(read_dy, i, i + output.step), _read_float(read_x, i, i + output.step)
         acb = bn._acb_shape(dy_b.shape, channels_first)
+        if not is_training:  # the one pass: the sums before x_backprop overwrites dy
+            add_sums(dy_b, x_b, acb)
         # dy_b is this block's read buffer, not needed once the block is written: x_backprop may overwrite it.
         dx_b = dy_b if dy_b.dtype == out_dtype and dy_b.flags.writeable else np.empty(dy_b.shape, out_dtype)
         if n:
@@ -353,6 +361,8 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
         output.write(i, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
         _tick(progress, dy_b.nbytes + x_b.nbytes)
     output.finish()
+    if not is_training:
+        coefs = coefficients()
     zeros = np.zeros(channels, _F32)
     if n == 0 or channels == 0:
         return {"scale_backprop": zeros, "offset_backprop": zeros.copy()}

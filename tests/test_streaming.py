@@ -223,3 +223,29 @@ def test_a_file_cut_while_it_is_streamed_fails_on_the_block_it_lost(tmp_path):
         assert read(8, 16)[0, 0] == 8 * 1024
         with pytest.raises(QgcliError, match="'/x'.*ends inside its data"):
             read(16, 24)
+
+
+@pytest.mark.parametrize("training, passes", [(True, 2), (False, 1)])
+def test_inference_batch_norm_streams_in_one_pass(cli, big_bundle, tmp_path, monkeypatch, training, passes):
+    """Inference's x_backprop does not depend on the per-channel sums: both inputs are read once, the sums
+    taken block by block before x_backprop overwrites dy; training reads them twice."""
+    read = {}
+    call = streaming._Reader.__call__
+
+    def counting(self, start, stop):
+        block = call(self, start, stop)
+        read[self.ds.name] = read.get(self.ds.name, 0) + len(block)
+        return block
+
+    monkeypatch.setattr(streaming._Reader, "__call__", counting)
+    mode = "--is-training" if training else "--no-is-training"
+    r = cli("bn-grad", big_bundle, mode, "-o", tmp_path / "s.h5", "--memory-limit", "1M", "--json")
+    assert r.exit_code == 0, r.output
+    assert ("one pass" if passes == 1 else "two passes") in r.stdout
+    assert read == {"/x": 64 * passes, "/y_backprop": 64 * passes}
+    monkeypatch.setattr(streaming._Reader, "__call__", call)
+    r = cli("bn-grad", big_bundle, mode, "-o", tmp_path / "m.h5", "-q")
+    assert r.exit_code == 0, r.output
+    (a, _), (b, _) = _read(tmp_path / "s.h5"), _read(tmp_path / "m.h5")
+    for name in b:
+        np.testing.assert_array_max_ulp(a[name], b[name], maxulp=1)

@@ -193,12 +193,14 @@ def stream(job, operands, datasets, budget):
             small.update(bn.placeholder_outputs(job.version))
         return small
 
+    passes = 2 if job.is_training else 1  # inference: x_backprop does not wait for the sums
+
     def summarise(small):
         return block_summary(job, operands, datasets, setup, small, [
-            f"streamed from disk in two passes: the inputs exceed --memory-limit ({budget / 2**30:.2f} "
-            "GiB); x_backprop norms are not computed in this mode"])
+            f"streamed from disk in {'two passes' if passes == 2 else 'one pass'}: the inputs exceed "
+            f"--memory-limit ({budget / 2**30:.2f} GiB); x_backprop norms are not computed in this mode"])
 
-    total = 2 * sum(int(ds.size) * 4 for ds in datasets.values())
+    total = passes * sum(int(ds.size) * 4 for ds in datasets.values())
     return Streamed(attrs, compute, total, summarise)
 
 
