@@ -75,18 +75,19 @@ done
 # benchmarks/paired.py: each round runs every command once, in this order; median seconds, peak RSS (MB)
 mapfile -t RESULTS < <(python "$(dirname "${BASH_SOURCE[0]}")/paired.py" "$REPEATS" "${COMMANDS[@]}")
 echo "median of $REPEATS rounds"
+TIMES=()  # output name and median seconds of each case, for the ratios below
 for i in "${!CASES[@]}"; do
-    IFS='|' read -r label _ _ <<<"${CASES[$i]}"
+    IFS='|' read -r label out _ <<<"${CASES[$i]}"
     read -r seconds rss <<<"${RESULTS[$i]}"
     printf '%-44s peak RSS %6.0f MiB   elapsed %6.2f s\n' "$label" "$rss" "$seconds"
+    TIMES+=("$out=$seconds")
 done
 # the ratios issue 21 set goals for: streamed lzf against the uncompressed stream (goal: 2x at most), and
 # streamed against in memory with the same codec (goal: 1x at most)
-python - "${RESULTS[@]}" <<'EOF'
+python - "${TIMES[@]}" <<'EOF'
 import sys
 
-t = dict(zip(["fq_s", "fq_m", "bn_s", "bn_m", "fq_s_lzf", "fq_m_lzf", "fq_s_gzip", "fq_m_gzip", "bn_s_lzf",
-              "bn_m_lzf"], (float(r.split()[0]) for r in sys.argv[1:])))
+t = {name: float(seconds) for name, seconds in (arg.split("=") for arg in sys.argv[1:])}
 for op in ("fq", "bn"):
     line = [f"{op}: streamed lzf / streamed {t[op + '_s_lzf'] / t[op + '_s']:.2f}x"]
     for codec in ("lzf", "gzip"):

@@ -157,14 +157,16 @@ class _LeafCutter:
         self.pending = []  # arrays of rows not yet part of a complete leaf, per operand
 
     def push(self, *arrays):
-        if self.pending:
-            arrays = [np.concatenate([p, a]) if len(p) else a for p, a in zip(self.pending, arrays)]
+        joined = bool(self.pending) and len(self.pending[0]) > 0  # rows left over: joined in fresh arrays
+        if joined:
+            arrays = [np.concatenate([p, a]) for p, a in zip(self.pending, arrays)]
         take, count = 0, 0
         while self.next + count < len(self.leaves) and take + self.leaves[self.next + count][1] <= len(arrays[0]):
             take += self.leaves[self.next + count][1]
             count += 1
-        # What no whole leaf takes outlives this block's read buffer (the next read overwrites it): a copy.
-        self.pending = [a[take:].copy() for a in arrays]
+        # What no whole leaf takes outlives this block's read buffer (the next read overwrites it): a copy,
+        # unless it already lies in arrays of its own.
+        self.pending = [a[take:] if joined else a[take:].copy() for a in arrays]
         if not count:
             return None
         leaves = tuple(self.leaves[self.next:self.next + count])
