@@ -81,7 +81,7 @@ def floor(command, path, out):
         listing = [(name, dict(g.attrs)) for name, g in groups]
         listing += [(name, d.shape, d.dtype, dict(d.attrs)) for name, d in datasets]
         if command == "inspect":
-            from qgcli.commands.inspect import tensor_stats
+            from qgcli.cli.commands.inspect import tensor_stats
 
             for _, d in datasets:
                 tensor_stats(d[()])

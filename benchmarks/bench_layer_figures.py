@@ -21,7 +21,7 @@ def main():
     parser.add_argument("--kind", default="staircase", choices=("staircase", "ste", "hist", "channels"))
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
-    from qgcli import layer_figures
+    from qgcli.report import layer_figures
 
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,3 +27,28 @@ class OutputError(QgcliError):
 
 class DeviceError(QgcliError):
     """The requested device (GPU) is not available."""
+
+
+class UsageProblem(QgcliError):
+    """Options that cannot go together, or that do not apply here.  The CLI prints it as click prints a usage
+    error, pointing at the command's ``--help``; ``message`` is the text without any prefix."""
+
+    def __init__(self, message):
+        self.message, self.operand = message, None
+        ValueError.__init__(self, message)
+
+
+class OptionError(UsageProblem):
+    """One option's (or argument's) value that qgcli cannot use; ``param_hint`` names it (``'--axis'``).
+    The text reads as click's own: ``Invalid value for '--axis': ...``."""
+
+    def __init__(self, message, *, param_hint=None):
+        self.message, self.param_hint, self.operand = message, param_hint, None
+        hint = " / ".join(param_hint) if isinstance(param_hint, (list, tuple)) else param_hint
+        ValueError.__init__(self, f"Invalid value for {hint}: {message}" if hint else f"Invalid value: {message}")
+
+
+class RuntimeFailure(Exception):
+    """A failure that is nobody's bad input (a full disk, a cluster that stopped answering): exit code 1."""
+
+    exit_code = 1

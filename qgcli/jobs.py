@@ -2,8 +2,8 @@
 
 A command parses its options once into one immutable job (:class:`FakeQuantJob`, :class:`BatchNormJob`):
 the op family, its attributes, the operand specs and the output options.  An executor
-(:mod:`qgcli.executors`) decides where the job runs (in memory, streamed over HDF5 blocks) and hands it to
-the runner of its family (:mod:`qgcli.runners`), which returns a :class:`Result` or, streamed, a
+(:mod:`qgcli.execution.dispatch`) decides where the job runs (in memory, streamed over HDF5 blocks) and hands it to
+the runner of its family (:mod:`qgcli.families`), which returns a :class:`Result` or, streamed, a
 :class:`Streamed` plan.  Nothing here imports more than the standard library, so building a job costs
 nothing at start-up.
 """
@@ -218,7 +218,7 @@ class BatchNormJob(NamedTuple):
 
 class RunFileJob(NamedTuple):
     """A command (``fakequant``, ``fakequant-grad``, ``bn-grad``) over every group of its kind in a run file
-    (``run.h5`` or ``run.h5:group``); :mod:`qgcli.runfile` builds each group's own job from its attributes.
+    (``run.h5`` or ``run.h5:group``); :mod:`qgcli.storage.runfile` builds each group's own job from its attributes.
 
     ``options`` holds the attributes given explicitly on the command line (job field -> value): they
     override the groups' attributes; options left at their defaults do not.

@@ -198,7 +198,7 @@ def test_half_precision_round_trip(cli, tmp_path, dtype):
     with h5py.File(out, "r") as f:
         if dtype == ml_dtypes.bfloat16:
             assert f["x_backprop"].dtype == np.uint16 and f["x_backprop"].attrs["dtype"] == "bfloat16"
-    from qgcli.io import Container
+    from qgcli.storage.io import Container
 
     with Container.open(str(out)) as c:
         got = c.read("x_backprop")

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qgcli import io
+from qgcli.storage import io
 from qgcli.errors import QgcliError
 from qgcli.ops import batch_norm as bn
 
@@ -65,7 +65,7 @@ def golden():
 
 
 def read(group, name):
-    """A dataset as an array; bfloat16 is stored as uint16 with attribute dtype="bfloat16" (as qgcli.io reads it)."""
+    """A dataset as an array; bfloat16 is stored as uint16 with attribute dtype="bfloat16" (as qgcli.storage.io reads it)."""
     ds = group[name]
     data = ds[()]
     if data.dtype == np.uint16 and ds.attrs.get("dtype") in ("bfloat16", b"bfloat16"):

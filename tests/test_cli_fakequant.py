@@ -308,7 +308,7 @@ class _DeviceArray:
 
 
 def test_summaries_read_shapes_without_copying_device_arrays():
-    from qgcli.summaries import describe_arrays
+    from qgcli.report.summaries import describe_arrays
 
     _DeviceArray.copies = 0
     arrays = {"a": _DeviceArray(np.zeros((2, 3), np.float32)), "b": _DeviceArray(np.zeros(4, np.float16)), "c": 1.5}

@@ -125,7 +125,7 @@ def test_local_n_starts_a_cluster_for_the_command(cli, run_path, tmp_path):
 
 
 def test_refusals(cli, cluster, run_path, tmp_path, monkeypatch):
-    from qgcli import executors_dask
+    from qgcli.execution import cluster as executors_dask
 
     out = tmp_path / "out.h5"
     r = cli("fakequant-grad", run_path, "--skip-invalid", "-o", out, "--scheduler", cluster, "--memory-limit", "1G")

@@ -398,7 +398,7 @@ def test_cli_torch_semantics_with_other_estimators(cli, tmp_path):
 # --- qgcli plot estimators ----------------------------------------------------------------------------------
 
 def test_plot_estimators_draws_each_gradient_function():
-    from qgcli import plots
+    from qgcli.report import plots
 
     x = np.linspace(-10, 10, 81).astype(F32)
     dy = np.cos(x).astype(F32)

@@ -437,7 +437,7 @@ def test_signal_campaign(big, tmp_path):
 def test_a_signal_ends_a_stuck_hdf5_read(tmp_path):
     """HDF5 spins for ever reading this damaged file's variable-length attribute (h5py holds the GIL): the
     read runs on a worker thread, so SIGTERM still ends inspect at once, and without it inspect gives up
-    with a one-line error after qgcli.hdf5_guard.SECONDS."""
+    with a one-line error after qgcli.storage.hdf5.guard.SECONDS."""
     damaged = os.path.join(ROOT, "tests", "fuzz_regressions", "h5_vlen_attribute_read_hangs.h5")
     run = Run(["inspect", damaged], tmp_path, None)
     end = time.monotonic() + 30
@@ -467,7 +467,8 @@ def test_ignored_sigterm_stays_ignored(big, tmp_path):
 def test_a_swallowed_signal_still_stops_the_output(tmp_path):
     """Python drops an exception raised in a ``__del__`` (h5py frees objects there): the signal handler
     records the signal, and the writer refuses to rename the finished file into place."""
-    from qgcli import io, signals
+    from qgcli import signals
+    from qgcli.storage import io
 
     restore = signals.install()
     try:

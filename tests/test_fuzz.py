@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hostile import npy_bytes, npy_with_header
-from qgcli import io as qio
+from qgcli.storage import io as qio
 from qgcli.errors import QgcliError
 
 LONG = os.environ.get("QGCLI_LONG", "") not in ("", "0")
@@ -112,7 +112,7 @@ def test_known_suffix_wins_over_a_key():
 
 def load_everything(path=None, data=None):
     """Open like the CLI does and read every tensor (and the usual operand names); result or QgcliError."""
-    from qgcli.commands.inspect import inspect_source
+    from qgcli.cli.commands.inspect import inspect_source
 
     stdin = qio.Stdin(io.BytesIO(data)) if path is None else None
     arrays = []
@@ -130,7 +130,7 @@ def load_everything(path=None, data=None):
         pass
     for a in arrays:
         assert isinstance(a, np.ndarray)
-    # Campaign knob: after an HDF5 read that never returns (qgcli.hdf5_guard), HDF5 stays busy in this process.
+    # Campaign knob: after an HDF5 read that never returns (qgcli.storage.hdf5.guard), HDF5 stays busy in this process.
     if os.environ.get("QGCLI_FUZZ_SKIP_INSPECT"):
         return
     text = "-" if path is None else path
@@ -403,7 +403,7 @@ def _fuzz_names(workdir, data):
     from rich.console import Console
 
     from qgcli.cli import main
-    from qgcli.commands.inspect import inspect_source, render_inspect
+    from qgcli.cli.commands.inspect import inspect_source, render_inspect
 
     path = os.path.join(workdir, "names.h5")
     with h5py.File(path, "w") as f:

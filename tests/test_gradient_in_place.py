@@ -13,7 +13,7 @@ import pytest
 from qgcli import ops
 from qgcli.backend import to_numpy
 from qgcli.errors import OperandError
-from qgcli.runners.fake_quant import run_fake_quant
+from qgcli.families.tf_fake_quant import run_fake_quant
 
 f32 = np.float32
 
@@ -216,7 +216,7 @@ def test_out_on_the_device_of_the_operands(xp):
 
 @pytest.mark.parametrize("command", ["fakequant-grad", "bn-grad"])
 def test_work_only_the_summary_needs_is_skipped_when_nobody_sees_it(tmp_path, command):
-    from qgcli import executors
+    from qgcli.execution import dispatch as executors
     from qgcli.jobs import BatchNormJob, FakeQuantJob, OperandSpecs, OutputOptions, TF
 
     rng = np.random.default_rng(9)

@@ -1,10 +1,10 @@
-"""Compressed .h5 outputs written chunk by chunk (qgcli.h5_chunks): the bytes HDF5's own filters write, chunks
+"""Compressed .h5 outputs written chunk by chunk (qgcli.storage.hdf5.chunks): the bytes HDF5's own filters write, chunks
 of whole trailing dimensions, and streamed blocks that write each chunk once."""
 import h5py
 import numpy as np
 import pytest
 
-from qgcli import h5_chunks
+from qgcli.storage.hdf5 import chunks as h5_chunks
 from qgcli.ops import native
 
 

@@ -1,4 +1,4 @@
-"""Large contiguous HDF5 datasets read on the pool (qgcli/h5_contiguous.py): h5py's bytes, or h5py itself.
+"""Large contiguous HDF5 datasets read on the pool (qgcli/storage/hdf5/contiguous.py): h5py's bytes, or h5py itself.
 
 Real files: a contiguous dataset past the size threshold (odd length, user block, every thread count),
 and the layouts that must go to h5py (chunked, compressed, big-endian, unallocated, small).
@@ -7,7 +7,8 @@ import h5py
 import numpy as np
 import pytest
 
-from qgcli import h5_contiguous, io
+from qgcli.storage.hdf5 import contiguous as h5_contiguous
+from qgcli.storage import io
 from qgcli.errors import FileFormatError
 
 BIG = h5_contiguous.MIN_BYTES // 4 + 12_345  # float32 values: past the threshold, not a whole piece

@@ -1,9 +1,9 @@
-"""qgcli.h5_small makes the objects h5py's high-level calls make: the two files come out byte for byte equal."""
+"""qgcli.storage.hdf5.small makes the objects h5py's high-level calls make: the two files come out byte for byte equal."""
 import h5py
 import numpy as np
 import pytest
 
-from qgcli.h5_small import SmallWriter
+from qgcli.storage.hdf5.small import SmallWriter
 
 ATTRS = {"qgcli_version": "1.0", "op": "FakeQuantWithMinMaxVarsPerChannelGradient", "num_bits": 8,
          "narrow_range": False, "min": -0.5, "unicode": "µ-law", "vector": np.arange(3, dtype=np.int16)}

@@ -4,7 +4,7 @@
   attribute names and attribute values (and the file's own path) hold terminal control sequences, rich
   markup and other C0/C1 controls; no control byte of the file reaches the terminal: the only escape
   sequences in the output are rich's own colours (``ESC [ params m``).
-- :mod:`qgcli.paths`: ``..``, ``../../x``, ``a\\..\\b``, ``con``, escape sequences, a 300-character name and
+- :mod:`qgcli.storage.paths`: ``..``, ``../../x``, ``a\\..\\b``, ``con``, escape sequences, a 300-character name and
   names that sanitise alike all land inside ``DIR``, and ``index.json`` maps back to the exact names.
 - HDF5 outputs keep the exact names.
 """
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from hostile import CONTROLS, ESCAPES, EVIL, MARKUP, RAW_SEQUENCES, make_hostile_names
-from qgcli.paths import INDEX_NAME, MAX_COMPONENT_BYTES, group_file_paths, safe_component
-from qgcli.text import markup, one_line, printable, printable_doc
+from qgcli.storage.paths import INDEX_NAME, MAX_COMPONENT_BYTES, group_file_paths, safe_component
+from qgcli.report.text import markup, one_line, printable, printable_doc
 from terminal import run_on_terminal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,7 +199,7 @@ def test_group_file_paths_is_injective_case_insensitively_and_independent_of_ord
 
 
 def test_dir_output_stays_inside_dir_and_the_index_maps_back(tmp_path):
-    from qgcli import io
+    from qgcli.storage import io
 
     arrays = {name: np.full(2, i, np.float32) for i, name in enumerate(HOSTILE_PATHS)}
     for existing in (False, True):
@@ -221,14 +221,14 @@ def test_dir_output_stays_inside_dir_and_the_index_maps_back(tmp_path):
 
 
 def test_dir_output_with_plain_names_writes_no_index(tmp_path):
-    from qgcli import io
+    from qgcli.storage import io
 
     io.save_outputs({"outputs": np.zeros(2)}, str(tmp_path / "d") + "/")
     assert os.listdir(tmp_path / "d") == ["outputs.npy"]
 
 
 def test_hdf5_and_npz_outputs_keep_the_exact_names(tmp_path):
-    from qgcli import io
+    from qgcli.storage import io
 
     names = [EVIL.replace("/", "|"), "..", "a\\..\\b", "con", "n" * 300, "g/../x"]
     arrays = {n: np.arange(3, dtype=np.float32) + i for i, n in enumerate(names)}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qgcli import ops
-from qgcli.progress import Progress, progress_enabled
+from qgcli.report.progress import Progress, progress_enabled
 
 from conftest import ROOT, SAMPLES
 
@@ -301,7 +301,7 @@ def test_h5_odd_datasets_do_not_stop_the_listing(cli, tmp_path):
 
 
 def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path):
-    from qgcli import io as qio
+    from qgcli.storage import io as qio
 
     rng = np.random.default_rng(3)
     path = tmp_path / "plain.h5"

@@ -1,4 +1,4 @@
-"""qgcli.json_out writes what json.dump(indent=2, allow_nan=False, default=...) writes, byte for byte."""
+"""qgcli.report.json_out writes what json.dump(indent=2, allow_nan=False, default=...) writes, byte for byte."""
 import io
 import json
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qgcli import json_out
-from qgcli.summaries import _json_default
+from qgcli.report import json_out
+from qgcli.report.summaries import _json_default
 
 
 def stdlib(doc):

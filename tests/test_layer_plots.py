@@ -36,8 +36,8 @@ def _report(cli, *targets):
 # --- plot layers -------------------------------------------------------------------------------------------
 
 def test_plot_layers_bars_are_the_report_numbers(cli, two_steps, tmp_path):
-    from qgcli import plots
-    from qgcli.layer_report import DEFAULT_PERCENTILES, latest_per_layer, report_layers, trends, worst_first
+    from qgcli.report import plots
+    from qgcli.report.layers import DEFAULT_PERCENTILES, latest_per_layer, report_layers, trends, worst_first
 
     doc = _report(cli, two_steps)
     rows, _ = report_layers([two_steps], percentiles=DEFAULT_PERCENTILES)
@@ -77,7 +77,7 @@ def test_plot_layers_bars_are_the_report_numbers(cli, two_steps, tmp_path):
 
 
 def test_plot_layers_200_layers_labels_fit_and_figure_grows():
-    from qgcli import plots
+    from qgcli.report import plots
 
     rows = [{"path": f"model/encoder/block_{i:03d}/attention/output_projection/weight_quant", "layer": None,
              "gradient_blocked": (i % 17) / 40, "clipped": 0.1, "sqnr_db": 10 + i % 23, "suggested_sqnr_db": None}
@@ -122,7 +122,7 @@ def test_one_figure_per_layer_named_by_group_path(cli, tmp_path):
     r = cli("plot", "staircase", path, "-o", f"{out}/", "--json")
     assert r.exit_code == 0, r.output
     s = json.loads(r.output)
-    from qgcli.layer_figures import workers
+    from qgcli.report.layer_figures import workers
 
     assert s["figures"] == 4 and s["workers"] == workers(4)
     drawn = {d["path"]: d["file"] for d in s["layers"]}
@@ -144,7 +144,8 @@ def test_one_figure_per_layer_named_by_group_path(cli, tmp_path):
 
 
 def test_layer_figure_is_the_single_bundle_figure(cli, tmp_path):
-    from qgcli import layer_figures, plots
+    from qgcli.report import layer_figures
+    from qgcli.report import plots
 
     path = tmp_path / "run.h5"
     arrays = make_run(path)["step_1"]

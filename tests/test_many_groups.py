@@ -9,8 +9,10 @@ import h5py
 import numpy as np
 import pytest
 
-from qgcli import h5walk, io, runfile
-from qgcli.commands import inspect as inspect_cmd
+from qgcli.storage.hdf5 import walk as h5walk
+from qgcli.storage import io
+from qgcli.storage import runfile
+from qgcli.cli.commands import inspect as inspect_cmd
 
 
 def _file(path):
@@ -187,7 +189,7 @@ def test_json_written_in_blocks():
     import io as _io
     import sys
 
-    from qgcli.summaries import dump_json
+    from qgcli.report.summaries import dump_json
 
     class Counting(_io.StringIO):
         writes = 0
@@ -210,7 +212,8 @@ def test_json_written_in_blocks():
 def test_run_summaries_kept_only_where_shown(tmp_path, cli, monkeypatch):
     """Without --json only the table's rows keep their whole summary (memory must not grow with the groups);
     with --json every group has it, and the text still counts every group."""
-    from qgcli import executors, executors_runfile
+    from qgcli.execution import dispatch as executors
+    from qgcli.execution import runfile as executors_runfile
     from qgcli.jobs import OutputOptions, RunFileJob
 
     monkeypatch.setattr(executors_runfile, "TABLE_ROWS", 3)

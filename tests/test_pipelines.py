@@ -81,7 +81,7 @@ def test_an_hdf5_bundle_through_stdin_equals_the_file(tmp_path):
 
 
 def test_a_key_of_an_hdf5_stream():
-    from qgcli import io as qio
+    from qgcli.storage import io as qio
 
     with open(PER_CHANNEL, "rb") as fh:
         stdin = qio.Stdin(io.BytesIO(fh.read()))
@@ -91,7 +91,7 @@ def test_a_key_of_an_hdf5_stream():
 
 
 def test_a_stream_over_the_memory_limit_is_refused_without_reading_it_all():
-    from qgcli import io as qio
+    from qgcli.storage import io as qio
     from qgcli.errors import FileFormatError
 
     stream = io.BytesIO(b"\x89HDF\r\n\x1a\n" + bytes(5000))

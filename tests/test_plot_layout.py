@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from matplotlib.text import Text
 
-from qgcli import ops, plots
+from qgcli import ops
+from qgcli.report import plots
 
 from conftest import SAMPLES
 from test_plots import NOTEBOOK, nb, pc  # noqa: F401  (the bundles, read once per module, as fixtures)
@@ -151,7 +152,7 @@ def test_staircase_and_ste_legends_name_the_op_drawn(variant, quantize, op):
 # --- item 9: nothing drawn over anything else ---------------------------------------------------------------
 
 def _layer_rows():
-    from qgcli.layer_report import DEFAULT_PERCENTILES, latest_per_layer, report_layers, trends, worst_first
+    from qgcli.report.layers import DEFAULT_PERCENTILES, latest_per_layer, report_layers, trends, worst_first
 
     rows, _ = report_layers([RUN], percentiles=DEFAULT_PERCENTILES)
     steps, trend = trends(rows)
@@ -162,7 +163,7 @@ def _layer_rows():
 
 
 def _one_layer_figure():
-    from qgcli import layer_figures
+    from qgcli.report import layer_figures
 
     tasks, _ = layer_figures.plan(RUN, "ste")
     return layer_figures.draw(tasks[0])

@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from qgcli import ops, plots
+from qgcli import ops
+from qgcli.report import plots
 from qgcli.errors import OperandError, OutputError
 
 from conftest import ROOT, SAMPLES
@@ -380,8 +381,8 @@ def test_save_is_reproducible_and_refuses_unknown_formats(tmp_path, nb):
 
 
 def test_plots_use_no_pyplot_and_the_command_module_no_matplotlib():
-    code = ("import sys, qgcli.cli, qgcli.commands.plot; assert 'matplotlib' not in sys.modules; "
-            "import qgcli.plots; assert 'matplotlib.pyplot' not in sys.modules; print('ok')")
+    code = ("import sys, qgcli.cli, qgcli.cli.commands.plot; assert 'matplotlib' not in sys.modules; "
+            "import qgcli.report.plots; assert 'matplotlib.pyplot' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

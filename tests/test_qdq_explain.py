@@ -89,7 +89,7 @@ def _lines(fig, gid):
 
 
 def test_plot_functions_draw_the_op():
-    from qgcli import plots
+    from qgcli.report import plots
 
     x = np.linspace(-4, 4, 81, dtype=F32)
     g = np.linspace(1, 2, 81, dtype=F32)

@@ -475,7 +475,7 @@ def test_cli_gradient_refusals(cli, tmp_path):
 # --- plots: the notebook's fourth and fifth figures -------------------------------------------------------------
 
 def test_plot_staircase_draws_the_round_trip(cli, tmp_path):
-    from qgcli import plots
+    from qgcli.report import plots
 
     with h5py.File(NOTEBOOK, "r") as f:
         x = f["inputs"][()]
@@ -493,7 +493,7 @@ def test_plot_staircase_draws_the_round_trip(cli, tmp_path):
 
 
 def test_plot_ste_and_the_notebooks_leaky_gradient(cli, tmp_path):
-    from qgcli import plots
+    from qgcli.report import plots
 
     x = np.linspace(-8, 8, 101, dtype=f32)
     fig = plots.ste(x, -6.0, 6.0, variant="quantize-dequantize", quantize=dict(dtype="qint8", mode="SCALED"))

@@ -233,7 +233,7 @@ def test_inspect_shows_the_layers(cli, run_file):
 
 
 def test_plain_bundles_are_not_run_files(tmp_path):
-    from qgcli.runfile import is_run_file
+    from qgcli.storage.runfile import is_run_file
 
     with h5py.File(tmp_path / "b.h5", "w") as f:
         f["inputs"] = np.zeros(3, np.float32)
@@ -300,10 +300,10 @@ def test_large_group_streams_under_memory_limit_like_a_bundle(tmp_path):
 def test_group_operands_found_by_discovery_read_as_the_checked_read(tmp_path):
     """A layer's datasets are read in one low-level call each (their path known from the walk); every kind
     of dataset gives what the checked read gives, and what that read refuses is still refused."""
-    from qgcli import io as qio
-    from qgcli import runfile
+    from qgcli.storage import io as qio
+    from qgcli.storage import runfile
     from qgcli.errors import FileFormatError
-    from qgcli.operands import GroupView
+    from qgcli.storage.operands import GroupView
 
     rng = np.random.default_rng(5)
     path = tmp_path / "run.h5"

@@ -4,7 +4,7 @@ import pytest
 
 st = pytest.importorskip("safetensors.numpy")
 
-from qgcli import io  # noqa: E402
+from qgcli.storage import io  # noqa: E402
 from qgcli.cli import main  # noqa: E402
 
 

@@ -3,7 +3,8 @@ import h5py
 import numpy as np
 import pytest
 
-from qgcli import ops, streaming
+from qgcli import ops
+from qgcli.execution import streaming
 from qgcli.errors import QgcliError
 from qgcli.ops import fake_quant
 
@@ -168,7 +169,7 @@ def test_cli_streaming_needs_an_h5_output(cli, big_bundle, tmp_path):
                                   ("fakequant-grad", "--variant", "args", "--min", "-2", "--max", "2")])
 def test_a_compressed_stream_never_hands_over_a_buffer_still_being_compressed(cli, big_bundle, tmp_path,
                                                                               monkeypatch, args):
-    """A compressed output reads each block until the write after it returns (qgcli.h5_chunks.ChunkWriter),
+    """A compressed output reads each block until the write after it returns (qgcli.storage.hdf5.chunks.ChunkWriter),
     so two blocks written one after the other must never share memory: the next block is read elsewhere."""
     handed = []
     write = streaming._Output.write

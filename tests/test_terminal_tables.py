@@ -62,7 +62,7 @@ def _sections(text):
 
 
 def _report_numbers():
-    from qgcli.commands.report import _db, _pct, _span
+    from qgcli.cli.commands.report import _db, _pct, _span
 
     import json
 
@@ -151,7 +151,7 @@ def test_print_items_breaks_between_items_only():
 
     from rich.console import Console
 
-    from qgcli.tables import print_items
+    from qgcli.report.tables import print_items
 
     buf = io.StringIO()
     console = Console(file=buf, width=40, force_terminal=True, no_color=True, highlight=False)
@@ -243,8 +243,8 @@ def test_plain_tables_are_the_lines_rich_prints():
     from rich.console import Console
     from rich.text import Text
 
-    from qgcli import tables
-    from qgcli.summaries import _PLAIN_WIDTH
+    from qgcli.report import tables
+    from qgcli.report.summaries import _PLAIN_WIDTH
 
     cols = [tables.Col("name", justify="left", priority=0), tables.Col("n"), tables.Col("mid", justify="center"),
             tables.Col("note", justify="left")]

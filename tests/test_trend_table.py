@@ -39,7 +39,7 @@ def run(tmp_path_factory):
 
 
 def _pct(v):
-    from qgcli.commands.report import _pct
+    from qgcli.cli.commands.report import _pct
 
     return _pct(v)
 

@@ -10,7 +10,7 @@ import pytest
 from qgcli import ops
 from qgcli.capture.runfile_writer import RunFileWriter, clean_path, step_group
 from qgcli.cli import main
-from qgcli.verify import compare
+from qgcli.report.verify import compare
 
 
 def _write(path, *, perturb=None, step=None, references=True):

@@ -119,7 +119,7 @@ class RunFileWriter:
         self._closed = True
         if not self.groups:
             return
-        from qgcli import io
+        from qgcli.storage import io
 
         append = self.step is not None and os.path.exists(self.path)
         io.atomic_write(self.path, lambda tmp: self._write(tmp, append))

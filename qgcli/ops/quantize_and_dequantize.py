@@ -391,7 +391,7 @@ def explain_grid(input_min, input_max, *, signed_input=True, num_bits=8, narrow_
 
 @dataclass(frozen=True)
 class PlotGrid:
-    """A :class:`QdqGrid` as :mod:`qgcli.plots` draws grids (the duck type of :class:`qgcli.ops.Grid`).
+    """A :class:`QdqGrid` as :mod:`qgcli.report.plots` draws grids (the duck type of :class:`qgcli.ops.Grid`).
 
     ``min``/``max`` the range the grid was built from (given or from the data), ``nudged_min``/``nudged_max``
     the grid's ends ``lo``/``hi``, ``scale`` the step, ``quant_zero = -quant_min`` (level ``k`` is

@@ -1,0 +1,494 @@
+"""``qgcli inspect``: what is in these files (any .npy/.npz/.h5, not only qgcli's).
+
+The result goes to stdout: a rich table (plain text when stdout is not a terminal) or one JSON document
+with ``--json``; progress and notes go to stderr.  The JSON layout is documented in docs/formats.md ("JSON
+output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value does not
+exist (never NaN).
+"""
+import click
+
+from qgcli.cli.options import hdf5_bound_options
+from qgcli.report.summaries import dump_json, number, stdout_console
+from qgcli.cli.options import table_options
+
+INSPECT_SCHEMA = 1
+# qgcli's provenance attributes (written by `-o out.h5`), shown as one plain line.
+_PROVENANCE = ("qgcli_version", "op", "variant", "num_bits", "narrow_range", "axis", "min", "max")
+
+
+# --- inspect: reading --------------------------------------------------------------------------------
+
+def _plain(value, limit=64):
+    """An attribute value as a JSON value: numbers, strings, booleans, lists; large arrays summarised."""
+    import numpy as np
+
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in "biufSUO" and value.size <= limit:
+            return [_plain(v) for v in value.tolist()] if value.ndim else _plain(value.item())
+        return f"<array {value.dtype} {list(value.shape)}>"
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    return str(value)
+
+
+def _attributes(obj):
+    from qgcli.errors import QgcliError
+    from qgcli.storage.io import read_attributes
+
+    try:
+        return {key: _plain(value) for key, value in read_attributes(obj).items()}
+    except QgcliError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a broken attribute table must not stop the listing
+        return {"<unreadable>": f"{type(exc).__name__}: {exc}"}
+
+
+def tensor_stats(array):
+    """min/max/mean/std over the finite values (float64 accumulation), NaN/Inf/zero counts.
+
+    Non-numeric arrays get None everywhere; complex arrays get counts only.
+    """
+    import numpy as np
+
+    a = np.asarray(array)
+    out = {"min": None, "max": None, "mean": None, "std": None, "nan": None, "inf": None, "zeros": None}
+    if a.dtype.name == "bfloat16":
+        a = a.astype(np.float32)
+    kind = a.dtype.kind
+    if kind not in "biufc":
+        return out
+    if kind == "b":
+        a = a.astype(np.uint8)
+    if kind in "fc":
+        out["nan"] = int(np.count_nonzero(np.isnan(a)))
+        out["inf"] = int(np.count_nonzero(np.isinf(a)))
+    else:
+        out["nan"] = out["inf"] = 0
+    out["zeros"] = int(a.size - np.count_nonzero(a))
+    if kind == "c" or a.size == 0:
+        return out
+    values = a if out["nan"] == out["inf"] == 0 else a[np.isfinite(a)]
+    if values.size == 0:
+        return out
+    as_number = int if kind in "iu" else float
+    out["min"] = as_number(values.min())
+    out["max"] = as_number(values.max())
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = values.mean(dtype=np.float64)
+        # std without a float64 copy of huge inputs: E[(x - mean)^2] blockwise.
+        flat = values.reshape(-1)
+        acc = 0.0
+        block = 1 << 22
+        for start in range(0, flat.size, block):
+            d = flat[start:start + block].astype(np.float64) - mean
+            acc += float(np.dot(d, d))
+        std = (acc / flat.size) ** 0.5
+    out["mean"] = float(mean) if np.isfinite(mean) else None
+    out["std"] = float(std) if np.isfinite(std) else None
+    return out
+
+
+def _tensor_entry(name, shape, dtype, attributes, *, stats=None, error=None):
+    import numpy as np
+
+    size = int(np.prod(shape, dtype=np.int64)) if shape is not None else 0
+    try:
+        itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+    except (TypeError, ValueError):  # "unknown", or the str() of a subarray dtype, which np.dtype() cannot parse
+        itemsize = 0
+    entry = {"name": name, "shape": None if shape is None else [int(s) for s in shape], "dtype": str(dtype),
+             "size": size, "nbytes": size * itemsize}
+    entry.update(stats if stats is not None else dict.fromkeys(("min", "max", "mean", "std", "nan", "inf", "zeros")))
+    entry["attributes"] = attributes
+    entry["error"] = error
+    return entry
+
+
+def _npy_header(source, name):
+    """Shape and dtype from an npz member's .npy header (never unpickling anything); (None, None) if unreadable."""
+    import io as _io
+    import zipfile
+
+    import numpy as np
+
+    try:
+        with zipfile.ZipFile(_io.BytesIO(source) if isinstance(source, bytes) else source) as zf:
+            with zf.open(name + ".npy") as fh:
+                version = np.lib.format.read_magic(fh)
+                reader = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                          else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = reader(fh)
+        return shape, str(dtype)
+    except Exception:  # noqa: BLE001 - only a better error message is at stake
+        return None, None
+
+
+def _read_entry(container, name, attributes, with_stats, shape=None, dtype=None, source=None):
+    """One tensor's entry; a tensor that cannot be read gets its error recorded, not a failed command."""
+    from qgcli.errors import FileFormatError
+
+    if not with_stats and shape is not None:
+        return _tensor_entry(name, shape, dtype, attributes)
+    try:
+        array = container.read(name or None)
+    except FileFormatError as exc:
+        if shape is None and source is not None:
+            shape, dtype = _npy_header(source, name)
+        return _tensor_entry(name, shape, dtype or "unknown", attributes, error=str(exc))
+    stats = tensor_stats(array) if with_stats else None
+    return _tensor_entry(name, array.shape, array.dtype, attributes, stats=stats)
+
+
+def _h5_structure(source, *, label="-", layers=None, reads=None):
+    """Groups (with attributes), datasets (path, shape, dtype, attributes) and non-hard links of an HDF5 file.
+
+    One walk (:func:`qgcli.storage.hdf5.walk.walk`: HDF5's own visiting order, each object opened once relative to its
+    parent, the file's bounds on depth and group count enforced).  Attributes are read in batches of
+    :data:`ATTRIBUTE_BATCH` objects as the walk goes (one guarded round trip per batch for their strings),
+    and each object is closed once its batch is read: the walk holds a bounded number of objects open,
+    whatever the size of the file.  ``layers``: a list that receives the file's run-file layers
+    (:func:`qgcli.storage.runfile.layer`), from the same walk.  ``reads``: ``(the container's label, which paths)``
+    to read each of those datasets while the walk has it open: its entry gets ``read``, ``(shape, dtype,
+    statistics, None)`` or ``(None, None, None, the error)``, what the container's own read gives.
+    """
+    import h5py
+
+    from qgcli.storage.hdf5 import walk as h5walk
+    from qgcli.storage import runfile
+    from qgcli.storage.io import tagged_bfloat16
+    from qgcli.signals import deferred
+
+    groups, datasets, links = [], [], []
+    run_groups, children = [], {"/": []}  # (path, raw attributes) and path -> [(name, shape, dtype)]
+    pending = []  # (entry, object, whether a group) whose attributes the next batch reads
+
+    def flush():
+        for (entry, _, group), (attrs, raw) in zip(pending, _attributes_many([o for _, o, _ in pending])):
+            entry["attributes"] = attrs
+            if group:
+                run_groups.append(("/" + entry["path"], raw))
+        pending.clear()
+
+    import io
+
+    path = io.BytesIO(source) if isinstance(source, bytes) else source  # bytes: an HDF5 stream from stdin
+    with deferred(), h5py.File(path, "r") as f:
+        groups.append({"path": "/", "attributes": _attributes(f)})  # before the walk, which may fail after it
+        for node in h5walk.walk(f, label=label):
+            # A name that is not UTF-8 ends the listing with the decoding error, as h5py's path check ends it.
+            name, kind = node.raw.decode("utf-8"), node.kind
+            if kind in ("external", "soft", "hard"):
+                links.append({"path": name, "kind": kind, "target": node.target})
+            elif kind == "broken":
+                datasets.append({"path": name, "shape": None, "dtype": "unknown", "attributes": {},
+                                 "error": node.error})
+            elif kind == "group":
+                groups.append({"path": name})
+                pending.append((groups[-1], node.obj, True))
+                children["/" + name] = []
+            elif kind == "dataset":
+                obj = node.obj
+                shape, file_dtype = obj.shape, obj.dtype  # each an HDF5 round trip: asked once
+                numpy_dtype = str(file_dtype)
+                dtype = "bfloat16" if file_dtype.kind == "u" and tagged_bfloat16(obj) else numpy_dtype
+                datasets.append({"path": name, "shape": shape, "dtype": dtype, "attributes": None, "error": None})
+                if reads is not None and shape is not None and reads[1](name):
+                    datasets[-1]["read"] = _read_open(obj, name, reads[0], shape, file_dtype)
+                pending.append((datasets[-1], obj, False))
+                parent, _, leaf = name.rpartition("/")
+                children.get("/" + parent, []).append((leaf, shape, numpy_dtype))
+            else:  # a committed datatype
+                links.append({"path": name, "kind": "datatype", "target": str(getattr(node.obj, "dtype", ""))})
+            if len(pending) >= ATTRIBUTE_BATCH:
+                flush()
+        flush()
+    if layers is not None:
+        for group_path, raw in run_groups:
+            if isinstance(raw, Exception):
+                continue  # unreadable attributes: the group's entry says so
+            layer = runfile.layer(group_path, raw, children[group_path])
+            if layer is not None:
+                layers.append(layer)
+    return groups, datasets, links
+
+
+def _read_open(obj, name, label, shape, dtype):
+    """What :func:`_read_entry` reads of a dataset, from the open Dataset (as ``Container.read`` reads it);
+    ``shape`` and ``dtype``: the walk's, so that a small plain dataset is read in one low-level call."""
+    from qgcli.storage import io
+    from qgcli.errors import FileFormatError
+
+    array = io.read_plain_dataset(obj.id, shape, dtype)
+    if array is None:
+        try:
+            array = io._read_dataset_node(io._checked_dataset(obj, name, label), name, label)
+        except FileFormatError as exc:
+            return None, None, None, str(exc)
+    return array.shape, array.dtype, tensor_stats(array), None
+
+
+def _attributes_many(objs):
+    """``(attributes as JSON values, as read)`` of each of ``objs``, in one batch; object by object (so that
+    a broken attribute table spoils its own entry only) where the batch fails, with the exception in place
+    of the attributes as read."""
+    from qgcli.errors import QgcliError
+    from qgcli.storage.io import read_attributes, read_attributes_many
+
+    try:
+        return [({key: _plain(value) for key, value in raw.items()}, raw) for raw in read_attributes_many(objs)]
+    except QgcliError:
+        raise
+    except Exception:  # noqa: BLE001 - found again, and recorded, by the object's own read
+        pass
+    out = []
+    for obj in objs:
+        try:
+            raw = read_attributes(obj)
+            out.append(({key: _plain(value) for key, value in raw.items()}, raw))
+        except QgcliError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken attribute table must not stop the listing
+            out.append(({"<unreadable>": f"{type(exc).__name__}: {exc}"}, exc))
+    return out
+
+
+#: Objects whose attributes are read in one batch.  A batch keeps its string attributes open until they are
+#: read, and HDF5 checks every attribute it opens against all those open: one batch for the whole file made
+#: the listing quadratic in the number of groups (20,000 groups: minutes).
+ATTRIBUTE_BATCH = 256
+
+
+def _matches(name, key):
+    key = key.strip("/")
+    return key == "" or name == key or name.startswith(key + "/")
+
+
+def inspect_source(text, stdin, *, with_stats=True, progress=None):
+    """The ``files[]`` entry of ``qgcli inspect --json`` for one FILE argument (path[:KEY] or -)."""
+    import os
+
+    from qgcli.storage import io
+    from qgcli.errors import FileFormatError, OperandError, QgcliError
+
+    spec = io.parse_spec(text)
+    try:
+        container = io.Container.open(spec.path, stdin)
+    except FileFormatError as exc:
+        raise OperandError(str(exc), operand="FILE") from None
+    label = "-" if spec.path is None else spec.path
+    size = len(stdin.read()) if spec.path is None else os.path.getsize(spec.path)
+    entry = {"file": label, "format": container.kind, "size_bytes": size, "key": spec.key, "attributes": {},
+             "groups": [], "links": [], "tensors": [], "layers": []}
+    npz_source = None
+    with container:
+        if container.kind == "npy":
+            if spec.key is not None:
+                raise OperandError(f"{label} is an .npy file with one array; it has no key {spec.key!r}",
+                                   operand="FILE")
+            todo = [("", None, None, {}, None)]
+        elif container.kind == "npz":
+            todo = [(n, None, None, {}, None) for n in container.names() if spec.key is None or n == spec.key]
+            npz_source = stdin.read() if spec.path is None else spec.path
+        else:
+            layers = []
+            try:
+                reads = (container.label, lambda p: spec.key is None or _matches(p, spec.key)) if with_stats else None
+                groups, datasets, links = _h5_structure(spec.path if spec.path is not None else stdin.read(),
+                                                        label=label, layers=layers, reads=reads)
+            except QgcliError:
+                raise  # the bounds on depth and group count (qgcli.storage.hdf5.walk): already one clean error
+            except io.CORRUPT_FILE_ERRORS as exc:  # damaged HDF5 metadata: one clean error, not a traceback
+                raise OperandError(f"{label}: cannot list its structure: {io._reason(exc)}", operand="FILE") from None
+            entry["attributes"] = groups[0]["attributes"]
+            entry["groups"] = [g for g in groups if spec.key is None or _matches(g["path"], spec.key)
+                               or g["path"] == "/"]
+            entry["links"] = [lk for lk in links if spec.key is None or _matches(lk["path"], spec.key)]
+            entry["layers"] = _layers(layers, spec.key)
+            todo = []
+            for d in datasets:
+                if spec.key is not None and not _matches(d["path"], spec.key):
+                    continue
+                if d["error"]:
+                    entry["tensors"].append(_tensor_entry(d["path"], None, "unknown", {}, error=d["error"]))
+                    continue
+                if d["shape"] is None:  # an HDF5 empty (null dataspace) dataset: no values to read
+                    entry["tensors"].append(_tensor_entry(d["path"], None, d["dtype"], d["attributes"]))
+                    continue
+                todo.append((d["path"], d["shape"], d["dtype"], d["attributes"], d.get("read")))
+        if spec.key is not None and not todo and not entry["tensors"]:
+            raise OperandError(f"{label} has no tensor or group {spec.key!r}", operand="FILE")
+        if progress is not None:
+            progress.update(total=(progress.total or 0) + len(todo))
+        for name, shape, dtype, attrs, done in todo:
+            if progress is not None:
+                progress.update(description=f"{label}:{name}" if name else label)
+            if done is not None:  # read during the walk
+                array_shape, array_dtype, stats, error = done
+                entry["tensors"].append(_tensor_entry(name, shape, dtype or "unknown", attrs, error=error) if error
+                                        else _tensor_entry(name, array_shape, array_dtype, attrs, stats=stats))
+            else:
+                entry["tensors"].append(_read_entry(container, name, attrs, with_stats, shape, dtype,
+                                                    source=npz_source if container.kind == "npz" else None))
+            if progress is not None:
+                progress.advance()
+    return entry
+
+
+def _layers(layers, key):
+    """A run file's groups as layers (path, op, operand shapes, what keeps one from running); [] for a file
+    whose groups hold no op (a plain bundle)."""
+    from qgcli.storage import runfile
+
+    out = []
+    for layer in layers:
+        if layer.path == "/" or (key is not None and not _matches(layer.path, key.strip("/"))):
+            continue
+        command = "bn-grad" if layer.kind == runfile.BATCH_NORM else "fakequant"
+        out.append({"path": layer.path, "op": layer.op, "kind": layer.kind,
+                    "operands": {name: list(shape) for name, (shape, _) in layer.datasets.items()},
+                    "problem": runfile.validate(layer, command)})
+    return out
+
+
+# --- inspect: rendering ------------------------------------------------------------------------------
+
+def _human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _attr_text(attrs):
+    return ", ".join(f"{k}={v}" for k, v in attrs.items())
+
+
+def _provenance_line(attrs):
+    if "qgcli_version" not in attrs:
+        return None
+    parts = [f"{k}={attrs[k]}" for k in _PROVENANCE[2:] if k in attrs]
+    op = attrs.get("op", "an unnamed op")
+    return f"written by qgcli {attrs['qgcli_version']}: {op}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+_TENSOR_COLS = _LAYER_COLS = None
+
+
+def _columns():
+    global _TENSOR_COLS, _LAYER_COLS
+    if _TENSOR_COLS is None:
+        from qgcli.report.tables import Col
+
+        _TENSOR_COLS = (Col("name", "left", priority=0), Col("shape", "left", priority=0),
+                        Col("dtype", "left", priority=0), Col("min", priority=1), Col("max", priority=1),
+                        Col("mean", priority=2), Col("std", priority=2), Col("nan", priority=1),
+                        Col("inf", priority=1), Col("zeros", priority=3), Col("size", priority=3))
+        _LAYER_COLS = (Col("layer", "left", priority=0), Col("op", "left", priority=0),
+                       Col("operands", "left", priority=0))
+
+
+def render_inspect(console, doc):
+    from rich.markup import escape
+    from rich.text import Text
+
+    from qgcli.report.tables import print_items, print_table
+    from qgcli.report.text import printable_doc
+
+    _columns()
+
+    doc = printable_doc(doc)  # names, attributes and messages from the file: no control characters
+    for i, f in enumerate(doc["files"]):
+        if i:
+            console.print()
+        kind = {"h5": "HDF5", "npz": "npz", "npy": "npy"}[f["format"]]
+        count = len(f["tensors"])
+        print_items(console, f"[bold]{escape(f['file'])}[/]  {kind}, {_human_bytes(f['size_bytes'])}, "
+                      f"{count} tensor{'s' if count != 1 else ''}")
+        file_attrs = dict(f["attributes"])
+        line = _provenance_line(file_attrs)
+        if line:
+            print_items(console, f"  {escape(line)}")
+            file_attrs = {k: v for k, v in file_attrs.items() if k not in _PROVENANCE}
+        for k, v in file_attrs.items():
+            print_items(console, f"  {k}: {v}", markup=False)
+        if f.get("layers"):
+            rows = []
+            for lay in f["layers"]:
+                shapes = ", ".join(f"{n} [{', '.join(map(str, s))}]" for n, s in lay["operands"].items())
+                cell = Text(shapes)
+                if lay["problem"]:
+                    cell.append("  " + lay["problem"], style="red")
+                rows.append([lay["path"], lay["op"] or "(bundle)", cell])
+            print_table(console, _LAYER_COLS, rows, title=f"{len(f['layers'])} layers (run file)")
+        notes, rows, styles = [], [], []
+        for t in f["tensors"]:
+            shape = "?" if t["shape"] is None else "[" + ", ".join(map(str, t["shape"])) + "]"
+            bad = (t["nan"] or 0) + (t["inf"] or 0)
+            styles.append("red" if t["error"] or bad else None)
+            rows.append([t["name"] or "(array)", shape, t["dtype"], number(t["min"]), number(t["max"]),
+                         number(t["mean"]), number(t["std"]), number(t["nan"]), number(t["inf"]), number(t["zeros"]),
+                         _human_bytes(t["nbytes"])])
+            if t["error"]:
+                notes.append(f"{t['name']}: {t['error']}")
+            extra = {k: v for k, v in t["attributes"].items() if f["attributes"].get(k, object()) != v}
+            if extra:
+                notes.append(f"{t['name']}: {_attr_text(extra)}")
+        if f["tensors"]:
+            print_table(console, _TENSOR_COLS, rows, styles=styles, choice=True)
+        for g in f["groups"]:
+            if g["path"] != "/":
+                attrs = f"  ({_attr_text(g['attributes'])})" if g["attributes"] else ""
+                # Plain text, not markup: names escaped one by one still form a tag together ("[" + "/  (]").
+                print_items(console, f"  group {g['path']}/{attrs}", markup=False)
+        for lk in f["links"]:
+            how = {"external": "not followed", "soft": "not followed", "hard": "listed once"}.get(lk["kind"], "not a tensor")
+            print_items(console, f"  {lk['kind']} link {lk['path']} -> {lk['target']} ({how})", markup=False)
+        for note in notes:
+            print_items(console, f"  [yellow]{escape(note)}[/]")
+
+
+_INSPECT_EPILOG = """\b
+Examples:
+  qgcli inspect samples/per_channel.h5
+  qgcli inspect grads.h5:backprops_wrt_input --json | jq '.files[0].tensors[0].zeros'
+  qgcli fakequant-grad samples/per_channel.h5 -o - | qgcli inspect - --json
+"""
+
+
+@click.command("inspect", epilog=_INSPECT_EPILOG, short_help="List tensors, shapes, dtypes, statistics, attributes.")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...", type=click.Path(allow_dash=True))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see docs/formats.md).")
+@click.option("--no-stats", is_flag=True, help="Names, shapes and dtypes only (HDF5: reads no data).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+@table_options
+@hdf5_bound_options
+def inspect(files, as_json, no_stats, quiet):
+    """Show what is in .npy/.npz/.h5 files: every tensor with its shape, dtype, min/max/mean/std over
+    finite values, NaN/Inf/zero counts and size; HDF5 groups, attributes and links (never followed).
+
+    FILE is a path, PATH:KEY (one npz key, or one HDF5 dataset or group), or - (an .npy/.npz stream
+    on stdin, e.g. from another qgcli command's -o -). Works on any such file, not only qgcli's.
+    """
+    from qgcli import __version__
+    from qgcli.storage import io
+    from qgcli.report.progress import Progress
+
+    if sum(1 for f in files if f == "-" or f.startswith("-:")) > 1:
+        raise click.BadParameter("stdin (-) can be read only once", param_hint="FILE")
+    stdin = io.Stdin()
+    doc = {"command": "inspect", "schema": INSPECT_SCHEMA, "qgcli_version": __version__, "files": []}
+    with Progress("reading", total=0, quiet=quiet) as progress:
+        for text in files:
+            doc["files"].append(inspect_source(text, stdin, with_stats=not no_stats, progress=progress))
+    if as_json:
+        dump_json(doc)
+    else:
+        render_inspect(stdout_console(), doc)

@@ -1,0 +1,587 @@
+"""``qgcli report``: per channel (or per tensor), what a fake-quant range does to the data and to its gradient.
+
+The result goes to stdout: a rich table (plain text when stdout is not a terminal), one JSON document with
+``--json``, CSV with ``--csv``; progress and notes go to stderr.  The JSON layout is documented in
+docs/formats.md ("JSON output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value
+does not exist (never NaN).
+"""
+import click
+
+from qgcli.cli.options import (
+    QDQ_VARIANTS,
+    TORCHAO_DTYPES,
+    attribute_group,
+    bundle_argument,
+    given,
+    hdf5_bound_options,
+    narrow_range_option,
+    num_bits_option,
+    option_group,
+    run_file_target,
+    spec_option,
+    scheduler_option,
+    torchao_options,
+    typed_overrides,
+)
+from qgcli.report.summaries import dump_json, number, stdout_console
+from qgcli.cli.options import table_options
+
+REPORT_SCHEMA = 1
+_TABLE_ROWS = 20  # rows a terminal table shows without --top
+# A SPEC is free text (file, file:key, -, literal); click.Path only so that shells complete file names.
+_SPEC = click.Path(allow_dash=True)
+
+
+def _report_operands(bundles, specs):
+    """``(OperandSpecs of the first BUNDLE and the options, every BUNDLE)``: several are run files' steps."""
+    from qgcli.jobs import OperandSpecs
+
+    first = bundles[0] if bundles else None
+    return OperandSpecs.of(first, **{name.rstrip("_"): text for name, text in specs.items()}), tuple(bundles)
+
+
+def _parse_percentiles(ctx, param, value):
+    from qgcli.storage.io import parse_literal
+
+    values = parse_literal(value) if value else None
+    if values is None or values.size == 0:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}")
+    values = [float(v) for v in values.reshape(-1)]
+    for v in values:
+        if not 50.0 <= v <= 100.0:
+            raise click.BadParameter(f"{v:g} is not between 50 and 100 (p picks the range [P(100-p), P(p)])")
+    return tuple(values)
+
+
+def _qdq_flags(signed_input=None, range_given=None):
+    from qgcli.jobs import QdqAttributes
+
+    return QdqAttributes(signed_input, range_given)
+
+
+def _flag_metric(report):
+    return "gradient_blocked" if report.has_gradients else "clipped"
+
+
+def verdict(report, threshold):
+    """One line: which channels clip, how much gradient they lose, and what the suggested ranges give."""
+    col, total = report.columns, report.total
+    metric = _flag_metric(report)
+    what = "of their gradient mass" if report.has_gradients else "of their values"
+    order = report.order("worst")
+    flagged = [c for c in order if col[metric][c] > threshold]
+    sqnr, sug = total["sqnr_db"], total["suggested_sqnr_db"]
+    gain = ""
+    if sqnr is not None and sug is not None and sug > sqnr + 0.5:
+        gain = f"; the suggested range{'s' if report.per_channel else ''} would raise the SQNR from " \
+               f"{sqnr:.1f} to {sug:.1f} dB"
+        if report.has_gradients and total["gradient_mass"] and total["suggested_gradient_blocked"] is not None:
+            gain += f" and block {100 * total['suggested_gradient_blocked']:.1f}% of the gradient mass"
+    blocked = (f"; {100 * total['gradient_blocked']:.1f}% of all gradient mass is blocked by the STE mask"
+               if report.has_gradients else "")
+    thr = f"{100 * threshold:g}%"
+    if report.has_gradients and not total["gradient_mass"]:
+        blocked = "; the gradient is zero everywhere, so no gradient mass can be blocked"
+    if not report.per_channel:
+        v = col[metric][0]
+        share = f"{100 * v:.1f}%"
+        clip = (f"{100 * col['clipped_below'][0]:.1f}% of values clip below the nudged range, "
+                f"{100 * col['clipped_above'][0]:.1f}% above")
+        if flagged:
+            lost = "loses " + share + " of its gradient mass" if report.has_gradients else "clips " + share
+            return f"Verdict: the tensor {lost} (more than {thr}): {clip}{gain}."
+        lost = "loses " + share + " of its gradient mass" if report.has_gradients else "clips " + share
+        return f"Verdict: OK, the tensor {lost}, not more than {thr} ({clip}){gain}."
+    if flagged:
+        names = ", ".join(f"ch {c} {100 * col[metric][c]:.1f}%" for c in flagged[:3])
+        more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
+        verb = "lose more than" if report.has_gradients else "clip more than"
+        return (f"Verdict: {len(flagged)} of {report.channels} channels {verb} {thr} {what} "
+                f"({names}{more}){blocked}{gain}.")
+    worst = order[0] if order else None
+    worst_text = f" (worst: ch {worst}, {100 * col[metric][worst]:.1f}%)" if worst is not None else ""
+    verb = "loses more than" if report.has_gradients else "clips more than"
+    what = "of its gradient mass" if report.has_gradients else "of its values"
+    return f"Verdict: OK, no channel {verb} {thr} {what}{worst_text}{blocked}{gain}."
+
+
+def build_report_doc(report, *, op, attrs, inputs, threshold, sort, top, notes):
+    from qgcli import __version__
+    from qgcli.ops.analysis import TOTAL_KEYS
+
+    order = report.order(sort)
+    metric = _flag_metric(report)
+    flagged = [c for c in report.order("worst") if report.columns[metric][c] > threshold]
+    shown = order if top is None else order[:top]
+    rows = []
+    for c in shown:
+        row = report.row(c)
+        row["flagged"] = c in flagged
+        rows.append(row)
+    return {
+        "command": "report",
+        "schema": REPORT_SCHEMA,
+        "qgcli_version": __version__,
+        "op": op,
+        "variant": report.variant,
+        "attributes": attrs,
+        "inputs": inputs,
+        "per_channel": report.per_channel,
+        "channels": report.channels,
+        "has_gradients": report.has_gradients,
+        "percentiles": list(report.percentiles),
+        "threshold": threshold,
+        "sort": sort,
+        "top": top,
+        "total": {k: report.total[k] for k in TOTAL_KEYS},
+        "flagged": flagged if report.per_channel else [None] * len(flagged),
+        "rows": rows,
+        "verdict": verdict(report, threshold),
+        "notes": notes,
+    }
+
+
+def _pct(v):
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _span(lo, hi):
+    if lo is None or hi is None:
+        return "-"
+    return f"{lo:.3g}..{hi:.3g}"
+
+
+_PRIMED = "with the suggested range"
+# Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.report.tables).
+_REPORT_COLS = None
+
+
+def _report_cols():
+    global _REPORT_COLS
+    if _REPORT_COLS is None:
+        from qgcli.report.tables import Col
+
+        _REPORT_COLS = (
+            Col("ch", priority=0, prefix=True), Col("data", help="the channel's finite data range", priority=3),
+            Col("range", priority=1), Col("nudged", priority=0),
+            Col("clip<", help="values below/above the nudged range", priority=1),
+            Col("clip>", help="values below/above the nudged range", priority=1),
+            Col("blocked", help="gradient mass the STE mask zeroes", priority=0),
+            Col("d/dmin", help="backprop_wrt_min/max", priority=4), Col("d/dmax", help="backprop_wrt_min/max", priority=4),
+            Col("SQNR", help="dB", priority=1), Col("suggested", help="the suggested range [P(100-p), P(p)]", priority=2),
+            Col("p", help="its percentile", priority=3), Col("SQNR'", help=_PRIMED, priority=2),
+            Col("blocked'", help=_PRIMED, priority=3),
+        )
+    return _REPORT_COLS
+
+
+def render_report(console, doc, limited):
+    from rich.markup import escape
+
+    from qgcli.report.tables import print_items, print_table
+    from qgcli.report.text import printable_doc
+
+    doc = printable_doc(doc)  # dtypes and messages from the files: no control characters
+    a, t = doc["attributes"], doc["total"]
+    src = [f"{k} {v['shape']} {v['dtype']}" for k, v in doc["inputs"].items() if k in ("inputs", "gradients")]
+    axis = f" axis={a['axis']}" if a.get("axis") is not None else ""
+    print_items(console, f"[bold]{doc['op']}[/] num_bits={a['num_bits']} narrow_range={a['narrow_range']}{axis}  "
+                f"{escape(', '.join(src))}")
+    rows = [["all" if r["channel"] is None else str(r["channel"]), _span(r["data_min"], r["data_max"]),
+             _span(r["min"], r["max"]), _span(r["nudged_min"], r["nudged_max"]), _pct(r["clipped_below"]),
+             _pct(r["clipped_above"]), _pct(r["gradient_blocked"]), number(r["backprop_wrt_min"], 3),
+             number(r["backprop_wrt_max"], 3), _db(r["sqnr_db"], r["mse"]),
+             _span(r["suggested_min"], r["suggested_max"]), number(r["suggested_percentile"], 5),
+             _db(r["suggested_sqnr_db"], r["suggested_mse"]), _pct(r["suggested_gradient_blocked"])]
+            for r in doc["rows"]]
+    print_table(console, _report_cols(), rows, styles=["red" if r["flagged"] else None for r in doc["rows"]],
+                choice=True)
+    if limited:
+        print_items(console, f"... {doc['channels'] - len(doc['rows'])} more channels (--top K to show more, "
+                    "--json or --csv for all)")
+    if doc["per_channel"]:
+        total = f"all {doc['channels']} channels: "
+    else:
+        total = "whole tensor: "
+    total += f"clipped {_pct(t['clipped_below'])} below, {_pct(t['clipped_above'])} above"
+    if doc["has_gradients"]:
+        total += f"; gradient mass blocked {_pct(t['gradient_blocked'])}"
+    total += (f"; SQNR {_db(t['sqnr_db'], t['mse'])} dB, with the suggested "
+              f"range{'s' if doc['per_channel'] else ''} {_db(t['suggested_sqnr_db'], t['suggested_mse'])} dB")
+    print_items(console, escape(total))
+    print_items(console, f"[bold]{escape(doc['verdict'])}[/]")
+
+
+def _print_notes(notes):
+    """Notes on stderr, lines broken between words on a terminal (full lines off it)."""
+    from qgcli.report.summaries import stderr_console
+    from qgcli.report.tables import print_items
+    from qgcli.report.text import markup
+
+    console = stderr_console()
+    for note in notes:
+        print_items(console, f"note: {markup(note)}")
+
+
+def _db(v, mse=None):
+    if v is None:
+        return "inf" if mse == 0 else "-"
+    return f"{v:.1f}"
+
+
+def _write_csv(doc):
+    import csv
+    import sys
+
+    from qgcli.ops.analysis import ROW_KEYS
+
+    keys = list(ROW_KEYS) + ["flagged"]
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(keys)
+    for row in doc["rows"]:
+        writer.writerow(["" if row[k] is None else (repr(row[k]) if isinstance(row[k], float) else
+                         str(row[k]).lower() if isinstance(row[k], bool) else row[k]) for k in keys])
+
+
+_REPORT_EPILOG = """\b
+Examples:
+  qgcli report samples/per_channel.h5
+  qgcli report samples/per_channel.h5 --top 3 --json | jq '.rows[] | {channel, gradient_blocked}'
+  qgcli report samples/notebook.h5 --num-bits 2 --csv > report.csv
+  qgcli report --inputs act.npy --gradients grad.npy --min -1,-2 --max 1,2 --sort sqnr
+"""
+
+
+@click.command("report", epilog=_REPORT_EPILOG, short_help="Per-channel clipping, blocked gradient, SQNR, ranges.")
+@option_group(
+    "operands", lambda bundle=(), **specs: _report_operands(bundle, specs),
+    bundle_argument(type=_SPEC, nargs=-1),
+    spec_option("gradients", "Upstream gradient (optional: without it no gradient columns).", type=_SPEC),
+    spec_option("inputs", "Forward inputs (TF operand 'inputs').", type=_SPEC),
+    spec_option("min", "Range minimum: scalar (vars/args) or one per channel.", type=_SPEC),
+    spec_option("max", "Range maximum: scalar (vars/args) or one per channel.", type=_SPEC),
+)
+@attribute_group(
+    num_bits_option(),
+    narrow_range_option(),
+    click.option("--variant", type=click.Choice(["args", "vars", "per-channel", *QDQ_VARIANTS]), default=None,
+                 help="TF op family; default: per-channel when min/max are vectors, else vars. "
+                      "quantize-and-dequantize-v4/-v3/-v2: TF's QuantizeAndDequantize (--signed-input, "
+                      "--range-given, --round-mode; --axis K: one range per slice, -1 per tensor)."),
+    click.option("--axis", type=int, default=None, help="Channel axis for the per-channel variant (TF: -1)."),
+)
+@option_group(
+    "qdq", lambda round_mode=None, **flags: (_qdq_flags(**flags), round_mode),
+    click.option("--signed-input/--no-signed-input", "signed_input", default=None,
+                 help="Signed grid [default: signed] (--variant quantize-and-dequantize-v*)."),
+    click.option("--range-given/--no-range-given", "range_given", default=None,
+                 help="Clamp to --min/--max instead of the data's range [default: not given; V3: given] "
+                      "(--variant quantize-and-dequantize-v*)."),
+    click.option("--round-mode", type=click.Choice(["HALF_TO_EVEN", "HALF_UP"]), default=None,
+                 help="Rounding [default: HALF_TO_EVEN] (--variant quantize-and-dequantize-v4/-v2)."),
+)
+@click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Show the K worst channels only.")
+@click.option("--sort", "sort", type=click.Choice(["worst", "blocked", "clipped", "sqnr", "gain", "channel"]),
+              default="worst", show_default=True,
+              help="Row order: worst = most gradient mass blocked (most clipped without gradients), then lowest SQNR.")
+@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
+              help="Flag channels losing more than this share of gradient mass (of values without gradients).")
+@click.option("--percentiles", default="100,99.99,99.9,99.5,99,98,95", show_default=True,
+              callback=_parse_percentiles, metavar="P,...",
+              help="Percentiles searched for the suggested range [P(100-p), P(p)]; the best SQNR wins.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see docs/formats.md).")
+@click.option("--csv", "as_csv", is_flag=True, help="Print one CSV row per channel on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+@table_options
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="Compute with NumPy (cpu) or CuPy (gpu).")
+@click.option("--layer", "layer", metavar="PATH", default=None,
+              help="Run file: the per-channel report of the group PATH (default: one row per quantizer).")
+@click.option("--semantics", type=click.Choice(["tf", "torchao"]), default="tf", show_default=True,
+              help="tf: TensorFlow's fake quant on --min/--max; torchao: torchao's QAT quantizer (--dtype, "
+                   "--granularity ...), one row per block, the gradient split into straight-through and scale path.")
+@click.option("--dtype", type=click.Choice(TORCHAO_DTYPES), default=None, help="torchao's dtype (--semantics torchao).")
+@torchao_options
+@hdf5_bound_options
+@scheduler_option()
+def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer,
+           semantics, dtype, torchao, scheduler):
+    """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
+
+    Data range against the raw and nudged range, shares clipped below/above, the share of upstream
+    gradient mass the STE mask blocks (sum|g|*(1-mask) / sum|g|), backprop_wrt_min/max from TensorFlow's
+    op, the forward error (MSE, SQNR in dB) and a suggested percentile range with the SQNR it gives.
+    Worst channels first, then a one-line verdict. Operands as for fakequant-grad: a BUNDLE and/or options.
+    """
+    from qgcli.storage.operands import Operands, to_device
+    from qgcli.report.progress import Progress
+    from qgcli.families.tf_fake_quant import TF_OPS, load_fake_quant_operands
+    from qgcli.report.summaries import describe_arrays
+
+    if as_json and as_csv:
+        raise click.UsageError("--json and --csv both want stdout; pick one")
+    operands, bundles = operands
+    if attributes.variant not in QDQ_VARIANTS:
+        for option, value in (("--signed-input", qdq[0].signed_input), ("--range-given", qdq[0].range_given),
+                              ("--round-mode", qdq[1])):
+            if value is not None:
+                raise click.BadParameter("only applies to --variant quantize-and-dequantize-v4/-v3/-v2",
+                                         param_hint=f"'{option}'")
+    if scheduler is not None and (semantics == "torchao" or dtype is not None or torchao.given() or layer is not None):
+        raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
+                                 "report runs here (drop --scheduler)", param_hint="'--scheduler'")
+    if semantics == "torchao" or dtype is not None or torchao.given():
+        run_file_target(operands)  # a run file's torchao groups carry their config: refuses these options
+        return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
+                               as_json, as_csv, quiet, device, layer)
+    if len(bundles) > 1:  # several run files: each a step (or its step groups)
+        targets = [run_file_target(operands.__class__(b, operands.specs)) for b in bundles]
+        for bundle, target in zip(bundles, targets):
+            if target is None:
+                raise click.BadParameter(f"{bundle} is not a run file; several BUNDLEs must each be one",
+                                         param_hint="'BUNDLE'")
+        if layer is not None:
+            raise click.BadParameter("takes one run file as BUNDLE", param_hint="'--layer'")
+        return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
+                              device, scheduler)
+    target = run_file_target(operands)
+    if target is not None and layer is None:
+        return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
+                              device, scheduler)
+    if scheduler is not None:
+        raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
+                                 "report runs here (drop --scheduler)", param_hint="'--scheduler'")
+    if layer is not None:
+        if target is None:
+            raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
+                                     param_hint="'--layer'")
+        from qgcli.report.layers import layer_operands
+
+        operands, attributes = layer_operands(target, layer, typed_overrides())
+    else:
+        operands = Operands.of(operands, literal_ok=("min", "max"))
+    num_bits, narrow_range, variant, axis = attributes.num_bits, attributes.narrow_range, attributes.variant, attributes.axis
+    notes = []
+    qdq_attrs = None
+    with Progress("reading operands", total=None, quiet=quiet) as progress:
+        try:
+            if variant in QDQ_VARIANTS:
+                from qgcli.families.qdq import load_operands
+
+                x_raw, mn, mx, qdq_attrs = load_operands(operands, variant, qdq[0], qdq[1], axis)
+            else:
+                _, x_raw, mn, mx, variant = load_fake_quant_operands(operands, variant, with_gradients=False)
+            progress.update(description="reading gradients")
+            g_raw = operands.get("gradients", required=False)
+        finally:
+            operands.close()
+        if axis is not None and variant not in ("per-channel", *QDQ_VARIANTS):
+            raise click.BadParameter("only applies to --variant per-channel", param_hint="'--axis'")
+        for name, value in (("inputs", x_raw), ("gradients", g_raw)):
+            if value is not None and str(value.dtype) != "float32":
+                notes.append(f"{name} is {value.dtype}; computed in float32 as TensorFlow does")
+        xp, (g_dev, x_dev) = to_device([g_raw, x_raw], device)
+        from qgcli.ops.analysis import channel_report
+
+        steps = 5 + len(percentiles)
+        progress.update(total=steps, completed=0)
+
+        def on_step(text):
+            progress.update(description=text)
+            progress.advance()
+
+        result = channel_report(x_dev, mn, mx, g_dev, num_bits=num_bits, narrow_range=narrow_range,
+                                variant=variant, axis=-1 if axis is None else axis, percentiles=percentiles,
+                                on_step=on_step, **({"qdq": qdq_attrs} if qdq_attrs is not None else {}))
+    attrs = {"num_bits": num_bits, "narrow_range": narrow_range,
+             "axis": (-1 if axis is None else axis) if variant in ("per-channel", *QDQ_VARIANTS) else None,
+             **(qdq_attrs or {})}
+    if qdq_attrs is not None:
+        from qgcli.families.qdq import OPS, report_notes
+
+        notes += report_notes(variant, result)
+    raw = {"inputs": x_raw, "gradients": g_raw, "min": mn, "max": mx}
+    described = describe_arrays({k: v for k, v in raw.items() if v is not None and hasattr(v, "dtype")})
+    for k, v in described.items():
+        v["source"] = operands.sources.get(k, "default" if variant == "args" and k in ("min", "max") else None)
+    limited = top is None and not as_json and not as_csv and result.channels > _TABLE_ROWS
+    doc = build_report_doc(result, op=TF_OPS[variant] if qdq_attrs is None else OPS[variant], attrs=attrs, inputs=described, threshold=threshold,
+                           sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
+    if not quiet:
+        _print_notes(notes)
+    if as_json:
+        dump_json(doc)
+    elif as_csv:
+        _write_csv(doc)
+        if not quiet:
+            click.echo(doc["verdict"], err=True)
+    else:
+        render_report(stdout_console(), doc, limited)
+
+
+def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
+                    quiet, device, layer):
+    """``--semantics torchao``: one row per block of torchao's quantizer (qgcli.families.torchao)."""
+    from qgcli.families import torchao as runner
+
+    if semantics != "torchao":
+        runner.refuse_outside(torchao, dtype)
+    for option, value in (("--num-bits", given("num_bits")), ("--narrow-range", attributes.narrow_range),
+                          ("--variant", attributes.variant is not None), ("--axis", attributes.axis is not None),
+                          ("--layer", layer is not None), ("--min", operands.get("min") is not None),
+                          ("--max", operands.get("max") is not None), ("--sort", sort in ("sqnr", "gain"))):
+        if value:
+            raise click.BadParameter("does not apply to --semantics torchao", param_hint=f"'{option}'")
+    if len(bundles) > 1:
+        raise click.BadParameter("--semantics torchao reports one tensor: give one BUNDLE", param_hint="'BUNDLE'")
+    config = runner.build_config(dtype, torchao)
+    doc = runner.report_doc(operands, config, threshold=threshold, sort="block" if sort == "channel" else sort,
+                            top=top, device=device)
+    if not quiet:
+        _print_notes(doc["notes"])
+    if as_json:
+        dump_json(doc)
+    elif as_csv:
+        runner.write_report_csv(doc)
+        if not quiet:
+            click.echo(doc["verdict"], err=True)
+    else:
+        limited = top is None and len(doc["rows"]) > _TABLE_ROWS
+        runner.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
+
+
+# --- run files: one row per quantizer ----------------------------------------------------------------------
+
+LAYERS_SCHEMA = 1
+
+
+def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None):
+    import contextlib
+
+    from qgcli import __version__
+    from qgcli.report.layers import LAYER_KEYS, report_layers, trends, worst_first
+    from qgcli.report.progress import Progress
+
+    from qgcli.execution.dispatch import default_scheduler
+
+    scheduler = scheduler or default_scheduler()
+    cluster = None
+    with contextlib.ExitStack() as stack:
+        if scheduler is not None:  # the layers' rows computed on a Dask cluster (qgcli.execution.cluster)
+            from qgcli.execution.cluster import LayerMap
+
+            cluster = stack.enter_context(LayerMap(scheduler))
+        with Progress("reading layers", total=None, quiet=quiet) as progress:
+            rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
+                                          on_layer=lambda name: progress.update(description=f"layer {name}"),
+                                          cluster=cluster)
+        described = cluster.describe() if cluster is not None else None
+    rows = worst_first(rows)
+    for row in rows:
+        metric = row["gradient_blocked"] if row["gradient_blocked"] is not None else row["clipped"]
+        row["flagged"] = bool(metric is not None and metric > threshold)
+    steps, trend = trends(rows)
+    doc = {"command": "report", "schema": LAYERS_SCHEMA, "qgcli_version": __version__, "run_files": list(targets),
+           "threshold": threshold, "percentiles": list(percentiles), "steps": steps,
+           "layers": rows if top is None else rows[:top], "trends": trend, "skipped": skipped,
+           "verdict": _layers_verdict(rows, threshold), **({"cluster": described} if described else {})}
+    if as_json:
+        dump_json(doc)
+        return
+    if as_csv:
+        import csv
+        import sys
+
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        keys = list(LAYER_KEYS) + ["flagged"]
+        writer.writerow(keys)
+        for row in doc["layers"]:
+            writer.writerow(["" if row[k] is None else repr(row[k]) if isinstance(row[k], float) else
+                             str(row[k]).lower() if isinstance(row[k], bool) else
+                             "x".join(map(str, row[k])) if isinstance(row[k], list) else row[k] for k in keys])
+        if not quiet:
+            click.echo(doc["verdict"], err=True)
+        return
+    _render_layers(stdout_console(), doc, top)
+
+
+def _layers_verdict(rows, threshold):
+    flagged = [r for r in rows if r["flagged"]]
+    if not rows:
+        return "Verdict: no quantizer to report."
+    if not flagged:
+        return f"Verdict: OK, no layer loses more than {100 * threshold:g}% of its gradient mass."
+    names = ", ".join(f"{r['path']} {100 * (r['gradient_blocked'] if r['gradient_blocked'] is not None else r['clipped']):.1f}%"
+                      for r in flagged[:3])
+    more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
+    return (f"Verdict: {len(flagged)} of {len(rows)} layers lose more than {100 * threshold:g}% of their gradient "
+            f"mass (or clip more, without gradients): {names}{more}.")
+
+
+_LAYER_COLS = None
+
+
+def _layer_cols():
+    global _LAYER_COLS
+    if _LAYER_COLS is None:
+        from qgcli.report.tables import Col
+
+        # Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.report.tables).
+        _LAYER_COLS = (
+            Col("layer", justify="left", priority=0), Col("op", justify="left", priority=3),
+            Col("shape", priority=3), Col("bits", priority=2), Col("clip<", priority=1), Col("clip>", priority=1),
+            Col("blocked", help="gradient mass the mask zeroes (TensorFlow's STE, PyTorch's mask for PyTorch "
+                                "groups)", priority=0),
+            Col("SQNR", help="dB", priority=1), Col("SQNR'", help=_PRIMED, priority=2),
+            Col("worst ch", help="the channel losing most", priority=2),
+        )
+    return _LAYER_COLS
+
+
+def _torchao_cols():
+    """The columns torchao groups add: the split of their input gradient (``report --semantics torchao``)."""
+    from qgcli.report.tables import Col
+
+    return (Col("st", help="torchao: share of the input gradient's mass passed straight through", priority=2),
+            Col("scale", help="torchao: share through the scale (qparams inside autograd)", priority=2))
+
+
+def _render_layers(console, doc, top):
+    from qgcli.report.tables import Col, print_items, print_table
+    from qgcli.report.text import markup, printable_doc
+
+    doc = printable_doc(doc)
+    shown = doc["layers"] if top is not None else doc["layers"][:_TABLE_ROWS * 2]
+    rows = []
+    for r in shown:
+        worst_share = (r["worst_channel_gradient_blocked"] if r["worst_channel_gradient_blocked"] is not None
+                       else r["worst_channel_clipped"])
+        worst = "-" if r["worst_channel"] is None else f"{r['worst_channel']} ({_pct(worst_share)})"
+        rows.append([r["path"], r["op"] or "", "x".join(map(str, r["shape"])), str(r["num_bits"]),
+                     _pct(r["clipped_below"]), _pct(r["clipped_above"]), _pct(r["gradient_blocked"]),
+                     _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst])
+    cols = _layer_cols()
+    if any(r.get("scale_path") is not None for r in shown):  # torchao groups: their gradient split too
+        cols += _torchao_cols()
+        for row, r in zip(rows, shown):
+            row += [_pct(r.get("straight_through")), _pct(r.get("scale_path"))]
+    print_table(console, cols, rows, styles=["red" if r["flagged"] else None for r in shown], choice=True,
+                choice_others=doc["steps"] if doc["trends"] else ())
+    if len(shown) < len(doc["layers"]):
+        print_items(console, f"... {len(doc['layers']) - len(shown)} more layers (--top K, --json or --csv for all)")
+    if doc["trends"]:
+        steps = doc["steps"]
+        cols = (Col("layer", justify="left", priority=0),
+                *(Col(step, priority=1 if n in (0, len(steps) - 1) else 2) for n, step in enumerate(steps)))
+        trend = []
+        for name, points in doc["trends"].items():
+            by_step = {p["step"]: p for p in points}
+            trend.append([name, *(_pct((by_step.get(s) or {}).get("gradient_blocked")) for s in steps)])
+        # Columns are steps: --wide shows them all, --columns STEP,... the steps named (the report's column
+        # names given there are the layer table's).
+        print_table(console, cols, trend, title="blocked gradient by step", hint="--wide, --columns STEP,... or --json",
+                    choice=True, choice_others=[c.name for c in _layer_cols() + _torchao_cols()])
+    for item in doc["skipped"]:
+        print_items(console, f"[dim]not reported: {markup(item['path'])} ({markup(item['op'] or 'no op')}): "
+                    f"{markup(item['reason'])}[/]")
+    print_items(console, f"[bold]{markup(doc['verdict'])}[/]")

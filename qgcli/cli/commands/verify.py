@@ -1,0 +1,69 @@
+"""``qgcli verify``: does the framework's own result of every layer of a run file equal qgcli's?
+
+The table (worst first) goes to stdout, or one JSON document with ``--json``.  Exit 0 when every layer with
+a ``reference/`` subgroup passes, 1 when one does not (a fake-quant layer not bit-identical, a batch norm or
+a reduction beyond ``--rtol``), 2 for bad usage or a file that is no run file.
+"""
+import click
+
+from qgcli.cli.options import json_option, scheduler_option
+from qgcli.report.summaries import dump_json, number, stdout_console
+
+_EXAMPLE = """\b
+Examples:
+  qgcli verify run.h5                  # every captured layer against qgcli's recomputation
+  qgcli verify run.h5:step_000003 --json
+"""
+
+
+@click.command(epilog=_EXAMPLE)
+@click.argument("run", metavar="RUN", type=click.Path(dir_okay=False))
+@click.option("--rtol", type=click.FloatRange(min=0.0), default=1e-5, show_default=True,
+              help="Largest difference allowed, relative to the largest reference value, for batch-norm outputs "
+                   "and fake-quant reductions (element-wise fake-quant outputs must be bit-identical).")
+@click.option("--top", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
+@json_option()
+@scheduler_option()
+def verify(run, rtol, top, as_json, scheduler):
+    """Recompute every layer of run file RUN with qgcli and compare with the framework's own results.
+
+    RUN is a run file written by qgcli.capture (or any run file whose groups hold a reference/ subgroup of
+    the framework's outputs under qgcli's output names), or one group of it (run.h5:step_000300).
+    Per layer: bitwise equal, or the largest difference in ulps and relative to the largest value.
+    """
+    from qgcli.report.verify import verify as verify_run
+
+    from qgcli.execution.dispatch import default_scheduler
+
+    summary = verify_run(run, rtol=rtol, scheduler=scheduler or default_scheduler())
+    if as_json:
+        dump_json(summary)
+    else:
+        _render(stdout_console(), summary, top)
+    if not summary["ok"]:
+        raise click.ClickException(f"{summary['failed']} of {summary['verified']} layers differ from the "
+                                   "framework's results (see the table, or --json)")
+
+
+def _render(console, s, top):
+    from rich.table import Table
+
+    from qgcli.report.text import markup, printable_doc
+
+    s = printable_doc(s)
+    console.print(f"[bold]verify[/] {markup(s['run_file'])}: {s['passed']} of {s['verified']} layers pass "
+                  f"({s['identical']} bit-identical), {s['failed']} fail; rtol {s['rtol']:g}"
+                  + (f"; {s['no_reference']} groups without a reference" if s["no_reference"] else ""),
+                  soft_wrap=True)
+    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
+    for col in ("layer", "op", "status", "max ulps", "rel", "worst output"):
+        table.add_column(col, justify="left" if col in ("layer", "op", "status", "worst output") else "right")
+    rows = [r for r in s["layers"] if r["status"] != "no-reference"]
+    for r in rows[:top] if top else rows:
+        worst = max(((name, c) for name, c in r["outputs"].items() if c.get("compared", True)),
+                    key=lambda item: (item[1].get("rel") or 0.0), default=(None, None))[0] if r["rel"] else None
+        status = r["status"]
+        colour = {"identical": "green", "within-rtol": "green", "differs": "red", "failed": "red"}[status]
+        table.add_row(markup(r["path"]), markup(r["op"] or ""), f"[{colour}]{status}[/]", number(r["max_ulps"]),
+                      number(r["rel"], 3), markup(r["error"] or worst or ""))
+    console.print(table)

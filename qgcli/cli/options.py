@@ -1,0 +1,488 @@
+"""Every option shared by more than one command, and the one way options travel: in groups.
+
+:func:`option_group` declares options that reach the command function as ONE value (an
+:class:`qgcli.jobs.OperandSpecs`, :class:`qgcli.jobs.OutputOptions`, ...), so a command takes a handful of
+parameters whatever the number of its options.  This is the only module of ``qgcli.cli.commands`` that the
+command modules import.  Only click (and, when a command runs, :mod:`qgcli.jobs`) is imported.
+"""
+import functools
+import math
+
+import click
+
+OUTPUT_HELP = (
+    "Where to write: FILE.h5 / FILE.npz (one dataset/key per output), STORE.zarr (one array per output), "
+    "DIR/ (one .npy per output), or - (npz on stdout)."
+)
+QD_VARIANT = "quantize-dequantize"
+QDQ_VARIANTS = ("quantize-and-dequantize-v4", "quantize-and-dequantize-v3", "quantize-and-dequantize-v2")
+DTYPES = ("quint8", "qint8", "quint16", "qint16", "qint32")
+MODES = ("MIN_COMBINED", "MIN_FIRST", "SCALED")
+ROUND_MODES = ("HALF_AWAY_FROM_ZERO", "HALF_TO_EVEN", "HALF_UP")  # HALF_UP: quantize-and-dequantize-v*
+SEMANTICS = ("tf", "torch", "torchao")
+#: torchao's quantized dtypes (--semantics torchao), accepted by the same --dtype option as QuantizeV2's
+TORCHAO_DTYPES = tuple(f"int{b}" for b in range(1, 9)) + tuple(f"uint{b}" for b in range(1, 9)) + (
+    "float8_e4m3fn", "float8_e5m2")
+
+
+def option_group(target, build, *options):
+    """Declare ``options`` (click decorators, in help order) whose values reach the command as one
+    keyword argument ``target = build(**values)``, keyed by the options' parameter names."""
+    probe = _probe(options)
+
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in probe}
+            kwargs[target] = build(**values)
+            return f(*args, **kwargs)
+
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def _probe(options):
+    """The parameter names the decorators declare, in help order."""
+
+    def nothing():
+        pass
+
+    for option in reversed(options):
+        option(nothing)
+    return [p.name for p in reversed(nothing.__click_params__)]
+
+
+def given(name):
+    """True when option ``name`` was typed (or set from the environment), not left at its default."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+# --- operands ---------------------------------------------------------------------------------------------
+
+def bundle_argument(**attrs):
+    return click.argument("bundle", required=False, metavar="[BUNDLE]", **attrs)
+
+
+def spec_option(name, help, **attrs):
+    """``--name SPEC`` for operand ``name`` (a TensorFlow name; a Python keyword gets a trailing ``_``)."""
+    dest = name + "_" if name in ("min", "max", "x") else name
+    return click.option("--" + name.replace("_", "-"), dest, metavar="SPEC", help=help, **attrs)
+
+
+def _operand_specs(bundle=None, **specs):
+    from qgcli.jobs import OperandSpecs
+
+    return OperandSpecs.of(bundle, **{name.rstrip("_"): text for name, text in specs.items()})
+
+
+def operand_group(*options):
+    """The BUNDLE argument and ``--name SPEC`` options, as ``operands`` (an OperandSpecs)."""
+    return option_group("operands", _operand_specs, *options)
+
+
+# --- fake-quant attributes ----------------------------------------------------------------------------------
+
+def _fake_quant_attributes(num_bits=8, narrow_range=False, variant=None, axis=None):
+    from qgcli.jobs import FakeQuantAttributes
+
+    return FakeQuantAttributes(num_bits, narrow_range, variant, axis, num_bits_given=given("num_bits"))
+
+
+def num_bits_option():
+    return click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")
+
+
+def narrow_range_option(help="Use the grid [1, 2^num_bits - 1]."):
+    return click.option("--narrow-range", is_flag=True, help=help)
+
+
+def attribute_group(*options):
+    """--num-bits, --narrow-range, --variant, --axis (as the command declares them), as ``attributes``."""
+    return option_group("attributes", _fake_quant_attributes, *options)
+
+
+def fake_quant_attribute_options(f):
+    """--num-bits, --narrow-range, --variant, --axis of fakequant and fakequant-grad, as ``attributes``."""
+    return attribute_group(
+        num_bits_option(),
+        narrow_range_option("Use the grid [1, 2^num_bits - 1] (quantize-dequantize: SCALED's [T_min + 1, T_max])."),
+        click.option("--variant", type=click.Choice(["args", "vars", "per-channel", QD_VARIANT, *QDQ_VARIANTS]), default=None,
+                     help="TF op family; default: per-channel when min/max are vectors, else vars. "
+                          "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
+                          "(QuantizeV2/Dequantize; see --dtype, --mode). quantize-and-dequantize-v4/-v3/-v2: "
+                          "TF's QuantizeAndDequantizeV4/V3/V2 (see --signed-input, --range-given)."),
+        click.option("--axis", type=int, default=None,
+                     help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
+                          "QuantizeV2's axis (one min/max per slice)."),
+    )(f)
+
+
+# --- QuantizeAndDequantizeV2/V3/V4's attributes ----------------------------------------------------------------
+
+def _qdq_attributes(signed_input=None, range_given=None):
+    from qgcli.jobs import QdqAttributes
+
+    return QdqAttributes(signed_input, range_given)
+
+
+def qdq_options(f):
+    """--signed-input/--no-signed-input, --range-given/--no-range-given (quantize-and-dequantize-v*), as ``qdq``."""
+    only = " (--variant quantize-and-dequantize-v*)"
+    return option_group(
+        "qdq", _qdq_attributes,
+        click.option("--signed-input/--no-signed-input", "signed_input", default=None,
+                     help="Signed grid, symmetric around 0 [default: signed, as TF]" + only + "."),
+        click.option("--range-given/--no-range-given", "range_given", default=None,
+                     help="Use input_min/input_max (clamping) instead of the data's range [default: not given, as "
+                          "V4; V3: given]" + only + "."),
+    )(f)
+
+
+# --- QuantizeV2's attributes --------------------------------------------------------------------------------
+
+class _Choice(click.Choice):
+    """A choice typed in any case, shown and returned as TensorFlow spells it."""
+
+    def __init__(self, choices, fold):
+        super().__init__(choices)
+        self._fold = fold
+
+    def convert(self, value, param, ctx):
+        return super().convert(self._fold(value) if isinstance(value, str) else value, param, ctx)
+
+
+def _quantize_attributes(**values):
+    from qgcli.jobs import QuantizeAttributes
+
+    return QuantizeAttributes(**values)
+
+
+def quantize_options(f):
+    """--dtype, --mode, --round-mode, --ensure-minimum-range (QuantizeV2's attributes), as ``quantize``."""
+    only = " (--variant quantize-dequantize)"
+    return option_group(
+        "quantize", _quantize_attributes,
+        click.option("--dtype", type=_Choice(DTYPES + TORCHAO_DTYPES, str.lower), default=None,
+                     help="Quantized type [default: quint8, the notebook's]" + only + "; with --semantics torchao "
+                          "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2."),
+        click.option("--mode", type=_Choice(MODES, str.upper), default=None,
+                     help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
+        click.option("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
+                     help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "; "
+                          "quantize-and-dequantize-v*: HALF_TO_EVEN (default) or HALF_UP."),
+        click.option("--ensure-minimum-range", type=float, default=None, metavar="EPS",
+                     help="QuantizeV2's ensure_minimum_range: the range is at least EPS * max(1, |min|, |max|) "
+                          "wide [default: 0.01]" + only + "."),
+    )(f)
+
+
+def refuse_quantize_options(quantize):
+    """Variants other than quantize-dequantize: the QuantizeV2 attributes do not apply."""
+    for option in quantize.given():
+        raise click.BadParameter(f"only applies to --variant {QD_VARIANT}", param_hint=f"'{option}'")
+
+
+# --- PyTorch semantics and gradient estimators --------------------------------------------------------------
+
+_SEMANTICS_HELP = {
+    "semantics": "Whose fake-quant: tf (TensorFlow's nudged min/max grid, the default), torch (PyTorch's "
+                 "fake_quantize_per_{tensor,channel}_affine on --scale/--zero-point) or torchao (torchao's QAT "
+                 "IntxFakeQuantizer/Float8FakeQuantizer, qparams from the data: --dtype, --granularity ...).",
+    "scale": "PyTorch scale (--semantics torch): a scalar (per tensor) or one per channel.",
+    "zero_point": "PyTorch zero point (--semantics torch): like scale; an integer dtype (or an integral literal) "
+                  "uses the integer kernels, a float one PyTorch's float-zero-point kernels.",
+    "quant_min": "PyTorch quant_min (--semantics torch); default 0, or 1 with --narrow-range.",
+    "quant_max": "PyTorch quant_max (--semantics torch); default 2^num_bits - 1.",
+}
+
+
+class GradFactor(click.ParamType):
+    """A finite float, or ``auto`` for LSQ's ``1/sqrt(N * quant_max)``."""
+
+    name = "F|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) or value == "auto":
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            number = float(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a number or 'auto'", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not finite", param, ctx)
+        return number
+
+
+def _semantics_options(**values):
+    from qgcli.jobs import SemanticsOptions
+
+    return SemanticsOptions(**values)
+
+
+def semantics_options(f):
+    """--semantics, --scale, --zero-point, --quant-min, --quant-max, as ``semantics``."""
+    return option_group(
+        "semantics", _semantics_options,
+        click.option("--semantics", type=click.Choice(SEMANTICS), default="tf", show_default=True,
+                     help=_SEMANTICS_HELP["semantics"]),
+        click.option("--scale", metavar="SPEC", help=_SEMANTICS_HELP["scale"]),
+        click.option("--zero-point", "zero_point", metavar="SPEC", help=_SEMANTICS_HELP["zero_point"]),
+        click.option("--quant-min", type=int, default=None, help=_SEMANTICS_HELP["quant_min"]),
+        click.option("--quant-max", type=int, default=None, help=_SEMANTICS_HELP["quant_max"]),
+    )(f)
+
+
+def _torchao_options(**values):
+    from qgcli.jobs import TorchaoOptions
+
+    return TorchaoOptions(**values)
+
+
+def torchao_options(f):
+    """torchao's IntxFakeQuantizeConfig / Float8FakeQuantizeConfig fields (--semantics torchao), as ``torchao``."""
+    only = " (--semantics torchao)"
+    return option_group(
+        "torchao", _torchao_options,
+        click.option("--granularity", metavar="per-group:G|per-channel|per-token|per-row|per-tensor", default=None,
+                     help="Blocks sharing a scale: integer dtypes per-group:G, per-channel, per-token; float8 per-row "
+                          "(default) or per-tensor" + only + "."),
+        click.option("--mapping-type", type=click.Choice(["symmetric", "asymmetric"]), default=None,
+                     help="Integer mapping [default: symmetric]" + only + "."),
+        click.option("--scale-precision", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+                     help="Scale dtype [default: float32]" + only + "."),
+        click.option("--zero-point-precision", type=click.Choice(["int32", "float32", "bfloat16", "float16"]),
+                     default=None, help="Zero point dtype [default: int32]" + only + "."),
+        click.option("--zero-point-domain", type=click.Choice(["int", "float", "none"]), default=None,
+                     help="Zero point domain [default: int]" + only + "."),
+        click.option("--eps", type=click.FloatRange(min=0.0), default=None,
+                     help="Smallest scale [default: torchao's: float32's smallest normal; 1e-6 asymmetric per "
+                          "group]" + only + "."),
+        click.option("--hp-value-lb", type=float, default=None,
+                     help="float8: lower bound of max|x| for the scale" + only + "."),
+        click.option("--hp-value-ub", type=float, default=None,
+                     help="float8: upper bound of max|x| for the scale" + only + "."),
+    )(f)
+
+
+def _estimator_options(estimator=None, grad_factor=None):
+    from qgcli.jobs import EstimatorOptions
+
+    return EstimatorOptions(estimator, grad_factor)
+
+
+def estimator_options(f):
+    """--estimator, --grad-factor (fakequant-grad), as ``estimator``."""
+    return option_group(
+        "estimator", _estimator_options,
+        click.option("--estimator", metavar="NAME[:PARAMS]", default=None,
+                     help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
+                          "lsq, pact, ewgs:DELTA. See docs/estimators.md for the formulas."),
+        click.option("--grad-factor", type=GradFactor(), default=None,
+                     help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
+                          "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
+                          "auto with tf."),
+    )(f)
+
+
+# --- outputs --------------------------------------------------------------------------------------------------
+
+def json_option(help="Print a machine-readable summary on stdout."):
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def quiet_option(help="No summary on stderr."):
+    return click.option("-q", "--quiet", is_flag=True, help=help)
+
+
+def device_option():
+    return click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+                        help="Compute with NumPy (cpu) or CuPy (gpu).")
+
+
+def scheduler_option(help="Compute the run file's layers on a Dask cluster (pip install 'qgcli[dask]'): a scheduler "
+                          "address (tcp://host:8786), or local:N for N local worker processes. The workers open "
+                          "the run file at the same path."):
+    return click.option("--scheduler", metavar="ADDRESS|local[:N]", default=None, help=help)
+
+
+def force_option(help="Replace an existing output file."):
+    return click.option("--force", is_flag=True, help=help)
+
+
+def report_options(f):
+    """--json, --quiet, --device as three parameters (as_json, quiet, device)."""
+    for option in reversed((json_option(), quiet_option(), device_option())):
+        f = option(f)
+    return f
+
+
+def _output_options(output, force=False, memory_limit=None, compression=None, plot=None, as_json=False,
+                    quiet=False, device="cpu", scheduler=None):
+    from qgcli.jobs import OutputOptions
+
+    if as_json and output == "-":  # refused before any work, not after the data went to stdout
+        raise click.UsageError("--json and -o - both want stdout; write the data to a file or drop --json")
+    return OutputOptions(output, force, compression, memory_limit, device, as_json, quiet, plot, scheduler)
+
+
+def output_options(*, plot=False):
+    """-o/--output, --force, --memory-limit, --compression (--plot), --json, --quiet, --device, as ``output``
+    (an OutputOptions): the same meaning in every mode of a command, or refused there."""
+    options = [
+        click.option("-o", "--output", "output", metavar="OUT", required=True, help=OUTPUT_HELP),
+        force_option(),
+        click.option("--memory-limit", metavar="SIZE", default=None,
+                     help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
+                          "default: a quarter of the machine's memory. A mode that cannot stream refuses a "
+                          "limit below its inputs."),
+        click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None,
+                     help="Compress HDF5 outputs (chunked datasets), in every mode."),
+    ]
+    if plot:
+        options.append(click.option("--plot", metavar="FIG", default=None,
+                                    help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
+    options += [json_option(), quiet_option(), device_option(),
+                click.option("--scheduler", metavar="ADDRESS|local[:N]", default=None,
+                             help="Compute a run file's groups, or a Zarr tensor's row blocks, on a Dask cluster "
+                                  "(pip install 'qgcli[dask]'): a scheduler address (tcp://host:8786), or local:N "
+                                  "for N local worker processes. The same bits as without it.")]
+    return option_group("output", _output_options, *options)
+
+
+# --- run files ------------------------------------------------------------------------------------------------
+
+#: Options that override a run file's group attributes when typed (parameter name -> job field).
+RUN_FILE_OVERRIDES = ("num_bits", "narrow_range", "axis", "quant_min", "quant_max", "dtype", "mode", "round_mode",
+                      "ensure_minimum_range", "epsilon", "data_format", "is_training", "variance_kind", "version")
+#: Options a run file's groups answer themselves (their op names the variant, the semantics, the operands).
+_RUN_FILE_REFUSED = {"variant": "--variant", "semantics": "--semantics", "scale": "--scale",
+                     "zero_point": "--zero-point", "plot": "--plot"}
+_OPERAND_PARAMS = ("gradients", "inputs", "min_", "max_", "y_backprop", "x_", "scale", "reserve_space_1",
+                   "reserve_space_2", "reserve_space_3")
+
+
+def skip_invalid_option(f):
+    """--skip-invalid, and the bounds on a run file's structure (:func:`hdf5_bound_options`)."""
+    f = hdf5_bound_options(f)
+    return click.option("--skip-invalid", is_flag=True,
+                        help="Run file: run the valid groups and list the others (default: refuse the whole run "
+                             "when any group of the command's kind is incomplete or invalid).")(f)
+
+
+def _set_bound(ctx, param, value):
+    from qgcli.storage.hdf5 import walk as h5walk
+
+    h5walk.LIMITS[param.name] = getattr(h5walk, f"MAX_{param.name.upper()}") if value is None else value
+
+
+def hdf5_bound_options(f):
+    """--max-depth, --max-groups (or QGCLI_MAX_DEPTH / QGCLI_MAX_GROUPS): what an HDF5 file's structure may
+    cost before it is refused (:mod:`qgcli.storage.hdf5.walk`); set for the command, nothing passed to it."""
+    from qgcli.storage.hdf5.walk import MAX_DEPTH, MAX_GROUPS
+
+    for name, default, what in (("depth", MAX_DEPTH, "groups nested deeper than N levels"),
+                                ("groups", MAX_GROUPS, "more than N groups")):
+        f = click.option(f"--max-{name}", name, type=click.IntRange(min=1), default=None, metavar="N",
+                         envvar=f"QGCLI_MAX_{name.upper()}", show_envvar=True, expose_value=False,
+                         callback=_set_bound,
+                         help=f"HDF5: refuse a file with {what}, before any work (default {default:,}).")(f)
+    return f
+
+
+def run_file_target(operands):
+    """BUNDLE when it names a run file (``run.h5`` whose groups hold the operands, or ``run.h5:group``), else
+    None (a single bundle, as always); refuses the options a run file's groups answer themselves."""
+    bundle = operands.bundle
+    if bundle is None or bundle == "-":
+        return None
+    from qgcli.storage import runfile
+
+    target = runfile.split_target(bundle)
+    if target is None:
+        return None
+    typed = [name for name in _OPERAND_PARAMS if given(name)]
+    if target[1] is None and (typed or not runfile.is_run_file(bundle)):
+        return None  # a whole file with operand options, or today's bundle
+    for name in typed:
+        raise click.BadParameter("a run file's groups carry their own operands; drop the option or give one "
+                                 "bundle file", param_hint=f"'--{name.rstrip('_').replace('_', '-')}'")
+    for name, option in _RUN_FILE_REFUSED.items():
+        if given(name):
+            raise click.BadParameter("a run file's groups name their op in their 'op' attribute (see "
+                                     "docs/whole-models.md)", param_hint=f"'{option}'")
+    _refuse_torchao_options()
+    return bundle
+
+
+def _refuse_torchao_options():
+    """A run file's torchao groups carry their config as attributes: torchao's options (and a torchao --dtype)
+    would silently change nothing, so they are refused."""
+    from qgcli.ops.torchao_semantics import FLOAT8_DTYPES, INT_DTYPES
+    from qgcli.families.torchao import OPTION_NAMES
+
+    for name, option in OPTION_NAMES.items():
+        if given(name):
+            raise click.BadParameter("a run file's torchao groups carry their config as attributes; drop the "
+                                     "option or give one bundle file", param_hint=f"'{option}'")
+    ctx = click.get_current_context(silent=True)
+    dtype = ctx.params.get("dtype") if ctx is not None else None
+    if given("dtype") and dtype in INT_DTYPES + FLOAT8_DTYPES:
+        raise click.BadParameter(f"{dtype} is a torchao dtype; a run file's torchao groups carry their config as "
+                                 "attributes", param_hint="'--dtype'")
+
+
+def typed_overrides():
+    """The attribute options typed on the command line (parameter name -> value): they override a run
+    file's group attributes."""
+    ctx = click.get_current_context()
+    return {name: ctx.params[name] for name in RUN_FILE_OVERRIDES if name in ctx.params and given(name)}
+
+
+def run_file_job(command, operands, output, *, skip_invalid=False, estimator=None, all_outputs=False):
+    """A :class:`qgcli.jobs.RunFileJob` when BUNDLE is a run file (``run.h5`` whose groups hold the operands,
+    or ``run.h5:group``), else None (a single bundle).  Options typed on the command line override the
+    groups' attributes; those left at their defaults do not."""
+    bundle = run_file_target(operands)
+    if bundle is None:
+        return None
+    explicit = tuple(typed_overrides().items())
+    est, grad_factor = None, None
+    if estimator is not None:
+        from qgcli.ops.estimators import parse_estimator
+
+        est = parse_estimator(estimator.estimator) if estimator.estimator is not None else None
+        grad_factor = estimator.grad_factor
+        if grad_factor is not None and (est is None or est.name != "lsq"):
+            raise click.BadParameter("only applies to --estimator lsq", param_hint="'--grad-factor'")
+    from qgcli.jobs import RunFileJob
+
+    return RunFileJob(command, bundle, output, explicit, est, grad_factor, all_outputs, skip_invalid)
+
+
+def table_options(f):
+    """``--wide`` and ``--columns`` for a command whose result is a table; the command's signature is unchanged
+    (the choice is kept in :data:`qgcli.report.tables.CHOICE` and applied by its ``print_table``)."""
+    def keep(name):
+        def callback(ctx, param, value):
+            from qgcli.report import tables
+
+            tables.CHOICE[name] = value
+            return value
+        return callback
+
+    f = click.option("--columns", metavar="NAME,...", default=None, expose_value=False, callback=keep("columns"),
+                     help="Table columns to show, in order (all: every column); the first column is always "
+                          "shown. Unknown names list the choices.")(f)
+    f = click.option("--wide", is_flag=True, expose_value=False, callback=keep("wide"),
+                     help="Every table column, one record per block when the terminal is narrower than the table "
+                          "(default: the columns that fit; off a terminal every column).")(f)
+    return f

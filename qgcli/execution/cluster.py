@@ -1,0 +1,281 @@
+"""The Dask executor: a run file's groups computed on a ``dask.distributed`` cluster (``--scheduler``).
+
+The client does what the run-file executor (:mod:`qgcli.execution.runfile`) does (discovers and checks every
+group, nothing read, and writes every output, in the same order and layout), except that each group's
+``runner.compute`` runs as one task on a worker: the worker opens the run file itself (the client ships no
+tensors, only the job and the group's path: the file must be readable at the same path on every worker, a
+shared file system), builds the group's job with :func:`qgcli.storage.runfile.layer_job`, computes it whole with the
+same runner and kernels, and returns the Result's arrays.  So the outputs are bit for bit those of a local
+run by construction: the same function on the same bytes, and pickling keeps every bit.  HDF5 has a single
+writer: the client, as the results arrive, in group order.  At most ``2 x`` the cluster's threads of groups
+are in flight, so the workers do not hold every result at once.
+
+A group is computed whole on one worker (no streaming): an explicit ``--memory-limit`` is refused.
+Nothing of Dask is imported unless ``--scheduler`` is given.
+"""
+import os
+import re
+import time
+
+from qgcli.errors import OptionError, RuntimeFailure
+
+_LOCAL = re.compile(r"^local(?::(\d+))?$")
+#: How long the client waits for a scheduler to answer.
+CONNECT_TIMEOUT_S = 10
+
+
+def execute_on_cluster(job, *, runner_for):
+    """Run a :class:`qgcli.jobs.RunFileJob` with its groups on the cluster of ``job.output.scheduler``;
+    returns the run-file summary with a ``cluster`` entry (scheduler address, workers, tasks)."""
+    from qgcli.execution.runfile import execute_run
+
+    if job.output.memory_limit is not None:
+        raise OptionError("each group is computed whole on one worker under --scheduler; drop "
+                                 "--memory-limit (the workers' own memory limits apply)", param_hint="'--memory-limit'")
+    client, cluster = connect(job.output.scheduler)
+    try:
+        remote = ClusterCompute(client, runner_for)
+        try:
+            summary = execute_run(job, runner_for=runner_for, memory_plan=_no_streaming, remote=remote)
+        finally:
+            remote.cancel()
+        summary["cluster"] = remote.describe()
+        return summary
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def execute_blocks_on_cluster(job, blocks):
+    """Run a :class:`qgcli.execution.zarr_blocks.BlockRun` with one task per block on the cluster of
+    ``job.output.scheduler``: the workers read their rows from the input stores and write their chunks of
+    the output store themselves; the client adds the leaf sums and renames the store into place."""
+    if job.output.memory_limit is not None:
+        raise OptionError("blocks are sized by the Zarr chunks under --scheduler; drop --memory-limit "
+                                 "(the workers' own memory limits apply)", param_hint="'--memory-limit'")
+    client, cluster = connect(job.output.scheduler)
+    described = {}
+
+    def compute_all(function, work, parts):
+        info = client.scheduler_info().get("workers", {})
+        described.update(scheduler=client.scheduler.address, workers=len(info),
+                         tasks=described.get("tasks", 0) + len(parts))
+        started = time.perf_counter()
+        keys = [f"qgcli-{function.__name__}-{time.monotonic_ns()}-{i}" for i in range(len(parts))]
+        futures = client.map(function, [work] * len(parts), parts, pure=False, key=keys)
+        try:
+            return _gathered(client, futures)
+        except BaseException:
+            client.cancel(futures)
+            _drain(client, set(keys))  # a block still running would write into the store being removed
+            raise
+        finally:
+            described["wait_s"] = round(described.get("wait_s", 0) + time.perf_counter() - started, 6)
+
+    try:
+        summary = blocks.execute(compute_all)
+        summary["cluster"] = described
+        return summary
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _drain(client, keys, timeout=10.0):
+    """Wait (at most ``timeout`` s) until no worker still runs one of ``keys`` (cancelled tasks that had
+    started run to their end)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and keys & {k for ks in client.processing().values() for k in ks}:
+            time.sleep(0.05)
+    except (OSError, TimeoutError):
+        pass  # the scheduler is gone: nothing runs there any more
+
+
+def _gathered(client, futures):
+    """The futures' results in order; a task that killed its workers more often than Dask allows is a
+    one-line error (exit 1: nothing was written)."""
+    import distributed
+
+    try:
+        return client.gather(futures)
+    except distributed.KilledWorker as exc:
+        raise RuntimeFailure(f"a task failed on every worker it was given ({exc.args[0] if exc.args else ''}); "
+                                   "nothing was written") from None
+
+
+def _no_streaming(job, operands, *, streams, mode=None):
+    return None
+
+
+def connect(scheduler):
+    """``(client, cluster or None)``: a Client of the scheduler at ``scheduler``, or of a LocalCluster of N
+    worker processes started for this command (``local`` / ``local:N``; N defaults to the CPU count, at most 4)."""
+    from qgcli.errors import QgcliError
+
+    try:
+        import distributed
+    except ImportError:
+        raise QgcliError("needs Dask: pip install 'qgcli[dask]'", operand="--scheduler") from None
+    import logging
+
+    local = _LOCAL.match(scheduler.strip())
+    if local:
+        n = int(local.group(1)) if local.group(1) else min(4, os.cpu_count() or 1)
+        if n < 1:
+            raise OptionError("local:N needs N >= 1 workers", param_hint="'--scheduler'")
+        cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                           dashboard_address=":0", silence_logs=logging.ERROR)
+        try:
+            return distributed.Client(cluster), cluster
+        except BaseException:
+            cluster.close()
+            raise
+    try:
+        return distributed.Client(scheduler, timeout=f"{CONNECT_TIMEOUT_S}s"), None
+    except (OSError, TimeoutError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        # exit 1, not 2: the address may be right and the scheduler down (a runtime failure, not bad input)
+        raise RuntimeFailure(f"--scheduler: no Dask scheduler answered at {scheduler} within "
+                                   f"{CONNECT_TIMEOUT_S} s ({reason})") from None
+
+
+class ClusterCompute:
+    """The ``remote`` of :func:`qgcli.execution.runfile.execute_run`: one task per group, a bounded window of
+    them in flight, results handed back in the order the writer asks for them."""
+
+    def __init__(self, client, runner_for):
+        self.client, self.runner_for = client, runner_for
+        info = client.scheduler_info()
+        workers = info.get("workers", {})
+        self.workers = len(workers)
+        self.window = max(2, 2 * sum(int(w.get("nthreads", 1)) for w in workers.values()))
+        self.address = client.scheduler.address
+        self.tasks = 0
+        self.waited = 0.0  # seconds the writer waited for results (the rest of a run is the client's own work)
+        self._pending, self._futures = [], {}
+
+    def start(self, job, path, layers):
+        self.job, self.path = job, path
+        self._pending = list(layers)
+        self._pending.reverse()
+        self._fill()
+
+    def _submit(self, layer):
+        self.tasks += 1
+        return self.client.submit(compute_group, self.job, self.path, layer, self.runner_for, pure=False,
+                                  key=f"qgcli-group-{self.tasks}-{layer.path}")
+
+    def _fill(self):
+        while self._pending and len(self._futures) < self.window:
+            layer = self._pending.pop()
+            self._futures[layer.path] = self._submit(layer)
+
+    def result(self, layer):
+        """The group's Result (outputs as NumPy arrays, no figure); a group the runner refused raises the
+        runner's message as a QgcliError (the run-file executor reports it as for a local run)."""
+        from qgcli.errors import QgcliError
+        from qgcli.jobs import Result
+
+        future = self._futures.pop(layer.path, None)
+        if future is None:
+            self._pending = [l for l in self._pending if l.path != layer.path]
+            future = self._submit(layer)
+        self._fill()
+        started = time.perf_counter()
+        got = _gathered(self.client, future)
+        self.waited += time.perf_counter() - started
+        if "error" in got:
+            raise QgcliError(got["error"])
+        return Result(got["outputs"], got["attrs"], got["summary"])
+
+    def cancel(self):
+        """Drop the tasks no writer asked for (a run stopped by an error)."""
+        futures = list(self._futures.values())
+        self._futures, self._pending = {}, []
+        if futures:
+            self.client.cancel(futures)
+
+    def describe(self):
+        return {"scheduler": self.address, "workers": self.workers, "tasks": self.tasks, "wait_s": round(self.waited, 6)}
+
+
+def compute_group(job, path, layer, runner_for):
+    """On a worker: one group's outputs, computed whole with its runner exactly as a local run does.
+
+    Returns ``{"outputs", "attrs", "summary"}`` (NumPy arrays), or ``{"error": text}`` when the runner
+    refuses the group (the text the local run-file executor would show)."""
+    from qgcli.execution import runfile as rf
+    from qgcli.storage import io
+    from qgcli.backend import to_numpy
+
+    rf._TOOLS.setdefault("runner_for", runner_for)
+    container = io.Container.open(path)
+    try:
+        try:
+            group_job, runner, operands, _ = rf._prepared(job, container, path, layer)
+        except rf._errors() as exc:
+            return {"error": rf._failure(layer, exc)}
+        try:
+            result = runner.compute(group_job, operands)
+        except rf._errors() as exc:
+            return {"error": rf._failure(layer, exc)}
+        finally:
+            operands.close()
+    finally:
+        container.close()
+    return {"outputs": {k: to_numpy(v) for k, v in result.outputs.items()}, "attrs": result.attrs,
+            "summary": result.summary}
+
+
+class LayerMap:
+    """``with LayerMap(scheduler) as cluster``: ``cluster.map(function, path, layers, *args)`` gives
+    ``function(container, handle, path, layer, *args)`` of each layer, computed on the workers (each opens
+    the run file at ``path`` itself) and returned in order; for ``report`` and ``verify``, whose per-layer
+    results are small rows."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.tasks, self.waited = 0, 0.0
+
+    def __enter__(self):
+        self.client, self.cluster = connect(self.scheduler)
+        return self
+
+    def __exit__(self, *exc):
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def map(self, function, path, layers, *args):
+        plain = list(layers)  # a Layer holds nothing open: the worker opens the file itself
+        started = time.perf_counter()
+        futures = self.client.map(_on_layer, [function] * len(plain), [path] * len(plain), plain,
+                                  *[[a] * len(plain) for a in args], pure=False,
+                                  key=[f"qgcli-{function.__name__}-{time.monotonic_ns()}-{i}" for i in range(len(plain))])
+        self.tasks += len(plain)
+        try:
+            return _gathered(self.client, futures)
+        except BaseException:
+            self.client.cancel(futures)
+            raise
+        finally:
+            self.waited += time.perf_counter() - started
+
+    def describe(self):
+        workers = self.client.scheduler_info().get("workers", {})
+        return {"scheduler": self.client.scheduler.address, "workers": len(workers), "tasks": self.tasks,
+                "wait_s": round(self.waited, 6)}
+
+
+def _on_layer(function, path, layer, *args):
+    """On a worker: ``function`` of one layer of the run file at ``path``, opened here."""
+    from qgcli.storage import io
+
+    container = io.Container.open(path)
+    try:
+        return function(container, container._opened(), path, layer, *args)
+    finally:
+        container.close()

@@ -1,0 +1,371 @@
+"""Out-of-core execution: HDF5 tensors larger than the memory budget are streamed block by block.
+
+Blocks of the first axis are read from the input datasets, computed with the same kernels as the
+in-memory path and written straight into the output dataset, so peak memory is a few blocks whatever
+the tensor's size.  Fake-quant gradients re-cut the rows into whole leaves of TF's reduction plan, so
+``backprop_wrt_min/max`` keep Eigen's summation order and match the in-memory result bit for bit;
+batch-norm gradients make two passes (per-channel float64 sums, then ``x_backprop``).
+"""
+import re
+
+import numpy as np
+
+from qgcli.errors import QgcliError
+from qgcli.storage.io import physical_memory, tagged_bfloat16
+from qgcli.signals import raise_pending
+
+_F32 = np.float32
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_memory_limit(text):
+    """Bytes from ``"2G"``, ``"512M"``, ``"1.5g"``, ``"1000000"`` or a fraction of RAM like ``"25%"``.
+
+    None or "" gives the default: a quarter of the machine's memory.
+    """
+    if text is None or text == "":
+        return physical_memory() // 4
+    value = str(text).strip().lower()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(%|[kmgt]?)i?b?", value)
+    if not match:
+        raise QgcliError(f"cannot read {text!r}; use a size like 512M, 2G or 25%", operand="--memory-limit")
+    number, unit = float(match.group(1)), match.group(2)
+    limit = int(physical_memory() * number / 100) if unit == "%" else int(number * _UNITS[unit])
+    if limit < (1 << 20):
+        raise QgcliError(f"{text!r} is below 1M; qgcli needs room for a few blocks", operand="--memory-limit")
+    return limit
+
+
+def block_items(dataset_shape, itemsize, budget, copies):
+    """How many first-axis items to read at once so ``copies`` block-sized arrays fit in a slice of ``budget``."""
+    per_item = max(1, int(np.prod(dataset_shape[1:], dtype=np.int64)) * itemsize)
+    return max(1, min(int(dataset_shape[0]), budget // (8 * copies * per_item)))
+
+
+class _Output:
+    """A streamed output dataset and the first-axis block length that fits it: a compressed output is
+    written in whole chunk rows (each chunk compressed once, on the thread pool: :mod:`qgcli.storage.hdf5.chunks`),
+    so the block is a multiple of the chunk's first extent, chosen together with the chunk shape."""
+
+    def __init__(self, out, name, shape, dtype, attrs, compression, *, step, budget, copies, work_itemsize):
+        from qgcli.storage.hdf5 import chunks as h5_chunks
+
+        shape = tuple(shape)
+        chunks = None
+        if compression and shape and int(np.prod(shape)):
+            chunks = h5_chunks.chunk_shape(shape, np.dtype(dtype).itemsize)  # as in memory
+            per_item = int(np.prod(shape[1:], dtype=np.int64)) * work_itemsize
+            if chunks[0] * per_item * copies > budget:  # a chunk row would not fit: one item per chunk row
+                chunks = (1,) + chunks[1:]
+            step = max(chunks[0], step // chunks[0] * chunks[0])
+        self.ds = h5_chunks.create(out, name, shape, dtype, compression, chunks=chunks)
+        for key, value in attrs.items():
+            self.ds.attrs[key] = value
+        self.step = step
+        self.align = chunks[0] if chunks else 1
+        self._writer = h5_chunks.ChunkWriter(self.ds) if chunks else None
+
+    @property
+    def keeps_blocks(self):
+        """Whether a block written is still being read (compressed) after :meth:`write` returns, until the
+        next write returns: then the caller reads the next block into another buffer."""
+        return self._writer is not None
+
+    def write(self, start, block):
+        """Items ``[start, start + len(block))``; ``start`` a multiple of ``align``."""
+        if self._writer is not None:
+            self._writer.write_rows(start, block)
+        else:
+            self.ds[start:start + len(block)] = block
+
+    def finish(self):
+        """Write what is still being compressed."""
+        if self._writer is not None:
+            self._writer.flush()
+
+
+class _Reader:
+    """First-axis blocks ``[start, stop)`` of an HDF5 dataset, read in order into reused buffers of ``step``
+    items taken in turn: a block stays valid for ``buffers`` reads (2 for blocks an output keeps while it
+    compresses them).  A fresh array per block cost its page faults on every read: malloc maps blocks of
+    32 MiB and more afresh and unmaps them when they are freed.
+
+    A dataset stored as plain bytes (:func:`qgcli.storage.hdf5.contiguous.extent`) is read one block ahead, with
+    ``os.preadv`` on a thread of its own, while the caller computes and writes this one; anything else
+    h5py reads when asked."""
+
+    def __init__(self, ds, step, *, buffers=1):
+        from qgcli.storage.hdf5 import contiguous as h5_contiguous
+
+        self.ds, self.rows = ds, ds.shape[0]
+        self.where = h5_contiguous.extent(ds) if ds.size else None
+        self.what = f"dataset {ds.name!r}"  # the thread reading ahead must not call HDF5 (not thread-safe)
+        shape = (min(step, ds.shape[0]),) + tuple(ds.shape[1:])
+        self.buffers = [np.empty(shape, ds.dtype) for _ in range(buffers + (self.where is not None))]
+        self.ahead = None  # (start, stop, future of the buffer) of the block being read ahead
+
+    def __call__(self, start, stop):
+        stop = min(stop, self.rows)
+        if self.ahead is not None and self.ahead[:2] == (start, stop):
+            buf = self.ahead[2].result()
+        else:
+            self._drop_ahead()
+            buf = self._read(start, stop, self.buffers[0])
+        self.buffers.append(self.buffers.pop(0))
+        self.ahead = None
+        if self.where is not None and stop < self.rows:
+            self._read_ahead(stop, min(stop + (stop - start), self.rows))
+        return buf[:stop - start]
+
+    def _read(self, start, stop, buf):
+        if self.where is None:
+            self.ds.read_direct(buf, np.s_[start:stop], np.s_[:stop - start])
+        else:
+            from qgcli.storage.hdf5 import contiguous as h5_contiguous
+
+            item = buf[0].nbytes
+            data = memoryview(buf.reshape(-1).view(np.uint8))[:(stop - start) * item]
+            h5_contiguous.read_bytes(self.where, start * item, data, self.what)
+        return buf
+
+    def _read_ahead(self, start, stop):
+        from qgcli.ops.blocked import submit
+
+        buf = self.buffers[0]
+        future, = submit(lambda _: self._read(start, stop, buf), [None], pool="qgcli-read")
+        self.ahead = (start, stop, future)
+
+    def _drop_ahead(self):
+        if self.ahead is not None:
+            from qgcli.ops.blocked import abandon
+
+            abandon([self.ahead[2]])
+            self.ahead = None
+
+
+def _rows(block, depth):
+    return np.ascontiguousarray(block, dtype=_F32).reshape(-1, depth)
+
+
+class _LeafCutter:
+    """Collects rows as they are read and hands them out again as whole leaves of a reduction plan."""
+
+    def __init__(self, leaves, depth):
+        self.leaves = list(leaves)
+        self.next = 0
+        self.depth = depth
+        self.pending = []  # arrays of rows not yet part of a complete leaf, per operand
+
+    def push(self, *arrays):
+        joined = bool(self.pending) and len(self.pending[0]) > 0  # rows left over: joined in fresh arrays
+        if joined:
+            arrays = [np.concatenate([p, a]) for p, a in zip(self.pending, arrays)]
+        take, count = 0, 0
+        while self.next + count < len(self.leaves) and take + self.leaves[self.next + count][1] <= len(arrays[0]):
+            take += self.leaves[self.next + count][1]
+            count += 1
+        # What no whole leaf takes outlives this block's read buffer (the next read overwrites it): a copy,
+        # unless it already lies in arrays of its own.
+        self.pending = [a[take:] if joined else a[take:].copy() for a in arrays]
+        if not count:
+            return None
+        leaves = tuple(self.leaves[self.next:self.next + count])
+        self.next += count
+        return [a[:take] for a in arrays], leaves
+
+
+def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compression, budget, progress=None):
+    """Stream a Vars/PerChannel/Args gradient from HDF5 datasets into the open HDF5 file ``out``.
+
+    ``kind``: "flat" (per tensor) or "chip" (per channel, channels on the last axis); ``None`` for the
+    Args op (no min/max sums).  Returns ``{"backprop_wrt_min": ..., "backprop_wrt_max": ...}`` (or {}).
+    """
+    from qgcli.ops import blocked, reduction
+
+    shape = tuple(inputs.shape)
+    depth = shape[-1] if kind == "chip" else 1
+    rows = int(np.prod(shape, dtype=np.int64)) // max(depth, 1)
+    name = "backprops" if kind is None else "backprops_wrt_input"
+    lo, hi = grid.mask_bounds()
+    passthrough = grid.passthrough if grid.passthrough.any() else None
+    step = block_items(shape, 4, budget, copies=6) if shape else 1
+    dx_out = _Output(out, name, shape, _F32, attrs, compression, step=step, budget=budget, copies=6,
+                     work_itemsize=4)
+    step = dx_out.step
+    if not shape:
+        g, x = _rows(gradients[()], depth), _rows(inputs[()], depth)
+        dx_out.ds[()] = blocked.backprop_rows(g, x, lo, hi, passthrough)[0].reshape(())
+        _tick(progress, g.nbytes * 2)
+        return {}
+    read_g = _Reader(gradients, step, buffers=2 if dx_out.keeps_blocks else 1)  # the backprops go into g
+    read_x = _Reader(inputs, step)
+    if kind is None:
+        for i in range(0, shape[0], step):
+            g, x = _rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth)
+            dx = blocked.backprop_rows(g, x, lo, hi, passthrough, out=g)[0]  # the block read is ours to overwrite
+            dx_out.write(i, dx.reshape((-1,) + shape[1:]))
+            _tick(progress, g.nbytes * 2)
+        dx_out.finish()
+        return {}
+    plan = reduction.plan(rows, kind=kind)
+    cutter = _LeafCutter(plan.leaves, depth)
+    sums_min, sums_max = [], []
+    dx_pending, written = [], 0
+    per_item = rows // shape[0] if shape[0] else 0
+    for i in range(0, shape[0], step):
+        ready = cutter.push(_rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth))
+        if ready is None:
+            continue
+        (g, x), leaves = ready
+        # g holds rows read for this call (or joined from them): the gradient may overwrite them.
+        dx, smin, smax = blocked.backprop_rows(g, x, lo, hi, passthrough, leaves=leaves, out=g)
+        sums_min.append(smin)
+        sums_max.append(smax)
+        dx_pending.append(dx)
+        written = _flush_rows(dx_out, dx_pending, written, per_item, final=False)
+        _tick(progress, g.nbytes * 2)
+    written = _flush_rows(dx_out, dx_pending, written, per_item, final=True)
+    dx_out.finish()
+    dmin, dmax = blocked.finish_sums(plan, np.concatenate(sums_min), np.concatenate(sums_max), passthrough)
+    if kind == "flat":
+        dmin, dmax = dmin.reshape(()), dmax.reshape(())
+    return {"backprop_wrt_min": dmin, "backprop_wrt_max": dmax}
+
+
+def _flush_rows(output, pending, written, per_item, *, final):
+    """Write whole first-axis items (whole chunk rows, unless ``final``) from the pending dx rows into
+    ``output``; keep the remainder."""
+    if not pending:
+        return written
+    rows = np.concatenate(pending) if len(pending) > 1 else pending[0]
+    items = len(rows) // per_item if per_item else 0
+    if final:
+        assert items * per_item == len(rows)
+    else:
+        items -= items % output.align
+    if items:
+        output.write(written, rows[:items * per_item].reshape((items,) + output.ds.shape[1:]))
+    pending[:] = [rows[items * per_item:].copy()] if items * per_item < len(rows) else []  # (see _LeafCutter)
+    return written + items
+
+
+def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compression, budget, progress=None):
+    """Stream a fake-quant forward from an HDF5 dataset into ``out['outputs']``."""
+    from qgcli.ops import blocked
+
+    shape = tuple(inputs.shape)
+    depth = shape[-1] if per_channel else 1
+    params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
+    passthrough = grid.passthrough if grid.passthrough.any() else None
+    step = block_items(shape, 4, budget, copies=3) if shape else 1
+    output = _Output(out, "outputs", shape, _F32, attrs, compression, step=step, budget=budget, copies=3,
+                     work_itemsize=4)
+    read = _Reader(inputs, output.step) if shape else None
+    for i in range(0, shape[0] if shape else 1, output.step):
+        x = _rows(read(i, i + output.step) if shape else inputs[()], depth)
+        y = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush())
+        if shape:
+            output.write(i, y.reshape((-1,) + shape[1:]))
+        else:
+            output.ds[()] = y.reshape(())
+        _tick(progress, x.nbytes)
+    output.finish()
+
+
+def _tick(progress, nbytes):
+    """A block is done: HDF5 is between calls, so a signal deferred meanwhile (qgcli.signals) stops the
+    run here."""
+    raise_pending()
+    if progress is not None:
+        progress(nbytes)
+
+
+def _read_float(read, start, stop):
+    """A block of an HDF5 dataset (from its :class:`_Reader`), bfloat16 restored from its uint16 storage."""
+    block = read(start, stop)
+    if tagged_bfloat16(read.ds) and block.dtype == np.uint16:
+        import ml_dtypes
+
+        block = block.view(ml_dtypes.bfloat16)
+    return block
+
+
+def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, out, *, epsilon, data_format,
+                        is_training, variance_kind, attrs, compression, budget, progress=None):
+    """FusedBatchNormGrad streamed from HDF5 datasets; ``x_backprop`` goes into ``out``.
+
+    Training takes two passes: the per-channel float64 sums, then ``x_backprop`` block by block.  Inference
+    takes one (its ``x_backprop`` does not depend on the sums).  The same functions as
+    :func:`qgcli.ops.fused_batch_norm_grad`.  Returns the per-channel outputs.
+    """
+    from qgcli.errors import OperandError
+    from qgcli.ops import batch_norm as bn
+
+    rank, channels_first = bn._check_format(data_format)
+    eps = bn._check_epsilon(epsilon)
+    bf16 = {n: tagged_bfloat16(ds) for n, ds in (("x", x), ("y_backprop", y_backprop))}
+    for name, ds in (("x", x), ("y_backprop", y_backprop)):
+        if not (bn._is_float(ds.dtype) or bf16[name]):
+            raise OperandError(f"dtype {ds.dtype} is not a floating type (TF takes float32, float16 or bfloat16)",
+                               operand=name)
+    bn._check_rank(x, data_format, rank)
+    if tuple(y_backprop.shape) != tuple(x.shape):
+        raise OperandError(f"shape {list(y_backprop.shape)} differs from x shape {list(x.shape)}",
+                           operand="y_backprop")
+    shape = tuple(x.shape)
+    channels = shape[1] if channels_first else shape[-1]
+    scale = bn._channel_operand(scale, "scale", channels, data_format)
+    mean = bn._channel_operand(reserve_space_1, "reserve_space_1", channels, data_format)
+    var = bn._channel_operand(reserve_space_2, "reserve_space_2", channels, data_format)
+    bn._check_variance(var, variance_kind)
+    if bf16["x"]:
+        import ml_dtypes
+
+        out_dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        out_dtype = x.dtype if x.dtype.itemsize <= 4 else np.dtype(_F32)
+    n = int(np.prod(shape, dtype=np.int64)) // max(channels, 1)
+    storage = np.uint16 if out_dtype.name == "bfloat16" else out_dtype
+    step = block_items(shape, 8, budget, copies=6)
+    output = _Output(out, "x_backprop", shape, storage, attrs, compression, step=step, budget=budget, copies=6,
+                     work_itemsize=8)
+    if out_dtype.name == "bfloat16":
+        output.ds.attrs["dtype"] = "bfloat16"
+    sums = np.zeros((2, channels), np.float64)  # sum(dy), sum(dy * (x - mean)), added block by block in order
+
+    def add_sums(dy_b, x_b, acb):
+        with np.errstate(all="ignore"):
+            for total, part in zip(sums, bn._channel_sums(dy_b.reshape(acb), x_b.reshape(acb), mean, acb, np)):
+                total += part
+
+    def coefficients():
+        return bn.gradient_coefficients(sums[0], sums[1], n, scale, mean, var, eps, is_training, variance_kind)
+
+    if is_training:  # x_backprop needs the sums over the whole tensor: a pass of their own first
+        read_dy, read_x = _Reader(y_backprop, step), _Reader(x, step)
+        for i in range(0, shape[0], step):
+            dy_b, x_b = _read_float(read_dy, i, i + step), _read_float(read_x, i, i + step)
+            add_sums(dy_b, x_b, bn._acb_shape(dy_b.shape, channels_first))
+            _tick(progress, dy_b.nbytes + x_b.nbytes)
+    coefs = coefficients()  # inference: x_backprop = dy * scale / sqrt(var + eps), whatever the sums
+    if not is_training or output.step != step or output.keeps_blocks:
+        read_dy = _Reader(y_backprop, output.step, buffers=2 if output.keeps_blocks else 1)  # x_backprop: in dy
+        read_x = _Reader(x, output.step)
+    for i in range(0, shape[0], output.step):  # element-wise: any blocks
+        dy_b, x_b = _read_float(read_dy, i, i + output.step), _read_float(read_x, i, i + output.step)
+        acb = bn._acb_shape(dy_b.shape, channels_first)
+        if not is_training:  # the one pass: the sums before x_backprop overwrites dy
+            add_sums(dy_b, x_b, acb)
+        # dy_b is this block's read buffer, not needed once the block is written: x_backprop may overwrite it.
+        dx_b = dy_b if dy_b.dtype == out_dtype and dy_b.flags.writeable else np.empty(dy_b.shape, out_dtype)
+        if n:
+            bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
+        output.write(i, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
+        _tick(progress, dy_b.nbytes + x_b.nbytes)
+    output.finish()
+    if not is_training:
+        coefs = coefficients()
+    zeros = np.zeros(channels, _F32)
+    if n == 0 or channels == 0:
+        return {"scale_backprop": zeros, "offset_backprop": zeros.copy()}
+    return {"scale_backprop": coefs.scale_backprop, "offset_backprop": coefs.offset_backprop}

@@ -1,0 +1,429 @@
+"""torchao's QAT fake quantizers (``--semantics torchao``): ``IntxFakeQuantizer`` / ``Float8FakeQuantizer``
+with dynamic qparams, their full autograd input gradient, and the split of that gradient into the
+straight-through part, the scale path and torch's rounding (per tensor in the summary, per block in
+``qgcli report --semantics torchao``).  The math is :mod:`qgcli.ops.torchao_semantics`.
+"""
+from qgcli.errors import OptionError
+from qgcli.jobs import Result
+from qgcli.report.summaries import describe_arrays, json_safe
+
+LITERAL_OK = ()
+TOP_BLOCKS = 5  # blocks with the largest scale-path share shown in the summary
+#: --option -> TorchaoOptions field, for messages
+OPTION_NAMES = {"granularity": "--granularity", "mapping_type": "--mapping-type",
+                "scale_precision": "--scale-precision", "zero_point_precision": "--zero-point-precision",
+                "zero_point_domain": "--zero-point-domain", "eps": "--eps", "hp_value_lb": "--hp-value-lb",
+                "hp_value_ub": "--hp-value-ub"}
+_INT_ONLY = ("mapping_type", "scale_precision", "zero_point_precision", "zero_point_domain", "eps")
+_FLOAT8_ONLY = ("hp_value_lb", "hp_value_ub")
+
+
+def refuse_outside(torchao, quantize_dtype):
+    """Without --semantics torchao: its options do not apply (a torchao --dtype neither)."""
+    for field, value in torchao.given().items():
+        raise OptionError("only applies to --semantics torchao", param_hint=f"'{OPTION_NAMES[field]}'")
+    if quantize_dtype is None:
+        return  # (torchao's dtype lists not imported: most commands give no --dtype)
+    from qgcli.ops.torchao_semantics import FLOAT8_DTYPES, INT_DTYPES
+
+    if quantize_dtype in INT_DTYPES + FLOAT8_DTYPES:
+        raise OptionError(f"{quantize_dtype} is a torchao dtype: it only applies to --semantics torchao",
+                                 param_hint="'--dtype'")
+
+
+def build_config(dtype, torchao):
+    """The torchao config the options describe; OptionErrors for what torchao (or qgcli) refuses."""
+    from qgcli.errors import QgcliError
+    from qgcli.ops import torchao_semantics as ts
+
+    if dtype is None:
+        raise OptionError("--semantics torchao needs the quantized dtype: int1..int8, uint1..uint8, "
+                                 "float8_e4m3fn or float8_e5m2", param_hint="'--dtype'")
+    given = torchao.given()
+    float8 = dtype in ts.FLOAT8_DTYPES
+    for field in (_INT_ONLY if float8 else _FLOAT8_ONLY):
+        if field in given:
+            kind = "IntxFakeQuantizeConfig (integer dtypes)" if float8 else "Float8FakeQuantizeConfig (float8 dtypes)"
+            raise OptionError(f"is a field of torchao's {kind}, not of --dtype {dtype}",
+                                     param_hint=f"'{OPTION_NAMES[field]}'")
+    try:
+        if float8:
+            return ts.float8_fake_quantize_config(dtype, torchao.granularity or "per-row", torchao.hp_value_lb,
+                                                  torchao.hp_value_ub)
+        if torchao.granularity is None:
+            raise OptionError(f"--dtype {dtype} needs a granularity (torchao: At least one of `granularity` "
+                                     "or `group_size` must be set): per-group:G, per-channel or per-token",
+                                     param_hint="'--granularity'")
+        return ts.intx_fake_quantize_config(
+            dtype, torchao.granularity, torchao.mapping_type or "symmetric", torchao.scale_precision or "float32",
+            torchao.zero_point_precision or "int32", torchao.zero_point_domain or "int", torchao.eps)
+    except QgcliError as e:
+        option = {"dtype": "--dtype", **OPTION_NAMES}.get(e.operand, "--semantics")
+        message = str(e)
+        if e.operand and message.startswith(f"{e.operand}: "):
+            message = message[len(e.operand) + 2:]
+        raise OptionError(message, param_hint=f"'{option}'")
+
+
+def config_from_attributes(attrs):
+    """The config a run-file group's attributes describe (``op`` ``torchao.IntxFakeQuantizer`` /
+    ``torchao.Float8FakeQuantizer`` and torchao's config fields, as :mod:`qgcli.capture.torch` and
+    ``fakequant --semantics torchao`` write them); a QgcliError naming the attribute qgcli refuses."""
+    import numpy as np
+
+    from qgcli.errors import QgcliError
+    from qgcli.ops import torchao_semantics as ts
+
+    a = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
+    a = {k: None if isinstance(v, str) and v == "none" else v for k, v in a.items()}  # None is written "none"
+    if a.get("op") == "torchao.Float8FakeQuantizer":
+        return ts.float8_fake_quantize_config(a.get("dtype") or "float8_e4m3fn", a.get("granularity") or "per-row",
+                                              a.get("hp_value_lb"), a.get("hp_value_ub"))
+    if "is_dynamic" in a and not a["is_dynamic"]:
+        raise QgcliError("False: qgcli computes torchao's dynamic qparams only (static ones are state of the "
+                         "quantizer, not of the tensor)", operand="is_dynamic")
+    if a.get("dtype") is None or a.get("granularity") is None:
+        raise QgcliError("a torchao.IntxFakeQuantizer group needs the attributes dtype and granularity",
+                         operand="granularity" if a.get("dtype") else "dtype")
+    granularity = str(a["granularity"])
+    if granularity.replace("_", "-") == "per-group" and a.get("group_size") is not None:
+        granularity = f"per-group:{int(a['group_size'])}"
+    return ts.intx_fake_quantize_config(
+        a["dtype"], granularity, a.get("mapping_type") or "symmetric", a.get("scale_precision") or "float32",
+        a.get("zero_point_precision") or "int32", a.get("zero_point_domain") or "int", a.get("eps"))
+
+
+def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output, torchao):
+    """A :class:`qgcli.jobs.FakeQuantJob` of the torchao family, every other family's option refused."""
+    from qgcli.jobs import TORCHAO, FakeQuantJob, OperandSpecs
+
+    for option, value in semantics.torch_given().items():
+        if value is not None:
+            raise OptionError("only applies to --semantics torch (torchao computes its scale and zero point "
+                                     "from the data)", param_hint=f"'{option}'")
+    for name in ("min", "max", "input", "input_min", "input_max"):
+        if operands.get(name) is not None:
+            raise OptionError("is not an operand of torchao's fake quantizers (inputs, gradients)",
+                                     param_hint=f"'--{name.replace('_', '-')}'")
+    if attributes.variant is not None:
+        raise OptionError("chooses a TensorFlow op; torchao's quantizer follows --dtype and --granularity",
+                                 param_hint="'--variant'")
+    for option, value in (("--num-bits", attributes.num_bits_given), ("--narrow-range", attributes.narrow_range),
+                          ("--axis", attributes.axis is not None)):
+        if value:
+            raise OptionError("does not apply to --semantics torchao (the grid comes from --dtype, the blocks "
+                                     "from --granularity)", param_hint=f"'{option}'")
+    for option in {k: v for k, v in quantize.given().items() if k != "--dtype"}:
+        raise OptionError("only applies to --variant quantize-dequantize", param_hint=f"'{option}'")
+    if getattr(estimator, "estimator", None) is not None:
+        raise OptionError("torchao's gradient is its own autograd; --estimator applies to --semantics tf/torch",
+                                 param_hint="'--estimator'")
+    if output.plot:
+        raise OptionError("draws TensorFlow's STE only; the torchao summary (--json) and 'qgcli report "
+                                 "--semantics torchao' give the gradient split", param_hint="'--plot'")
+    config = build_config(quantize.dtype, torchao)
+    specs = dict(inputs=operands.get("inputs"))
+    if with_gradients:
+        specs["gradients"] = operands.get("gradients")
+    return FakeQuantJob(command=command, family=TORCHAO, with_gradients=with_gradients,
+                        operands=OperandSpecs.of(operands.bundle, **specs), output=output, torchao=config)
+
+
+# --- computing -----------------------------------------------------------------------------------------
+
+def _load(job, operands, with_gradients):
+    inputs = operands.get("inputs")
+    gradients = operands.get("gradients") if with_gradients else None
+    notes = []
+    for name, value in (("inputs", inputs), ("gradients", gradients)):
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and str(dtype) != "float32":
+            notes.append(f"{name} is {dtype}; computed in float32 as torchao's float32 path")
+    return inputs, gradients, notes
+
+
+def _stored(res):
+    """scale / zero_point as written: their precision's NumPy dtype (bfloat16 values as float32)."""
+    import numpy as np
+
+    from qgcli.backend import to_numpy
+
+    c = res.config
+    out = {}
+    scale = to_numpy(res.scale)
+    out["scale"] = scale.astype(np.float16) if getattr(c, "scale_precision", None) == "float16" else scale
+    if res.zero_point is not None:
+        z = to_numpy(res.zero_point)
+        zp = c.zero_point_precision
+        out["zero_point"] = z.astype(np.int32) if zp == "int32" else z.astype(np.float16) if zp == "float16" else z
+    return out
+
+
+def compute(job, operands):
+    from qgcli.backend import to_numpy
+    from qgcli.storage.operands import to_device
+    from qgcli.ops import torchao_semantics as ts
+
+    config = job.torchao
+    inputs, gradients, notes = _load(job, operands, job.with_gradients)
+    xp, (gradients, inputs) = to_device([gradients, inputs], job.output.device)
+    res = ts.fake_quantize(inputs, config, gradients)
+    out = {"backprops_wrt_input": res.backprops_wrt_input} if job.with_gradients else {"outputs": res.outputs}
+    out.update(_stored(res))
+    attrs = {"op": config.op, "semantics": "torchao", **{k: ("none" if v is None else v)
+                                                         for k, v in config.attributes().items()}}
+    stats = statistics(res, gradients, xp)
+    notes += _notes(res, stats)
+    summary = json_safe({
+        "command": job.command, "op": config.op, "semantics": "torchao",
+        "attributes": config.attributes(),
+        "inputs": describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None}),
+        "blocks": {"count": res.blocks[0], "size": res.blocks[1], "scale_shape": list(res.scale.shape),
+                   "scale_min": float(to_numpy(xp.nanmin(res.scale))) if xp.isfinite(res.scale).any() else None,
+                   "scale_max": float(to_numpy(xp.nanmax(res.scale))) if xp.isfinite(res.scale).any() else None},
+        "statistics": stats, "outputs": describe_arrays(out), "output": job.output.destination, "notes": notes,
+    })
+    return Result(out, attrs, summary)
+
+
+def _notes(res, stats):
+    from qgcli.ops.torchao_semantics import IntxFakeQuantizeConfig
+
+    notes = []
+    c = res.config
+    if stats.get("nonfinite_scale_blocks"):
+        notes.append(f"{stats['nonfinite_scale_blocks']} block(s) have a NaN, infinite or zero scale (NaN/inf "
+                     "inputs, or all-zero float8 blocks): their outputs are NaN, as torchao's")
+    if isinstance(c, IntxFakeQuantizeConfig):
+        if res.backprops_wrt_input is not None:
+            notes.append("torchao computes integer scales and zero points under torch.no_grad(): no gradient "
+                         "flows through the scale; what differs from dy on unclipped elements is torch's float32 "
+                         "rounding of (dy * s) * (1/s)")
+        if c.granularity == "per-token" and c.zero_point_domain != "int":
+            notes.append("torchao's per-token path ignores zero_point_domain (always int)")
+        if c.dtype.startswith("uint") and c.mapping_type == "symmetric":
+            notes.append(f"torchao's symmetric scale uses the signed {c.dtype[1:]} range with zero point 0, then "
+                         f"clamps to {c.dtype}'s [0, 2^b - 1]: negative values clip to 0")
+        if c.mapping_type == "asymmetric" and c.granularity != "per-token":
+            notes.append("torchao's asymmetric per-group/per-channel zero point is its float-domain one "
+                         "(min + s * 2^(b-1)) cast to zero_point_precision, used in the integer domain")
+        if "bfloat16" in (c.scale_precision, c.zero_point_precision):
+            notes.append("bfloat16 scale/zero_point are written as float32 (their values are bfloat16)")
+    elif res.backprops_wrt_input is not None:
+        notes.append("torchao rounds dy * s to float8 in the backward (the cast back of the float8 tensor): "
+                     "that rounding is the 'rounding' share")
+    return notes
+
+
+def statistics(res, gradients, xp):
+    """Clipped share, non-finite scales and, with gradients, the split of the input gradient's mass."""
+    import numpy as np
+
+    from qgcli.backend import to_numpy
+    from qgcli.ops.torchao_semantics import block_statistics
+
+    nb, length = res.blocks
+    n = nb * length
+    b = block_statistics(res, xp)
+    stats = {"elements": n, "blocks": nb, "block_size": length,
+             "clipped": float(to_numpy(b["clipped"].sum())) / n,
+             "nonfinite_scale_blocks": int(to_numpy((~(xp.isfinite(res.scale) & (res.scale > 0))).sum()))}
+    if gradients is None:
+        return stats
+    g = xp.abs(xp.asarray(gradients).astype(np.float64))
+    g = xp.where(xp.isfinite(g), g, 0.0)
+    total = float(to_numpy(g.sum()))
+    inside = xp.asarray(res.inside)
+    stats["gradient_mass"] = total
+    stats["gradient_blocked"] = float(to_numpy(xp.where(inside, 0.0, g).sum())) / total if total else 0.0
+    parts = {k: float(to_numpy(b[k].sum())) for k in ("straight_through", "scale_path", "rounding")}
+    mass = sum(parts.values())
+    stats["split"] = {k: (v / mass if mass else 0.0) for k, v in parts.items()}
+    dx, dy = res.backprops_wrt_input, xp.asarray(gradients).astype(np.float32)
+    stats["unchanged"] = float(to_numpy((dx == dy).sum())) / n
+    stats["zeroed"] = float(to_numpy((dx == 0).sum())) / n
+    shares = block_rows(res, gradients, xp, b=b)
+    shares.sort(key=lambda r: (-(r["scale_path"] or 0.0), -(r["clipped"] or 0.0), r["block"]))
+    stats["top_scale_path_blocks"] = [{k: r[k] for k in ("block", "index", "scale_path", "straight_through",
+                                                         "rounding", "clipped")} for r in shares[:TOP_BLOCKS]]
+    return stats
+
+
+def block_rows(res, gradients, xp, b=None):
+    """One dict per block: its index (in torchao's scale shape), scale, zero point, data range, clipped share
+    and, with gradients, the straight-through / scale-path / rounding shares of its gradient mass and the
+    |dy| mass its mask blocks."""
+    import numpy as np
+
+    from qgcli.backend import to_numpy
+    from qgcli.ops.torchao_semantics import block_statistics
+
+    b = b or block_statistics(res, xp)
+    nb, length = res.blocks
+    scale = to_numpy(res.scale).reshape(-1).astype(np.float64)
+    zp = None if res.zero_point is None else to_numpy(res.zero_point).reshape(-1).astype(np.float64)
+    clipped = to_numpy(b["clipped"]) / length
+    has_g = gradients is not None and "straight_through" in b
+    if has_g:
+        st, sp, rd = (to_numpy(b[k]) for k in ("straight_through", "scale_path", "rounding"))
+        mass = st + sp + rd
+        g = xp.abs(xp.asarray(gradients).astype(np.float64)).reshape(nb, length)
+        g = xp.where(xp.isfinite(g), g, 0.0)
+        gm = to_numpy(g.sum(axis=1))
+        blocked = to_numpy(xp.where(xp.asarray(res.inside).reshape(nb, length), 0.0, g).sum(axis=1))
+    rows = []
+    shape = tuple(res.scale.shape)
+    for i in range(nb):
+        row = {"block": i, "index": [int(v) for v in np.unravel_index(i, shape)] if shape else [],
+               "scale": float(scale[i]), "zero_point": None if zp is None else float(zp[i]),
+               "clipped": float(clipped[i]), "straight_through": None, "scale_path": None, "rounding": None,
+               "gradient_blocked": None}
+        if has_g:
+            m = mass[i]
+            row.update(straight_through=float(st[i] / m) if m else 0.0, scale_path=float(sp[i] / m) if m else 0.0,
+                       rounding=float(rd[i] / m) if m else 0.0,
+                       gradient_blocked=float(blocked[i] / gm[i]) if gm[i] else 0.0)
+        rows.append(row)
+    return rows
+
+
+# --- rendering -------------------------------------------------------------------------------------------
+
+def render(console, s):
+    """The fakequant / fakequant-grad summary on stderr."""
+    from qgcli.report.summaries import percent
+    from qgcli.report.text import markup, printable_doc
+
+    s = printable_doc(s)
+    a, blocks, st = s["attributes"], s["blocks"], s["statistics"]
+    fields = " ".join(f"{k}={v}" for k, v in a.items() if v is not None)
+    console.print(f"[bold]{markup(s['op'])}[/] {markup(fields)}", soft_wrap=True)
+    scale = ("-" if blocks["scale_min"] is None else f"{blocks['scale_min']:.6g}..{blocks['scale_max']:.6g}")
+    console.print(f"{blocks['count']} blocks of {blocks['size']} (scale shape {tuple(blocks['scale_shape'])}), "
+                  f"scale {scale}; clipped {percent(st['clipped'])}", soft_wrap=True)
+    if "split" in st:
+        sp = st["split"]
+        console.print(f"gradient mass: straight-through {percent(sp['straight_through'])}, scale path "
+                      f"{percent(sp['scale_path'])}, rounding {percent(sp['rounding'])}; blocked by the mask "
+                      f"{percent(st['gradient_blocked'])}; dx == dy at {percent(st['unchanged'])}, zero at "
+                      f"{percent(st['zeroed'])}", soft_wrap=True)
+        top = [r for r in st["top_scale_path_blocks"] if r["scale_path"]]
+        if top:
+            shown = ", ".join(f"{tuple(r['index'])} {percent(r['scale_path'])}" for r in top)
+            console.print(f"largest scale-path share: {shown}", soft_wrap=True)
+    for note in s["notes"]:
+        console.print(f"[yellow]note:[/] {markup(note)}", soft_wrap=True)
+    if s["output"] and s["output"] != "-":
+        console.print(f"wrote {', '.join(s['outputs'])} to {markup(s['output'])}", soft_wrap=True)
+
+
+# --- qgcli report --semantics torchao --------------------------------------------------------------------
+
+REPORT_SCHEMA = 1
+ROW_KEYS = ("block", "index", "scale", "zero_point", "clipped", "straight_through", "scale_path", "rounding",
+            "gradient_blocked", "flagged")
+
+
+def report_doc(operands_specs, config, *, threshold, sort, top, device):
+    """The per-block report (a JSON-safe dict): rows worst first (largest scale-path share, then most
+    clipped; without gradients most clipped), the split over the whole tensor, a verdict."""
+    from qgcli import __version__
+    from qgcli.storage.operands import Operands, to_device
+    from qgcli.ops import torchao_semantics as ts
+
+    operands = Operands.of(operands_specs, literal_ok=())
+    try:
+        inputs = operands.get("inputs")
+        gradients = operands.get("gradients", required=False)
+        described = describe_arrays({k: v for k, v in (("inputs", inputs), ("gradients", gradients))
+                                     if v is not None})
+    finally:
+        operands.close()
+    xp, (gradients, inputs) = to_device([gradients, inputs], device)
+    res = ts.fake_quantize(inputs, config, gradients)
+    stats = statistics(res, gradients, xp)
+    rows = block_rows(res, gradients, xp)
+    has_g = gradients is not None
+    metric = "scale_path" if has_g else "clipped"
+    for r in rows:
+        r["flagged"] = bool((r[metric] or 0.0) > threshold)
+    if sort == "block":
+        pass
+    elif sort == "clipped" or not has_g:
+        rows.sort(key=lambda r: (-r["clipped"], r["block"]))
+    elif sort == "blocked":
+        rows.sort(key=lambda r: (-(r["gradient_blocked"] or 0.0), r["block"]))
+    else:  # worst: the scale path first
+        rows.sort(key=lambda r: (-(r["scale_path"] or 0.0), -r["clipped"], r["block"]))
+    flagged = sum(r["flagged"] for r in rows)
+    if has_g:
+        sp = stats["split"]
+        verdict = (f"Verdict: {flagged} of {len(rows)} blocks take more than {100 * threshold:g}% of their gradient "
+                   f"mass through the scale; over the tensor straight-through {100 * sp['straight_through']:.1f}%, "
+                   f"scale path {100 * sp['scale_path']:.1f}%, rounding {100 * sp['rounding']:.1f}%, "
+                   f"{100 * stats['gradient_blocked']:.1f}% of |dy| blocked by the mask.")
+    else:
+        verdict = (f"Verdict: {flagged} of {len(rows)} blocks clip more than {100 * threshold:g}% of their values "
+                   f"({100 * stats['clipped']:.1f}% over the tensor).")
+    return json_safe({"command": "report", "schema": REPORT_SCHEMA, "qgcli_version": __version__,
+                      "semantics": "torchao", "op": config.op, "attributes": config.attributes(),
+                      "inputs": described, "has_gradients": has_g, "blocks": len(rows),
+                      "block_size": res.blocks[1], "threshold": threshold, "sort": sort, "top": top,
+                      "total": stats, "rows": rows if top is None else rows[:top], "verdict": verdict,
+                      "notes": _notes(res, stats)})
+
+
+_REPORT_COLS = None
+
+
+def _report_cols():
+    global _REPORT_COLS
+    if _REPORT_COLS is None:
+        from qgcli.report.tables import Col
+
+        # Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.report.tables).
+        _REPORT_COLS = (
+            Col("block", priority=0), Col("scale", priority=0), Col("zero_point", priority=1),
+            Col("clipped", priority=1), Col("straight", priority=2), Col("scale path", priority=2),
+            Col("rounding", priority=3), Col("blocked", priority=0),
+        )
+    return _REPORT_COLS
+
+
+def render_report(console, doc, limit):
+    from qgcli.report.summaries import number
+    from qgcli.report.tables import print_items, print_table
+    from qgcli.report.text import markup, printable_doc
+
+    doc = printable_doc(doc)
+    fields = " ".join(f"{k}={v}" for k, v in doc["attributes"].items() if v is not None)
+    print_items(console, f"[bold]{markup(doc['op'])}[/] {markup(fields)}")
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    rows = doc["rows"] if limit is None else doc["rows"][:limit]
+    cells = [[",".join(map(str, r["index"])) or "all", number(r["scale"], 5), number(r["zero_point"], 5),
+              pct(r["clipped"]), pct(r["straight_through"]), pct(r["scale_path"]), pct(r["rounding"]),
+              pct(r["gradient_blocked"])] for r in rows]
+    print_table(console, _report_cols(), cells, styles=["red" if r["flagged"] else None for r in rows],
+                choice=True)
+    if len(rows) < len(doc["rows"]):
+        print_items(console, f"... {len(doc['rows']) - len(rows)} more blocks (--top K, --json or --csv for all)")
+    print_items(console, "[dim]straight / scale path / rounding: shares of the block's input-gradient mass (dy on "
+                "unclipped elements / through the scale / torch's rounding); blocked: |dy| the mask zeroes[/]")
+    for note in doc["notes"]:
+        print_items(console, f"[yellow]note:[/] {markup(note)}")
+    print_items(console, f"[bold]{markup(doc['verdict'])}[/]")
+
+
+def write_report_csv(doc):
+    import csv
+    import sys
+
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(ROW_KEYS)
+    for r in doc["rows"]:
+        writer.writerow(["" if r[k] is None else "x".join(map(str, r[k])) if isinstance(r[k], list) else
+                         repr(r[k]) if isinstance(r[k], float) else str(r[k]).lower() if isinstance(r[k], bool)
+                         else r[k] for k in ROW_KEYS])

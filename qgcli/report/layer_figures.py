@@ -1,0 +1,296 @@
+"""One figure per layer of a run file (``qgcli plot staircase|ste|hist|channels RUN -o DIR/``).
+
+:func:`plan` lists the groups a plot can draw (TensorFlow fake-quant groups; ``channels``: the per-channel
+ones) as picklable :class:`LayerFigure` tasks, with each group's attributes unless an option was typed, and
+the groups it cannot draw with the reason.  :func:`draw` draws one (in this process); :func:`write_all`
+draws them all into ``DIR/``, on worker processes (``spawn``/``forkserver``, never a plain fork of this
+possibly threaded process) when there are enough, and names each file after its group path through
+:func:`qgcli.storage.paths.group_file_paths` (``index.json`` beside them when a name had to change).  The figures
+go to a hidden staging folder first, so ``DIR`` gets every figure or none.
+"""
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+#: Plots that draw one layer, and the layers they take.
+KINDS = ("staircase", "ste", "hist", "channels")
+#: Below this many figures the worker processes' start-up (about a second) costs more than it saves.
+MIN_PARALLEL = 4
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process died (a runtime failure, not bad input)."""
+
+
+@dataclass(frozen=True)
+class LayerFigure:
+    """One figure to draw: the group, its attributes as resolved, and the plot's own keyword arguments."""
+
+    file: str
+    path: str  # the group's path in the file
+    op: Optional[str]
+    kind: str
+    variant: str
+    num_bits: int
+    narrow_range: bool
+    axis: int
+    literals: Tuple[Tuple[str, str], ...] = ()
+    options: Tuple[Tuple[str, object], ...] = ()  # max_points, channel, bins, log, title, width, height
+
+
+def plan(target, kind, options=None, *, plot_options=(), layer=None):
+    """``(tasks, skipped)`` for the run file ``target`` (``run.h5`` or ``run.h5:group``): a
+    :class:`LayerFigure` per group ``kind`` can draw, and ``{"path", "op", "reason"}`` for the others.
+    ``options``: attribute options typed on the command line (they override the groups' attributes);
+    ``layer``: only the group of that path (relative to ``target``), an error when it cannot be drawn."""
+    from qgcli.storage import io
+    from qgcli.storage import runfile
+    from qgcli.errors import FileFormatError, QgcliError
+    from qgcli.report.layers import _attr, _literal_specs
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    options = dict(options or {})
+    split = runfile.split_target(target)
+    if split is None:
+        raise QgcliError(f"{target} is not an HDF5 run file", operand="BUNDLE")
+    file, group = split
+    if layer is not None:
+        group = "/".join(p for p in ((group or ""), layer.strip("/")) if p)
+    try:
+        container = io.Container.open(file)
+    except FileFormatError as exc:
+        raise QgcliError(str(exc), operand="BUNDLE") from None
+    try:
+        found = runfile.discover(container._opened(), group, label=file)
+    finally:
+        container.close()
+    if layer is not None:
+        found = [l for l in found if l.path == group]
+        if not found:
+            raise QgcliError(f"{file}: {group!r} is not a group holding a quantizer's operands", operand="--layer")
+    tasks, skipped = [], []
+    for l in found:
+        reason = _why_not(l, kind) or runfile.validate(l, "report")
+        if reason is not None:
+            if layer is not None:
+                raise QgcliError(f"{l.path}: {reason}", operand="--layer")
+            skipped.append({"path": l.path, "op": l.op, "reason": reason})
+            continue
+        variant = l.variant or "vars"
+        tasks.append(LayerFigure(
+            file=file, path=l.path, op=l.op, kind=kind, variant=variant,
+            num_bits=int(_attr(l, options, "num_bits", 8)), narrow_range=bool(_attr(l, options, "narrow_range", False)),
+            axis=int(_attr(l, options, "axis", -1)) if variant == "per-channel" or options.get("axis") is not None
+            else -1,
+            literals=tuple(_literal_specs(l).items()), options=tuple(dict(plot_options).items())))
+    return tasks, skipped
+
+
+def _why_not(layer, kind):
+    if layer.error is not None:
+        return layer.error
+    if layer.family != "tf":
+        return f"{layer.op or 'this group'} is not one of TensorFlow's fake-quant ops (plot {kind} draws those)"
+    if kind == "channels" and layer.variant != "per-channel":
+        return "plot channels draws per-channel groups only"
+    return None
+
+
+_CONTAINERS = {}  # file -> open io.Container, kept open in a worker process for its next figures
+_IN_WORKER = []
+
+
+def _container(file):
+    from qgcli.storage import io
+
+    if not _IN_WORKER:  # this process: opened per figure, so that a file changed meanwhile is read afresh
+        return io.Container.open(file)
+    container = _CONTAINERS.get(file)
+    if container is None:
+        container = _CONTAINERS[file] = io.Container.open(file)
+    return container
+
+
+def draw(task):
+    """The Figure of one :class:`LayerFigure` (exactly what ``qgcli plot KIND`` draws for the group as one
+    bundle, with its gradients where the plot draws them); its title names the group unless one was given."""
+    from qgcli.report import plots
+    from qgcli.storage.operands import Operands
+    from qgcli.families.tf_fake_quant import load_fake_quant_operands
+
+    container = _container(task.file)
+    operands = Operands.in_group(container, task.file, task.path, dict(task.literals), literal_ok=("min", "max"))
+    try:
+        _, x, mn, mx, variant = load_fake_quant_operands(operands, task.variant, with_gradients=False)
+        g = operands.get("gradients", required=False) if task.kind in ("ste", "channels") else None
+    finally:
+        operands.close()
+        if not _IN_WORKER:
+            container.close()
+    kw = dict(task.options)
+    common = dict(num_bits=task.num_bits, narrow_range=task.narrow_range, axis=task.axis, title=kw.get("title"))
+    # Only the sizes given: each plot has its own default height (None would reach matplotlib as a size).
+    common.update({k: kw[k] for k in ("width", "height") if kw.get(k) is not None})
+    if task.kind == "channels":
+        fig = plots.channels(x, mn, mx, gradients=g, **common)
+    else:
+        common.update(variant=variant, channel=kw.get("channel"))
+        if task.kind == "hist":
+            fig = plots.hist(x, mn, mx, bins=kw.get("bins", 100), log=kw.get("log", False), **common)
+        elif task.kind == "ste":
+            fig = plots.ste(x, mn, mx, gradients=g, max_points=kw.get("max_points", plots.DEFAULT_MAX_POINTS),
+                            **common)
+        else:
+            fig = plots.staircase(x, mn, mx, max_points=kw.get("max_points", plots.DEFAULT_MAX_POINTS), **common)
+    if kw.get("title") is None:
+        fig.suptitle(task.path, fontsize=8)
+    fig.qgcli_summary = {**fig.qgcli_summary, "path": task.path, "group_op": task.op}
+    return fig
+
+
+def _draw_to(task, target, dpi, fmt):
+    """Worker: draw ``task`` and save it to ``target``; its summary (plain data, so it crosses processes)."""
+    from qgcli.report.plots import save_figure
+
+    fig = draw(task)
+    save_figure(fig, target, dpi=dpi, format=fmt)
+    w, h = (float(v) for v in fig.get_size_inches())
+    return {**fig.qgcli_summary, "size_in": [w, h]}
+
+
+def _worker_init():
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent answers Ctrl-C and ends the workers
+    _IN_WORKER.append(True)
+
+
+def workers(n, jobs=None):
+    """Worker processes for ``n`` figures: ``jobs`` or every core this process may use, none below
+    :data:`MIN_PARALLEL` figures."""
+    if jobs is None:
+        try:
+            jobs = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            jobs = os.cpu_count() or 1
+    return 0 if n < MIN_PARALLEL or jobs < 2 else min(jobs, n)
+
+
+def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, on_done=None):
+    """Draw every task into ``directory`` (one file per group, named by :func:`qgcli.storage.paths.group_file_paths`);
+    returns ``(summaries in task order, index.json path or None, workers used)``."""
+    import shutil
+
+    from qgcli.storage import io
+    from qgcli.errors import OutputError
+    from qgcli.storage.paths import group_file_paths
+
+    layout = group_file_paths([t.path for t in tasks], suffix="." + fmt)
+    directory = os.path.abspath(directory.rstrip("/") or directory)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise OutputError(f"{directory} is a file, not a directory", operand="--output")
+    if os.path.isdir(directory) and os.listdir(directory) and not force:
+        raise OutputError(f"{directory} exists and is not empty; use --force to write into it", operand="--output")
+    staging = os.path.join(os.path.dirname(directory), f".qgcli-{io.temp_token()}.tmpdir")
+    os.mkdir(staging, 0o700)
+    try:
+        targets = [layout.target(staging, t.path) for t in tasks]
+        for target in targets:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        n = workers(len(tasks), jobs)
+        summaries = _draw_all(tasks, targets, dpi, fmt, n, on_done)
+        index = io.write_index(staging, layout)
+        if not os.path.exists(directory):
+            os.chmod(staging, 0o777 & ~io._umask())
+            os.rename(staging, directory)
+            staging = None
+        else:  # an existing (empty, or --force) DIR: file by file
+            moves = [layout[t.path] for t in tasks] + ([os.path.basename(index)] if index else [])
+            for rel in moves:
+                target = os.path.join(directory, *rel.split("/"))
+                if os.path.isdir(target):
+                    raise OutputError(f"{target} is a directory", operand="--output")
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.replace(os.path.join(staging, *rel.split("/")), target)
+        for s, t in zip(summaries, tasks):
+            s["file"] = os.path.join(directory, *layout[t.path].split("/"))
+        return summaries, (os.path.join(directory, os.path.basename(index)) if index else None), n
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _named(task, call):
+    """``call()``; a QgcliError from it names the group."""
+    from qgcli.errors import QgcliError
+
+    try:
+        return call()
+    except QgcliError as exc:
+        raise QgcliError(f"{task.path}: {exc}; no figure was written") from None
+
+
+class _main_module_hidden:
+    """The workers need nothing from ``__main__``: hide it while they start, so that a spawned worker does not
+    re-run the caller's script (a library caller without ``if __name__ == "__main__"``, ``python -`` or
+    ``python -c``, whose "script" cannot be found)."""
+
+    def __enter__(self):
+        import sys
+
+        self.main = sys.modules.get("__main__")
+        self.saved = {k: self.main.__dict__[k] for k in ("__spec__", "__file__") if k in self.main.__dict__}
+        for key in self.saved:
+            setattr(self.main, key, None) if key == "__spec__" else delattr(self.main, key)
+
+    def __exit__(self, *exc):
+        for key, value in self.saved.items():
+            setattr(self.main, key, value)
+
+
+def _draw_all(tasks, targets, dpi, fmt, n, on_done):
+    from qgcli.signals import raise_pending
+
+    if n == 0:
+        out = []
+        for task, target in zip(tasks, targets):
+            raise_pending()
+            out.append(_named(task, lambda: _draw_to(task, target, dpi, fmt)))
+            if on_done is not None:
+                on_done(task)
+        return out
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(method),
+                               initializer=_worker_init)
+    done_all = False
+    try:
+        with _main_module_hidden():  # the workers start on the first submit
+            futures = {pool.submit(_draw_to, task, target, dpi, fmt): i
+                       for i, (task, target) in enumerate(zip(tasks, targets))}
+        out = [None] * len(tasks)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+            raise_pending()
+            for future in done:
+                i = futures[future]
+                try:
+                    out[i] = _named(tasks[i], future.result)
+                except BrokenProcessPool:
+                    raise_pending()  # killed by the signal this process got too: that one ends the command
+                    raise WorkerFailed("a worker process drawing the figures ended unexpectedly (killed, or out "
+                                       "of memory); no figure was written") from None
+                if on_done is not None:
+                    on_done(tasks[i])
+        done_all = True
+        return out
+    finally:
+        if not done_all:  # an error or a signal: stop the workers now, not after their queue
+            for process in list(getattr(pool, "_processes", {}).values()):
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,278 @@
+"""``qgcli verify``: recompute every group of a run file with qgcli and compare with the framework's own
+results stored beside it (``<group>/reference/``, written by :mod:`qgcli.capture`).
+
+Each group runs through the runner of its family exactly as ``fakequant`` / ``fakequant-grad`` / ``bn-grad``
+run it over a run file (:func:`qgcli.storage.runfile.layer_job`, the group's attributes; no option overrides), and
+every output that the reference holds is compared: bitwise, the largest difference in units in the last
+place (ulps) and the largest absolute difference relative to the largest reference value.
+
+Pass rules: a fake-quant layer's element-wise outputs (``outputs``, ``backprops_wrt_input``) must be bit
+for bit the framework's; every batch-norm output must be within ``rtol`` of the largest reference value.
+A fake-quant layer's reductions (``backprop_wrt_min/max``, LSQ's ``backprop_wrt_scale`` /
+``backprop_wrt_zero_point``) are sums whose order the framework picks, and they cancel (a batch norm after
+the quantizer makes the upstream gradient sum to about zero): they pass within ``rtol`` of the largest value
+or within float32's worst-case summation error ``n * 2**-23 * sum(|term|)`` (``n`` terms per sum: the
+gradient for TensorFlow's min/max, LSQ's per-element terms recomputed from the stored operands), whichever
+is larger; ``bound`` in ``--json`` gives it.
+
+torchao groups (``torchao.IntxFakeQuantizer`` / ``torchao.Float8FakeQuantizer``): ``outputs`` and the computed
+``scale`` / ``zero_point`` bit for bit; ``backprops_wrt_input`` within ``rtol`` of the largest reference value
+(the float8 gradient's scale path sums each block, in an order torch picks).
+"""
+
+#: Fake-quant outputs computed element by element: bit-identical or failed (``backprops``: the input gradient
+#: of FakeQuantWithMinMaxArgs, under TensorFlow's name).
+ELEMENTWISE = ("outputs", "backprops_wrt_input", "backprops")
+#: What a torchao group must reproduce bit for bit (its input gradient: within rtol).
+TORCHAO_BITWISE = ("outputs", "scale", "zero_point")
+REFERENCE = "reference"
+DEFAULT_RTOL = 1e-5
+
+
+def compare(ours, theirs):
+    """Differences between qgcli's array ``ours`` and the reference ``theirs`` (a JSON-safe dict)."""
+    import numpy as np
+
+    a, b = np.asarray(ours), np.asarray(theirs)
+    out = {"shape": list(b.shape), "dtype": str(b.dtype), "identical": False, "max_ulps": None,
+           "max_abs": None, "rel": None, "largest": None, "mismatches": None}
+    if a.shape != b.shape:
+        if a.size == b.size:
+            a = a.reshape(b.shape)
+        else:
+            out["error"] = f"shape {list(a.shape)} differs from the reference's {list(b.shape)}"
+            return out
+    dtype = b.dtype if b.dtype.kind == "f" else np.dtype(np.float32)
+    a = a.astype(dtype, copy=False)
+    b = b.astype(dtype, copy=False)
+    if a.dtype.kind != "f":
+        a, b = a.astype(np.float64), b.astype(np.float64)
+    bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    av, bv = a.view(bits), b.view(bits)
+    both_nan = np.isnan(a) & np.isnan(b)
+    differs = (av != bv) & ~both_nan
+    out["identical"] = not bool(differs.any())
+    out["mismatches"] = int(differs.sum())
+    finite = np.isfinite(b)
+    largest = float(np.abs(b[finite]).max()) if finite.any() else 0.0
+    out["largest"] = largest
+    if out["identical"]:
+        out.update(max_ulps=0, max_abs=0.0, rel=0.0)
+        return out
+    if (np.isnan(a) != np.isnan(b)).any() or (np.isinf(a) != np.isinf(b)).any():
+        out["error"] = "NaN or Inf where the reference has none (or the other way round)"
+        out.update(max_ulps=None, max_abs=float("inf"), rel=float("inf"))
+        return out
+    signed = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
+    ai, bi = _ordered(a.view(signed)), _ordered(b.view(signed))
+    ok = finite & ~both_nan
+    ulps = np.abs(ai[ok] - bi[ok]) if ok.any() else np.zeros(1, dtype=np.int64)
+    diff = np.abs(a[ok].astype(np.float64) - b[ok].astype(np.float64)) if ok.any() else np.zeros(1)
+    out["max_ulps"] = int(ulps.max())
+    out["max_abs"] = float(diff.max())
+    out["rel"] = float(diff.max() / largest) if largest > 0 else (0.0 if diff.max() == 0 else float("inf"))
+    return out
+
+
+def _ordered(i):
+    """Float bit patterns (a signed-integer view) as int64 in the order of the floats they encode: sign and
+    magnitude become one number line, -0.0 and +0.0 both 0, neighbouring floats one apart."""
+    import numpy as np
+
+    width = np.dtype(i.dtype).itemsize * 8
+    wide = i.astype(np.int64)
+    if width == 64:  # the magnitude of a negative int64 view: the pattern with its sign bit cleared
+        return np.where(wide < 0, -(wide & np.int64(0x7FFFFFFFFFFFFFFF)), wide)
+    return np.where(wide < 0, -(wide + np.int64(1 << (width - 1))), wide)
+
+
+def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
+    """Verify run file ``target`` (``run.h5`` or ``run.h5:group``); returns the summary (JSON-safe dict):
+    ``layers`` worst first, each with ``path``, ``op``, ``kind``, ``status`` (``identical``, ``within-rtol``,
+    ``differs``, ``failed``, ``no-reference``), ``passed``, ``max_ulps``, ``rel`` and per-output ``outputs``.
+    ``scheduler``: verify the layers on that Dask cluster (:class:`qgcli.execution.cluster.LayerMap`; the summary
+    then has ``cluster``)."""
+    from qgcli.storage import runfile
+    from qgcli.errors import QgcliError
+    from qgcli.report.summaries import json_safe
+
+    path, group, container = runfile.open_target(
+        target, operand="RUN", not_a_run_file=f"{target}: verify takes a run file (.h5, or file.h5:group)")
+    rows = []
+    try:
+        handle = container._opened()
+        layers = runfile.discover(handle, group, label=path)
+        if not layers:
+            raise QgcliError(f"{target}: no group of this file is a layer (a group with an op attribute)")
+        if scheduler is None:
+            rows = [_verify_layer(container, handle, path, layer, rtol) for layer in layers]
+        else:
+            from qgcli.execution.cluster import LayerMap
+
+            with LayerMap(scheduler) as cluster:
+                rows = cluster.map(_verify_layer, path, layers, rtol)
+                described = cluster.describe()
+    finally:
+        container.close()
+    checked = [r for r in rows if r["status"] != "no-reference"]
+    if not checked:
+        raise QgcliError(f"{target}: no group holds a {REFERENCE}/ subgroup of the framework's results to compare "
+                         "with (capture with references=True)")
+    order = {"failed": 0, "differs": 1, "within-rtol": 2, "identical": 3, "no-reference": 4}
+    rows.sort(key=lambda r: (order[r["status"]], -(r["rel"] or 0.0), -(r["max_ulps"] or 0), r["path"]))
+    failed = [r for r in rows if not r["passed"]]
+    return json_safe({
+        "command": "verify", "run_file": f"{path}:{group}" if group else path, "rtol": rtol,
+        "groups": len(rows), "verified": len(checked), "passed": len(checked) - len(failed),
+        "failed": len(failed), "identical": sum(r["status"] == "identical" for r in rows),
+        "no_reference": len(rows) - len(checked), "ok": not failed, "layers": rows,
+        **({"cluster": described} if scheduler is not None else {}),
+    })
+
+
+def _reference_of(handle, layer):
+    import h5py
+    import numpy as np
+
+    g = handle[layer.path] if layer.path != "/" else handle
+    ref = g.get(REFERENCE)
+    if not isinstance(ref, h5py.Group):
+        return None
+    return {k: np.asarray(v[()]) for k, v in ref.items() if isinstance(v, h5py.Dataset)}
+
+
+def _verify_layer(container, handle, path, layer, rtol):
+    row = {"path": layer.path, "op": layer.op, "kind": layer.kind, "shape": None, "status": "no-reference",
+           "passed": True, "max_ulps": None, "rel": None, "outputs": {}, "error": None}
+    shape = layer.datasets.get("inputs") or layer.datasets.get("x")
+    row["shape"] = list(shape[0]) if shape else None
+    reference = _reference_of(handle, layer)
+    if not reference:
+        return row
+    if layer.error is not None or layer.kind is None:
+        return _failed(row, layer.error or "unknown op")
+    commands = []
+    if layer.kind == "batch-norm":
+        commands.append("bn-grad")
+    else:
+        if "outputs" in reference:
+            commands.append("fakequant")
+        if "gradients" in layer.datasets and set(reference) - {"outputs"}:
+            commands.append("fakequant-grad")
+    computed = {}
+    for command in commands:
+        problem = _validate(layer, command)
+        if problem:
+            return _failed(row, problem)
+        try:
+            computed.update(_run(container, path, layer, command))
+        except Exception as exc:  # noqa: BLE001 - a layer that qgcli refuses is a failed layer, not a crash
+            from qgcli.errors import QgcliError, RuntimeFailure
+
+            if not isinstance(exc, (QgcliError, RuntimeFailure, ValueError)):
+                raise
+            message = str(exc)
+            return _failed(row, message)
+    worst_ulps, worst_rel, passed, identical = 0, 0.0, True, True
+    for name, theirs in sorted(reference.items()):
+        if name not in computed:
+            row["outputs"][name] = {"compared": False, "note": "qgcli computes no such output for this op"}
+            continue
+        c = compare(computed[name], theirs)
+        torchao = layer.family == "torchao"
+        strict = layer.kind == "fake-quant" and name in (TORCHAO_BITWISE if torchao else ELEMENTWISE)
+        c["rule"] = "bitwise" if strict else f"rtol {rtol:g}"
+        if strict:
+            c["passed"] = c["identical"]
+        else:
+            bound = None if layer.kind != "fake-quant" or torchao else _summation_bound(handle, layer, name)
+            c["bound"] = bound
+            c["passed"] = "error" not in c and c["rel"] is not None and (
+                c["rel"] <= rtol or (bound is not None and c["max_abs"] <= bound))
+        row["outputs"][name] = c
+        passed &= c["passed"]
+        identical &= c["identical"]
+        if c["max_ulps"] is not None:
+            worst_ulps = max(worst_ulps, c["max_ulps"])
+        worst_rel = max(worst_rel, c["rel"] if c["rel"] is not None else float("inf"))
+    compared = [c for c in row["outputs"].values() if c.get("compared", True)]
+    if not compared:
+        return _failed(row, "the reference holds no output qgcli computes for this op")
+    row.update(passed=bool(passed), max_ulps=worst_ulps, rel=worst_rel,
+               status="identical" if identical else ("within-rtol" if passed else "differs"))
+    return row
+
+
+def _summation_bound(handle, layer, name):
+    """float32's worst-case error of fake-quant reduction ``name`` over this group's terms (see the module)."""
+    import numpy as np
+
+    g = handle[layer.path]
+    if "gradients" not in g or "inputs" not in g:
+        return None
+    dy = np.abs(np.asarray(g["gradients"][()], dtype=np.float64))
+    if layer.family != "torch":
+        return float(dy.size * 2.0 ** -23 * dy.sum())
+    a = layer.attrs
+    x = np.asarray(g["inputs"][()], dtype=np.float64)
+    scale = np.asarray(g["scale"][()], dtype=np.float64)
+    zp = np.asarray(g["zero_point"][()], dtype=np.float64)
+    if scale.ndim == 1 and scale.size > 1:
+        shape = [1] * x.ndim
+        shape[int(a.get("axis", 0))] = scale.size
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    qmin, qmax = float(a.get("quant_min", 0)), float(a.get("quant_max", 255))
+    gf = float(a.get("grad_factor", 1.0))
+    q = np.round(x / scale) + zp
+    if name.endswith("zero_point"):
+        term = np.where((q < qmin) | (q > qmax), scale, 0.0)
+    else:  # LSQ's scale gradient: the rounding residue inside, the clipped level outside
+        term = np.where(q < qmin, qmin - zp, np.where(q > qmax, qmax - zp, np.clip(q, qmin, qmax) - zp - x / scale))
+    terms = dy * np.abs(term) * gf
+    n = dy.size if scale.size == 1 else dy.size // scale.size
+    return float(n * 2.0 ** -23 * terms.sum())
+
+
+def _failed(row, message):
+    row.update(status="failed", passed=False, error=message)
+    return row
+
+
+def _validate(layer, command):
+    from qgcli.storage import runfile
+
+    saved = layer.error
+    problem = runfile._problem(layer, command)
+    layer.error = saved
+    return problem
+
+
+def _run(container, path, layer, command):
+    """qgcli's outputs of ``layer`` under ``command`` (NumPy arrays by output name)."""
+    from qgcli.backend import to_numpy
+    from qgcli.execution.dispatch import runner_for
+    from qgcli.jobs import OperandSpecs, OutputOptions, RunFileJob
+    from qgcli.storage.operands import Operands
+    from qgcli.storage.runfile import layer_job
+
+    estimator, grad_factor = None, None
+    if layer.attrs.get("estimator") == "lsq" and command == "fakequant-grad":
+        from qgcli.ops.estimators import parse_estimator
+
+        estimator = parse_estimator("lsq")
+        grad_factor = float(layer.attrs.get("grad_factor", 1.0))
+    output = OutputOptions(destination=None, quiet=True)
+    run = RunFileJob(command=command, target=path, output=output, estimator=estimator, grad_factor=grad_factor)
+    if layer.family == "tf" and layer.variant == "args":  # min/max live in the group's attributes
+        lo, hi = layer.attrs.get("min", -6.0), layer.attrs.get("max", 6.0)
+        specs = OperandSpecs(None, (("min", repr(float(lo))), ("max", repr(float(hi)))))
+    else:
+        specs = OperandSpecs(None, ())
+    job, _ = layer_job(run, layer, specs, output)
+    runner = runner_for(job)
+    operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK)
+    try:
+        result = runner.compute(job, operands)
+    finally:
+        operands.close()
+    return {k: to_numpy(v) for k, v in result.outputs.items()}

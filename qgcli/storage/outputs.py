@@ -1,0 +1,116 @@
+"""Writing a run's results: tensor outputs with their provenance, streamed .h5 outputs, figures.
+
+Every write is atomic (temporary file + rename) and checked first: an existing output needs ``force``, an
+input is never overwritten.  Nothing heavy is imported at module level.
+"""
+import os
+import sys
+
+from qgcli.errors import RuntimeFailure
+
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def write_outputs(outputs, dest, *, operands, force, attrs, compression=None):
+    """Check the target, then write every output (NumPy arrays) atomically."""
+    from qgcli import __version__
+    from qgcli.storage import io
+    from qgcli.backend import to_numpy
+
+    io.check_output(dest, inputs=operands.input_paths(), force=force, names=list(outputs))
+    attrs = {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
+    try:
+        io.save_outputs({k: to_numpy(v) for k, v in outputs.items()}, dest, attrs=attrs, compression=compression)
+    except BrokenPipeError:
+        raise  # `-o - | head`: the reader went away; the CLI stops quietly, as Unix tools do
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot write {dest}: {exc.strerror or exc}") from None
+
+
+def write_streamed(output, operands, force, attrs, compute, *, quiet, total_bytes, compression=None):
+    """Check the target, then run ``compute(h5file, progress)`` into a temporary .h5 renamed over ``output``.
+
+    ``compute`` returns the small outputs (name -> array) to store beside the streamed ones, compressed as
+    in memory (every dataset with elements).
+    """
+    import numpy as np
+
+    from qgcli import __version__
+    from qgcli.storage import io
+    from qgcli.report.progress import Progress
+
+    io.check_output(output, inputs=operands.input_paths(), force=force)
+    attrs = {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
+    small = {}
+
+    def write(path):
+        with io.open_h5_for_writing(path) as out, Progress("streaming", total=total_bytes, unit="bytes", quiet=quiet) as bar:
+            for key, value in attrs.items():
+                out.attrs[key] = value
+            small.update(compute(out, bar.advance))
+            for name, value in small.items():
+                value = np.asarray(value)
+                options = {"compression": compression, "chunks": True} if compression and value.ndim and value.size else {}
+                ds = out.create_dataset(name, data=value, **options)
+                for key, v in attrs.items():
+                    ds.attrs[key] = v
+
+    try:
+        io.atomic_write(output, write)
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot write {output}: {exc.strerror or exc}") from None
+    return small
+
+
+def check_figure_output(dest, *, inputs=(), force=False, option="--output", format=None):
+    """Refuse a figure path that has no .png/.svg/.pdf suffix (unless ``format`` names one), is an input,
+    exists without ``force``, is a directory or lies in a missing or read-only directory (the rules of
+    ``qgcli.storage.io.check_output``); ``-`` (stdout) is refused when stdout is a terminal."""
+    from qgcli.errors import OutputError
+
+    if not dest:
+        raise OutputError("a figure needs a file name ending in .png, .svg or .pdf, or - for stdout", operand=option)
+    if dest == "-":
+        if sys.stdout.isatty():
+            raise OutputError("refusing to write a binary figure to a terminal; redirect stdout or name a file",
+                              operand=option)
+        return
+    if format is None and not dest.lower().endswith(FIGURE_SUFFIXES):
+        ext = os.path.splitext(dest)[1] or "no extension"
+        raise OutputError(f"cannot tell the figure format from {ext!r} in {dest}; use .png, .svg or .pdf",
+                          operand=option)
+    for source in inputs:
+        if source and os.path.exists(source) and os.path.exists(dest) and _same_file(source, dest):
+            raise OutputError(f"{dest} is also an input; qgcli never overwrites its inputs", operand=option)
+    if os.path.isdir(dest):
+        raise OutputError(f"{dest} is a directory", operand=option)
+    parent = os.path.dirname(os.path.abspath(dest))
+    if not os.path.isdir(parent):
+        raise OutputError(f"directory {parent} does not exist", operand=option)
+    if os.path.exists(dest) and not force:
+        raise OutputError(f"{dest} exists; use --force to replace it", operand=option)
+    if not os.access(parent, os.W_OK):
+        raise OutputError(f"directory {parent} is not writable", operand=option)
+
+
+def _same_file(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def save_checked(fig, dest, dpi, format=None):
+    """Save ``fig`` (checked path, or ``-``: stdout, PNG unless ``format`` says otherwise) atomically; a
+    failing disk is a runtime error (exit 1)."""
+    from qgcli.report.plots import save_figure
+
+    if dest == "-":
+        from qgcli.signals import raise_pending
+
+        raise_pending()
+        return save_figure(fig, sys.stdout.buffer, dpi=dpi, format=format or "png")
+    try:
+        return save_figure(fig, dest, dpi=dpi, format=format)
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot write {dest}: {exc.strerror or exc}") from None
