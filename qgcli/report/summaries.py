@@ -3,8 +3,12 @@
 Kept free of heavy imports at module level so that ``qgcli --help`` stays fast.
 """
 import sys
+from contextvars import ContextVar
 
 from qgcli.errors import UsageProblem
+
+#: Set by :func:`qgcli.run` (:mod:`qgcli.cli.api`): a list that takes the JSON documents a command would print.
+CAPTURED = ContextVar("qgcli_captured_documents", default=None)
 
 
 def describe_arrays(arrays):
@@ -102,6 +106,12 @@ def dump_json(doc, *, safe=True):
     (:mod:`qgcli.report.json_out`: the same bytes, in large blocks and several times faster)."""
     from qgcli.report import json_out
 
+    captured = CAPTURED.get()
+    if captured is not None:  # qgcli.run(): the document as Python objects, as a JSON reader would see it
+        import json
+
+        captured.append(json.loads(json.dumps(json_safe(doc) if safe else doc, default=_json_default)))
+        return
     json_out.write(json_safe(doc) if safe else doc, sys.stdout, default=_json_default)
     sys.stdout.write("\n")
 
