@@ -123,3 +123,45 @@ def test_compare_counts_ulps():
     b = np.float32([1.0, np.nextafter(np.float32(2.0), np.float32(0.0)), 1e-45])
     c = compare(a, b)
     assert not c["identical"] and c["max_ulps"] == 2 and c["mismatches"] == 2
+
+
+def _cancelling_batch_norm(path, *, offset_error):
+    """A batch norm after a quantizer: the upstream gradient of each channel sums to about zero, so the
+    framework's float32 offset_backprop (summed in its own order) is relatively far from the exact sum."""
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((8, 16, 16, 4)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dy -= dy.mean(axis=(0, 1, 2), dtype=np.float64).astype(np.float32)  # sums cancel to ~1e-5 of the terms
+    scale = np.float32([0.5, 1.0, 2.0, 1.5])
+    mean = x.mean(axis=(0, 1, 2), dtype=np.float64).astype(np.float32)
+    var = x.var(axis=(0, 1, 2), dtype=np.float64).astype(np.float32)
+    bx, bs, bo = ops.fused_batch_norm_grad(dy, x, scale, mean, var, epsilon=1e-3, data_format="NHWC")[:3]
+    # the framework's order: one running float32 sum per channel, as a naive kernel adds
+    theirs = np.zeros(4, np.float32)
+    for row in dy.reshape(-1, 4):
+        theirs += row
+    assert abs(theirs - bo).max() / abs(bo).max() > 1e-3  # relatively far: rtol alone would fail it
+    w = RunFileWriter(path)
+    w.add("net/bn", "FusedBatchNormV3", {"y_backprop": dy, "x": x, "scale": scale, "reserve_space_1": mean,
+                                         "reserve_space_2": var},
+          {"epsilon": 1e-3, "data_format": "NHWC", "is_training": True},
+          {"x_backprop": bx, "scale_backprop": bs, "offset_backprop": theirs + np.float32(offset_error)})
+    w.close()
+
+
+def test_verify_holds_batch_norm_sums_to_float32s_summation_bound(tmp_path):
+    from click.testing import CliRunner
+
+    path = str(tmp_path / "bn.h5")
+    _cancelling_batch_norm(path, offset_error=0.0)
+    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)["layers"][0]["outputs"]["offset_backprop"]
+    assert out["passed"] and out["rel"] > 1e-5 and out["max_abs"] <= out["bound"]
+    # a real error (one term's worth: a term left out or counted twice) is above what float32's summation allows
+    path2 = str(tmp_path / "bn_wrong.h5")
+    _cancelling_batch_norm(path2, offset_error=1.0)
+    r = CliRunner().invoke(main, ["verify", path2, "--json"])
+    assert r.exit_code == 1
+    out = json.loads(r.stdout)["layers"][0]["outputs"]["offset_backprop"]
+    assert not out["passed"] and out["max_abs"] > out["bound"]
