@@ -156,7 +156,8 @@ def test_command_modules_import_no_other_command_module():
 LAYERS = [
     ("cli", ["qgcli.cli", "qgcli.__main__"]),
     ("capture", ["qgcli.capture"]),
-    ("whole-model reports", ["qgcli.report.verify", "qgcli.report.layers", "qgcli.report.layer_figures"]),
+    ("whole-model reports", ["qgcli.report.verify", "qgcli.report.layers", "qgcli.report.layer_figures",
+                             "qgcli.report.layer_details"]),
     ("execution", ["qgcli.execution"]),
     ("families", ["qgcli.families"]),
     ("presentation", ["qgcli.report"]),

@@ -299,6 +299,44 @@ def json_option(help="Print a machine-readable summary on stdout."):
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
+def fail_on_option(command):
+    """``--fail-on CONDITION,...``: exit 3 after printing when a condition holds (:mod:`qgcli.report.gates`);
+    parsed when the command line is, so that a bad condition stops before any work."""
+    from qgcli.report.gates import GATES
+
+    _, stats, named = GATES[command]
+    examples = ", ".join(list(named) + [f"{name}>N" for name in stats])
+    shares = [name for name, (_, share) in stats.items() if share]
+    if shares:
+        examples += f" (shares in %, e.g. {shares[0]}>10%)"
+
+    def parse(ctx, param, value):
+        from qgcli.errors import OptionError
+        from qgcli.report.gates import parse as parse_conditions
+
+        try:
+            return parse_conditions(value, command)
+        except OptionError as exc:
+            raise click.BadParameter(exc.message) from None
+
+    return click.option("--fail-on", "fail_on", metavar="CONDITION,...", default=None, callback=parse,
+                        help=f"Exit with code 3 (after printing) when a condition holds: {examples}; "
+                             "for CI jobs.")
+
+
+def gate(doc, conditions):
+    """The end of a command with ``--fail-on``: each condition that holds on one stderr line, then exit 3."""
+    if not conditions:
+        return
+    from qgcli.report.gates import EXIT_CODE, failures
+
+    held = failures(doc, conditions)
+    for line in held:
+        click.echo(f"fail-on {line}", err=True)
+    if held:
+        raise click.exceptions.Exit(EXIT_CODE)
+
+
 def quiet_option(help="No summary on stderr."):
     return click.option("-q", "--quiet", is_flag=True, help=help)
 

@@ -24,7 +24,7 @@ from qgcli.cli.options import (
     typed_overrides,
 )
 from qgcli.report.summaries import dump_json, number, stdout_console
-from qgcli.cli.options import table_options
+from qgcli.cli.options import fail_on_option, gate, table_options
 
 REPORT_SCHEMA = 1
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
@@ -291,6 +291,11 @@ Examples:
               help="Percentiles searched for the suggested range [P(100-p), P(p)]; the best SQNR wins.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see docs/formats.md).")
 @click.option("--csv", "as_csv", is_flag=True, help="Print one CSV row per channel on stdout.")
+@click.option("--html", "html", metavar="FILE", default=None,
+              help="Also write one self-contained HTML page: the verdict, the sortable table, the figures and "
+                   "each layer's details (no network needed to open it).")
+@click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
+@fail_on_option("report")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
@@ -304,8 +309,8 @@ Examples:
 @torchao_options
 @hdf5_bound_options
 @scheduler_option()
-def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, quiet, device, layer,
-           semantics, dtype, torchao, scheduler):
+def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, html, force, fail_on, quiet,
+           device, layer, semantics, dtype, torchao, scheduler):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -343,11 +348,11 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         if layer is not None:
             raise click.BadParameter("takes one run file as BUNDLE", param_hint="'--layer'")
         return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device, scheduler)
+                              device, scheduler, html=(html, force), fail_on=fail_on)
     target = run_file_target(operands)
     if target is not None and layer is None:
         return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device, scheduler)
+                              device, scheduler, html=(html, force), fail_on=fail_on)
     if scheduler is not None:
         raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
@@ -409,6 +414,8 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                            sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
     if not quiet:
         _print_notes(notes)
+    if html is not None:
+        _write_html(html, force, doc, inputs=list(operands.input_paths()))
     if as_json:
         dump_json(doc)
     elif as_csv:
@@ -417,6 +424,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             click.echo(doc["verdict"], err=True)
     else:
         render_report(stdout_console(), doc, limited)
+    gate(doc, fail_on)
 
 
 def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
@@ -455,7 +463,8 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
 LAYERS_SCHEMA = 1
 
 
-def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None):
+def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None,
+                   html=(None, False), fail_on=()):
     import contextlib
 
     from qgcli import __version__
@@ -485,10 +494,11 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
            "threshold": threshold, "percentiles": list(percentiles), "steps": steps,
            "layers": rows if top is None else rows[:top], "trends": trend, "skipped": skipped,
            "verdict": _layers_verdict(rows, threshold), **({"cluster": described} if described else {})}
+    if html[0] is not None:
+        _write_layers_html(html, doc, targets, options, percentiles, quiet)
     if as_json:
         dump_json(doc)
-        return
-    if as_csv:
+    elif as_csv:
         import csv
         import sys
 
@@ -501,8 +511,33 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
                              "x".join(map(str, row[k])) if isinstance(row[k], list) else row[k] for k in keys])
         if not quiet:
             click.echo(doc["verdict"], err=True)
-        return
-    _render_layers(stdout_console(), doc, top)
+    else:
+        _render_layers(stdout_console(), doc, top)
+    gate(doc, fail_on)
+
+
+def _write_html(dest, force, doc, *, inputs, figures=(), details=None):
+    from qgcli.report import html
+
+    html.write(dest, html.page(doc, figures=figures, details=details), force=force, inputs=inputs)
+
+
+def _write_layers_html(html, doc, targets, options, percentiles, quiet):
+    """The page of a run-file report: the per-layer figure of ``plot layers`` and each layer's details."""
+    from qgcli.report import plots
+    from qgcli.report.layer_details import layer_details
+    from qgcli.report.progress import Progress
+    from qgcli.storage.outputs import check_figure_output
+    from qgcli.storage.runfile import split_target
+
+    dest, force = html
+    files = [split_target(t)[0] for t in targets]
+    check_figure_output(dest, inputs=files, force=force, option="--html", format="html")  # before the work
+    with Progress("details for the page", total=None, quiet=quiet):
+        details = layer_details(list(targets), doc["layers"], options=options, percentiles=percentiles)
+    figures = [("Gradient mass blocked and SQNR per layer", plots.layers(doc["layers"][:60], steps=doc["steps"],
+                                                                          trends=doc["trends"]))] if doc["layers"] else []
+    _write_html(dest, force, doc, inputs=files, figures=figures, details=details)
 
 
 def _layers_verdict(rows, threshold):

@@ -6,7 +6,7 @@ a reduction beyond ``--rtol``), 2 for bad usage or a file that is no run file.
 """
 import click
 
-from qgcli.cli.options import json_option, scheduler_option
+from qgcli.cli.options import fail_on_option, gate, json_option, scheduler_option
 from qgcli.report.summaries import dump_json, number, stdout_console
 
 _EXAMPLE = """\b
@@ -23,8 +23,12 @@ Examples:
                    "and fake-quant reductions (element-wise fake-quant outputs must be bit-identical).")
 @click.option("--top", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
 @json_option()
+@click.option("--html", "html", metavar="FILE", default=None,
+              help="Also write one self-contained HTML page of the result (the verdict, the sortable table).")
+@click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
+@fail_on_option("verify")
 @scheduler_option()
-def verify(run, rtol, top, as_json, scheduler):
+def verify(run, rtol, top, as_json, html, force, fail_on, scheduler):
     """Recompute every layer of run file RUN with qgcli and compare with the framework's own results.
 
     RUN is a run file written by qgcli.capture (or any run file whose groups hold a reference/ subgroup of
@@ -35,11 +39,20 @@ def verify(run, rtol, top, as_json, scheduler):
 
     from qgcli.execution.dispatch import default_scheduler
 
+    if html is not None:
+        from qgcli.storage.outputs import check_figure_output
+
+        check_figure_output(html, inputs=[run.split(":", 1)[0]], force=force, option="--html", format="html")
     summary = verify_run(run, rtol=rtol, scheduler=scheduler or default_scheduler())
+    if html is not None:
+        from qgcli.report import html as pages
+
+        pages.write(html, pages.page(summary), force=force, inputs=[run.split(":", 1)[0]])
     if as_json:
         dump_json(summary)
     else:
         _render(stdout_console(), summary, top)
+    gate(summary, fail_on)
     if not summary["ok"]:
         raise click.ClickException(f"{summary['failed']} of {summary['verified']} layers differ from the "
                                    "framework's results (see the table, or --json)")
