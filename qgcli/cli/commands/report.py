@@ -295,6 +295,9 @@ Examples:
               help="Also write one self-contained HTML page: the verdict, the sortable table, the figures and "
                    "each layer's details (no network needed to open it).")
 @click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
+@click.option("--tensorboard", "tensorboard", metavar="LOGDIR", default=None,
+              help="Run files: also write TensorBoard event files under LOGDIR (scalars per layer and statistic at "
+                   "the file's step numbers, aggregate curves; pip install 'qgcli[tensorboard]').")
 @fail_on_option("report")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options
@@ -309,8 +312,8 @@ Examples:
 @torchao_options
 @hdf5_bound_options
 @scheduler_option()
-def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, html, force, fail_on, quiet,
-           device, layer, semantics, dtype, torchao, scheduler):
+def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, html, force, tensorboard,
+           fail_on, quiet, device, layer, semantics, dtype, torchao, scheduler):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -348,14 +351,17 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         if layer is not None:
             raise click.BadParameter("takes one run file as BUNDLE", param_hint="'--layer'")
         return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device, scheduler, html=(html, force), fail_on=fail_on)
+                              device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard)
     target = run_file_target(operands)
     if target is not None and layer is None:
         return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device, scheduler, html=(html, force), fail_on=fail_on)
+                              device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard)
     if scheduler is not None:
         raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
+    if tensorboard is not None:
+        raise click.BadParameter("writes the layers of run files (a bundle has no steps to plot)",
+                                 param_hint="'--tensorboard'")
     if layer is not None:
         if target is None:
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
@@ -464,7 +470,7 @@ LAYERS_SCHEMA = 1
 
 
 def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None,
-                   html=(None, False), fail_on=()):
+                   html=(None, False), fail_on=(), tensorboard=None):
     import contextlib
 
     from qgcli import __version__
@@ -496,6 +502,12 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
            "verdict": _layers_verdict(rows, threshold), **({"cluster": described} if described else {})}
     if html[0] is not None:
         _write_layers_html(html, doc, targets, options, percentiles, quiet)
+    if tensorboard is not None:
+        from qgcli.report.tensorboard import write_report
+
+        write_report(tensorboard, doc)
+        if not quiet:
+            click.echo(f"wrote TensorBoard events to {tensorboard}", err=True)
     if as_json:
         dump_json(doc)
     elif as_csv:

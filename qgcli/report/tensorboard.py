@@ -1,0 +1,71 @@
+"""TensorBoard event files of a report (``report RUN --tensorboard LOGDIR``), written with tensorboardX (the
+``[tensorboard]`` extra: a maintained writer of TensorBoard's own format, without TensorFlow).
+
+Scalars per layer under one tag family per statistic (``gradient_blocked/<layer>``, ``clipped/<layer>``,
+``sqnr_db/<layer>``), at the run file's step numbers (``step_000300`` is step 300; a file without steps is
+step 0); a few aggregate curves that stay readable with hundreds of layers (``aggregate/worst_5_gradient_blocked``,
+the mean of the five worst layers, ``aggregate/share_flagged``, ``aggregate/median_sqnr_db``); and per step a
+histogram of the layers' blocked shares (``distribution/gradient_blocked``).
+"""
+import re
+
+#: The per-layer statistics written, row key -> tag family.
+STATISTICS = (("gradient_blocked", "gradient_blocked"), ("clipped", "clipped"), ("sqnr_db", "sqnr_db"))
+WORST = 5
+
+_DIGITS = re.compile(r"(\d+)$")
+
+
+def step_number(step):
+    """``step_000300`` -> 300; None or a name without a number -> 0."""
+    m = _DIGITS.search(str(step or ""))
+    return int(m.group(1)) if m else 0
+
+
+def write_report(logdir, doc):
+    """Write the event file of a run-file ``report`` document (its ``layers`` rows) under ``logdir``; returns
+    the number of scalars written."""
+    import numpy as np
+
+    writer = _writer(logdir)
+    written = 0
+    try:
+        by_step = {}
+        for row in doc.get("layers") or ():
+            step = step_number(row.get("step"))
+            by_step.setdefault(step, []).append(row)
+            for key, family in STATISTICS:
+                value = row.get(key)
+                if value is not None:
+                    writer.add_scalar(f"{family}/{row.get('layer') or row['path']}", float(value), step)
+                    written += 1
+        for step, rows in sorted(by_step.items()):
+            blocked = sorted((r["gradient_blocked"] for r in rows if r.get("gradient_blocked") is not None),
+                             reverse=True)
+            sqnr = [r["sqnr_db"] for r in rows if r.get("sqnr_db") is not None]
+            if blocked:
+                writer.add_scalar(f"aggregate/worst_{WORST}_gradient_blocked", float(np.mean(blocked[:WORST])), step)
+                writer.add_histogram("distribution/gradient_blocked", np.asarray(blocked, np.float64), step)
+                written += 1
+            if sqnr:
+                writer.add_scalar("aggregate/median_sqnr_db", float(np.median(sqnr)), step)
+                written += 1
+            writer.add_scalar("aggregate/share_flagged", sum(bool(r.get("flagged")) for r in rows) / len(rows), step)
+            written += 1
+    finally:
+        writer.close()
+    return written
+
+
+def _writer(logdir):
+    from qgcli.errors import OutputError
+
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise OutputError("writing TensorBoard event files needs tensorboardX: pip install 'qgcli[tensorboard]'",
+                          operand="--tensorboard") from None
+    try:
+        return SummaryWriter(logdir=logdir)
+    except OSError as exc:
+        raise OutputError(f"cannot write to {logdir}: {exc.strerror or exc}", operand="--tensorboard") from None
