@@ -12,7 +12,7 @@ import re
 LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "channels", "clipped_below",
               "clipped_above", "clipped", "gradient_blocked", "sqnr_db", "suggested_min", "suggested_max",
               "suggested_sqnr_db", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped",
-              "straight_through", "scale_path", "rounding")
+              "straight_through", "scale_path", "rounding", "upstream_gradient")
 
 #: The percentiles ``qgcli report`` searches for a suggested range by default.
 DEFAULT_PERCENTILES = (100.0, 99.99, 99.9, 99.5, 99.0, 98.0, 95.0)
@@ -106,6 +106,29 @@ def _attr(layer, options, name, default):
 
 
 def _row(layer, operands, options, percentiles, device):
+    """The layer's row; ``upstream_gradient`` says whether a gradient reached it, and where none did (all zero)
+    its blocked shares are None: a share of no gradient mass means nothing."""
+    row = _family_row(layer, operands, options, percentiles, device)
+    row["upstream_gradient"] = upstream_gradient(operands.get("gradients", required=False))
+    if row["upstream_gradient"] != "present":
+        row["gradient_blocked"] = None
+        if row.get("worst_channel_gradient_blocked") is not None:
+            row["worst_channel_gradient_blocked"] = None
+    return row
+
+
+def upstream_gradient(gradients):
+    """``"absent"`` (no gradients in the group), ``"zero"`` (every value 0: nothing reached the layer, e.g. a
+    quantizer downstream clips everything) or ``"present"``."""
+    import numpy as np
+
+    if gradients is None:
+        return "absent"
+    g = np.asarray(gradients)
+    return "present" if bool(np.any(g != 0)) else "zero"
+
+
+def _family_row(layer, operands, options, percentiles, device):
     import numpy as np
 
     from qgcli.storage.operands import to_device

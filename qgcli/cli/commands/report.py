@@ -556,6 +556,10 @@ def _layers_verdict(rows, threshold):
     flagged = [r for r in rows if r["flagged"]]
     if not rows:
         return "Verdict: no quantizer to report."
+    starved = _no_gradient_clause(rows)
+    if starved:
+        rest = _layers_verdict([r for r in rows if r.get("upstream_gradient") != "zero"], threshold)
+        return f"Verdict: {starved}; " + rest[len("Verdict: "):]
     if not flagged:
         return f"Verdict: OK, no layer loses more than {100 * threshold:g}% of its gradient mass."
     names = ", ".join(f"{r['path']} {100 * (r['gradient_blocked'] if r['gradient_blocked'] is not None else r['clipped']):.1f}%"
@@ -563,6 +567,20 @@ def _layers_verdict(rows, threshold):
     more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
     return (f"Verdict: {len(flagged)} of {len(rows)} layers lose more than {100 * threshold:g}% of their gradient "
             f"mass (or clip more, without gradients): {names}{more}.")
+
+
+def _no_gradient_clause(rows):
+    """"no gradient reaches N layers: PATH clips 100%" when some layers get an all-zero upstream gradient (the
+    cause named where a quantizer of the same step clips all but a thousandth of its values), else None."""
+    starved = [r for r in rows if r.get("upstream_gradient") == "zero"]
+    if not starved:
+        return None
+    steps = {r["step"] for r in starved}
+    causes = [r for r in rows if r.get("upstream_gradient") != "zero" and r["step"] in steps
+              and r["clipped"] is not None and r["clipped"] >= 0.999]
+    noun = "layer" if len(starved) == 1 else "layers"
+    cause = ", ".join(f"{r['path']} clips {100 * r['clipped']:.0f}%" for r in causes[:3])
+    return f"no gradient reaches {len(starved)} {noun}" + (f": {cause}" if cause else "")
 
 
 _LAYER_COLS = None
@@ -578,7 +596,7 @@ def _layer_cols():
             Col("layer", justify="left", priority=0), Col("op", justify="left", priority=3),
             Col("shape", priority=3), Col("bits", priority=2), Col("clip<", priority=1), Col("clip>", priority=1),
             Col("blocked", help="gradient mass the mask zeroes (TensorFlow's STE, PyTorch's mask for PyTorch "
-                                "groups)", priority=0),
+                                "groups); no grad: an all-zero upstream gradient", priority=0),
             Col("SQNR", help="dB", priority=1), Col("SQNR'", help=_PRIMED, priority=2),
             Col("worst ch", help="the channel losing most", priority=2),
         )
@@ -604,8 +622,9 @@ def _render_layers(console, doc, top):
         worst_share = (r["worst_channel_gradient_blocked"] if r["worst_channel_gradient_blocked"] is not None
                        else r["worst_channel_clipped"])
         worst = "-" if r["worst_channel"] is None else f"{r['worst_channel']} ({_pct(worst_share)})"
+        blocked = {"zero": "no grad", "absent": "-"}.get(r.get("upstream_gradient"), _pct(r["gradient_blocked"]))
         rows.append([r["path"], r["op"] or "", "x".join(map(str, r["shape"])), str(r["num_bits"]),
-                     _pct(r["clipped_below"]), _pct(r["clipped_above"]), _pct(r["gradient_blocked"]),
+                     _pct(r["clipped_below"]), _pct(r["clipped_above"]), blocked,
                      _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst])
     cols = _layer_cols()
     if any(r.get("scale_path") is not None for r in shown):  # torchao groups: their gradient split too
