@@ -18,11 +18,12 @@ ties to even; ``clamp`` keeps NaN)::
 is taken first and multiplied, as torchao does to match its Triton kernel: it is not the same as dividing
 by the scale (one more rounding).
 
-With the per-tensor scale on, torchao turns the whole tensor into NaN when ``t`` is 0, NaN or Inf, or so
-small that ``1 / t`` overflows: an all-zero tensor (``0 / 0`` block scales), one holding a NaN, or one holding
-an Inf (``t = Inf``: every element is ``0 * Inf``), or an amax below about ``7.9e-36``.  qgcli follows it and
-emits a :class:`RuntimeWarning` saying so.  Without the per-tensor scale an all-zero block gets the smallest
-scale ``2^-6`` and comes back as zeros, a NaN block as NaN.
+With the per-tensor scale on, torchao turns the whole tensor into NaN when ``t`` is 0, NaN or Inf: an
+all-zero tensor (``0 / 0`` block scales), one holding a NaN, or one holding an Inf (``t = Inf``: every element
+is ``0 * Inf``); when ``t`` is so small that ``1 / t`` overflows (amax below about ``7.9e-36``) its zeros
+become NaN (``0 * Inf``).  qgcli follows it and emits a :class:`RuntimeWarning` saying how many outputs became
+NaN.  Without the per-tensor scale an all-zero block gets the smallest scale ``2^-6`` and comes back as zeros;
+a block holding a NaN comes back all NaN (its scale is NaN), without a warning.
 
 ``quantized``: the fp4 codes *unpacked*, one uint8 per element (the code in the low nibble, sign in bit 3),
 shaped like the inputs; torchao stores them packed two per byte along the last dimension, element ``2i`` in
@@ -35,8 +36,10 @@ upstream gradient by the dequantized tensors: the straight-through identity, :fu
 >>> import numpy as np
 >>> x = np.linspace(-3, 3, 16, dtype=np.float32).reshape(1, 16)
 >>> r = nvfp4_fake_quantize(x)
->>> r.outputs[0, :6], r.tensor_scale, r.block_scales.view(np.uint8)
-(array([-3. , -3. , -2. , -2. , -1.5, -1. ], dtype=float32), array(0.00111607, dtype=float32), array([[126]], dtype=uint8))
+>>> r.outputs[0, :6], r.tensor_scale
+(array([-3. , -3. , -2. , -2. , -1.5, -1. ], dtype=float32), array(0.00111607, dtype=float32))
+>>> r.block_scales.view(np.uint8), r.quantized[0, :6]
+(array([[126]], dtype=uint8), array([15, 15, 14, 14, 13, 12], dtype=uint8))
 """
 import warnings
 from typing import NamedTuple
@@ -110,11 +113,6 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
     with np.errstate(all="ignore"):
         if t is not None:
             inv_t = (_F32(1) / t).astype(_F32)
-            if not (bool(xp.isfinite(t)) and bool(xp.isfinite(inv_t))):
-                warnings.warn(f"NVFP4 per-tensor scale {float(t)!r} (tensor amax / 2688) is zero, NaN, infinite or "
-                              "too small to invert: torchao's to_nvfp4(...).dequantize() gives NaN for every "
-                              "element; qgcli does the same (pass per_tensor_scale=False to avoid it)",
-                              RuntimeWarning, stacklevel=2)
         bmax = xp.max(xp.abs(xb), axis=1, keepdims=True) if xb.size else xp.zeros((0, 1), _F32)
         bscale = bmax / _F32(6)
         if t is not None:
@@ -125,6 +123,14 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
         v = xp.clip(sf.times_scale(xb, r, xp), _F32(-6), _F32(6))
         q = _fp4_pack_roundtrip(sf.f32_to_floatx(v, 2, 1, xp), xp)
         y = xp.asarray(_FP4_TABLE)[q] * ((t * s32) if t is not None else s32)
+    if t is not None and not (bool(xp.isfinite(t)) and bool(t > 0) and bool(xp.isfinite(inv_t))):
+        introduced = int(xp.count_nonzero(xp.isnan(y) & ~xp.isnan(xb)))
+        if introduced:
+            warnings.warn(f"NVFP4 per-tensor scale {float(t)!r} (tensor amax / 2688) is zero, NaN, infinite or too "
+                          f"small to invert: torchao's to_nvfp4(...).dequantize() gives NaN for {introduced} of "
+                          f"{y.size} elements whose input is not NaN"
+                          f"{' (every output is NaN)' if bool(xp.isnan(y).all()) else ''}; qgcli does the same "
+                          "(per_tensor_scale=False avoids it)", RuntimeWarning, stacklevel=2)
     scale_shape = xm.shape[:-1] + (xm.shape[-1] // BLOCK_SIZE,)
     y, q, s8 = y.reshape(xm.shape), q.reshape(xm.shape), s8.reshape(scale_shape)
     if moved:
