@@ -239,7 +239,7 @@ def _quantize_blocks(xb, fmt, scale_mode, xp):
         q = _element_codes(v, fmt, xp)
         if fmt.kind == "fpx" and fmt.ebits + fmt.mbits == 3:
             q = _fp4_pack_roundtrip(q, xp)
-        values = (q.astype(_F32) * _F32(2.0**-6)) if fmt.kind == "int8" else xp.asarray(_table(fmt))[q]
+        values = (q.astype(_F32) * _F32(2.0**-6)) if fmt.kind == "int8" else xp.take(xp.asarray(_table(fmt)), q)
         s_out = xp.where(code == 255, _F32(np.nan), _pow2_f32(code.astype(np.int32) - 127, xp))
         y = values * s_out
     return q, code, y

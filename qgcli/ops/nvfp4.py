@@ -110,19 +110,14 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
     xm = xp.ascontiguousarray(xp.moveaxis(x, axis, -1)) if moved else xp.ascontiguousarray(x)
     xb = xm.reshape(-1, BLOCK_SIZE)
     t = _tensor_scale(x, xp) if per_tensor_scale else None
-    with np.errstate(all="ignore"):
-        if t is not None:
+    inv_t = None
+    if t is not None:
+        with np.errstate(all="ignore"):
             inv_t = (_F32(1) / t).astype(_F32)
-        bmax = xp.max(xp.abs(xb), axis=1, keepdims=True) if xb.size else xp.zeros((0, 1), _F32)
-        bscale = bmax / _F32(6)
-        if t is not None:
-            bscale = bscale / t
-        s8 = sf.float8_codes(xp.clip(bscale, _E4M3_EPS, _F32(448)), "float8_e4m3fn", xp)
-        s32 = xp.asarray(_e4m3_table())[s8]
-        r = (inv_t / s32) if t is not None else (_F32(1) / s32) * _F32(1)
-        v = xp.clip(sf.times_scale(xb, r, xp), _F32(-6), _F32(6))
-        q = _fp4_pack_roundtrip(sf.f32_to_floatx(v, 2, 1, xp), xp)
-        y = xp.asarray(_FP4_TABLE)[q] * ((t * s32) if t is not None else s32)
+    if xp is np and xb.shape[0] > 1:
+        q, s8, y = _chunked(xb, t, inv_t)
+    else:
+        q, s8, y = _quantize_blocks(xb, t, inv_t, xp)
     if t is not None and not (bool(xp.isfinite(t)) and bool(t > 0) and bool(xp.isfinite(inv_t))):
         introduced = int(xp.count_nonzero(xp.isnan(y) & ~xp.isnan(xb)))
         if introduced:
@@ -140,6 +135,40 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
 
         s8 = s8.view(ml_dtypes.float8_e4m3fn)
     return NVFP4Result(y.astype(_F32, copy=False), s8, t, q)
+
+
+def _quantize_blocks(xb, t, inv_t, xp):
+    """(codes, e4m3 scale bytes, outputs) of blocks ``xb`` (blocks, 16), in torchao's float32 steps."""
+    with np.errstate(all="ignore"):
+        bmax = xp.max(xp.abs(xb), axis=1, keepdims=True) if xb.size else xp.zeros((0, 1), _F32)
+        bscale = bmax / _F32(6)
+        if t is not None:
+            bscale = bscale / t
+        s8 = sf.float8_codes(xp.clip(bscale, _E4M3_EPS, _F32(448)), "float8_e4m3fn", xp)
+        s32 = xp.take(xp.asarray(_e4m3_table()), s8)
+        r = (inv_t / s32) if t is not None else (_F32(1) / s32) * _F32(1)
+        v = xp.clip(sf.times_scale(xb, r, xp), _F32(-6), _F32(6))
+        q = _fp4_pack_roundtrip(sf.f32_to_floatx(v, 2, 1, xp), xp)
+        y = xp.take(xp.asarray(_FP4_TABLE), q) * ((t * s32) if t is not None else s32)
+    return q, s8, y
+
+
+def _chunked(xb, t, inv_t):
+    """:func:`_quantize_blocks` over cache-sized runs of blocks on the thread pool (NumPy)."""
+    from qgcli.ops import blocked
+
+    nb = xb.shape[0]
+    q = np.empty(xb.shape, np.uint8)
+    s8 = np.empty((nb, 1), np.uint8)
+    y = np.empty(xb.shape, _F32)
+    step = (1 << 15) // BLOCK_SIZE
+
+    def one(start):
+        stop = min(start + step, nb)
+        q[start:stop], s8[start:stop], y[start:stop] = _quantize_blocks(xb[start:stop], t, inv_t, np)
+
+    blocked._map(one, range(0, nb, step))
+    return q, s8, y
 
 
 def nvfp4_fake_quantize_gradient(gradients, inputs=None, *, per_tensor_scale=True, axis=-1):
