@@ -64,8 +64,15 @@ def test_file_records_its_sources():
 
 # --- MX ---------------------------------------------------------------------------------------------------
 
+@pytest.fixture(params=["one run", "runs of 1-3 blocks"])
+def chunking(request, monkeypatch):
+    """Each case once in one run of blocks and once cut into runs of a few blocks (the thread-pool path)."""
+    if request.param != "one run":
+        monkeypatch.setattr(mx, "CHUNK_ELEMENTS", 40)
+
+
 @pytest.mark.parametrize("name", sorted(G["mx"]))
-def test_mx_case(name):
+def test_mx_case(name, chunking):
     data, attrs = G["mx"][name]
     fmt = _attr(attrs["format"])
     r = mx.mx_fake_quantize(data["inputs"], format=fmt, block_size=int(attrs["block_size"]),
@@ -173,7 +180,7 @@ def _introduced_nan(data):
 
 
 @pytest.mark.parametrize("name", sorted(G["nvfp4"]))
-def test_nvfp4_case(name):
+def test_nvfp4_case(name, chunking):
     data, attrs = G["nvfp4"][name]
     if attrs["per_tensor_scale"] and _introduced_nan(data).any():
         every = "(every output is NaN)" if attrs["all_nan"] else "elements whose input is not NaN;"

@@ -116,3 +116,24 @@ def times_scale(x, r, xp=np):
     if bool(nan_r.any()):
         v = xp.where(nan_r, r, v)
     return v
+
+
+#: (ebits, mbits) -> the ml_dtypes type whose cast equals :func:`f32_to_floatx` on every non-NaN float32
+#: (checked on all float32 patterns in [2^-40, 2^20) and 60 million random ones; fp8 on values within +-F)
+_ML_NAMES = {(4, 3): "float8_e4m3fn", (5, 2): "float8_e5m2", (2, 3): "float6_e2m3fn", (3, 2): "float6_e3m2fn",
+             (2, 1): "float4_e2m1fn"}
+
+
+def fast_codes(v, ebits, mbits):
+    """:func:`f32_to_floatx` of a NumPy ``v`` with no NaN (fp8: within the format's finite range) through
+    ml_dtypes' C cast, one pass; None where this ml_dtypes lacks the type."""
+    import ml_dtypes
+
+    t = getattr(ml_dtypes, _ML_NAMES[(ebits, mbits)], None)
+    if t is None:
+        return None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return v.astype(t).view(np.uint8)

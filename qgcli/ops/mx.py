@@ -84,6 +84,8 @@ from qgcli.ops import _small_floats as sf
 
 _F32 = np.float32
 SCALE_MODES = ("floor", "rceil", "ceil", "even")
+#: elements per run of blocks on the thread pool (the chain of operations stays in cache)
+CHUNK_ELEMENTS = 1 << 15
 
 
 class _Format(NamedTuple):
@@ -201,7 +203,11 @@ def _clamp(v, bound, xp):
     return xp.clip(v, _F32(-bound), _F32(bound))
 
 
-def _element_codes(v, fmt, xp):
+def _element_codes(v, fmt, xp, has_nan=True):
+    if fmt.kind != "int8" and xp is np and not has_nan:
+        q = sf.fast_codes(v, fmt.ebits, fmt.mbits)  # fp8: v is clamped to +-F here
+        if q is not None:
+            return q
     if fmt.kind == "fp8":
         return sf.float8_codes(v, fmt.float8, xp)
     if fmt.kind == "fpx":
@@ -226,7 +232,9 @@ def _fp4_pack_roundtrip(codes, xp):
 def _quantize_blocks(xb, fmt, scale_mode, xp):
     """(codes, scale codes, outputs) for ``xb`` of shape (blocks, block size)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        amax = xp.max(xp.abs(xb), axis=1, keepdims=True)  # a NaN's bits propagate, as torch.amax(dim=-1)
+        # max|x| on the bits (a NaN's bits propagate, as in torch.amax(dim=-1); NaN sorts above Inf)
+        amax = (xb.view(np.int32) & np.int32(0x7FFFFFFF)).max(axis=1, keepdims=True).view(_F32)
+        has_nan = bool(xp.isnan(amax).any())  # only blocks with a NaN amax produce NaN elements
         if scale_mode == "rceil":
             code, r = _rceil(amax, fmt, xp)
             v = _clamp(sf.times_scale(xb, r, xp), fmt.max_pos, xp)
@@ -236,7 +244,7 @@ def _quantize_blocks(xb, fmt, scale_mode, xp):
             v = xb / s
             if fmt.kind != "fpx":
                 v = _clamp(v, fmt.max_pos, xp)
-        q = _element_codes(v, fmt, xp)
+        q = _element_codes(v, fmt, xp, has_nan)
         if fmt.kind == "fpx" and fmt.ebits + fmt.mbits == 3:
             q = _fp4_pack_roundtrip(q, xp)
         values = (q.astype(_F32) * _F32(2.0**-6)) if fmt.kind == "int8" else xp.take(xp.asarray(_table(fmt)), q)
@@ -284,7 +292,7 @@ def _chunked(xb, fmt, scale_mode):
     q = np.empty(xb.shape, _q_dtype(fmt))
     code = np.empty((nb, 1), np.uint8)
     y = np.empty(xb.shape, _F32)
-    step = max(1, (1 << 15) // bs)
+    step = max(1, CHUNK_ELEMENTS // bs)
     if fmt.kind == "fpx" and fmt.ebits + fmt.mbits == 3 and bs % 2:
         step += step % 2  # fp4 pairs must not straddle two runs
 

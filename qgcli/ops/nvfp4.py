@@ -48,6 +48,7 @@ import numpy as np
 
 from qgcli.errors import OperandError
 from qgcli.ops import _small_floats as sf
+from qgcli.ops import mx
 from qgcli.ops.mx import _fp4_pack_roundtrip, _inputs, check_blocks
 
 _F32 = np.float32
@@ -140,7 +141,8 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
 def _quantize_blocks(xb, t, inv_t, xp):
     """(codes, e4m3 scale bytes, outputs) of blocks ``xb`` (blocks, 16), in torchao's float32 steps."""
     with np.errstate(all="ignore"):
-        bmax = xp.max(xp.abs(xb), axis=1, keepdims=True) if xb.size else xp.zeros((0, 1), _F32)
+        bmax = (xb.view(np.int32) & np.int32(0x7FFFFFFF)).max(axis=1, keepdims=True).view(_F32) if xb.size \
+            else xp.zeros((0, 1), _F32)
         bscale = bmax / _F32(6)
         if t is not None:
             bscale = bscale / t
@@ -148,7 +150,9 @@ def _quantize_blocks(xb, t, inv_t, xp):
         s32 = xp.take(xp.asarray(_e4m3_table()), s8)
         r = (inv_t / s32) if t is not None else (_F32(1) / s32) * _F32(1)
         v = xp.clip(sf.times_scale(xb, r, xp), _F32(-6), _F32(6))
-        q = _fp4_pack_roundtrip(sf.f32_to_floatx(v, 2, 1, xp), xp)
+        q = sf.fast_codes(v, 2, 1) if xp is np and not bool(xp.isnan(r).any()) else None
+        if q is None:  # NaN elements: torchao's bit operations, and its pack/unpack round trip
+            q = _fp4_pack_roundtrip(sf.f32_to_floatx(v, 2, 1, xp), xp)
         y = xp.take(xp.asarray(_FP4_TABLE), q) * ((t * s32) if t is not None else s32)
     return q, s8, y
 
@@ -161,7 +165,7 @@ def _chunked(xb, t, inv_t):
     q = np.empty(xb.shape, np.uint8)
     s8 = np.empty((nb, 1), np.uint8)
     y = np.empty(xb.shape, _F32)
-    step = (1 << 15) // BLOCK_SIZE
+    step = max(1, mx.CHUNK_ELEMENTS // BLOCK_SIZE)
 
     def one(start):
         stop = min(start + step, nb)
