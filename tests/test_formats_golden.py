@@ -69,6 +69,7 @@ def chunking(request, monkeypatch):
     """Each case once in one run of blocks and once cut into runs of a few blocks (the thread-pool path)."""
     if request.param != "one run":
         monkeypatch.setattr(mx, "CHUNK_ELEMENTS", 40)
+        monkeypatch.setattr(onnx_quantize, "CHUNK_ELEMENTS", 12)
 
 
 @pytest.mark.parametrize("name", sorted(G["mx"]))
@@ -268,7 +269,7 @@ def _codes(q, dtype):
 
 
 @pytest.mark.parametrize("name", sorted(G["onnx"]))
-def test_onnx_case(name):
+def test_onnx_case(name, chunking):
     data, attrs = G["onnx"][name]
     args, kw = _onnx_args(data, attrs)
     dtype = kw["dtype"]
@@ -409,6 +410,25 @@ def test_onnx_quantized_types():
             "float4e2m1": "float4_e2m1fn"}
     for dtype, name in want.items():
         assert onnx_quantize.quantize_linear(x, np.float32(0.5), dtype=dtype).dtype.name == name
+
+
+def test_fast_codes_equal_torchao_bit_operations():
+    """ml_dtypes' casts (the fast path) equal torchao's _f32_to_floatx_unpacked on non-NaN float32 values: in
+    2^-12 .. 2^17, every top-11-bit mantissa with low bits 0, 1 and 0xFFF (the ties and their neighbours), and
+    half a million random patterns up to Inf (fp8 within +-F)."""
+    from qgcli.ops import _small_floats as sf
+
+    rng = np.random.default_rng(5)
+    exps = np.arange(127 - 12, 127 + 17, dtype=np.uint32) << 23
+    mant = (np.arange(1 << 11, dtype=np.uint32) << 12)[:, None] + np.array([0, 1, 0xFFF], np.uint32)
+    bits = np.concatenate([(exps[:, None] + mant.reshape(1, -1)).reshape(-1),
+                           rng.integers(0, 0x7F800001, 1 << 19, dtype=np.uint32)])
+    v = np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32)
+    for (e, m), fmax in [((4, 3), 448.0), ((5, 2), 57344.0), ((2, 3), None), ((3, 2), None), ((2, 1), None)]:
+        w = np.clip(v, -fmax, fmax) if fmax else v
+        fast = sf.fast_codes(w, e, m)
+        if fast is not None:
+            assert np.array_equal(fast, sf.f32_to_floatx(w, e, m)), (e, m)
 
 
 def test_public_names():

@@ -69,6 +69,8 @@ FLOAT_TYPES = {
     "float4e2m1": ("float4_e2m1fn", 6.0),
 }
 DTYPES = tuple(INTEGER_TYPES) + tuple(FLOAT_TYPES)
+#: elements per run of rows in onnx_fake_quantize on NumPy (its chain of operations stays in cache)
+CHUNK_ELEMENTS = 1 << 16
 ESTIMATORS = ("ste", "masked")
 
 
@@ -230,8 +232,34 @@ def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, 
     array([  1., 448.], dtype=float32)
     """
     xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size)
+    if xp is np and xa.ndim and xa.shape[0] > 1 and xa.size > CHUNK_ELEMENTS:
+        return _chunked(xa, d, sb, zb, saturate)
     _, q = _quantize(xp, xa, d, sb, zb, saturate)
     return OnnxFakeQuantResult(_dequantize(xp, q, d, sb, zb), q)
+
+
+def _chunked(xa, d, sb, zb, saturate):
+    """:func:`onnx_fake_quantize` over runs of leading rows on the thread pool (NumPy): the same operations."""
+    from qgcli.ops import blocked
+
+    n = xa.shape[0]
+    rows = max(1, CHUNK_ELEMENTS // max(1, xa.size // n))
+
+    def part(a, sl):
+        return a[sl] if a is not None and a.ndim == xa.ndim and a.shape[0] == n else a
+
+    first = _quantize(np, xa[:1], d, part(sb, slice(0, 1)), part(zb, slice(0, 1)), saturate)[1]
+    q = np.empty(xa.shape, first.dtype)
+    y = np.empty(xa.shape, _F32)
+
+    def one(start):
+        sl = slice(start, min(start + rows, n))
+        s_, z_ = part(sb, sl), part(zb, sl)
+        q[sl] = _quantize(np, xa[sl], d, s_, z_, saturate)[1]
+        y[sl] = _dequantize(np, q[sl], d, s_, z_)
+
+    blocked._map(one, range(0, n, rows))
+    return OnnxFakeQuantResult(y, q)
 
 
 def onnx_fake_quantize_gradient(gradients, x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0,
