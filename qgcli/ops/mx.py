@@ -45,7 +45,8 @@ Where torchao and the OCP spec differ, qgcli follows torchao:
 * **NaN and Inf.**  A block holding a NaN gets code 255 (the E8M0 NaN) and dequantizes to all NaN.  A block
   holding an Inf (no NaN) is *not* NaN: floor/ceil/even give it the finite code ``255 - emax`` (the Inf
   element saturates to ``F`` and dequantizes to ``F * 2^(128 - emax)``, which overflows to Inf in float32;
-  the other elements of the block flush to 0); rceil gives code 254.  The spec leaves Inf/NaN scales to the
+  the other elements of the block flush to 0; mxint8, with ``emax = 0``, gets 255 and so a NaN block);
+  rceil gives code 254.  The spec leaves Inf/NaN scales to the
   implementation ("X is NaN" for a NaN input).  The element codes of NaN blocks are whatever torchao's
   bit tricks give (reproduced, including fp4's pair packing, which lets a NaN element's stray high bits
   leak into its neighbour's nibble).
