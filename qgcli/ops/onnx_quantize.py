@@ -44,7 +44,6 @@ training's ``FakeQuant`` gradient mask).  NaN ``x`` is outside (gradient 0).
 >>> r.outputs, r.quantized
 (array([-1.  ,  0.25,  0.5 , 31.75], dtype=float32), array([124, 129, 130, 255], dtype=uint8))
 """
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -176,9 +175,7 @@ def _quantize(xp, x, d, sb, zb, saturate):
         name, fmax = FLOAT_TYPES[d]
         if saturate and d != "float4e2m1":
             v = np.clip(v, _F32(-fmax), _F32(fmax))
-        with warnings.catch_warnings():  # ml_dtypes warns on NaN and overflow: they are meant here
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return v, np.asarray(v).astype(getattr(ml_dtypes, name))
+        return v, np.asarray(v).astype(getattr(ml_dtypes, name))
 
 
 def quantize_linear(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0, saturate=True):
