@@ -48,6 +48,17 @@ _EXPORTS = {
     "quantize_dequantize": "quantize",
     "quantize_dequantize_gradient": "quantize",
     "quantize_v2": "quantize",
+    "MXResult": "mx",
+    "mx_fake_quantize": "mx",
+    "mx_fake_quantize_gradient": "mx",
+    "NVFP4Result": "nvfp4",
+    "nvfp4_fake_quantize": "nvfp4",
+    "nvfp4_fake_quantize_gradient": "nvfp4",
+    "OnnxFakeQuantResult": "onnx_quantize",
+    "quantize_linear": "onnx_quantize",
+    "dequantize_linear": "onnx_quantize",
+    "onnx_fake_quantize": "onnx_quantize",
+    "onnx_fake_quantize_gradient": "onnx_quantize",
 }
 
 
@@ -79,6 +90,17 @@ __all__ = [
     "float8_fake_quantize_config",
     "float8_fake_quantize",
     "float8_fake_quantize_gradient",
+    "MXResult",
+    "mx_fake_quantize",
+    "mx_fake_quantize_gradient",
+    "NVFP4Result",
+    "nvfp4_fake_quantize",
+    "nvfp4_fake_quantize_gradient",
+    "OnnxFakeQuantResult",
+    "quantize_linear",
+    "dequantize_linear",
+    "onnx_fake_quantize",
+    "onnx_fake_quantize_gradient",
 ]
 
 
