@@ -27,7 +27,7 @@ def _rows(key):
     return lambda doc: doc.get(key) or []
 
 
-#: command -> (the rows of its document, {statistic name: (row key, is a share)}, {named condition: test})
+#: command -> (the rows of its document, {statistic name: (row key or accessor, is a share)}, {named condition: test})
 GATES = {
     "report": (lambda doc: doc.get("layers") or doc.get("rows") or [],
                {"blocked": ("gradient_blocked", True), "clipped": ("clipped", True),
@@ -42,6 +42,11 @@ GATES = {
                {"any": lambda r: True, "warning": lambda r: r.get("severity") in ("warning", "error"),
                 "error": lambda r: r.get("severity") == "error"}),
     "trend": (_rows("events"), {}, {"any": lambda r: True}),
+    # diff: the statistics are the changes (blocked>5%: blocked rose by more than 5 points; sqnr<-3: fell by 3 dB)
+    "diff": (_rows("rows"), {"blocked": (lambda r: r["change"]["gradient_blocked"], True),
+                             "clipped": (lambda r: r["change"]["clipped"], True),
+                             "sqnr": (lambda r: r["change"]["sqnr_db"], False)},
+             {"any": lambda r: r.get("score", 0) > 0}),
 }
 
 
@@ -69,7 +74,7 @@ def parse(text, command, *, option="--fail-on"):
             raise OptionError(f"{name} is not a share: write {name}{op}{number}", param_hint=f"'{option}'")
 
         def test(r, key=key, op=_OPS[op], limit=limit, share=share):
-            value = r.get(key)
+            value = key(r) if callable(key) else r.get(key)
             if value is None or not op(value, limit):
                 return None
             return f"{100 * value:.1f}%" if share else f"{value:.4g}"

@@ -315,3 +315,60 @@ def layer_operands(target, path, options):
                                      axis=(int(_attr(layer, options, "axis", -1))
                                            if layer.variant == "per-channel" else None))
     return operands, attributes
+
+
+#: The schema number of a run-file report's JSON document (``report RUN --json``).
+LAYERS_SCHEMA = 1
+
+
+def run_file_document(targets, *, options=(), percentiles=DEFAULT_PERCENTILES, threshold=0.05, device="cpu"):
+    """``qgcli report RUN --json``'s document of run files ``targets``, computed here (no cluster, no progress)."""
+    rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device)
+    return layers_document(targets, rows, skipped, threshold=threshold, percentiles=percentiles)
+
+
+def layers_document(targets, rows, skipped, *, threshold, percentiles, top=None, cluster=None):
+    """The ``report --json`` document of run files ``targets`` from :func:`report_layers`' ``rows`` and
+    ``skipped``: the rows worst first and flagged above ``threshold``, the trends, the verdict."""
+    from qgcli import __version__
+
+    rows = worst_first(rows)
+    for row in rows:
+        metric = row["gradient_blocked"] if row["gradient_blocked"] is not None else row["clipped"]
+        row["flagged"] = bool(metric is not None and metric > threshold)
+    steps, trend = trends(rows)
+    return {"command": "report", "schema": LAYERS_SCHEMA, "qgcli_version": __version__, "run_files": list(targets),
+            "threshold": threshold, "percentiles": list(percentiles), "steps": steps,
+            "layers": rows if top is None else rows[:top], "trends": trend, "skipped": skipped,
+            "verdict": layers_verdict(rows, threshold), **({"cluster": cluster} if cluster else {})}
+
+
+def layers_verdict(rows, threshold):
+    flagged = [r for r in rows if r["flagged"]]
+    if not rows:
+        return "Verdict: no quantizer to report."
+    starved = _no_gradient_clause(rows)
+    if starved:
+        rest = layers_verdict([r for r in rows if r.get("upstream_gradient") != "zero"], threshold)
+        return f"Verdict: {starved}; " + rest[len("Verdict: "):]
+    if not flagged:
+        return f"Verdict: OK, no layer loses more than {100 * threshold:g}% of its gradient mass."
+    names = ", ".join(f"{r['path']} {100 * (r['gradient_blocked'] if r['gradient_blocked'] is not None else r['clipped']):.1f}%"
+                      for r in flagged[:3])
+    more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
+    return (f"Verdict: {len(flagged)} of {len(rows)} layers lose more than {100 * threshold:g}% of their gradient "
+            f"mass (or clip more, without gradients): {names}{more}.")
+
+
+def _no_gradient_clause(rows):
+    """"no gradient reaches N layers: PATH clips 100%" when some layers get an all-zero upstream gradient (the
+    cause named where a quantizer of the same step clips all but a thousandth of its values), else None."""
+    starved = [r for r in rows if r.get("upstream_gradient") == "zero"]
+    if not starved:
+        return None
+    steps = {r["step"] for r in starved}
+    causes = [r for r in rows if r.get("upstream_gradient") != "zero" and r["step"] in steps
+              and r["clipped"] is not None and r["clipped"] >= 0.999]
+    noun = "layer" if len(starved) == 1 else "layers"
+    cause = ", ".join(f"{r['path']} clips {100 * r['clipped']:.0f}%" for r in causes[:3])
+    return f"no gradient reaches {len(starved)} {noun}" + (f": {cause}" if cause else "")

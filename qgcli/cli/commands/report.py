@@ -466,15 +466,13 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
 
 # --- run files: one row per quantizer ----------------------------------------------------------------------
 
-LAYERS_SCHEMA = 1
 
 
 def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None,
                    html=(None, False), fail_on=(), tensorboard=None):
     import contextlib
 
-    from qgcli import __version__
-    from qgcli.report.layers import LAYER_KEYS, report_layers, trends, worst_first
+    from qgcli.report.layers import LAYER_KEYS, layers_document, report_layers
     from qgcli.report.progress import Progress
 
     from qgcli.execution.dispatch import default_scheduler
@@ -491,15 +489,8 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
                                           on_layer=lambda name: progress.update(description=f"layer {name}"),
                                           cluster=cluster)
         described = cluster.describe() if cluster is not None else None
-    rows = worst_first(rows)
-    for row in rows:
-        metric = row["gradient_blocked"] if row["gradient_blocked"] is not None else row["clipped"]
-        row["flagged"] = bool(metric is not None and metric > threshold)
-    steps, trend = trends(rows)
-    doc = {"command": "report", "schema": LAYERS_SCHEMA, "qgcli_version": __version__, "run_files": list(targets),
-           "threshold": threshold, "percentiles": list(percentiles), "steps": steps,
-           "layers": rows if top is None else rows[:top], "trends": trend, "skipped": skipped,
-           "verdict": _layers_verdict(rows, threshold), **({"cluster": described} if described else {})}
+    doc = layers_document(targets, rows, skipped, threshold=threshold, percentiles=percentiles, top=top,
+                          cluster=described)
     if html[0] is not None:
         _write_layers_html(html, doc, targets, options, percentiles, quiet)
     if tensorboard is not None:
@@ -550,37 +541,6 @@ def _write_layers_html(html, doc, targets, options, percentiles, quiet):
     figures = [("Gradient mass blocked and SQNR per layer", plots.layers(doc["layers"][:60], steps=doc["steps"],
                                                                           trends=doc["trends"]))] if doc["layers"] else []
     _write_html(dest, force, doc, inputs=files, figures=figures, details=details)
-
-
-def _layers_verdict(rows, threshold):
-    flagged = [r for r in rows if r["flagged"]]
-    if not rows:
-        return "Verdict: no quantizer to report."
-    starved = _no_gradient_clause(rows)
-    if starved:
-        rest = _layers_verdict([r for r in rows if r.get("upstream_gradient") != "zero"], threshold)
-        return f"Verdict: {starved}; " + rest[len("Verdict: "):]
-    if not flagged:
-        return f"Verdict: OK, no layer loses more than {100 * threshold:g}% of its gradient mass."
-    names = ", ".join(f"{r['path']} {100 * (r['gradient_blocked'] if r['gradient_blocked'] is not None else r['clipped']):.1f}%"
-                      for r in flagged[:3])
-    more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
-    return (f"Verdict: {len(flagged)} of {len(rows)} layers lose more than {100 * threshold:g}% of their gradient "
-            f"mass (or clip more, without gradients): {names}{more}.")
-
-
-def _no_gradient_clause(rows):
-    """"no gradient reaches N layers: PATH clips 100%" when some layers get an all-zero upstream gradient (the
-    cause named where a quantizer of the same step clips all but a thousandth of its values), else None."""
-    starved = [r for r in rows if r.get("upstream_gradient") == "zero"]
-    if not starved:
-        return None
-    steps = {r["step"] for r in starved}
-    causes = [r for r in rows if r.get("upstream_gradient") != "zero" and r["step"] in steps
-              and r["clipped"] is not None and r["clipped"] >= 0.999]
-    noun = "layer" if len(starved) == 1 else "layers"
-    cause = ", ".join(f"{r['path']} clips {100 * r['clipped']:.0f}%" for r in causes[:3])
-    return f"no gradient reaches {len(starved)} {noun}" + (f": {cause}" if cause else "")
 
 
 _LAYER_COLS = None

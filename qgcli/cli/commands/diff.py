@@ -1,0 +1,64 @@
+"""``qgcli diff A B``: two run files (or bundles) compared layer by layer, worst changes first."""
+import click
+
+from qgcli.cli.options import fail_on_option, gate, json_option
+from qgcli.report.summaries import dump_json, stdout_console
+
+_EXAMPLE = """\b
+Examples:
+  qgcli diff baseline_run.h5 new_run.h5            # what the change did to each quantizer
+  qgcli diff old.h5 new.h5 --json | jq '.rows[0]'
+"""
+
+
+@click.command(epilog=_EXAMPLE)
+@click.argument("a", metavar="A", type=click.Path(dir_okay=False))
+@click.argument("b", metavar="B", type=click.Path(dir_okay=False))
+@click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Show the K worst changes only.")
+@json_option("Print one JSON document on stdout: rows with both sides and the change, worst first.")
+@fail_on_option("diff")
+def diff(a, b, top, as_json, fail_on):
+    """Compare the reports of two run files, A (the baseline) and B (each RUN or RUN:GROUP; a bundle is one
+    layer): per layer, by group path, or by layer name at its latest step when the files' steps differ, the
+    change of the gradient mass blocked, the clipped shares and the SQNR, worst first."""
+    from qgcli.report.diff import diff as compare
+    from qgcli.report.layers import run_file_document
+
+    doc = compare(run_file_document([a]), run_file_document([b]))
+    doc.update(a=a, b=b)
+    if top is not None:
+        doc["rows"] = doc["rows"][:top]
+    if as_json:
+        dump_json(doc)
+    else:
+        _render(stdout_console(), doc)
+    gate(doc, fail_on)
+
+
+def _render(console, doc):
+    from qgcli.report.tables import Col, print_items, print_table
+    from qgcli.report.text import printable_doc
+
+    doc = printable_doc(doc)
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    def points(v):
+        return "-" if v is None else f"{100 * v:+.1f}"
+
+    def db(v, signed=False):
+        return "-" if v is None else (f"{v:+.1f}" if signed else f"{v:.1f}")
+
+    cols = (Col("layer", justify="left", priority=0), Col("blocked", priority=0), Col("Δ", help="change, in "
+            "percent points (blocked, clipped) or dB (SQNR)", priority=0), Col("clipped", priority=1),
+            Col("Δc", priority=1), Col("SQNR", help="dB", priority=1), Col("Δs", priority=1))
+    rows = [[r["path"], f"{pct(r['a']['gradient_blocked'])}→{pct(r['b']['gradient_blocked'])}",
+             points(r["change"]["gradient_blocked"]), f"{pct(r['a']['clipped'])}→{pct(r['b']['clipped'])}",
+             points(r["change"]["clipped"]), f"{db(r['a']['sqnr_db'])}→{db(r['b']['sqnr_db'])}",
+             db(r["change"]["sqnr_db"], signed=True)] for r in doc["rows"]]
+    print_table(console, cols, rows, styles=["red" if r["score"] > 0 else None for r in doc["rows"]])
+    for side, names in (("A", doc["only_in_a"]), ("B", doc["only_in_b"])):
+        if names:
+            print_items(console, f"only in {side}: {', '.join(names[:5])}" + (" ..." if len(names) > 5 else ""))
+    console.print(doc["verdict"], soft_wrap=True)
