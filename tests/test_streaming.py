@@ -79,6 +79,19 @@ def test_memory_limit_errors_name_the_option(text):
         memory.parse_memory_limit(text)
 
 
+def test_one_memory_rule_for_opened_datasets_and_discovered_shapes(tmp_path):
+    """The single-bundle plan (opened datasets) and the run file's check (shapes from discovery) ask the same
+    rule: the large operands as read, at least 4 bytes an element, twice over."""
+    path = _file(tmp_path, gradients=np.zeros((10, 6), np.float16), inputs=np.zeros((10, 6), f32))
+    with h5py.File(path, "r") as f:
+        need = memory.need(memory.sizes([f["gradients"], f["inputs"]]))
+        shapes = {name: (f[name].shape, f[name].dtype.str) for name in f}
+    assert need == 2 * (60 * 4 + 60 * 4)
+    assert memory.shapes_fit(shapes, ("gradients", "inputs"), need) is True
+    assert memory.shapes_fit(shapes, ("gradients", "inputs"), need - 1) is False
+    assert memory.shapes_fit(shapes, ("gradients", "x"), need) is None  # not known there: the plan decides
+
+
 @pytest.mark.parametrize("data_format, training, dtype", [("NHWC", True, f32), ("NCHW", True, f32),
                                                           ("NHWC", False, f32), ("NCDHW", True, np.float16)])
 def test_streamed_batch_norm_equals_in_memory(kernels, tmp_path, data_format, training, dtype):
