@@ -2,9 +2,9 @@
 
 A command parses its options once into one immutable job (:class:`FakeQuantJob`, :class:`BatchNormJob`):
 the op family, its attributes, the operand specs and the output options.  An executor
-(:mod:`qgcli.execution.dispatch`) decides where the job runs (in memory, streamed over HDF5 blocks) and hands it to
-the runner of its family (:mod:`qgcli.families`), which returns a :class:`Result` or, streamed, a
-:class:`Streamed` plan.  Nothing here imports more than the standard library, so building a job costs
+(:mod:`qgcli.execution.dispatch`) decides where the job runs (in memory, in blocks, over a run file, on a
+cluster) and asks the runner of its family (:mod:`qgcli.families`), which returns a :class:`Result` in
+memory or gives the per-block setup.  Nothing here imports more than the standard library, so building a job costs
 nothing at start-up.
 """
 from dataclasses import dataclass
@@ -252,14 +252,3 @@ class Result:
     attrs: dict
     summary: dict
     figure: Optional[Callable[[], Any]] = None
-
-
-@dataclass
-class Streamed:
-    """A runner's plan for a job streamed over HDF5 blocks: ``compute(h5file, advance)`` writes the large
-    outputs and returns the small ones; ``summarise(small)`` gives the summary afterwards."""
-
-    attrs: dict
-    compute: Callable[[Any, Callable[[int], None]], dict]
-    total_bytes: int
-    summarise: Callable[[dict], dict]

@@ -167,12 +167,6 @@ LAYERS = [
 ]
 #: Imports that climb today, each to be moved down (struck from here when it is gone; the last test checks).
 KNOWN_CLIMBS = {
-    # block computation is the executor's (one block driver for HDF5 and Zarr); the families give the per-block math
-    ("qgcli.families.batch_norm", "qgcli.execution.streaming"): "the two-pass block driver",
-    ("qgcli.families.tf_fake_quant", "qgcli.execution.streaming"): "the leaf-reduction block driver",
-    # figures are written by the storage layer; write_streamed belongs to execution
-    ("qgcli.storage.outputs", "qgcli.report.plots"): "save_figure",
-    ("qgcli.storage.outputs", "qgcli.report.progress"): "write_streamed's progress bar",
     # a group's job is the family's to build (the family registry)
     ("qgcli.storage.runfile", "qgcli.families.torchao"): "config_from_attributes",
     ("qgcli.storage.runfile", "qgcli.report.summaries"): "dtype_name",

@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 
 from qgcli import ops
-from qgcli.execution import streaming
+from qgcli.execution import memory
+from qgcli.execution.blocks import hdf5 as streaming
 from qgcli.errors import QgcliError
 from qgcli.ops import fake_quant
+from qgcli.storage.io import physical_memory
 
 f32 = np.float32
 
@@ -63,18 +65,31 @@ def test_streamed_forward_equals_in_memory(kernels, tmp_path):
 @pytest.mark.parametrize("text, expected", [("2G", 2 << 30), ("512m", 512 << 20), ("1.5GiB", int(1.5 * (1 << 30))),
                                             ("3000000", 3000000)])
 def test_memory_limit_parsing(text, expected):
-    assert streaming.parse_memory_limit(text) == expected
+    assert memory.parse_memory_limit(text) == expected
 
 
 def test_memory_limit_default_and_percent():
-    assert streaming.parse_memory_limit(None) == streaming.physical_memory() // 4
-    assert streaming.parse_memory_limit("50%") == streaming.physical_memory() // 2
+    assert memory.parse_memory_limit(None) == physical_memory() // 4
+    assert memory.parse_memory_limit("50%") == physical_memory() // 2
 
 
 @pytest.mark.parametrize("text", ["lots", "-1G", "2X", "10"])
 def test_memory_limit_errors_name_the_option(text):
     with pytest.raises(QgcliError, match="--memory-limit"):
-        streaming.parse_memory_limit(text)
+        memory.parse_memory_limit(text)
+
+
+def test_one_memory_rule_for_opened_datasets_and_discovered_shapes(tmp_path):
+    """The single-bundle plan (opened datasets) and the run file's check (shapes from discovery) ask the same
+    rule: the large operands as read, at least 4 bytes an element, twice over."""
+    path = _file(tmp_path, gradients=np.zeros((10, 6), np.float16), inputs=np.zeros((10, 6), f32))
+    with h5py.File(path, "r") as f:
+        need = memory.need(memory.sizes([f["gradients"], f["inputs"]]))
+        shapes = {name: (f[name].shape, f[name].dtype.str) for name in f}
+    assert need == 2 * (60 * 4 + 60 * 4)
+    assert memory.shapes_fit(shapes, ("gradients", "inputs"), need) is True
+    assert memory.shapes_fit(shapes, ("gradients", "inputs"), need - 1) is False
+    assert memory.shapes_fit(shapes, ("gradients", "x"), need) is None  # not known there: the plan decides
 
 
 @pytest.mark.parametrize("data_format, training, dtype", [("NHWC", True, f32), ("NCHW", True, f32),

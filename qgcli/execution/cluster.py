@@ -1,17 +1,25 @@
-"""The Dask executor: a run file's groups computed on a ``dask.distributed`` cluster (``--scheduler``).
+"""The cluster: work computed as tasks on a ``dask.distributed`` cluster (``--scheduler``), through one
+interface, :class:`Cluster`.
 
-The client does what the run-file executor (:mod:`qgcli.execution.runfile`) does (discovers and checks every
-group, nothing read, and writes every output, in the same order and layout), except that each group's
-``runner.compute`` runs as one task on a worker: the worker opens the run file itself (the client ships no
-tensors, only the job and the group's path: the file must be readable at the same path on every worker, a
-shared file system), builds the group's job with :func:`qgcli.storage.runfile.layer_job`, computes it whole with the
-same runner and kernels, and returns the Result's arrays.  So the outputs are bit for bit those of a local
-run by construction: the same function on the same bytes, and pickling keeps every bit.  HDF5 has a single
-writer: the client, as the results arrive, in group order.  At most ``2 x`` the cluster's threads of groups
-are in flight, so the workers do not hold every result at once.
+Three kinds of work use it, all with the same client, task keys, error handling and ``cluster`` summary entry:
 
-A group is computed whole on one worker (no streaming): an explicit ``--memory-limit`` is refused.
-Nothing of Dask is imported unless ``--scheduler`` is given.
+- the groups of a run file (:func:`execute_on_cluster`): the client does what the run-file executor
+  (:mod:`qgcli.execution.runfile`) does (discovers and checks every group, nothing read, and writes every
+  output, in the same order and layout), except that each group's ``runner.compute`` runs as one task on a
+  worker: the worker opens the run file itself (the client ships no tensors, only the job and the group's
+  path: the file must be readable at the same path on every worker, a shared file system), builds the
+  group's job with :func:`qgcli.storage.runfile.layer_job`, computes it whole with the same runner and
+  kernels, and returns the Result's arrays.  So the outputs are bit for bit those of a local run by
+  construction: the same function on the same bytes, and pickling keeps every bit.  HDF5 has a single
+  writer: the client, as the results arrive, in group order.  At most ``2 x`` the cluster's threads of
+  groups are in flight, so the workers do not hold every result at once.  A group is computed whole on one
+  worker (no streaming): an explicit ``--memory-limit`` is refused;
+- the blocks of Zarr tensors (:func:`execute_blocks_on_cluster`, :mod:`qgcli.execution.blocks.zarr`): the
+  workers read their rows from the input stores and write their chunks of the output store themselves;
+- the per-layer rows of ``report`` and ``verify`` (:meth:`Cluster.map_layers`).
+
+Another kind of cluster (Ray, say) is one module with a class of :class:`Cluster`'s methods and one line in
+:func:`qgcli.execution.dispatch.cluster`.  Nothing of Dask is imported unless ``--scheduler`` is given.
 """
 import os
 import re
@@ -24,90 +32,80 @@ _LOCAL = re.compile(r"^local(?::(\d+))?$")
 CONNECT_TIMEOUT_S = 10
 
 
-def execute_on_cluster(job, *, runner_for):
-    """Run a :class:`qgcli.jobs.RunFileJob` with its groups on the cluster of ``job.output.scheduler``;
-    returns the run-file summary with a ``cluster`` entry (scheduler address, workers, tasks)."""
-    from qgcli.execution.runfile import execute_run
+class Cluster:
+    """``with Cluster(address) as cluster``: a Dask client of the scheduler at ``address`` (or of a local
+    cluster started for this command, ``local`` / ``local:N``), closed at the end.
 
-    if job.output.memory_limit is not None:
-        raise OptionError("each group is computed whole on one worker under --scheduler; drop "
-                                 "--memory-limit (the workers' own memory limits apply)", param_hint="'--memory-limit'")
-    client, cluster = connect(job.output.scheduler)
-    try:
-        remote = ClusterCompute(client, runner_for)
-        try:
-            summary = execute_run(job, runner_for=runner_for, memory_plan=_no_streaming, remote=remote)
-        finally:
-            remote.cancel()
-        summary["cluster"] = remote.describe()
-        return summary
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+    :meth:`map` runs ``function`` over items and gives the results in order; :meth:`submit` and
+    :meth:`result` run tasks one at a time (a window of them in flight); :meth:`describe` is the summary's
+    ``cluster`` entry (scheduler, workers, tasks, seconds waited for results)."""
 
+    def __init__(self, address):
+        self.address = address
+        self.tasks, self.waited, self.workers = 0, 0.0, 0
+        self.client = self.cluster = None
 
-def execute_blocks_on_cluster(job, blocks):
-    """Run a :class:`qgcli.execution.zarr_blocks.BlockRun` with one task per block on the cluster of
-    ``job.output.scheduler``: the workers read their rows from the input stores and write their chunks of
-    the output store themselves; the client adds the leaf sums and renames the store into place."""
-    if job.output.memory_limit is not None:
-        raise OptionError("blocks are sized by the Zarr chunks under --scheduler; drop --memory-limit "
-                                 "(the workers' own memory limits apply)", param_hint="'--memory-limit'")
-    client, cluster = connect(job.output.scheduler)
-    described = {}
+    def __enter__(self):
+        self.client, self.cluster = connect(self.address)
+        return self
 
-    def compute_all(function, work, parts):
-        info = client.scheduler_info().get("workers", {})
-        described.update(scheduler=client.scheduler.address, workers=len(info),
-                         tasks=described.get("tasks", 0) + len(parts))
+    def __exit__(self, *exc):
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def threads(self):
+        """The worker threads of the cluster now (and its worker count, for :meth:`describe`)."""
+        workers = self.client.scheduler_info().get("workers", {})
+        self.workers = len(workers)
+        return sum(int(w.get("nthreads", 1)) for w in workers.values())
+
+    def map(self, function, items, *shared, settle=False):
+        """``function(*shared, item)`` of every item, on the workers, in order.  On an error (or a signal)
+        the tasks are cancelled; with ``settle``, the call waits (a few seconds at most) until none still
+        runs, for tasks that write where the caller is about to clean up."""
+        items = list(items)
+        self.threads()
         started = time.perf_counter()
-        keys = [f"qgcli-{function.__name__}-{time.monotonic_ns()}-{i}" for i in range(len(parts))]
-        futures = client.map(function, [work] * len(parts), parts, pure=False, key=keys)
+        keys = [f"qgcli-{getattr(function, '__name__', 'task')}-{time.monotonic_ns()}-{i}" for i in range(len(items))]
+        futures = self.client.map(function, *[[s] * len(items) for s in shared], items, pure=False, key=keys)
+        self.tasks += len(items)
         try:
-            return _gathered(client, futures)
+            return _gathered(self.client, futures)
         except BaseException:
-            client.cancel(futures)
-            _drain(client, set(keys))  # a block still running would write into the store being removed
+            self.client.cancel(futures)
+            if settle:
+                _drain(self.client, set(keys))  # a block still running would write into the store being removed
             raise
         finally:
-            described["wait_s"] = round(described.get("wait_s", 0) + time.perf_counter() - started, 6)
+            self.waited += time.perf_counter() - started
 
-    try:
-        summary = blocks.execute(compute_all)
-        summary["cluster"] = described
-        return summary
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+    def map_layers(self, function, path, layers, *args):
+        """``function(container, handle, path, layer, *args)`` of each layer of the run file at ``path``, each
+        worker opening the file itself (a Layer holds nothing open); for ``report`` and ``verify``, whose
+        per-layer results are small rows."""
+        return self.map(_on_layer, layers, function, path, args)
 
+    def submit(self, function, *args, key):
+        """One task, ``function(*args)``: its future."""
+        self.tasks += 1
+        return self.client.submit(function, *args, pure=False, key=f"{key}-{self.tasks}")
 
-def _drain(client, keys, timeout=10.0):
-    """Wait (at most ``timeout`` s) until no worker still runs one of ``keys`` (cancelled tasks that had
-    started run to their end)."""
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline and keys & {k for ks in client.processing().values() for k in ks}:
-            time.sleep(0.05)
-    except (OSError, TimeoutError):
-        pass  # the scheduler is gone: nothing runs there any more
+    def result(self, future):
+        """A submitted task's result, waited for."""
+        started = time.perf_counter()
+        try:
+            return _gathered(self.client, future)
+        finally:
+            self.waited += time.perf_counter() - started
 
+    def cancel(self, futures):
+        if futures:
+            self.client.cancel(futures)
 
-def _gathered(client, futures):
-    """The futures' results in order; a task that killed its workers more often than Dask allows is a
-    one-line error (exit 1: nothing was written)."""
-    import distributed
-
-    try:
-        return client.gather(futures)
-    except distributed.KilledWorker as exc:
-        raise RuntimeFailure(f"a task failed on every worker it was given ({exc.args[0] if exc.args else ''}); "
-                                   "nothing was written") from None
-
-
-def _no_streaming(job, operands, *, streams, mode=None):
-    return None
+    def describe(self):
+        return {"scheduler": self.client.scheduler.address, "workers": self.workers, "tasks": self.tasks,
+                "wait_s": round(self.waited, 6)}
 
 
 def connect(scheduler):
@@ -139,22 +137,87 @@ def connect(scheduler):
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         # exit 1, not 2: the address may be right and the scheduler down (a runtime failure, not bad input)
         raise RuntimeFailure(f"--scheduler: no Dask scheduler answered at {scheduler} within "
-                                   f"{CONNECT_TIMEOUT_S} s ({reason})") from None
+                             f"{CONNECT_TIMEOUT_S} s ({reason})") from None
 
 
-class ClusterCompute:
+def _drain(client, keys, timeout=10.0):
+    """Wait (at most ``timeout`` s) until no worker still runs one of ``keys`` (cancelled tasks that had
+    started run to their end)."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and keys & {k for ks in client.processing().values() for k in ks}:
+            time.sleep(0.05)
+    except (OSError, TimeoutError):
+        pass  # the scheduler is gone: nothing runs there any more
+
+
+def _gathered(client, futures):
+    """The futures' results in order; a task that killed its workers more often than Dask allows is a
+    one-line error (exit 1: nothing was written)."""
+    import distributed
+
+    try:
+        return client.gather(futures)
+    except distributed.KilledWorker as exc:
+        raise RuntimeFailure(f"a task failed on every worker it was given ({exc.args[0] if exc.args else ''}); "
+                             "nothing was written") from None
+
+
+def _on_layer(function, path, args, layer):
+    """On a worker: ``function`` of one layer of the run file at ``path``, opened here."""
+    from qgcli.storage import io
+
+    container = io.Container.open(path)
+    try:
+        return function(container, container._opened(), path, layer, *args)
+    finally:
+        container.close()
+
+
+# --- the work that runs on a cluster -------------------------------------------------------------------
+
+def execute_on_cluster(job, cluster, *, runner_for):
+    """Run a :class:`qgcli.jobs.RunFileJob` with its groups on ``cluster`` (a :class:`Cluster`, not yet
+    entered); returns the run-file summary with a ``cluster`` entry (scheduler address, workers, tasks)."""
+    from qgcli.execution.runfile import execute_run
+
+    if job.output.memory_limit is not None:
+        raise OptionError("each group is computed whole on one worker under --scheduler; drop "
+                          "--memory-limit (the workers' own memory limits apply)", param_hint="'--memory-limit'")
+    with cluster:
+        remote = GroupTasks(cluster, runner_for)
+        try:
+            summary = execute_run(job, runner_for=runner_for, memory_plan=_no_streaming, remote=remote)
+        finally:
+            remote.cancel()
+        summary["cluster"] = cluster.describe()
+        return summary
+
+
+def execute_blocks_on_cluster(job, blocks, cluster):
+    """Run a :class:`qgcli.execution.blocks.zarr.BlockRun` with one task per block on ``cluster``: the workers
+    read their rows from the input stores and write their chunks of the output store themselves; the client
+    adds the partial sums and renames the store into place."""
+    if job.output.memory_limit is not None:
+        raise OptionError("blocks are sized by the Zarr chunks under --scheduler; drop --memory-limit "
+                          "(the workers' own memory limits apply)", param_hint="'--memory-limit'")
+    with cluster:
+        summary = blocks.execute(lambda function, work, parts: cluster.map(function, parts, work, settle=True))
+        summary["cluster"] = cluster.describe()
+        return summary
+
+
+def _no_streaming(job, operands, *, streams, mode=None):
+    return None
+
+
+class GroupTasks:
     """The ``remote`` of :func:`qgcli.execution.runfile.execute_run`: one task per group, a bounded window of
     them in flight, results handed back in the order the writer asks for them."""
 
-    def __init__(self, client, runner_for):
-        self.client, self.runner_for = client, runner_for
-        info = client.scheduler_info()
-        workers = info.get("workers", {})
-        self.workers = len(workers)
-        self.window = max(2, 2 * sum(int(w.get("nthreads", 1)) for w in workers.values()))
-        self.address = client.scheduler.address
-        self.tasks = 0
-        self.waited = 0.0  # seconds the writer waited for results (the rest of a run is the client's own work)
+    def __init__(self, cluster, runner_for):
+        self.cluster, self.runner_for = cluster, runner_for
+        self.window = max(2, 2 * cluster.threads())
         self._pending, self._futures = [], {}
 
     def start(self, job, path, layers):
@@ -164,9 +227,8 @@ class ClusterCompute:
         self._fill()
 
     def _submit(self, layer):
-        self.tasks += 1
-        return self.client.submit(compute_group, self.job, self.path, layer, self.runner_for, pure=False,
-                                  key=f"qgcli-group-{self.tasks}-{layer.path}")
+        return self.cluster.submit(compute_group, self.job, self.path, layer, self.runner_for,
+                                   key=f"qgcli-group-{layer.path}")
 
     def _fill(self):
         while self._pending and len(self._futures) < self.window:
@@ -184,9 +246,7 @@ class ClusterCompute:
             self._pending = [l for l in self._pending if l.path != layer.path]
             future = self._submit(layer)
         self._fill()
-        started = time.perf_counter()
-        got = _gathered(self.client, future)
-        self.waited += time.perf_counter() - started
+        got = self.cluster.result(future)
         if "error" in got:
             raise QgcliError(got["error"])
         return Result(got["outputs"], got["attrs"], got["summary"])
@@ -195,11 +255,7 @@ class ClusterCompute:
         """Drop the tasks no writer asked for (a run stopped by an error)."""
         futures = list(self._futures.values())
         self._futures, self._pending = {}, []
-        if futures:
-            self.client.cancel(futures)
-
-    def describe(self):
-        return {"scheduler": self.address, "workers": self.workers, "tasks": self.tasks, "wait_s": round(self.waited, 6)}
+        self.cluster.cancel(futures)
 
 
 def compute_group(job, path, layer, runner_for):
@@ -207,9 +263,9 @@ def compute_group(job, path, layer, runner_for):
 
     Returns ``{"outputs", "attrs", "summary"}`` (NumPy arrays), or ``{"error": text}`` when the runner
     refuses the group (the text the local run-file executor would show)."""
+    from qgcli.backend import to_numpy
     from qgcli.execution import runfile as rf
     from qgcli.storage import io
-    from qgcli.backend import to_numpy
 
     rf._TOOLS.setdefault("runner_for", runner_for)
     container = io.Container.open(path)
@@ -228,54 +284,3 @@ def compute_group(job, path, layer, runner_for):
         container.close()
     return {"outputs": {k: to_numpy(v) for k, v in result.outputs.items()}, "attrs": result.attrs,
             "summary": result.summary}
-
-
-class LayerMap:
-    """``with LayerMap(scheduler) as cluster``: ``cluster.map(function, path, layers, *args)`` gives
-    ``function(container, handle, path, layer, *args)`` of each layer, computed on the workers (each opens
-    the run file at ``path`` itself) and returned in order; for ``report`` and ``verify``, whose per-layer
-    results are small rows."""
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-        self.tasks, self.waited = 0, 0.0
-
-    def __enter__(self):
-        self.client, self.cluster = connect(self.scheduler)
-        return self
-
-    def __exit__(self, *exc):
-        self.client.close()
-        if self.cluster is not None:
-            self.cluster.close()
-
-    def map(self, function, path, layers, *args):
-        plain = list(layers)  # a Layer holds nothing open: the worker opens the file itself
-        started = time.perf_counter()
-        futures = self.client.map(_on_layer, [function] * len(plain), [path] * len(plain), plain,
-                                  *[[a] * len(plain) for a in args], pure=False,
-                                  key=[f"qgcli-{function.__name__}-{time.monotonic_ns()}-{i}" for i in range(len(plain))])
-        self.tasks += len(plain)
-        try:
-            return _gathered(self.client, futures)
-        except BaseException:
-            self.client.cancel(futures)
-            raise
-        finally:
-            self.waited += time.perf_counter() - started
-
-    def describe(self):
-        workers = self.client.scheduler_info().get("workers", {})
-        return {"scheduler": self.client.scheduler.address, "workers": len(workers), "tasks": self.tasks,
-                "wait_s": round(self.waited, 6)}
-
-
-def _on_layer(function, path, layer, *args):
-    """On a worker: ``function`` of one layer of the run file at ``path``, opened here."""
-    from qgcli.storage import io
-
-    container = io.Container.open(path)
-    try:
-        return function(container, container._opened(), path, layer, *args)
-    finally:
-        container.close()

@@ -17,10 +17,11 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     per group that ran, whole with ``job.output.as_json`` and for the table's first :data:`TABLE_ROWS`,
     path, op, family and overrides only for the others (see :func:`_record`).
 
-    ``runner_for`` and ``memory_plan`` are :mod:`qgcli.execution.dispatch`' own (handed over, so that the import runs
-    one way: executors -> executors_runfile).  ``remote`` (:mod:`qgcli.execution.cluster`) computes the groups
-    elsewhere: ``remote.start(job, path, layers)`` before any is written, then ``remote.result(layer)`` gives
-    each group's Result in place of ``runner.compute``; everything else (checks, writing) stays here."""
+    ``runner_for`` is :mod:`qgcli.execution.dispatch`' own (handed over, so that the import runs one way),
+    ``memory_plan`` :func:`qgcli.execution.memory.plan` (or none, on a cluster).  ``remote``
+    (:mod:`qgcli.execution.cluster`) computes the groups elsewhere: ``remote.start(job, path, layers)`` before
+    any is written, then ``remote.result(layer)`` gives each group's Result in place of ``runner.compute``;
+    everything else (checks, writing) stays here."""
     from qgcli.storage import runfile
 
     _TOOLS.update(runner_for=runner_for, memory_plan=memory_plan, remote=remote)
@@ -196,6 +197,7 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
 
     from qgcli.storage import io
     from qgcli.backend import to_numpy
+    from qgcli.execution import blocks
     from qgcli.storage.hdf5.small import SmallWriter
     memory_plan = _TOOLS["memory_plan"]
     from qgcli.signals import raise_pending
@@ -207,12 +209,12 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
         for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
             raise_pending()
             try:
-                streams = hasattr(runner, "stream") and group_job.output.device == "cpu"
+                streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
                 plan = None if _fits(layer, group_job, budgets) else \
                     memory_plan(group_job, operands, streams=streams, mode=group_job.mode)
                 grp = h5py.Group(writer.group(layer.path))
                 if plan is not None:
-                    streamed = runner.stream(group_job, operands, *plan)
+                    streamed = blocks.stream(runner, group_job, operands, *plan)
                     attrs = _provenance(streamed.attrs)
                     small = streamed.compute(grp, lambda n: None)
                     _put(writer, grp, small, compression, np)
@@ -232,27 +234,15 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
 
 
 def _fits(layer, group_job, budgets):
-    """Whether the group's large operands (their shapes known from discovery) need no more than the memory
-    budget, by :func:`qgcli.execution.dispatch._measure`'s own rule: then the memory plan is None without opening a
-    dataset.  False means "ask the memory plan" (which decides, and checks, as for a single bundle)."""
-    import numpy as np
-
-    from qgcli.execution import streaming
+    """Whether the group's large operands, by the shapes discovery found, fit the memory budget
+    (:func:`qgcli.execution.memory.shapes_fit`): then the memory plan is None without opening a dataset.
+    False means "ask the memory plan" (which decides, and checks, as for a single bundle)."""
+    from qgcli.execution import memory
 
     limit = group_job.output.memory_limit
     if limit not in budgets:
-        budgets[limit] = streaming.parse_memory_limit(limit)
-    need = 0
-    for name in group_job.large_operands:
-        if name not in layer.datasets:
-            return False
-        shape, dtype = layer.datasets[name]
-        try:
-            itemsize = np.dtype(dtype).itemsize
-        except (TypeError, ValueError):
-            return False
-        need += int(np.prod(shape, dtype=np.int64)) * max(itemsize, 4)
-    return need * 2 <= budgets[limit]
+        budgets[limit] = memory.parse_memory_limit(limit)
+    return bool(memory.shapes_fit(layer.datasets, group_job.large_operands, budgets[limit]))
 
 
 def _put(writer, grp, arrays, compression, np):

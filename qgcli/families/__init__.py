@@ -9,5 +9,5 @@ named outputs plus a summary; the executors (:mod:`qgcli.execution.dispatch`) de
 - :mod:`~qgcli.families.batch_norm`: FusedBatchNormGrad (V1/V2/V3), in memory or streamed.
 
 A runner module has ``LITERAL_OK`` (operands that may be literals), ``compute(job, operands) -> Result`` and,
-where it can stream, ``stream(job, operands, datasets, budget) -> Streamed``.
+where it computes in blocks (:mod:`qgcli.execution.blocks`), ``block_setup`` and ``block_summary``.
 """

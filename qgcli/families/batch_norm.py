@@ -1,11 +1,11 @@
-"""TensorFlow's FusedBatchNormGrad (V1/V2/V3) on a job's operands, in memory or streamed (two passes).
+"""TensorFlow's FusedBatchNormGrad (V1/V2/V3) on a job's operands, in memory or in blocks (two passes).
 
 The statistics convention (what reserve_space_2 holds: the variance or cuDNN's inverse std, or found out
 from x with ``auto``), the dtype rules of each version and the summary with per-channel norms.
 """
 from qgcli.errors import OptionError
 
-from qgcli.jobs import Result, Streamed
+from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
 
@@ -174,36 +174,6 @@ def compute(job, operands):
     return Result(outputs, attrs, summary)
 
 
-def stream(job, operands, datasets, budget):
-    """bn-grad on HDF5 datasets too large for memory (two passes)."""
-    from qgcli.execution import streaming
-    from qgcli.ops import batch_norm as bn
-
-    setup = block_setup(job, operands, datasets)
-    x_ds, dy_ds, small_in = datasets["x"], datasets["y_backprop"], setup["small_in"]
-    data_format, attrs = setup["data_format"], setup["attrs"]
-
-    def compute(out, advance):
-        small = streaming.batch_norm_gradient(
-            dy_ds, x_ds, small_in["scale"], small_in["reserve_space_1"], small_in["reserve_space_2"], out,
-            epsilon=job.epsilon, data_format=data_format, is_training=job.is_training,
-            variance_kind=job.variance_kind, attrs=attrs, compression=job.output.compression, budget=budget,
-            progress=advance)
-        if job.all_outputs:
-            small.update(bn.placeholder_outputs(job.version))
-        return small
-
-    passes = 2 if job.is_training else 1  # inference: x_backprop does not wait for the sums
-
-    def summarise(small):
-        return block_summary(job, operands, datasets, setup, small, [
-            f"streamed from disk in {'two passes' if passes == 2 else 'one pass'}: the inputs exceed "
-            f"--memory-limit ({budget / 2**30:.2f} GiB); x_backprop norms are not computed in this mode"])
-
-    total = passes * sum(int(ds.size) * 4 for ds in datasets.values())
-    return Streamed(attrs, compute, total, summarise)
-
-
 def dtype_of(ds):
     """The dtype of an unread HDF5 dataset or Zarr array, bfloat16 where qgcli's tag says so."""
     import numpy as np
@@ -218,8 +188,10 @@ def dtype_of(ds):
 
 
 def block_setup(job, operands, datasets):
-    """What bn-grad computed block by block needs besides the blocks (HDF5 datasets or Zarr arrays, unread):
-    ``data_format``, the per-channel operands ``small_in`` (read), ``attrs``, ``op``."""
+    """What bn-grad computed block by block (:mod:`qgcli.execution.blocks`) needs besides the blocks (HDF5
+    datasets or Zarr arrays, unread): the block algorithm (``blocks``: two passes), ``data_format``, the
+    per-channel operands ``small_in`` (read), the op's parameters, ``attrs``, ``op``, the large ``output``'s
+    name, the ``extra_outputs`` (V3's placeholders) and what the summary lacks (``not_computed``)."""
     from qgcli.ops import batch_norm as bn
 
     if job.variance_kind == "auto":
@@ -235,7 +207,10 @@ def block_setup(job, operands, datasets):
     op = bn.VERSIONS[job.version].op
     attrs = {"op": op, "epsilon": job.epsilon, "data_format": data_format, "is_training": job.is_training,
              "version": job.version, "variance_kind": job.variance_kind}
-    return {"data_format": data_format, "small_in": small_in, "attrs": attrs, "op": op}
+    return {"blocks": "two-pass", "data_format": data_format, "small_in": small_in, "epsilon": job.epsilon,
+            "is_training": job.is_training, "variance_kind": job.variance_kind, "attrs": attrs, "op": op,
+            "output": "x_backprop", "extra_outputs": bn.placeholder_outputs(job.version) if job.all_outputs else {},
+            "not_computed": "x_backprop norms"}
 
 
 def block_summary(job, operands, datasets, setup, small, notes):

@@ -2,11 +2,11 @@
 
 The operand rules of each op family (:func:`load_fake_quant_operands`, also used by ``plot`` and
 ``report``), the op call (:func:`run_fake_quant`) and the summary (grid, clipped shares, gradient mass the
-STE mask blocks).  Streamed, the summary gives the grid but no clipping statistics.
+STE mask blocks).  In blocks (:func:`block_setup`), the summary gives the grid but no clipping statistics.
 """
 from qgcli.errors import OptionError
 
-from qgcli.jobs import Result, Streamed
+from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
 
@@ -160,37 +160,12 @@ def compute(job, operands):
     return Result(outputs, attrs, summary, figure)
 
 
-def stream(job, operands, datasets, budget):
-    """The job over HDF5 datasets too large for memory: channels on the last axis, float inputs."""
-    import numpy as np
-
-    from qgcli.execution import streaming
-    from qgcli.ops.analysis import grid_summary
-
-    setup = block_setup(job, operands, datasets)
-    with_gradients, x_ds, g_ds = job.with_gradients, datasets["inputs"], datasets.get("gradients")
-    variant, kind, divide, grid, attrs, op = (setup[k] for k in ("variant", "kind", "divide", "grid", "attrs", "op"))
-
-    def compute(out, advance):
-        common = dict(attrs=attrs, compression=job.output.compression, budget=budget, progress=advance)
-        if with_gradients:
-            return streaming.fake_quant_gradient(g_ds, x_ds, grid, out, kind=kind, **common)
-        streaming.fake_quant_forward(x_ds, grid, divide, out, per_channel=variant == "per-channel", **common)
-        return {}
-
-    def summarise(small):
-        return block_summary(job, operands, datasets, setup, small, [
-            f"streamed from disk in blocks: the inputs exceed --memory-limit ({budget / 2**30:.2f} GiB); "
-            "clipping statistics are not computed in this mode"])
-
-    total = sum(int(ds.size) * 4 for ds in datasets.values())
-    return Streamed(attrs, compute, total, summarise)
-
-
 def block_setup(job, operands, datasets):
-    """What a job computed block by block needs besides the blocks (HDF5 datasets or Zarr arrays, unread):
-    ``variant``, ``kind`` of the min/max sums ("flat", "chip", or None for Args), ``divide``, ``grid``,
-    ``attrs``, ``op``; channels on the last axis, float inputs (the operands are checked here)."""
+    """What a job computed block by block (:mod:`qgcli.execution.blocks`) needs besides the blocks (HDF5
+    datasets or Zarr arrays, unread): the block algorithm (``blocks``: the leaf reduction), ``variant``,
+    ``kind`` of the min/max sums ("flat", "chip", or None for Args), ``gradient``, ``divide``, ``grid``,
+    ``attrs``, ``op``, the large ``output``'s name and what the summary lacks (``not_computed``); channels on
+    the last axis, float inputs (the operands are checked here)."""
     import numpy as np
 
     from qgcli.errors import OperandError
@@ -226,7 +201,9 @@ def block_setup(job, operands, datasets):
         kind, attrs["axis"] = "chip", -1
     op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
     attrs = {"op": op, "variant": variant, **attrs}
-    return {"variant": variant, "kind": kind, "divide": divide, "grid": grid, "attrs": attrs, "op": op}
+    return {"blocks": "leaves", "variant": variant, "kind": kind, "gradient": with_gradients, "divide": divide,
+            "grid": grid, "attrs": attrs, "op": op, "output": big_output(job, variant),
+            "not_computed": "clipping statistics"}
 
 
 def big_output(job, variant):

@@ -142,7 +142,7 @@ def _is_float(dtype):
     return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
-def _data_operand(a, name, xp):
+def data_operand(a, name, xp):
     a = xp.asarray(a)
     if not _is_float(a.dtype):
         raise OperandError(f"dtype {a.dtype} is not a floating type (TF takes float32, float16 or bfloat16)",
@@ -191,9 +191,59 @@ def _check_variance(var, variance_kind):
         raise OperandError(f"{what} {float(var[c])!r} at channel {c}", operand="reserve_space_2")
 
 
+# --- over first-axis blocks of tensors left on disk ----------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockOperands:
+    """FusedBatchNormGrad's checked operands when ``x`` and ``y_backprop`` stay on disk and are read in blocks
+    of their first axis (:mod:`qgcli.execution.blocks`): what every block needs besides its rows."""
+
+    channels_first: bool
+    epsilon: float
+    channels: int
+    scale: np.ndarray
+    mean: np.ndarray
+    var: np.ndarray
+
+
+def block_operands(y_backprop, x, scale, reserve_space_1, reserve_space_2, *, epsilon, data_format,
+                   variance_kind, dtypes):
+    """The checks of :func:`fused_batch_norm_grad`, in its order, with ``x`` and ``y_backprop`` unread
+    (anything with ``shape``, ``ndim`` and ``dtype``); ``dtypes``: their dtypes by name, bfloat16 where the
+    file says so."""
+    rank, channels_first = _check_format(data_format)
+    eps = _check_epsilon(epsilon)
+    for name in ("x", "y_backprop"):
+        if not _is_float(dtypes[name]):
+            raise OperandError(f"dtype {dtypes[name]} is not a floating type (TF takes float32, float16 or "
+                               "bfloat16)", operand=name)
+    _check_rank(x, data_format, rank)
+    if tuple(y_backprop.shape) != tuple(x.shape):
+        raise OperandError(f"shape {list(y_backprop.shape)} differs from x shape {list(x.shape)}",
+                           operand="y_backprop")
+    channels = x.shape[1] if channels_first else x.shape[-1]
+    scale = _channel_operand(scale, "scale", channels, data_format)
+    mean = _channel_operand(reserve_space_1, "reserve_space_1", channels, data_format)
+    var = _channel_operand(reserve_space_2, "reserve_space_2", channels, data_format)
+    _check_variance(var, variance_kind)
+    return BlockOperands(channels_first, eps, channels, scale, mean, var)
+
+
+def sum_units(acb, dtype):
+    """The units :func:`channel_sums` cuts [A, C, B] into on the host, in the order their partial sums are
+    added: ``((a0, a1), (b0, b1) or None)``.  Summing each unit with :func:`channel_sums` and adding the
+    partials in this order gives the whole tensor's sums bit for bit, however the units are shared out."""
+    if native.for_arrays(np, np.empty((1,), dtype)) is not None:  # the compiled kernels run on float32 data
+        return [((s.start, s.stop), None) for s in _native_chunks(acb)]
+    out = []
+    for a, b in _blocks(acb, np):
+        out.append(((a.start, min(a.stop, acb[0])), None if b == slice(None) else (b.start, min(b.stop, acb[2]))))
+    return out
+
+
 # --- blocked [A, C, B] views ---------------------------------------------------------------------------
 
-def _acb_shape(shape, channels_first):
+def acb_shape(shape, channels_first):
     """``x`` viewed as [A, C, B]: channels-last is [rest, C, 1], channels-first [N, C, spatial]."""
     if channels_first:
         return (shape[0], shape[1], int(np.prod(shape[2:], dtype=np.int64)))
@@ -224,7 +274,7 @@ def _native_chunks(acb):
     return [slice(a, min(a + step, acb[0])) for a in range(0, acb[0], step)]
 
 
-def _channel_sums(dy3, x3, mean, acb, xp):
+def channel_sums(dy3, x3, mean, acb, xp):
     """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))``, accumulated in float64."""
     lib = native.for_arrays(xp, dy3, x3)
     if lib is not None:
@@ -344,8 +394,8 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
     xp = array_module(y_backprop, x)
     # C order first: the float64 channel sums (and so the last bit of x_backprop) must not depend on the
     # memory layout of the same values (a Fortran-order .npy, a strided view).
-    x = xp.ascontiguousarray(_data_operand(x, "x", xp))
-    dy = xp.ascontiguousarray(_data_operand(y_backprop, "y_backprop", xp))
+    x = xp.ascontiguousarray(data_operand(x, "x", xp))
+    dy = xp.ascontiguousarray(data_operand(y_backprop, "y_backprop", xp))
     _check_rank(x, data_format, rank)
     if dy.shape != x.shape:
         raise OperandError(f"shape {list(dy.shape)} differs from x shape {list(x.shape)}", operand="y_backprop")
@@ -358,7 +408,7 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
     out = check_out(out, xp, shape=x.shape, dtype=out_dtype, reused=dy, reused_name="y_backprop",
                     others=(x,))
 
-    acb = _acb_shape(x.shape, channels_first)
+    acb = acb_shape(x.shape, channels_first)
     n = acb[0] * acb[2]
     if n == 0 or channels == 0:  # TF: empty x_backprop, zero sums (both modes)
         zeros = xp.zeros(channels, _F32)
@@ -366,7 +416,7 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
 
     x3, dy3 = x.reshape(acb), dy.reshape(acb)
     with np.errstate(all="ignore"):  # inf/NaN data propagate, as in TF
-        sum_dy, sum_dyxc = (to_numpy(s) for s in _channel_sums(dy3, x3, mean, acb, xp))
+        sum_dy, sum_dyxc = (to_numpy(s) for s in channel_sums(dy3, x3, mean, acb, xp))
     coefs = gradient_coefficients(sum_dy, sum_dyxc, n, scale, mean, var, eps, is_training, variance_kind)
     dx = xp.empty(x.shape, out_dtype) if out is None else out
     x_backprop_blocks(dy3, x3, dx.reshape(acb), acb, coefs, xp, to_odd=_to_odd)  # dx may be dy: see there
@@ -458,10 +508,10 @@ def channel_norms(a, data_format="NHWC"):
     rank, channels_first = _check_format(data_format)
     xp = array_module(a)
     a = xp.asarray(a)
-    acb = _acb_shape(a.shape, channels_first)
+    acb = acb_shape(a.shape, channels_first)
     a3 = a.reshape(acb)
     if native.for_arrays(xp, a3) is not None:  # sum(a * (a - 0)) on the compiled kernels and both cores
-        return np.sqrt(_channel_sums(a3, a3, np.zeros(acb[1]), acb, xp)[1])
+        return np.sqrt(channel_sums(a3, a3, np.zeros(acb[1]), acb, xp)[1])
     total = xp.zeros(acb[1], _F64)
     for i, j in _blocks(acb, xp):
         blk = a3[i, :, j].astype(_F64)
@@ -511,7 +561,7 @@ class VarianceConvention:
 def _moments(x, shift, data_format, xp):
     """Per-channel ``n``, mean and biased variance of ``x`` in float64 (one pass, shifted by ``shift``)."""
     _, channels_first = DATA_FORMATS[data_format]
-    acb = _acb_shape(x.shape, channels_first)
+    acb = acb_shape(x.shape, channels_first)
     n = acb[0] * acb[2]
     x3 = x.reshape(acb)
     s1 = xp.zeros(acb[1], _F64)
@@ -551,7 +601,7 @@ def detect_variance_convention(x, reserve_space_1, reserve_space_2, *, epsilon=1
     rank, _ = _check_format(data_format)
     eps = _check_epsilon(epsilon)
     xp = array_module(x)
-    x = _data_operand(x, "x", xp)
+    x = data_operand(x, "x", xp)
     _check_rank(x, data_format, rank)
     channels = x.shape[1] if DATA_FORMATS[data_format][1] else x.shape[-1]
     rs1 = _channel_operand(reserve_space_1, "reserve_space_1", channels, data_format).astype(_F64)

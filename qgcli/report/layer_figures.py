@@ -151,7 +151,7 @@ def draw(task):
 
 def _draw_to(task, target, dpi, fmt):
     """Worker: draw ``task`` and save it to ``target``; its summary (plain data, so it crosses processes)."""
-    from qgcli.report.plots import save_figure
+    from qgcli.storage.figures import save_figure
 
     fig = draw(task)
     save_figure(fig, target, dpi=dpi, format=fmt)

@@ -31,7 +31,7 @@ def split_step(path):
 def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=None, cluster=None):
     """Rows (dicts of :data:`LAYER_KEYS`) for every fake-quant group of ``targets`` (``run.h5`` or
     ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied.
-    ``cluster``: a :class:`qgcli.execution.cluster.LayerMap` that computes the rows on its workers."""
+    ``cluster``: an entered :class:`qgcli.execution.cluster.Cluster` that computes the rows on its workers."""
     from qgcli.storage import runfile
 
     rows, skipped = [], []
@@ -58,8 +58,8 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
                         on_layer(name)
                     results.append(layer_row(container, None, path, layer, dict(options), percentiles, device))
             else:
-                results = cluster.map(layer_row, path, [layer for _, layer in todo], dict(options), percentiles,
-                                      device)
+                results = cluster.map_layers(layer_row, path, [layer for _, layer in todo], dict(options),
+                                             percentiles, device)
             computed = iter(results)
             for name, layer, reason in order:  # in discovery order, as the layers were found
                 row = {"error": reason} if reason is not None else next(computed)

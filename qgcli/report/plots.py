@@ -1,11 +1,11 @@
 """The tutorial notebook's figures (staircase, STE, histogram) and per-channel views, as matplotlib Figures.
 
-Every function returns a :class:`matplotlib.figure.Figure` on an Agg canvas: no pyplot, no global
-state, no display needed.  :func:`save_figure` writes one atomically, in the format its file name asks for
-(.png, .svg, .pdf).  Every number drawn comes from :mod:`qgcli.ops`: the forward values from the
-fake-quant op, the gradient function (TF's STE mask) from the gradient op fed with ones, exactly as
-``tf.gradients(outputs, inputs)`` does in the notebook, the back-propagated gradient from the gradient
-op fed with the user's gradients, bounds and levels from :func:`qgcli.ops.nudge`.
+Every function returns a :class:`matplotlib.figure.Figure` on an Agg canvas: no pyplot, no global state, no
+display needed.  :func:`save_figure` (from :mod:`qgcli.storage.figures`) writes one atomically, in the format
+its file name asks for (.png, .svg, .pdf).  Every number drawn comes from :mod:`qgcli.ops`: the forward values
+from the fake-quant op, the gradient function (TF's STE mask) from the gradient op fed with ones, exactly as
+``tf.gradients(outputs, inputs)`` does in the notebook, the back-propagated gradient from the gradient op fed
+with the user's gradients, bounds and levels from :func:`qgcli.ops.nudge`.
 
 Each figure carries ``fig.qgcli_summary``, a dict of plain numbers (points drawn, elements, op, grid) that
 the CLI prints.  Artists that tests and users may want to find carry a ``gid`` (``"outputs"``, ``"mask"``,
@@ -16,7 +16,6 @@ the CLI prints.  Artists that tests and users may want to find carry a ``gid`` (
 >>> fig.qgcli_summary["points"], fig.qgcli_summary["grid"]["nudged_min"]
 (201, -8.0)
 """
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,9 +23,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from qgcli.backend import array_module, to_numpy
-from qgcli.errors import OperandError, OutputError, QgcliError
+from qgcli.errors import OperandError, QgcliError
+from qgcli.storage.figures import figure_format, save_figure  # noqa: F401 (written by storage; documented here)
 
-FIGURE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 DEFAULT_MAX_POINTS = 4000
 # Line plots sort their points; above this many elements they first draw a seeded random subset.
 PRESAMPLE = 1_000_000
@@ -789,77 +788,6 @@ def channel_vectors(vectors, *, title=None, width=8.0, height=None):
                           10), fontsize=10)
     fig.qgcli_summary = {"plot": "channels", "vectors": list(arrays), "channels": int(depth), "points": int(depth)}
     return fig
-
-
-# --- output --------------------------------------------------------------------------------------------
-
-def figure_format(path):
-    """'png', 'svg' or 'pdf' from the file name; an OutputError for anything else."""
-    ext = os.path.splitext(str(path))[1].lower()
-    if ext not in FIGURE_FORMATS:
-        shown = ext or "no extension"
-        raise OutputError(f"cannot tell the figure format from {shown!r} in {path}; use .png, .svg or .pdf",
-                          operand="--output")
-    return FIGURE_FORMATS[ext]
-
-
-def save_figure(fig, path, dpi=100, *, format=None):
-    """Write ``fig`` to ``path`` atomically (temp file + rename), or to a binary stream (``path`` with a
-    ``write`` method, e.g. ``sys.stdout.buffer``).  The format is ``format`` or else the file extension.
-
-    SVG and PDF carry no creation date and SVG ids are salted with a fixed string, so the same figure
-    gives the same bytes.  The pixel size of a PNG is the figure size times ``dpi``, rounded to whole
-    pixels (see :func:`_whole_pixel_inches`).
-    """
-    import io
-
-    import matplotlib
-
-    from qgcli.storage.io import atomic_write
-
-    fmt = format or figure_format(path)
-    metadata = {"png": {}, "svg": {"Date": None}, "pdf": {"CreationDate": None}}[fmt]
-
-    def write(target):
-        with matplotlib.rc_context({"svg.hashsalt": "qgcli"}):
-            fig.savefig(target, format=fmt, dpi=dpi, metadata=metadata)
-
-    def save():
-        if not hasattr(path, "write"):
-            atomic_write(str(path), write)
-            return
-        buffer = io.BytesIO()  # whole figure first: a failure leaves nothing half-written on the stream
-        write(buffer)
-        path.write(buffer.getvalue())
-        path.flush()
-
-    if fmt != "png":
-        save()
-        return fmt
-    inches = fig.get_size_inches().copy()
-    fig.set_size_inches([_whole_pixel_inches(v, dpi) for v in inches], forward=False)
-    try:
-        save()
-    finally:
-        fig.set_size_inches(inches, forward=False)
-    return fmt
-
-
-def _whole_pixel_inches(inches, dpi):
-    """The size nearest ``inches`` whose product with ``dpi`` is ``round(inches * dpi)`` pixels or a hair above.
-
-    Agg's canvas is ``int(inches * dpi)`` pixels (matplotlib 3.11 first rounds a product within 1e-8 of a whole
-    number up): 8.2 in at 100 dpi is 819.9999999999999 px, which is 819 px on matplotlib <= 3.10 and 820 on 3.11.
-    A product at or just above the whole number gives the same pixels on every version.
-
-    >>> 8.2 * 100, _whole_pixel_inches(8.2, 100) * 100
-    (819.9999999999999, 820.0000000000001)
-    """
-    pixels = round(float(inches) * dpi)
-    snapped = pixels / dpi
-    while snapped * dpi < pixels:
-        snapped = float(np.nextafter(snapped, np.inf))
-    return snapped
 
 
 # --- estimators overlaid (qgcli plot estimators) -----------------------------------------------------------

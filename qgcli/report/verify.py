@@ -92,7 +92,7 @@ def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
     """Verify run file ``target`` (``run.h5`` or ``run.h5:group``); returns the summary (JSON-safe dict):
     ``layers`` worst first, each with ``path``, ``op``, ``kind``, ``status`` (``identical``, ``within-rtol``,
     ``differs``, ``failed``, ``no-reference``), ``passed``, ``max_ulps``, ``rel`` and per-output ``outputs``.
-    ``scheduler``: verify the layers on that Dask cluster (:class:`qgcli.execution.cluster.LayerMap`; the summary
+    ``scheduler``: verify the layers on that Dask cluster (:class:`qgcli.execution.cluster.Cluster`; the summary
     then has ``cluster``)."""
     from qgcli.storage import runfile
     from qgcli.errors import QgcliError
@@ -109,10 +109,10 @@ def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
         if scheduler is None:
             rows = [_verify_layer(container, handle, path, layer, rtol) for layer in layers]
         else:
-            from qgcli.execution.cluster import LayerMap
+            from qgcli.execution.dispatch import cluster as cluster_at
 
-            with LayerMap(scheduler) as cluster:
-                rows = cluster.map(_verify_layer, path, layers, rtol)
+            with cluster_at(scheduler) as cluster:
+                rows = cluster.map_layers(_verify_layer, path, layers, rtol)
                 described = cluster.describe()
     finally:
         container.close()

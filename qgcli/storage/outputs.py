@@ -1,4 +1,4 @@
-"""Writing a run's results: tensor outputs with their provenance, streamed .h5 outputs, figures.
+"""Writing a run's results: tensor outputs with their provenance, figures (written by :mod:`qgcli.storage.figures`).
 
 Every write is atomic (temporary file + rename) and checked first: an existing output needs ``force``, an
 input is never overwritten.  Nothing heavy is imported at module level.
@@ -25,41 +25,6 @@ def write_outputs(outputs, dest, *, operands, force, attrs, compression=None):
         raise  # `-o - | head`: the reader went away; the CLI stops quietly, as Unix tools do
     except OSError as exc:
         raise RuntimeFailure(f"cannot write {dest}: {exc.strerror or exc}") from None
-
-
-def write_streamed(output, operands, force, attrs, compute, *, quiet, total_bytes, compression=None):
-    """Check the target, then run ``compute(h5file, progress)`` into a temporary .h5 renamed over ``output``.
-
-    ``compute`` returns the small outputs (name -> array) to store beside the streamed ones, compressed as
-    in memory (every dataset with elements).
-    """
-    import numpy as np
-
-    from qgcli import __version__
-    from qgcli.storage import io
-    from qgcli.report.progress import Progress
-
-    io.check_output(output, inputs=operands.input_paths(), force=force)
-    attrs = {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
-    small = {}
-
-    def write(path):
-        with io.open_h5_for_writing(path) as out, Progress("streaming", total=total_bytes, unit="bytes", quiet=quiet) as bar:
-            for key, value in attrs.items():
-                out.attrs[key] = value
-            small.update(compute(out, bar.advance))
-            for name, value in small.items():
-                value = np.asarray(value)
-                options = {"compression": compression, "chunks": True} if compression and value.ndim and value.size else {}
-                ds = out.create_dataset(name, data=value, **options)
-                for key, v in attrs.items():
-                    ds.attrs[key] = v
-
-    try:
-        io.atomic_write(output, write)
-    except OSError as exc:
-        raise RuntimeFailure(f"cannot write {output}: {exc.strerror or exc}") from None
-    return small
 
 
 def check_figure_output(dest, *, inputs=(), force=False, option="--output", format=None):
@@ -103,7 +68,7 @@ def _same_file(a, b):
 def save_checked(fig, dest, dpi, format=None):
     """Save ``fig`` (checked path, or ``-``: stdout, PNG unless ``format`` says otherwise) atomically; a
     failing disk is a runtime error (exit 1)."""
-    from qgcli.report.plots import save_figure
+    from qgcli.storage.figures import save_figure
 
     if dest == "-":
         from qgcli.signals import raise_pending

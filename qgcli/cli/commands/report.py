@@ -475,15 +475,13 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
     from qgcli.report.layers import LAYER_KEYS, layers_document, report_layers
     from qgcli.report.progress import Progress
 
-    from qgcli.execution.dispatch import default_scheduler
+    from qgcli.execution.dispatch import cluster as cluster_at, default_scheduler
 
     scheduler = scheduler or default_scheduler()
     cluster = None
     with contextlib.ExitStack() as stack:
         if scheduler is not None:  # the layers' rows computed on a Dask cluster (qgcli.execution.cluster)
-            from qgcli.execution.cluster import LayerMap
-
-            cluster = stack.enter_context(LayerMap(scheduler))
+            cluster = stack.enter_context(cluster_at(scheduler))
         with Progress("reading layers", total=None, quiet=quiet) as progress:
             rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
                                           on_layer=lambda name: progress.update(description=f"layer {name}"),

@@ -1,39 +1,19 @@
-"""Out-of-core execution: HDF5 tensors larger than the memory budget are streamed block by block.
+"""The HDF5 block source: tensors larger than the memory budget streamed block by block, in order.
 
-Blocks of the first axis are read from the input datasets, computed with the same kernels as the
-in-memory path and written straight into the output dataset, so peak memory is a few blocks whatever
-the tensor's size.  Fake-quant gradients re-cut the rows into whole leaves of TF's reduction plan, so
-``backprop_wrt_min/max`` keep Eigen's summation order and match the in-memory result bit for bit;
-batch-norm gradients make two passes (per-channel float64 sums, then ``x_backprop``).
+Blocks of the first axis are read from the input datasets (into reused buffers, one block ahead where the
+data lie as plain bytes), computed with the same kernels as the in-memory path and written straight into
+the output dataset (whole chunk rows, compressed on a thread pool), so peak memory is a few blocks whatever
+the tensor's size.  The math is the block driver's (:mod:`qgcli.execution.blocks.leaves`,
+:mod:`qgcli.execution.blocks.two_pass`); this module reads and writes.
 """
-import re
-
 import numpy as np
 
-from qgcli.errors import QgcliError
-from qgcli.storage.io import physical_memory, tagged_bfloat16
+from qgcli.execution.blocks import leaves as leaf_reduction
+from qgcli.execution.blocks import two_pass
 from qgcli.signals import raise_pending
+from qgcli.storage.io import tagged_bfloat16
 
 _F32 = np.float32
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_memory_limit(text):
-    """Bytes from ``"2G"``, ``"512M"``, ``"1.5g"``, ``"1000000"`` or a fraction of RAM like ``"25%"``.
-
-    None or "" gives the default: a quarter of the machine's memory.
-    """
-    if text is None or text == "":
-        return physical_memory() // 4
-    value = str(text).strip().lower()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(%|[kmgt]?)i?b?", value)
-    if not match:
-        raise QgcliError(f"cannot read {text!r}; use a size like 512M, 2G or 25%", operand="--memory-limit")
-    number, unit = float(match.group(1)), match.group(2)
-    limit = int(physical_memory() * number / 100) if unit == "%" else int(number * _UNITS[unit])
-    if limit < (1 << 20):
-        raise QgcliError(f"{text!r} is below 1M; qgcli needs room for a few blocks", operand="--memory-limit")
-    return limit
 
 
 def block_items(dataset_shape, itemsize, budget, copies):
@@ -147,54 +127,26 @@ def _rows(block, depth):
     return np.ascontiguousarray(block, dtype=_F32).reshape(-1, depth)
 
 
-class _LeafCutter:
-    """Collects rows as they are read and hands them out again as whole leaves of a reduction plan."""
-
-    def __init__(self, leaves, depth):
-        self.leaves = list(leaves)
-        self.next = 0
-        self.depth = depth
-        self.pending = []  # arrays of rows not yet part of a complete leaf, per operand
-
-    def push(self, *arrays):
-        joined = bool(self.pending) and len(self.pending[0]) > 0  # rows left over: joined in fresh arrays
-        if joined:
-            arrays = [np.concatenate([p, a]) for p, a in zip(self.pending, arrays)]
-        take, count = 0, 0
-        while self.next + count < len(self.leaves) and take + self.leaves[self.next + count][1] <= len(arrays[0]):
-            take += self.leaves[self.next + count][1]
-            count += 1
-        # What no whole leaf takes outlives this block's read buffer (the next read overwrites it): a copy,
-        # unless it already lies in arrays of its own.
-        self.pending = [a[take:] if joined else a[take:].copy() for a in arrays]
-        if not count:
-            return None
-        leaves = tuple(self.leaves[self.next:self.next + count])
-        self.next += count
-        return [a[:take] for a in arrays], leaves
-
-
 def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compression, budget, progress=None):
     """Stream a Vars/PerChannel/Args gradient from HDF5 datasets into the open HDF5 file ``out``.
 
     ``kind``: "flat" (per tensor) or "chip" (per channel, channels on the last axis); ``None`` for the
     Args op (no min/max sums).  Returns ``{"backprop_wrt_min": ..., "backprop_wrt_max": ...}`` (or {}).
     """
-    from qgcli.ops import blocked, reduction
-
     shape = tuple(inputs.shape)
     depth = shape[-1] if kind == "chip" else 1
     rows = int(np.prod(shape, dtype=np.int64)) // max(depth, 1)
     name = "backprops" if kind is None else "backprops_wrt_input"
     lo, hi = grid.mask_bounds()
     passthrough = grid.passthrough if grid.passthrough.any() else None
+    bounds = (lo, hi, passthrough)
     step = block_items(shape, 4, budget, copies=6) if shape else 1
     dx_out = _Output(out, name, shape, _F32, attrs, compression, step=step, budget=budget, copies=6,
                      work_itemsize=4)
     step = dx_out.step
     if not shape:
         g, x = _rows(gradients[()], depth), _rows(inputs[()], depth)
-        dx_out.ds[()] = blocked.backprop_rows(g, x, lo, hi, passthrough)[0].reshape(())
+        dx_out.ds[()] = leaf_reduction.gradient_rows(g, x, bounds)[0].reshape(())
         _tick(progress, g.nbytes * 2)
         return {}
     read_g = _Reader(gradients, step, buffers=2 if dx_out.keeps_blocks else 1)  # the backprops go into g
@@ -202,15 +154,14 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
     if kind is None:
         for i in range(0, shape[0], step):
             g, x = _rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth)
-            dx = blocked.backprop_rows(g, x, lo, hi, passthrough, out=g)[0]  # the block read is ours to overwrite
+            dx = leaf_reduction.gradient_rows(g, x, bounds, out=g)[0]  # the block read is ours to overwrite
             dx_out.write(i, dx.reshape((-1,) + shape[1:]))
             _tick(progress, g.nbytes * 2)
         dx_out.finish()
         return {}
-    plan = reduction.plan(rows, kind=kind)
-    cutter = _LeafCutter(plan.leaves, depth)
-    sums_min, sums_max = [], []
-    dx_pending, written = [], 0
+    plan = leaf_reduction.plan(rows, kind)
+    cutter = leaf_reduction.LeafCutter(plan.leaves, depth)
+    sums, dx_pending, written = [], [], 0
     per_item = rows // shape[0] if shape[0] else 0
     for i in range(0, shape[0], step):
         ready = cutter.push(_rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth))
@@ -218,18 +169,14 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
             continue
         (g, x), leaves = ready
         # g holds rows read for this call (or joined from them): the gradient may overwrite them.
-        dx, smin, smax = blocked.backprop_rows(g, x, lo, hi, passthrough, leaves=leaves, out=g)
-        sums_min.append(smin)
-        sums_max.append(smax)
+        dx, leaf_sums = leaf_reduction.gradient_rows(g, x, bounds, leaves, out=g)
+        sums.append(leaf_sums)
         dx_pending.append(dx)
         written = _flush_rows(dx_out, dx_pending, written, per_item, final=False)
         _tick(progress, g.nbytes * 2)
     written = _flush_rows(dx_out, dx_pending, written, per_item, final=True)
     dx_out.finish()
-    dmin, dmax = blocked.finish_sums(plan, np.concatenate(sums_min), np.concatenate(sums_max), passthrough)
-    if kind == "flat":
-        dmin, dmax = dmin.reshape(()), dmax.reshape(())
-    return {"backprop_wrt_min": dmin, "backprop_wrt_max": dmax}
+    return leaf_reduction.finish(plan, sums, passthrough, kind)
 
 
 def _flush_rows(output, pending, written, per_item, *, final):
@@ -245,7 +192,7 @@ def _flush_rows(output, pending, written, per_item, *, final):
         items -= items % output.align
     if items:
         output.write(written, rows[:items * per_item].reshape((items,) + output.ds.shape[1:]))
-    pending[:] = [rows[items * per_item:].copy()] if items * per_item < len(rows) else []  # (see _LeafCutter)
+    pending[:] = [rows[items * per_item:].copy()] if items * per_item < len(rows) else []  # (see LeafCutter)
     return written + items
 
 
@@ -295,35 +242,13 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
     """FusedBatchNormGrad streamed from HDF5 datasets; ``x_backprop`` goes into ``out``.
 
     Training takes two passes: the per-channel float64 sums, then ``x_backprop`` block by block.  Inference
-    takes one (its ``x_backprop`` does not depend on the sums).  The same functions as
-    :func:`qgcli.ops.fused_batch_norm_grad`.  Returns the per-channel outputs.
+    takes one (its ``x_backprop`` does not depend on the sums).  Returns the per-channel outputs.
     """
-    from qgcli.errors import OperandError
-    from qgcli.ops import batch_norm as bn
-
-    rank, channels_first = bn._check_format(data_format)
-    eps = bn._check_epsilon(epsilon)
-    bf16 = {n: tagged_bfloat16(ds) for n, ds in (("x", x), ("y_backprop", y_backprop))}
-    for name, ds in (("x", x), ("y_backprop", y_backprop)):
-        if not (bn._is_float(ds.dtype) or bf16[name]):
-            raise OperandError(f"dtype {ds.dtype} is not a floating type (TF takes float32, float16 or bfloat16)",
-                               operand=name)
-    bn._check_rank(x, data_format, rank)
-    if tuple(y_backprop.shape) != tuple(x.shape):
-        raise OperandError(f"shape {list(y_backprop.shape)} differs from x shape {list(x.shape)}",
-                           operand="y_backprop")
-    shape = tuple(x.shape)
-    channels = shape[1] if channels_first else shape[-1]
-    scale = bn._channel_operand(scale, "scale", channels, data_format)
-    mean = bn._channel_operand(reserve_space_1, "reserve_space_1", channels, data_format)
-    var = bn._channel_operand(reserve_space_2, "reserve_space_2", channels, data_format)
-    bn._check_variance(var, variance_kind)
-    if bf16["x"]:
-        import ml_dtypes
-
-        out_dtype = np.dtype(ml_dtypes.bfloat16)
-    else:
-        out_dtype = x.dtype if x.dtype.itemsize <= 4 else np.dtype(_F32)
+    small_in = {"scale": scale, "reserve_space_1": reserve_space_1, "reserve_space_2": reserve_space_2}
+    checked = two_pass.checked(y_backprop, x, small_in, epsilon=epsilon, data_format=data_format,
+                               variance_kind=variance_kind)
+    shape, channels, channels_first = tuple(x.shape), checked.channels, checked.channels_first
+    out_dtype = two_pass.output_dtype(x)
     n = int(np.prod(shape, dtype=np.int64)) // max(channels, 1)
     storage = np.uint16 if out_dtype.name == "bfloat16" else out_dtype
     step = block_items(shape, 8, budget, copies=6)
@@ -333,19 +258,14 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
         output.ds.attrs["dtype"] = "bfloat16"
     sums = np.zeros((2, channels), np.float64)  # sum(dy), sum(dy * (x - mean)), added block by block in order
 
-    def add_sums(dy_b, x_b, acb):
-        with np.errstate(all="ignore"):
-            for total, part in zip(sums, bn._channel_sums(dy_b.reshape(acb), x_b.reshape(acb), mean, acb, np)):
-                total += part
-
     def coefficients():
-        return bn.gradient_coefficients(sums[0], sums[1], n, scale, mean, var, eps, is_training, variance_kind)
+        return two_pass.coefficients(sums, n, checked, is_training=is_training, variance_kind=variance_kind)
 
     if is_training:  # x_backprop needs the sums over the whole tensor: a pass of their own first
         read_dy, read_x = _Reader(y_backprop, step), _Reader(x, step)
         for i in range(0, shape[0], step):
             dy_b, x_b = _read_float(read_dy, i, i + step), _read_float(read_x, i, i + step)
-            add_sums(dy_b, x_b, bn._acb_shape(dy_b.shape, channels_first))
+            two_pass.add(sums, two_pass.sums(*two_pass.as_acb(channels_first, dy_b, x_b), checked.mean))
             _tick(progress, dy_b.nbytes + x_b.nbytes)
     coefs = coefficients()  # inference: x_backprop = dy * scale / sqrt(var + eps), whatever the sums
     if not is_training or output.step != step or output.keeps_blocks:
@@ -353,19 +273,49 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
         read_x = _Reader(x, output.step)
     for i in range(0, shape[0], output.step):  # element-wise: any blocks
         dy_b, x_b = _read_float(read_dy, i, i + output.step), _read_float(read_x, i, i + output.step)
-        acb = bn._acb_shape(dy_b.shape, channels_first)
         if not is_training:  # the one pass: the sums before x_backprop overwrites dy
-            add_sums(dy_b, x_b, acb)
+            two_pass.add(sums, two_pass.sums(*two_pass.as_acb(channels_first, dy_b, x_b), checked.mean))
         # dy_b is this block's read buffer, not needed once the block is written: x_backprop may overwrite it.
         dx_b = dy_b if dy_b.dtype == out_dtype and dy_b.flags.writeable else np.empty(dy_b.shape, out_dtype)
         if n:
-            bn.x_backprop_blocks(dy_b.reshape(acb), x_b.reshape(acb), dx_b.reshape(acb), acb, coefs, np)
+            two_pass.x_backprop(dy_b, x_b, dx_b, coefs, channels_first)
         output.write(i, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
         _tick(progress, dy_b.nbytes + x_b.nbytes)
     output.finish()
     if not is_training:
         coefs = coefficients()
-    zeros = np.zeros(channels, _F32)
-    if n == 0 or channels == 0:
-        return {"scale_backprop": zeros, "offset_backprop": zeros.copy()}
-    return {"scale_backprop": coefs.scale_backprop, "offset_backprop": coefs.offset_backprop}
+    return two_pass.small_outputs(coefs, n, channels)
+
+
+def write_streamed(output, operands, force, attrs, compute, *, quiet, total_bytes, compression=None):
+    """Check the target, then run ``compute(h5file, progress)`` into a temporary .h5 renamed over ``output``.
+
+    ``compute`` returns the small outputs (name -> array) to store beside the streamed ones, compressed as
+    in memory (every dataset with elements).
+    """
+    from qgcli import __version__
+    from qgcli.errors import RuntimeFailure
+    from qgcli.storage import io
+    from qgcli.report.progress import Progress
+
+    io.check_output(output, inputs=operands.input_paths(), force=force)
+    attrs = {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
+    small = {}
+
+    def write(path):
+        with io.open_h5_for_writing(path) as out, Progress("streaming", total=total_bytes, unit="bytes", quiet=quiet) as bar:
+            for key, value in attrs.items():
+                out.attrs[key] = value
+            small.update(compute(out, bar.advance))
+            for name, value in small.items():
+                value = np.asarray(value)
+                options = {"compression": compression, "chunks": True} if compression and value.ndim and value.size else {}
+                ds = out.create_dataset(name, data=value, **options)
+                for key, v in attrs.items():
+                    ds.attrs[key] = v
+
+    try:
+        io.atomic_write(output, write)
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot write {output}: {exc.strerror or exc}") from None
+    return small
