@@ -7,29 +7,14 @@ same way in every mode: ``--compression`` for every .h5 output, ``--plot`` where
 every group of a run file, or over a Dask cluster, is one more function of this shape.
 """
 from qgcli.errors import OptionError
+from qgcli.jobs import RunFileJob
 
 
 def runner_for(job):
-    """The runner module of the job's family."""
-    from qgcli.jobs import BATCH_NORM, ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH, TORCHAO
+    """The module of the job's family (:mod:`qgcli.families.registry`)."""
+    from qgcli.families import registry
 
-    if job.family == TF:
-        from qgcli.families import tf_fake_quant as runner
-    elif job.family == ESTIMATOR:
-        from qgcli.families import estimators as runner
-    elif job.family == TORCH:
-        from qgcli.families import torch as runner
-    elif job.family == QUANTIZE_DEQUANTIZE:
-        from qgcli.families import quantize_v2 as runner
-    elif job.family == QUANTIZE_AND_DEQUANTIZE:
-        from qgcli.families import qdq as runner
-    elif job.family == BATCH_NORM:
-        from qgcli.families import batch_norm as runner
-    elif job.family == TORCHAO:
-        from qgcli.families import torchao as runner
-    else:
-        raise ValueError(f"no runner for the family {job.family!r}")
-    return runner
+    return registry.of(job)
 
 
 def execute(job):
@@ -37,7 +22,7 @@ def execute(job):
     from qgcli.storage.operands import Operands
 
     job = with_default_scheduler(job)
-    if job.family == "run-file":  # every group of a run file (qgcli.execution.runfile)
+    if isinstance(job, RunFileJob):  # every group of a run file (qgcli.execution.runfile)
         from qgcli.execution.runfile import execute_run
 
         if job.output.scheduler is not None:  # ... on a Dask cluster (qgcli.execution.cluster)
@@ -67,7 +52,9 @@ def execute(job):
             raise OptionError("runs the groups of a run file, or Zarr tensors, on a Dask cluster; this "
                                      "bundle runs here (drop --scheduler)", param_hint="'--scheduler'")
         if not hasattr(runner, "stream"):
-            plan = memory_plan(job, operands, streams=False, mode=job.mode)
+            from qgcli.families import registry
+
+            plan = memory_plan(job, operands, streams=False, mode=registry.mode(job))
         elif job.output.device != "cpu":
             plan = memory_plan(job, operands, streams=False, mode=f"--device {job.output.device}")
         else:
@@ -96,10 +83,10 @@ def with_default_scheduler(job):
     address = default_scheduler()
     if address is None or job.output.scheduler is not None:
         return job
-    if job.family != "run-file":
-        from qgcli.jobs import BATCH_NORM, TF
+    if not isinstance(job, RunFileJob):
+        from qgcli.families import registry
 
-        if job.family not in (TF, BATCH_NORM):  # the families that run Zarr tensors in blocks
+        if not registry.computes_in_blocks(job):  # only they run Zarr tensors on a cluster
             return job
         specs = job.operands.as_dict()
         texts = [specs.get(name) or job.operands.bundle for name in getattr(job, "large_operands", ())]

@@ -165,7 +165,7 @@ def plan_for(job, operands, runner, locations):
     from qgcli.execution import streaming
     from qgcli.storage import zarr_store
     from qgcli.errors import FileFormatError, OperandError
-    from qgcli.jobs import BATCH_NORM
+    from qgcli.families import registry
 
     budget = streaming.parse_memory_limit(job.output.memory_limit)
     arrays, sources = {}, {}
@@ -184,7 +184,7 @@ def plan_for(job, operands, runner, locations):
         return None
     if not hasattr(runner, "block_setup"):
         raise OptionError(f"computes TensorFlow's fake-quant ops and bn-grad on Zarr tensors in blocks; "
-                                 f"{job.mode} reads its Zarr operands whole (drop --scheduler, or raise "
+                                 f"{registry.mode(job)} reads its Zarr operands whole (drop --scheduler, or raise "
                                  "--memory-limit)",
                                  param_hint="'--scheduler'" if job.output.scheduler else "'--memory-limit'")
     if job.output.device != "cpu":
@@ -192,7 +192,7 @@ def plan_for(job, operands, runner, locations):
     first = arrays[job.large_operands[-1]]
     if not first.shape or not first.size:
         return None  # nothing to cut into blocks
-    if job.family == BATCH_NORM:
+    if getattr(runner, "TWO_PASS_BLOCKS", False):
         from qgcli.execution.zarr_batch_norm import BatchNormBlockRun
 
         return BatchNormBlockRun(job, operands, runner, sources, arrays, budget)

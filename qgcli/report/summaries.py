@@ -5,6 +5,7 @@ Kept free of heavy imports at module level so that ``qgcli --help`` stays fast.
 import sys
 
 from qgcli.errors import UsageProblem
+from qgcli.storage.dtypes import dtype_name
 
 
 def describe_arrays(arrays):
@@ -17,21 +18,6 @@ def describe_arrays(arrays):
         return {"shape": list(a.shape), "dtype": dtype_name(a.dtype)}
 
     return {name: describe(a) for name, a in arrays.items()}
-
-
-_DTYPE_NAMES = {}
-
-
-def dtype_name(dtype):
-    """``str(dtype)``, looked up once per dtype (NumPy builds the text anew at ~5 us a call, and a run file's
-    summary names thousands of dtypes)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-        return name
-    except TypeError:  # an unhashable stand-in for a dtype
-        return str(dtype)
 
 
 def json_safe(value):
@@ -152,3 +138,10 @@ def number(v, digits=4):
     if isinstance(v, int):
         return str(v)
     return f"{v:.{digits}g}"
+
+
+def fmt_value(v):
+    """A grid value in a summary table: 7 significant digits, nan for None (a NaN made JSON-safe)."""
+    if v is None:
+        return "nan"
+    return f"{v:.7g}" if isinstance(v, float) else str(v)
