@@ -1,24 +1,15 @@
 """What to run and what a run gives back: the contract between the commands, the executors and the runners.
 
 A command parses its options once into one immutable job (:class:`FakeQuantJob`, :class:`BatchNormJob`):
-the op family, its attributes, the operand specs and the output options.  An executor
-(:mod:`qgcli.execution.dispatch`) decides where the job runs (in memory, in blocks, over a run file, on a
-cluster) and asks the runner of its family (:mod:`qgcli.families`), which returns a :class:`Result` in
-memory or gives the per-block setup.  Nothing here imports more than the standard library, so building a job costs
+the op family (a name of :data:`qgcli.families.registry.FAMILIES`), its attributes, the operand specs and
+the output options.  An executor (:mod:`qgcli.execution.dispatch`) decides where the job runs (in memory, in
+blocks, over a run file, on a cluster) and asks the runner of its family (:mod:`qgcli.families`), which
+returns a :class:`Result` in memory or gives the per-block setup.  Nothing here imports more than the standard
+library, so building a job costs
 nothing at start-up.
 """
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
-
-#: Fake-quant families: TensorFlow's op (STE), TensorFlow's grid with another estimator, PyTorch's op,
-#: TensorFlow's QuantizeV2 + Dequantize round trip.
-TF, ESTIMATOR, TORCH, QUANTIZE_DEQUANTIZE = "tf", "estimator", "torch", "quantize-dequantize"
-BATCH_NORM = "batch-norm"
-#: TensorFlow's QuantizeAndDequantizeV2/V3/V4 (+ V4Grad): its own grid, its own gradient op.
-QUANTIZE_AND_DEQUANTIZE = "quantize-and-dequantize"
-#: torchao's QAT fake quantizers (IntxFakeQuantizer / Float8FakeQuantizer), qparams from the data.
-TORCHAO = "torchao"
-
 
 class OperandSpecs(NamedTuple):
     """Where each operand comes from: a positional bundle file and ``--name SPEC`` options (None: not given)."""
@@ -154,6 +145,22 @@ class EstimatorOptions(NamedTuple):
     grad_factor: Any = None
 
 
+class FakeQuantOptions(NamedTuple):
+    """The fakequant commands' options, parsed: :func:`qgcli.families.registry.job_from_options` makes
+    the job of the family they choose."""
+
+    command: str
+    with_gradients: bool
+    operands: OperandSpecs
+    attributes: FakeQuantAttributes
+    quantize: QuantizeAttributes
+    semantics: SemanticsOptions
+    estimator: EstimatorOptions
+    output: OutputOptions
+    qdq: Optional[QdqAttributes] = None
+    torchao: TorchaoOptions = TorchaoOptions()
+
+
 class FakeQuantJob(NamedTuple):
     """One fake-quant run (``fakequant`` / ``fakequant-grad``) of one family, options resolved and checked."""
 
@@ -175,21 +182,6 @@ class FakeQuantJob(NamedTuple):
     torchao: Any = None  # torchao: a qgcli.ops.torchao_semantics config
 
     @property
-    def mode(self):
-        """The mode in the words of its options, for messages."""
-        if self.family == TORCHAO:
-            return "--semantics torchao"
-        if self.family == QUANTIZE_DEQUANTIZE:
-            return f"--variant {QUANTIZE_DEQUANTIZE}"
-        if self.family == QUANTIZE_AND_DEQUANTIZE:
-            return f"--variant {self.variant}"
-        if self.family == TORCH:
-            return "--semantics torch"
-        if self.family == ESTIMATOR:
-            return f"--estimator {self.estimator.text}"
-        return "TensorFlow's fake-quant op"
-
-    @property
     def large_operands(self):
         """The operands as large as the tensor (the others are per channel at most)."""
         return ("gradients", "inputs") if self.with_gradients else ("inputs",)
@@ -207,11 +199,7 @@ class BatchNormJob(NamedTuple):
     version: str = "v3"
     all_outputs: bool = False
     command: str = "bn-grad"
-    family: str = BATCH_NORM
-
-    @property
-    def mode(self):
-        return "bn-grad"
+    family: str = "batch-norm"  # qgcli.families.batch_norm
 
     large_operands = ("y_backprop", "x")
 

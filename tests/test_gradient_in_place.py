@@ -217,7 +217,8 @@ def test_out_on_the_device_of_the_operands(xp):
 @pytest.mark.parametrize("command", ["fakequant-grad", "bn-grad"])
 def test_work_only_the_summary_needs_is_skipped_when_nobody_sees_it(tmp_path, command):
     from qgcli.execution import dispatch as executors
-    from qgcli.jobs import BatchNormJob, FakeQuantJob, OperandSpecs, OutputOptions, TF
+    from qgcli.families.tf_fake_quant import NAME as TF
+    from qgcli.jobs import BatchNormJob, FakeQuantJob, OperandSpecs, OutputOptions
 
     rng = np.random.default_rng(9)
     path = tmp_path / "b.h5"

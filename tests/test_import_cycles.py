@@ -167,9 +167,6 @@ LAYERS = [
 ]
 #: Imports that climb today, each to be moved down (struck from here when it is gone; the last test checks).
 KNOWN_CLIMBS = {
-    # a group's job is the family's to build (the family registry)
-    ("qgcli.storage.runfile", "qgcli.families.torchao"): "config_from_attributes",
-    ("qgcli.storage.runfile", "qgcli.report.summaries"): "dtype_name",
 }
 
 
@@ -216,3 +213,60 @@ def test_known_climbs_are_still_there():
 def test_the_base_imports_no_qgcli_module_above_it():
     graph = _graph()
     assert not [d for d in graph["qgcli.jobs"]], "jobs imports the standard library only"
+
+
+#: The family names (qgcli.families.registry.FAMILIES), as they were spelled before the registry.
+FAMILY_NAMES = {"tf", "estimator", "torch", "quantize-dequantize", "batch-norm", "torchao", "quantize-and-dequantize"}
+FAMILY_CONSTANTS = {"TF", "ESTIMATOR", "TORCH", "QUANTIZE_DEQUANTIZE", "QUANTIZE_AND_DEQUANTIZE", "BATCH_NORM",
+                    "TORCHAO"}
+
+
+def _family_comparisons(tree):
+    """Lines where a family is told apart by name: a comparison with a ``family`` value (``job.family == ...``,
+    ``family in (...)``) or with one of the old family constants, and a subscript keyed by ``family``."""
+    def is_family(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "family") or \
+            (isinstance(node, ast.Name) and (node.id in ("family", "fam") or node.id in FAMILY_CONSTANTS))
+
+    def is_none_check(node):  # `layer.family is None`: whether a group has a family at all
+        return all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops) and \
+            all(isinstance(c, ast.Constant) and c.value is None for c in node.comparators)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(is_family(n) for n in [node.left, *node.comparators]) \
+                and not is_none_check(node):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and is_family(node.slice):
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_families_tell_families_apart():
+    """Commands, run files, executors and reports ask the registry (qgcli.families.registry) what a family does."""
+    wrong = []
+    for module, path in sorted(_modules().items()):
+        if module == "qgcli.families" or module.startswith("qgcli.families."):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), filename=path)
+        wrong += [f"{module}:{line}" for line in _family_comparisons(tree)]
+    assert not wrong, "compare family names outside qgcli.families (ask the registry):\n" + "\n".join(wrong)
+
+
+def test_the_family_check_sees_a_comparison():
+    tree = ast.parse("if job.family == 'tf':\n    pass\nx = {}[layer.family]\nok = kind == 'tf'\n"
+                     "ok = layer.family is None\nif family in (TF, TORCH):\n    pass\n")
+    assert _family_comparisons(tree) == [1, 3, 6]
+
+
+def test_the_registry_lists_every_family_module():
+    from qgcli.families import registry
+
+    assert set(registry.FAMILIES) == FAMILY_NAMES
+    for name in registry.FAMILIES:
+        mod = registry.family(name)
+        assert mod.NAME == name and mod.KIND in (registry.FAKE_QUANT, registry.BATCH_NORM)
+        assert callable(mod.compute) and callable(mod.render) and callable(mod.mode)
+        if hasattr(mod, "RUN_FILE_OPS"):
+            assert None in mod.GROUP_OPERANDS and callable(mod.job_from_group)

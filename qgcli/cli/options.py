@@ -184,8 +184,9 @@ def quantize_options(f):
 
 def refuse_quantize_options(quantize):
     """Variants other than quantize-dequantize: the QuantizeV2 attributes do not apply."""
-    for option in quantize.given():
-        raise click.BadParameter(f"only applies to --variant {QD_VARIANT}", param_hint=f"'{option}'")
+    from qgcli.families.common import refuse_quantize_options as refuse
+
+    refuse(quantize)
 
 
 # --- PyTorch semantics and gradient estimators --------------------------------------------------------------
@@ -398,9 +399,6 @@ def output_options(*, plot=False):
 
 # --- run files ------------------------------------------------------------------------------------------------
 
-#: Options that override a run file's group attributes when typed (parameter name -> job field).
-RUN_FILE_OVERRIDES = ("num_bits", "narrow_range", "axis", "quant_min", "quant_max", "dtype", "mode", "round_mode",
-                      "ensure_minimum_range", "epsilon", "data_format", "is_training", "variance_kind", "version")
 #: Options a run file's groups answer themselves (their op names the variant, the semantics, the operands).
 _RUN_FILE_REFUSED = {"variant": "--variant", "semantics": "--semantics", "scale": "--scale",
                      "zero_point": "--zero-point", "plot": "--plot"}
@@ -480,9 +478,11 @@ def _refuse_torchao_options():
 
 def typed_overrides():
     """The attribute options typed on the command line (parameter name -> value): they override a run
-    file's group attributes."""
+    file's group attributes (:data:`qgcli.families.groups.OVERRIDABLE`, parameter name = job field)."""
+    from qgcli.families.groups import OVERRIDABLE
+
     ctx = click.get_current_context()
-    return {name: ctx.params[name] for name in RUN_FILE_OVERRIDES if name in ctx.params and given(name)}
+    return {name: ctx.params[name] for name in OVERRIDABLE if name in ctx.params and given(name)}
 
 
 def run_file_job(command, operands, output, *, skip_invalid=False, estimator=None, all_outputs=False):

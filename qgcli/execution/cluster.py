@@ -8,7 +8,7 @@ Three kinds of work use it, all with the same client, task keys, error handling 
   output, in the same order and layout), except that each group's ``runner.compute`` runs as one task on a
   worker: the worker opens the run file itself (the client ships no tensors, only the job and the group's
   path: the file must be readable at the same path on every worker, a shared file system), builds the
-  group's job with :func:`qgcli.storage.runfile.layer_job`, computes it whole with the same runner and
+  group's job with :func:`qgcli.families.groups.job_from_group`, computes it whole with the same runner and
   kernels, and returns the Result's arrays.  So the outputs are bit for bit those of a local run by
   construction: the same function on the same bytes, and pickling keeps every bit.  HDF5 has a single
   writer: the client, as the results arrive, in group order.  At most ``2 x`` the cluster's threads of

@@ -6,29 +6,14 @@ same way in every place: ``--compression`` for every .h5 output, ``--plot`` wher
 ``--memory-limit`` below the inputs either honoured (blocks) or refused, never ignored.
 """
 from qgcli.errors import OptionError
+from qgcli.jobs import RunFileJob
 
 
 def runner_for(job):
-    """The runner module of the job's family."""
-    from qgcli.jobs import BATCH_NORM, ESTIMATOR, QUANTIZE_AND_DEQUANTIZE, QUANTIZE_DEQUANTIZE, TF, TORCH, TORCHAO
+    """The module of the job's family (:mod:`qgcli.families.registry`)."""
+    from qgcli.families import registry
 
-    if job.family == TF:
-        from qgcli.families import tf_fake_quant as runner
-    elif job.family == ESTIMATOR:
-        from qgcli.families import estimators as runner
-    elif job.family == TORCH:
-        from qgcli.families import torch as runner
-    elif job.family == QUANTIZE_DEQUANTIZE:
-        from qgcli.families import quantize_v2 as runner
-    elif job.family == QUANTIZE_AND_DEQUANTIZE:
-        from qgcli.families import qdq as runner
-    elif job.family == BATCH_NORM:
-        from qgcli.families import batch_norm as runner
-    elif job.family == TORCHAO:
-        from qgcli.families import torchao as runner
-    else:
-        raise ValueError(f"no runner for the family {job.family!r}")
-    return runner
+    return registry.of(job)
 
 
 def execute(job):
@@ -44,7 +29,7 @@ def execute(job):
 
     job = with_default_scheduler(job)
     scheduler = job.output.scheduler
-    if job.family == "run-file":
+    if isinstance(job, RunFileJob):  # every group of a run file (qgcli.execution.runfile)
         if scheduler is not None:
             from qgcli.execution.cluster import execute_on_cluster
 
@@ -73,7 +58,9 @@ def execute(job):
             raise OptionError("runs the groups of a run file, or Zarr tensors, on a Dask cluster; this "
                               "bundle runs here (drop --scheduler)", param_hint="'--scheduler'")
         if not hasattr(runner, "block_setup"):
-            plan = memory.plan(job, operands, streams=False, mode=job.mode)
+            from qgcli.families import registry
+
+            plan = memory.plan(job, operands, streams=False, mode=registry.mode(job))
         elif job.output.device != "cpu":
             plan = memory.plan(job, operands, streams=False, mode=f"--device {job.output.device}")
         else:
@@ -112,10 +99,10 @@ def with_default_scheduler(job):
     address = default_scheduler()
     if address is None or job.output.scheduler is not None:
         return job
-    if job.family != "run-file":
-        from qgcli.jobs import BATCH_NORM, TF
+    if not isinstance(job, RunFileJob):
+        from qgcli.families import registry
 
-        if job.family not in (TF, BATCH_NORM):  # the families that run Zarr tensors in blocks
+        if not registry.computes_in_blocks(job):  # only they run Zarr tensors on a cluster
             return job
         specs = job.operands.as_dict()
         texts = [specs.get(name) or job.operands.bundle for name in getattr(job, "large_operands", ())]

@@ -22,6 +22,7 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     (:mod:`qgcli.execution.cluster`) computes the groups elsewhere: ``remote.start(job, path, layers)`` before
     any is written, then ``remote.result(layer)`` gives each group's Result in place of ``runner.compute``;
     everything else (checks, writing) stays here."""
+    from qgcli.families import groups, registry
     from qgcli.storage import runfile
 
     _TOOLS.update(runner_for=runner_for, memory_plan=memory_plan, remote=remote)
@@ -30,13 +31,13 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     path, group, container = runfile.open_target(job.target, operand="BUNDLE",
                                                  not_a_run_file=f"{job.target} is not an HDF5 run file")
     try:
-        layers = runfile.discover(container._opened(), group, label=path)
-        kind = runfile.KIND_OF_COMMAND[job.command]
+        layers = groups.discover(container._opened(), group, label=path)
+        kind = registry.KIND_OF_COMMAND[job.command]
         mine, other, bad = [], [], []
         for layer in layers:
             if layer.kind is not None and layer.kind != kind:
                 other.append(layer)
-            elif runfile.validate(layer, job.command) is not None:
+            elif groups.validate(layer, job.command) is not None:
                 bad.append(layer)
             else:
                 mine.append(layer)
@@ -44,7 +45,7 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
         if bad and not job.skip_invalid:
             raise QgcliError(refusal(where, bad, len(mine) + len(bad)))
         if not mine:
-            what = "FakeQuant/QuantizeV2/PyTorch fake-quant" if kind == runfile.FAKE_QUANT else "FusedBatchNorm"
+            what = "FakeQuant/QuantizeV2/PyTorch fake-quant" if kind == registry.FAKE_QUANT else "FusedBatchNorm"
             skipped = f" ({len(bad)} invalid, skipped)" if bad else ""
             raise QgcliError(f"{where}: no group holds a {what} op to run{skipped}; {len(other)} groups of the other "
                              f"kind ({', '.join(sorted({l.label for l in other})) or 'none'})")
@@ -65,23 +66,13 @@ def refusal(where, bad, total):
 
 # --- running the groups ---------------------------------------------------------------------------------
 
-def _operand_specs(layer):
-    """Literal operands a group carries as attributes: FakeQuantWithMinMaxArgs's min/max."""
-    from qgcli.jobs import OperandSpecs
-
-    if layer.family == "tf" and layer.variant == "args":
-        lo, hi = layer.attrs.get("min", -6.0), layer.attrs.get("max", 6.0)
-        return OperandSpecs(None, (("min", repr(float(lo))), ("max", repr(float(hi)))))
-    return OperandSpecs(None, ())
-
-
 def _prepared(job, container, path, layer):
     """``(group job, runner, operands, overrides)`` of one layer."""
     from qgcli.storage.operands import Operands
-    from qgcli.storage.runfile import layer_job
+    from qgcli.families import groups
 
-    specs = _operand_specs(layer)
-    group_job, overrides = layer_job(job, layer, specs, job.output)
+    specs = groups.operand_specs(layer)  # literal operands a group carries as attributes
+    group_job, overrides = groups.job_from_group(job, layer, specs, job.output)
     runner = _TOOLS["runner_for"](group_job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK,
                                  known=layer.datasets)
@@ -211,7 +202,7 @@ def _write_h5(job, container, path, layers, tmp, ran, skipped):
             try:
                 streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
                 plan = None if _fits(layer, group_job, budgets) else \
-                    memory_plan(group_job, operands, streams=streams, mode=group_job.mode)
+                    memory_plan(group_job, operands, streams=streams, mode=runner.mode(group_job))
                 grp = h5py.Group(writer.group(layer.path))
                 if plan is not None:
                     streamed = blocks.stream(runner, group_job, operands, *plan)
@@ -264,7 +255,7 @@ def _in_memory(job, container, path, layers, ran, skipped):
 
     for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
         try:
-            memory_plan(group_job, operands, streams=False, mode=f"{group_job.mode} writing {job.output.destination}")
+            memory_plan(group_job, operands, streams=False, mode=f"{runner.mode(group_job)} writing {job.output.destination}")
             result = _compute(job, layer, group_job, runner, operands, skipped)
         finally:
             operands.close()
@@ -353,7 +344,7 @@ def _write_dir(job, container, path, layers, dest, ran, skipped):
 # --- the summary ---------------------------------------------------------------------------------------
 
 def _summary(job, where, layers, ran, other, skipped):
-    from qgcli.storage.runfile import OVERRIDABLE
+    from qgcli.families.groups import OVERRIDABLE
     from qgcli.report.summaries import json_safe
 
     overrides = {}

@@ -5,11 +5,20 @@ from x with ``auto``), the dtype rules of each version and the summary with per-
 """
 from qgcli.errors import OptionError
 
+from qgcli.families.registry import BATCH_NORM
 from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
 
+NAME, KIND = "batch-norm", BATCH_NORM
 LITERAL_OK = ("scale", "reserve_space_1", "reserve_space_2", "reserve_space_3")
+#: Run-file ``op`` -> version (``FusedBatchNormGrad...`` spellings too: :func:`qgcli.families.registry.op_entry`).
+RUN_FILE_OPS = {"FusedBatchNorm": "v1", "FusedBatchNormV2": "v2", "FusedBatchNormV3": "v3"}
+GROUP_OPERANDS = {None: (("y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2"), ("reserve_space_3",))}
+#: ``report`` reports quantizers only.
+REPORT_SKIP = "not a quantizer"
+#: In row blocks the statistics need a pass of their own before the gradients (qgcli.execution.zarr_batch_norm).
+TWO_PASS_BLOCKS = True
 
 OPERANDS = ("y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2", "reserve_space_3")
 OUTPUTS = ("x_backprop", "scale_backprop", "offset_backprop")
@@ -237,3 +246,65 @@ def block_summary(job, operands, datasets, setup, small, notes):
                   "offset_backprop": float(np.linalg.norm(np.asarray(small["offset_backprop"], np.float64)))},
         "outputs": outputs, "output": job.output.destination, "notes": notes,
     })
+
+
+# --- the job of a run-file group, its checks, its summary ---------------------------------------------------
+
+def group_problem(layer, shapes):
+    x = shapes["x"]
+    if shapes["y_backprop"] != x:
+        return f"y_backprop shape {list(shapes['y_backprop'])} differs from x shape {list(x)}"
+    if len(x) not in (4, 5):
+        return f"x has rank {len(x)}; FusedBatchNormGrad takes 4-D (or 5-D) x"
+    fmt = layer.attrs.get("data_format") or ("NDHWC" if len(x) == 5 else "NHWC")
+    depth = x[1] if fmt.startswith("NC") else x[-1]
+    for name in ("scale", "reserve_space_1", "reserve_space_2"):
+        if shapes[name] != (depth,):
+            return f"{name} has shape {list(shapes[name])}, expected [{depth}] (the channels of x, {fmt})"
+    return None
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    from qgcli.jobs import BatchNormJob
+
+    version = pick("version", layer.variant or "v3")
+    return BatchNormJob(operand_specs, output, epsilon=float(pick("epsilon", 1e-4)),
+                        data_format=pick("data_format", None), is_training=bool(pick("is_training", True)),
+                        variance_kind=pick("variance_kind", "variance"), version=version,
+                        all_outputs=run.all_outputs)
+
+
+def mode(job):
+    return "bn-grad"
+
+
+def render(console, s):
+    from rich.markup import escape
+
+    from qgcli.report.tables import Col, print_items, print_table
+
+    a = s["attributes"]
+    x = s["inputs"].get("x", {})
+    phase = "training" if a["is_training"] else "inference"
+    print_items(console, f"[bold]{s['op']}[/] epsilon={a['epsilon']:g} {a['data_format']} {phase}  "
+                  f"x {x.get('shape', [])} {escape(str(x.get('dtype', '')))}", soft_wrap=True)
+    print_items(console, f"convention: {escape(s['convention']['description'])}", soft_wrap=True)
+    pc = s["per_channel"]
+    count = s["channels"]
+    rows = [[f"ch {c}", *(_fmt(pc[k][c]) for k in ("x_backprop_norm", "scale_backprop", "offset_backprop"))]
+            for c in range(min(count, 8))]
+    if count > 8:
+        rows.append([f"... {count - 8} more", "", "", ""])
+    n = s["norms"]
+    rows.append(["L2 norm", _fmt(n["x_backprop"]), _fmt(n["scale_backprop"]), _fmt(n["offset_backprop"])])
+    cols = (Col("", "left", priority=0), Col("|x_backprop|", priority=0), Col("scale_backprop", priority=0),
+            Col("offset_backprop", priority=0))
+    print_table(console, cols, rows)
+    for note in s["notes"]:
+        print_items(console, f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+    if s["output"] and s["output"] != "-":
+        print_items(console, f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}", soft_wrap=True)
+
+
+def _fmt(v):
+    return "nan" if v is None else f"{v:.7g}"

@@ -6,11 +6,16 @@ gradient mass it blocks.
 """
 from qgcli.errors import OptionError
 
+from qgcli.families import tf_fake_quant
+from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.families.tf_fake_quant import TF_OPS, build_summary, load_fake_quant_operands
 from qgcli.report.summaries import json_safe
 
+#: Its jobs are built by TensorFlow's family (:mod:`qgcli.families.tf_fake_quant`) when --estimator names
+#: an estimator; a run file's groups are TensorFlow's ops.
+NAME, KIND = tf_fake_quant.ESTIMATOR, FAKE_QUANT
 LITERAL_OK = ("min", "max")
 
 
@@ -54,3 +59,19 @@ def compute(job, operands):
     summary["estimator"] = json_safe(details)
     summary["statistics"]["estimator_blocked"] = blocked_by(gradients, outputs["backprops_wrt_input"])
     return Result(outputs, attrs, summary)
+
+
+def mode(job):
+    return f"--estimator {job.estimator.text}"
+
+
+def render(console, s):
+    from qgcli.report.summaries import percent
+    from qgcli.report.tables import print_items
+
+    tf_fake_quant.render(console, s)
+    est_ = s["estimator"]
+    extra = f", grad_factor {est_['grad_factor']:.7g}" if "grad_factor" in est_ else ""
+    print_items(console, f"estimator {est_['estimator']}{extra} (TensorFlow's grid; outputs "
+                  f"{', '.join(s['outputs'])}); it blocks {percent(s['statistics']['estimator_blocked'])} "
+                  "of the gradient mass")

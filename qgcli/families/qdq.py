@@ -8,20 +8,45 @@ Operands under TF's names ``input``, ``input_min``, ``input_max`` (``inputs``/``
 """
 from qgcli.errors import OptionError
 
+from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe, render_closing_lines
 
+NAME, KIND = "quantize-and-dequantize", FAKE_QUANT
 LITERAL_OK = ("input_min", "input_max", "min", "max")
 ALIASES = {"input": "inputs", "input_min": "min", "input_max": "max"}
 OPS = {"quantize-and-dequantize-v4": "QuantizeAndDequantizeV4", "quantize-and-dequantize-v3": "QuantizeAndDequantizeV3",
        "quantize-and-dequantize-v2": "QuantizeAndDequantizeV2"}
 
 
-def build_job(command, with_gradients, operands, attributes, quantize, semantics, estimator, output, qdq):
-    """The FakeQuantJob of this family, options checked (called by the fakequant commands)."""
-    from qgcli.jobs import QUANTIZE_AND_DEQUANTIZE, FakeQuantJob, OperandSpecs
+def claims(o):
+    return o.attributes.variant in OPS and o.semantics.semantics != "torchao"
 
+
+def refuse_options_outside(o):
+    """Other variants: QuantizeAndDequantize's operand names and attributes do not apply."""
+    for name in ("input", "input_min", "input_max"):
+        if o.operands.get(name) is not None:
+            raise OptionError("is QuantizeAndDequantize's operand; give --variant quantize-and-dequantize-v4 "
+                              "(or -v3/-v2), or use --inputs/--min/--max", param_hint=f"'--{name.replace('_', '-')}'")
+    for option, value in (("--signed-input", getattr(o.qdq, "signed_input", None)),
+                          ("--range-given", getattr(o.qdq, "range_given", None))):
+        if value is not None:
+            raise OptionError("only applies to --variant quantize-and-dequantize-v4/-v3/-v2",
+                              param_hint=f"'{option}'")
+
+
+def mode(job):
+    return f"--variant {job.variant}"
+
+
+def job_from_options(o):
+    """The FakeQuantJob of this family, options checked (called by the fakequant commands)."""
+    from qgcli.jobs import FakeQuantJob, OperandSpecs
+
+    command, with_gradients, operands, attributes = o.command, o.with_gradients, o.operands, o.attributes
+    quantize, semantics, estimator, output, qdq = o.quantize, o.semantics, o.estimator, o.output, o.qdq
     variant = attributes.variant
     for option, value in {"--semantics": semantics.semantics, **semantics.torch_given()}.items():
         if value not in (None, False, "tf"):
@@ -61,7 +86,7 @@ def build_job(command, with_gradients, operands, attributes, quantize, semantics
         specs[name] = given.get(name) if given.get(name) is not None else given.get(alias)
     if with_gradients:
         specs["gradients"] = given.get("gradients")
-    return FakeQuantJob(command=command, family=QUANTIZE_AND_DEQUANTIZE, with_gradients=with_gradients,
+    return FakeQuantJob(command=command, family=NAME, with_gradients=with_gradients,
                         operands=OperandSpecs.of(operands.bundle, **specs), output=output,
                         num_bits=attributes.num_bits, narrow_range=attributes.narrow_range, variant=variant,
                         axis=attributes.axis, estimator=est, grad_factor=estimator.grad_factor,

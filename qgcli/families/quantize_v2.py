@@ -8,13 +8,19 @@ is ``--estimator scaled:0.9``).
 """
 from qgcli.errors import OptionError
 
+from qgcli.families.common import QD_VARIANT as VARIANT
+from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
 
-VARIANT = "quantize-dequantize"
+NAME, KIND = "quantize-dequantize", FAKE_QUANT
 OP = "QuantizeV2+Dequantize"
 LITERAL_OK = ("min", "max")
+RUN_FILE_OPS = {"QuantizeV2": None}
+GROUP_OPERANDS = {None: (("inputs", "min", "max"), ("gradients",))}
+#: ``report`` gives no per-layer rows of these groups yet.
+REPORT_SKIP = "QuantizeV2 groups are not reported yet"
 
 
 def attributes(job):
@@ -147,3 +153,94 @@ def build_summary(command, operands, raw, x, gradients, result, attrs, axis, out
         "output": output,
         "notes": notes,
     })
+
+
+# --- the job: from the commands' options, from a run-file group --------------------------------------------
+
+def claims(o):
+    return o.attributes.variant == VARIANT and o.semantics.semantics != "torchao"
+
+
+def job_from_options(o):
+    from qgcli.families.common import check_grad_factor, parse_estimator
+    from qgcli.jobs import FakeQuantJob
+
+    semantics, attributes, estimator = o.semantics, o.attributes, o.estimator
+    refused = {"--semantics": semantics.semantics, **semantics.torch_given()}
+    for option, value in refused.items():
+        if value not in (None, False, "tf"):
+            raise OptionError(f"does not apply to --variant {VARIANT} (TensorFlow's QuantizeV2 + "
+                              "Dequantize)", param_hint=f"'{option}'")
+    if attributes.num_bits_given:
+        raise OptionError(f"the bit width of --variant {VARIANT} comes from --dtype", param_hint="'--num-bits'")
+    est = None
+    if o.with_gradients:
+        est = parse_estimator(estimator)
+        check_grad_factor(estimator, est)
+        if o.output.plot and est is not None and est.name != "ste":
+            raise OptionError(f"draws the STE only; for --estimator {est.text} use 'qgcli plot estimators "
+                              f"--variant {VARIANT}'", param_hint="'--plot'")
+    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients, operands=o.operands,
+                        output=o.output, narrow_range=attributes.narrow_range, variant=VARIANT,
+                        axis=attributes.axis, quantize=o.quantize.resolved(), estimator=est,
+                        grad_factor=estimator.grad_factor)
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    """QuantizeV2's attributes (a group from TensorFlow names its dtype ``T``); the STE is the default."""
+    from qgcli.families.groups import fake_quant_basics
+    from qgcli.jobs import FakeQuantJob, QuantizeAttributes
+
+    common, narrow_range, axis = fake_quant_basics(run, operand_specs, output, pick)
+    a = layer.attrs
+    if "dtype" not in a and "T" in a:
+        layer.attrs = {**a, "dtype": a["T"]}
+    dtype = pick("dtype", None)
+    emr = pick("ensure_minimum_range", None)
+    quantize = QuantizeAttributes(dtype=None if dtype is None else str(dtype).lower().replace("dt_", ""),
+                                  mode=pick("mode", None), round_mode=pick("round_mode", None),
+                                  ensure_minimum_range=None if emr is None else float(emr))
+    est = run.estimator
+    if est is not None and est.name == "ste":
+        common["estimator"] = None
+    return FakeQuantJob(family=NAME, narrow_range=narrow_range, variant=VARIANT, axis=axis,
+                        quantize=quantize.resolved(), **common)
+
+
+def mode(job):
+    return f"--variant {VARIANT}"
+
+
+# --- the summary on stderr ------------------------------------------------------------------------------
+
+def render(console, s):
+    from rich.markup import escape
+
+    from qgcli.report.summaries import fmt_value as _fmt, percent, render_closing_lines
+    from qgcli.report.tables import Col, print_items, print_table
+
+    a, r, stats = s["attributes"], s["range"], s["statistics"]
+    shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
+    rounding = f" round_mode={a['round_mode']}" if a["mode"] == "SCALED" else ""
+    print_items(console, f"[bold]{s['op']}[/] dtype={a['dtype']} mode={a['mode']}{rounding} narrow_range={a['narrow_range']} "
+                  f"ensure_minimum_range={a['ensure_minimum_range']:g}  {escape(shapes)}")
+    keys = ("min", "max", "output_min", "output_max", "step")
+    if isinstance(r["min"], list):
+        rows = [[f"slice {c}", *(_fmt(r[k][c]) for k in keys)] for c in range(min(len(r["min"]), 8))]
+        if len(r["min"]) > 8:
+            rows.append([f"... {len(r['min']) - 8} more", "", "", "", "", ""])
+    else:
+        rows = [["range", *(_fmt(r[k]) for k in keys)]]
+    cols = (Col("", "left", priority=0), Col("min", priority=2), Col("max", priority=2), Col("output_min", priority=0),
+            Col("output_max", priority=0), Col("step", priority=1))
+    print_table(console, cols, rows, hint="--json for every value")
+    line = (f"{r['levels']} levels; quantized values {r['quantized_min']}..{r['quantized_max']}; clipped below "
+            f"{percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}")
+    if "gradient_blocked" in stats:
+        line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
+    print_items(console, line)
+    if "estimator" in s:
+        est = s["estimator"]
+        extra = f", grad_factor {est['grad_factor']:.7g}" if est.get("grad_factor") is not None else ""
+        print_items(console, escape(f"estimator {est['estimator']}{extra} over the adjusted range [output_min, output_max]"))
+    render_closing_lines(console, s)

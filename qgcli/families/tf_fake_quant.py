@@ -6,10 +6,16 @@ STE mask blocks).  In blocks (:func:`block_setup`), the summary gives the grid b
 """
 from qgcli.errors import OptionError
 
+from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
+from qgcli.ops.fake_quant import infer_variant
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
 
+NAME, KIND = "tf", FAKE_QUANT
+#: TensorFlow's grid with another gradient estimator: the family of :mod:`qgcli.families.estimators`, whose
+#: jobs this module's options and groups build when --estimator names one.
+ESTIMATOR = "estimator"
 LITERAL_OK = ("min", "max")
 
 TF_OPS = {
@@ -17,15 +23,13 @@ TF_OPS = {
     "vars": "FakeQuantWithMinMaxVars",
     "per-channel": "FakeQuantWithMinMaxVarsPerChannel",
 }
-
-
-def infer_variant(variant, min_value):
-    """Explicit ``--variant`` wins; else rank-1 min -> per-channel, rank-0 -> vars (the notebook's op)."""
-    if variant is not None:
-        return variant
-    if min_value is None:
-        return "args"
-    return "per-channel" if getattr(min_value, "ndim", 0) >= 1 else "vars"
+#: Its groups get qgcli.ops.analysis's per-channel report and figures (report --layer, plot hist/ste/channels).
+CHANNEL_ANALYSIS = True
+#: Run-file ``op`` -> variant.
+RUN_FILE_OPS = {op: variant for variant, op in reversed(TF_OPS.items())}
+_RANGE = (("inputs", "min", "max"), ("gradients",))
+#: A group's datasets (required, optional) by variant; a group without op: vars's.
+GROUP_OPERANDS = {"per-channel": _RANGE, "vars": _RANGE, "args": (("inputs",), ("gradients",)), None: _RANGE}
 
 
 def load_fake_quant_operands(operands, variant, *, with_gradients):
@@ -37,7 +41,7 @@ def load_fake_quant_operands(operands, variant, *, with_gradients):
     need_range = variant != "args"
     mn = operands.get("min", required=need_range)
     mx = operands.get("max", required=need_range)
-    variant = infer_variant(variant, mn)
+    variant = infer_variant(variant, mn)  # no min: FakeQuantWithMinMaxArgs
     if variant == "args":
         mn = np.array(-6.0) if mn is None else mn
         mx = np.array(6.0) if mx is None else mx
@@ -227,3 +231,121 @@ def block_summary(job, operands, datasets, setup, small, notes):
         "grid": grid_summary(setup["grid"]), "statistics": None, "outputs": outputs,
         "output": job.output.destination, "notes": notes,
     })
+
+
+# --- the job: from the commands' options, from a run-file group --------------------------------------------
+
+def claims(o):
+    """TensorFlow's semantics on one of its fake-quant ops (--variant args/vars/per-channel, or none)."""
+    return o.semantics.semantics == "tf" and (o.attributes.variant is None or o.attributes.variant in TF_OPS)
+
+
+def common_fields(o):
+    """``(estimator, job fields)`` that TensorFlow's and PyTorch's fake-quant jobs share, QuantizeV2's
+    options refused first."""
+    from qgcli.families.common import parse_estimator, refuse_quantize_options
+
+    refuse_quantize_options(o.quantize)
+    est = parse_estimator(o.estimator)
+    a = o.attributes
+    return est, dict(command=o.command, with_gradients=o.with_gradients, operands=o.operands, output=o.output,
+                     num_bits=a.num_bits, narrow_range=a.narrow_range, variant=a.variant, axis=a.axis,
+                     estimator=est, grad_factor=o.estimator.grad_factor)
+
+
+def job_from_options(o):
+    """TensorFlow's op with its STE, or (--estimator) :mod:`qgcli.families.estimators`' job on its grid."""
+    from qgcli.families.common import check_grad_factor
+    from qgcli.jobs import FakeQuantJob
+
+    est, common = common_fields(o)
+    for option, value in o.semantics.torch_given().items():
+        if value is not None:
+            raise OptionError("only applies to --semantics torch", param_hint=f"'{option}'")
+    check_grad_factor(o.estimator, est)
+    if est is None or est.name == "ste":
+        return FakeQuantJob(family=NAME, **common)
+    if o.output.plot:
+        raise OptionError(f"draws TensorFlow's STE only; for --estimator {est.text} use "
+                          "'qgcli plot estimators'", param_hint="'--plot'")
+    return FakeQuantJob(family=ESTIMATOR, **common)
+
+
+def group_literals(layer):
+    """FakeQuantWithMinMaxArgs carries min/max as attributes (TensorFlow's default -6..6)."""
+    if layer.variant == "args":
+        return {"min": repr(float(layer.attrs.get("min", -6.0))), "max": repr(float(layer.attrs.get("max", 6.0)))}
+    return {}
+
+
+def group_problem(layer, shapes):
+    a = layer.attrs
+    if layer.variant == "per-channel":
+        x = shapes["inputs"]
+        axis = int(a.get("axis", -1))
+        if not x or not -len(x) <= axis < len(x):
+            return f"axis {axis} is out of range for inputs of shape {list(x)}"
+        depth = x[axis]
+        for name in ("min", "max"):
+            if shapes[name] != (depth,):
+                return f"{name} has shape {list(shapes[name])}, expected [{depth}] (one per channel of axis {axis})"
+    if layer.variant == "vars":
+        for name in ("min", "max"):
+            if shapes[name] not in ((), (1,)):
+                return f"{name} has shape {list(shapes[name])}; FakeQuantWithMinMaxVars takes a scalar"
+    if layer.variant == "args":
+        for name in ("min", "max"):
+            if name in shapes:
+                return f"FakeQuantWithMinMaxArgs takes {name} as an attribute, not a dataset"
+    return None
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    """The group's op with the STE, or the run's --estimator on its grid; --axis concerns per-channel groups."""
+    from qgcli.families.groups import fake_quant_basics
+    from qgcli.jobs import FakeQuantJob
+
+    common, narrow_range, axis = fake_quant_basics(run, operand_specs, output, pick)
+    est = run.estimator
+    family = NAME if est is None or est.name == "ste" else ESTIMATOR
+    if family == NAME:
+        common["estimator"] = None
+    variant = layer.variant
+    if variant != "per-channel":
+        axis = None  # --axis concerns the per-channel groups only
+        pick.overrides.pop("axis", None)
+    return FakeQuantJob(family=family, num_bits=int(pick("num_bits", 8)), narrow_range=narrow_range,
+                        variant=variant, axis=axis, **common)
+
+
+def mode(job):
+    return "TensorFlow's fake-quant op"
+
+
+# --- the summary on stderr ------------------------------------------------------------------------------
+
+def render(console, s):
+    from rich.markup import escape
+
+    from qgcli.report.summaries import fmt_value as _fmt, percent, render_closing_lines
+    from qgcli.report.tables import Col, print_items, print_table
+
+    stats, grid = s["statistics"], s["grid"]
+    shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
+    print_items(console, f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {escape(shapes)}")
+    keys = ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")
+    if isinstance(grid["min"], list):
+        rows = [[f"ch {c}", *(_fmt(grid[k][c]) for k in keys)] for c in range(min(len(grid["min"]), 8))]
+        if len(grid["min"]) > 8:
+            rows.append([f"... {len(grid['min']) - 8} more", "", "", "", "", "", ""])
+    else:
+        rows = [["range", *(_fmt(grid[k]) for k in keys)]]
+    cols = (Col("", "left", priority=0), Col("min", priority=2), Col("max", priority=2), Col("nudged_min", priority=0),
+            Col("nudged_max", priority=0), Col("scale", priority=1), Col("zero_point", priority=1))
+    print_table(console, cols, rows, hint="--json for every value")
+    if stats is not None:
+        line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
+        if "gradient_blocked" in stats:
+            line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
+        print_items(console, line)
+    render_closing_lines(console, s)

@@ -4,11 +4,17 @@ gradients, LSQ's learnable ops and the other estimators on PyTorch's grid (scale
 :func:`torch_layout` and :func:`zero_point_from_literal` are PyTorch's operand rules, also used by
 ``qgcli plot estimators --semantics torch``.
 """
+from qgcli.errors import OptionError
+from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
 
+NAME, KIND = "torch", FAKE_QUANT
 LITERAL_OK = ("scale", "zero_point")
+#: Run-file ``op`` -> variant (PyTorch's op follows the shape of scale).
+RUN_FILE_OPS = {"fake_quantize_per_tensor_affine": None, "fake_quantize_per_channel_affine": None}
+GROUP_OPERANDS = {None: (("inputs", "scale", "zero_point"), ("gradients",))}
 
 
 def torch_layout(scale_shape, inputs_shape, axis):
@@ -164,3 +170,168 @@ def _view_statistics(view, gradients, xp):
         total = float(mag.sum())
         stats["gradient_blocked"] = float(xp.where(view.inside, 0.0, mag).sum()) / total if total else 0.0
     return stats
+
+
+# --- the job: from the commands' options, from a run-file group --------------------------------------------
+
+def claims(o):
+    """--semantics torch (a --variant of TensorFlow's fake-quant ops is refused by :func:`job_from_options`)."""
+    from qgcli.families.tf_fake_quant import TF_OPS
+
+    return o.semantics.semantics == "torch" and (o.attributes.variant is None or o.attributes.variant in TF_OPS)
+
+
+def job_from_options(o):
+    from qgcli.families.common import check_grad_factor
+    from qgcli.families.tf_fake_quant import common_fields
+    from qgcli.jobs import FakeQuantJob, OperandSpecs
+
+    est, common = common_fields(o)
+    operands, attributes, semantics = o.operands, o.attributes, o.semantics
+    check_grad_factor(o.estimator, est)
+    for name in ("min", "max"):
+        if operands.get(name) is not None:
+            raise OptionError("is TensorFlow's operand; with --semantics torch give --scale and --zero-point "
+                              "(qgcli nudge -o writes TensorFlow's grid as scale/zero_point)",
+                              param_hint=f"'--{name}'")
+    if attributes.variant is not None:
+        raise OptionError("chooses a TensorFlow op; PyTorch's op follows the shape of scale",
+                          param_hint="'--variant'")
+    if o.output.plot:
+        raise OptionError("draws TensorFlow's STE only; use 'qgcli plot estimators --semantics torch'",
+                          param_hint="'--plot'")
+    from qgcli.ops import fake_quant, torch_semantics
+
+    default_min, default_max = fake_quant.quant_range(attributes.num_bits, attributes.narrow_range)
+    quant_min, quant_max = torch_semantics.check_quant_range(
+        default_min if semantics.quant_min is None else semantics.quant_min,
+        default_max if semantics.quant_max is None else semantics.quant_max)
+    specs = dict(inputs=operands.get("inputs"), scale=semantics.scale, zero_point=semantics.zero_point)
+    if o.with_gradients:
+        specs["gradients"] = operands.get("gradients")
+    common["operands"] = OperandSpecs.of(operands.bundle, **specs)
+    return FakeQuantJob(family=NAME, quant_min=quant_min, quant_max=quant_max, **common)
+
+
+def group_problem(layer, shapes):
+    from qgcli.families.groups import size
+
+    if shapes["scale"] != shapes["zero_point"] and (len(shapes["scale"]) > 1 or len(shapes["zero_point"]) > 1
+                                                    or size(shapes["scale"]) != size(shapes["zero_point"])):
+        return f"zero_point shape {list(shapes['zero_point'])} differs from scale shape {list(shapes['scale'])}"
+    if layer.op and "per_channel" in layer.op and size(shapes["scale"]) > 1 and "axis" not in layer.attrs:
+        return "a per-channel PyTorch op needs the attribute axis"
+    return None
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    from qgcli.families.groups import fake_quant_basics
+    from qgcli.jobs import FakeQuantJob
+    from qgcli.ops import fake_quant, torch_semantics
+
+    common, narrow_range, axis = fake_quant_basics(run, operand_specs, output, pick)
+    num_bits = int(pick("num_bits", 8))
+    lo, hi = fake_quant.quant_range(num_bits, narrow_range)
+    quant_min, quant_max = torch_semantics.check_quant_range(int(pick("quant_min", lo)), int(pick("quant_max", hi)))
+    return FakeQuantJob(family=NAME, num_bits=num_bits, narrow_range=narrow_range, axis=axis,
+                        quant_min=quant_min, quant_max=quant_max, **common)
+
+
+def mode(job):
+    return "--semantics torch"
+
+
+# --- the summary on stderr ------------------------------------------------------------------------------
+
+def render(console, s):
+    from qgcli.report.summaries import percent, render_closing_lines
+    from qgcli.report.tables import print_items
+
+    grid = s["grid"]
+    scale, zp = grid["scale"], grid["zero_point"]
+    if isinstance(scale, list):
+        shown = ", ".join(f"{a:.6g}/{b:g}" for a, b in list(zip(scale, zp))[:6])
+        more = f" ... ({len(scale)} channels, axis {grid['axis']})" if len(scale) > 6 else f" (axis {grid['axis']})"
+        params = f"scale/zero_point {shown}{more}"
+    else:
+        params = f"scale {scale:.7g}, zero_point {zp:g}"
+    print_items(console, f"[bold]{s['op']}[/] quant_min={grid['quant_min']} quant_max={grid['quant_max']}  {params}",
+                  soft_wrap=True)
+    stats = s["statistics"]
+    line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])} (rounded integer)"
+    if "gradient_blocked" in stats:
+        line += (f"; gradient mass blocked by the mask {percent(stats['gradient_blocked'])}, by the estimator "
+                 f"{percent(stats['estimator_blocked'])}")
+    print_items(console, line)
+    est = s.get("estimator")
+    if est:
+        extra = f", grad_factor {est['grad_factor']:.7g}" if "grad_factor" in est else ""
+        print_items(console, f"estimator {est['estimator']}{extra}")
+    render_closing_lines(console, s)
+
+
+# --- qgcli report's row of a run-file group -----------------------------------------------------------------
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of a run-file group: PyTorch's own masks and forward error (no suggested range:
+    PyTorch's observers pick the grid); ``attr(name, default)``: an attribute, or the option typed for it."""
+    import numpy as np
+
+    from qgcli.ops import fake_quant, torch_semantics as ts
+    from qgcli.ops.analysis import sqnr_db
+
+    lo, hi = fake_quant.quant_range(num_bits, narrow_range)
+    quant_min, quant_max = ts.check_quant_range(int(attr("quant_min", lo)),
+                                                int(attr("quant_max", hi)))
+    scale = np.asarray(operands.get("scale"))
+    zero_point = np.asarray(operands.get("zero_point"))
+    axis_attr = attr("axis", None)
+    axis, _ = torch_layout(scale.shape, np.shape(inputs), None if axis_attr is None else int(axis_attr))
+    if axis is None:
+        scale = scale.reshape(())
+        zero_point = zero_point.reshape(())
+    view = ts.quantized_view(inputs, scale, zero_point, quant_min, quant_max, axis=axis)
+    n = int(view.inputs.size)
+    x = np.asarray(view.inputs, np.float64)
+    fin = np.isfinite(x)
+    err = np.where(fin, np.asarray(view.outputs, np.float64) - x, 0.0)
+    signal = float(np.sum(np.where(fin, x, 0.0) ** 2))
+    row = {"channels": int(scale.size) if axis is not None else 1,
+           "clipped_below": float(view.below.sum()) / n if n else 0.0,
+           "clipped_above": float(view.above.sum()) / n if n else 0.0,
+           "sqnr_db": float(sqnr_db(signal, float(np.sum(err * err))))}
+    row["clipped"] = row["clipped_below"] + row["clipped_above"]
+    if gradients is not None:
+        g = np.asarray(gradients, np.float64)
+        if axis is not None:
+            g = np.moveaxis(g, axis, -1)
+        mag = np.where(np.isfinite(g), np.abs(g), 0.0)
+        total = float(mag.sum())
+        row["gradient_blocked"] = float(np.where(view.inside, 0.0, mag).sum()) / total if total else 0.0
+    if not np.isfinite(row["sqnr_db"]):
+        row["sqnr_db"] = None
+    return row
+
+
+def summation_bound(g, a, name, dy):
+    """``qgcli verify``: float32's worst-case error of the reduction ``name`` (LSQ's scale / zero-point
+    gradient) over the terms of group ``g`` (attributes ``a``; ``dy``: |gradients| in float64)."""
+    import numpy as np
+
+    x = np.asarray(g["inputs"][()], dtype=np.float64)
+    scale = np.asarray(g["scale"][()], dtype=np.float64)
+    zp = np.asarray(g["zero_point"][()], dtype=np.float64)
+    if scale.ndim == 1 and scale.size > 1:
+        shape = [1] * x.ndim
+        shape[int(a.get("axis", 0))] = scale.size
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    qmin, qmax = float(a.get("quant_min", 0)), float(a.get("quant_max", 255))
+    gf = float(a.get("grad_factor", 1.0))
+    q = np.round(x / scale) + zp
+    if name.endswith("zero_point"):
+        term = np.where((q < qmin) | (q > qmax), scale, 0.0)
+    else:  # LSQ's scale gradient: the rounding residue inside, the clipped level outside
+        term = np.where(q < qmin, qmin - zp, np.where(q > qmax, qmax - zp, np.clip(q, qmin, qmax) - zp - x / scale))
+    terms = dy * np.abs(term) * gf
+    n = dy.size if scale.size == 1 else dy.size // scale.size
+    return float(n * 2.0 ** -23 * terms.sum())

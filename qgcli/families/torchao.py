@@ -4,10 +4,20 @@ straight-through part, the scale path and torch's rounding (per tensor in the su
 ``qgcli report --semantics torchao``).  The math is :mod:`qgcli.ops.torchao_semantics`.
 """
 from qgcli.errors import OptionError
+from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.report.summaries import describe_arrays, json_safe
 
+NAME, KIND = "torchao", FAKE_QUANT
 LITERAL_OK = ()
+#: Run-file ``op`` -> variant (qgcli.capture.torch): the config is the group's attributes, named after
+#: torchao's config fields (:func:`config_from_attributes`).
+RUN_FILE_OPS = {"torchao.IntxFakeQuantizer": "intx", "torchao.Float8FakeQuantizer": "float8"}
+GROUP_OPERANDS = {None: (("inputs",), ("gradients",))}
+#: ``qgcli verify``: what a group must reproduce bit for bit; its input gradient within rtol, with no
+#: summation bound (the float8 gradient's scale path sums each block, in an order torch picks).
+VERIFY_BITWISE = ("outputs", "scale", "zero_point")
+VERIFY_SUMMATION_BOUND = False
 TOP_BLOCKS = 5  # blocks with the largest scale-path share shown in the summary
 #: --option -> TorchaoOptions field, for messages
 OPTION_NAMES = {"granularity": "--granularity", "mapping_type": "--mapping-type",
@@ -93,9 +103,48 @@ def config_from_attributes(attrs):
         a.get("zero_point_precision") or "int32", a.get("zero_point_domain") or "int", a.get("eps"))
 
 
-def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output, torchao):
+def claims(o):
+    return o.semantics.semantics == "torchao"
+
+
+def refuse_options_outside(o):
+    refuse_outside(o.torchao, o.quantize.dtype)
+
+
+def mode(job):
+    return "--semantics torchao"
+
+
+def attribute_problem(attrs):
+    """A group's config that torchao's quantizers cannot take."""
+    try:
+        config_from_attributes(attrs)
+    except (ValueError, TypeError) as exc:
+        return f"attribute {exc}"
+    return None
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    """A torchao group runs its own config: the options of the other families do not apply to it."""
+    from qgcli.errors import QgcliError
+    from qgcli.families.groups import OVERRIDABLE
+    from qgcli.jobs import FakeQuantJob
+
+    for name in pick.given:
+        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to a torchao group (its config is the "
+                         "group's attributes)")
+    if run.estimator is not None:
+        raise QgcliError("--estimator does not apply to a torchao group (torchao's gradient is its own autograd)")
+    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
+                        operands=operand_specs, output=output, torchao=config_from_attributes(layer.attrs))
+
+
+def job_from_options(o):
     """A :class:`qgcli.jobs.FakeQuantJob` of the torchao family, every other family's option refused."""
-    from qgcli.jobs import TORCHAO, FakeQuantJob, OperandSpecs
+    from qgcli.jobs import FakeQuantJob, OperandSpecs
+
+    command, with_gradients, operands, attributes = o.command, o.with_gradients, o.operands, o.attributes
+    quantize, semantics, estimator, output, torchao = o.quantize, o.semantics, o.estimator, o.output, o.torchao
 
     for option, value in semantics.torch_given().items():
         if value is not None:
@@ -125,7 +174,7 @@ def build_job(command, *, with_gradients, operands, attributes, quantize, semant
     specs = dict(inputs=operands.get("inputs"))
     if with_gradients:
         specs["gradients"] = operands.get("gradients")
-    return FakeQuantJob(command=command, family=TORCHAO, with_gradients=with_gradients,
+    return FakeQuantJob(command=command, family=NAME, with_gradients=with_gradients,
                         operands=OperandSpecs.of(operands.bundle, **specs), output=output, torchao=config)
 
 
@@ -427,3 +476,51 @@ def write_report_csv(doc):
         writer.writerow(["" if r[k] is None else "x".join(map(str, r[k])) if isinstance(r[k], list) else
                          repr(r[k]) if isinstance(r[k], float) else str(r[k]).lower() if isinstance(r[k], bool)
                          else r[k] for k in ROW_KEYS])
+
+
+# --- qgcli report's row of a run-file group -----------------------------------------------------------------
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of a run-file group: torchao's own quantizer (the group's config): clipped
+    shares, the gradient mass its mask blocks, and the split of the input gradient (straight-through / scale
+    path / rounding, as ``report --semantics torchao`` gives it over one tensor); worst channel: the block
+    whose mask blocks most of its gradient."""
+    import numpy as np
+
+    from qgcli.backend import to_numpy
+    from qgcli.storage.operands import to_device
+    from qgcli.ops import torchao_semantics as ts
+    from qgcli.ops.analysis import sqnr_db
+
+    config = config_from_attributes(layer.attrs)
+    xp, (g, x) = to_device([gradients, inputs], device)
+    res = ts.fake_quantize(x, config, g)
+    nb, length = res.blocks
+    n = nb * length
+    x = to_numpy(x).astype(np.float64).reshape(nb, length)
+    y = to_numpy(res.outputs).astype(np.float64).reshape(nb, length)
+    clipped = ~to_numpy(res.inside).reshape(nb, length)
+    fin = np.isfinite(x)
+    err = np.where(fin & np.isfinite(y), y - x, 0.0)
+    bits = 8 if isinstance(config, ts.Float8FakeQuantizeConfig) else ts.bit_width(config.dtype)
+    row = {"num_bits": bits, "channels": nb, "clipped_below": float((clipped & (x < y)).sum()) / n,
+           "clipped_above": float((clipped & (x > y)).sum()) / n,
+           "sqnr_db": float(sqnr_db(float(np.sum(np.where(fin, x, 0.0) ** 2)), float(np.sum(err * err))))}
+    row["clipped"] = row["clipped_below"] + row["clipped_above"]
+    if not np.isfinite(row["sqnr_db"]):
+        row["sqnr_db"] = None
+    if gradients is None:
+        return row
+    b = {k: to_numpy(v) for k, v in ts.block_statistics(res, xp).items() if k != "elements"}
+    mag = np.abs(to_numpy(g).astype(np.float64)).reshape(nb, length)
+    mag = np.where(np.isfinite(mag), mag, 0.0)
+    blocked = np.where(clipped, mag, 0.0).sum(axis=1)
+    per_block = np.divide(blocked, mag.sum(axis=1), out=np.zeros(nb), where=mag.sum(axis=1) > 0)
+    total = float(mag.sum())
+    mass = sum(float(b[k].sum()) for k in ("straight_through", "scale_path", "rounding"))
+    worst = int(np.argmax(per_block))
+    row.update(gradient_blocked=float(blocked.sum()) / total if total else 0.0, worst_channel=worst,
+               worst_channel_gradient_blocked=float(per_block[worst]),
+               worst_channel_clipped=float(clipped[worst].sum()) / length,
+               **{k: float(b[k].sum()) / mass if mass else 0.0 for k in ("straight_through", "scale_path", "rounding")})
+    return row

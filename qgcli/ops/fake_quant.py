@@ -33,6 +33,22 @@ _MAX_SUBNORMAL = np.nextafter(_TINY, _F32(0))
 _FLUSH_SCALE = _F32(2.0**-100)
 
 
+def infer_variant(variant, min_value, *, without_min="args"):
+    """The TensorFlow op for a run: an explicit ``variant`` wins; else ``min`` of rank >= 1 -> per-channel,
+    rank 0 -> vars (the notebook's op); no ``min`` at all -> ``without_min``.  The commands take
+    FakeQuantWithMinMaxArgs there (its range is an attribute, -6..6 by default); the plots pass "vars".
+
+    >>> infer_variant(None, np.zeros(3)), infer_variant(None, 1.5), infer_variant(None, None)
+    ('per-channel', 'vars', 'args')
+    """
+    if variant is not None:
+        return variant
+    if min_value is None:
+        return without_min
+    ndim = getattr(min_value, "ndim", None)  # NumPy or CuPy: no copy to the host
+    return "per-channel" if (np.ndim(min_value) if ndim is None else ndim) >= 1 else "vars"
+
+
 def quant_range(num_bits=8, narrow_range=False):
     """``(quant_min, quant_max)`` of TF's grid: ``(1 if narrow_range else 0, 2**num_bits - 1)``."""
     if isinstance(num_bits, bool) or not isinstance(num_bits, (int, np.integer)):

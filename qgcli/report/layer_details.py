@@ -26,17 +26,19 @@ def layer_details(targets, rows, *, options=(), percentiles, channels=CHANNELS):
 def _details(target, path, row, options, percentiles, channels):
     import numpy as np
 
+    from qgcli.errors import QgcliError
     from qgcli.report.html import CHANNEL_COLUMNS
     from qgcli.report.layers import layer_operands
 
-    if row.get("family") != "tf":
+    try:  # TensorFlow's fake-quant groups: the per-channel analysis of ``report --layer``
+        operands, attributes = layer_operands(target, path, options)
+    except QgcliError:
         return {"hist": _histogram(_inputs(target, path), None),
-                "note": f"{row.get('family')} group: the histogram of its inputs; per-channel rows are given for "
+                "note": f"{row.get('op')}: the histogram of its inputs; per-channel rows are given for "
                         "TensorFlow's fake-quant groups"}
     from qgcli.families.tf_fake_quant import load_fake_quant_operands
     from qgcli.ops.analysis import channel_report
 
-    operands, attributes = layer_operands(target, path, options)
     try:
         _, x, mn, mx, variant = load_fake_quant_operands(operands, attributes.variant, with_gradients=False)
         g = operands.get("gradients", required=False)

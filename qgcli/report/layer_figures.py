@@ -46,7 +46,8 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
     from qgcli.storage import io
     from qgcli.storage import runfile
     from qgcli.errors import FileFormatError, QgcliError
-    from qgcli.report.layers import _attr, _literal_specs
+    from qgcli.families import groups
+    from qgcli.report.layers import _attr
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
@@ -62,7 +63,7 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
     except FileFormatError as exc:
         raise QgcliError(str(exc), operand="BUNDLE") from None
     try:
-        found = runfile.discover(container._opened(), group, label=file)
+        found = groups.discover(container._opened(), group, label=file)
     finally:
         container.close()
     if layer is not None:
@@ -71,7 +72,7 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
             raise QgcliError(f"{file}: {group!r} is not a group holding a quantizer's operands", operand="--layer")
     tasks, skipped = [], []
     for l in found:
-        reason = _why_not(l, kind) or runfile.validate(l, "report")
+        reason = _why_not(l, kind) or groups.validate(l, "report")
         if reason is not None:
             if layer is not None:
                 raise QgcliError(f"{l.path}: {reason}", operand="--layer")
@@ -83,14 +84,16 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
             num_bits=int(_attr(l, options, "num_bits", 8)), narrow_range=bool(_attr(l, options, "narrow_range", False)),
             axis=int(_attr(l, options, "axis", -1)) if variant == "per-channel" or options.get("axis") is not None
             else -1,
-            literals=tuple(_literal_specs(l).items()), options=tuple(dict(plot_options).items())))
+            literals=tuple(groups.literal_specs(l).items()), options=tuple(dict(plot_options).items())))
     return tasks, skipped
 
 
 def _why_not(layer, kind):
+    from qgcli.families import registry
+
     if layer.error is not None:
         return layer.error
-    if layer.family != "tf":
+    if not getattr(registry.of(layer), "CHANNEL_ANALYSIS", False):
         return f"{layer.op or 'this group'} is not one of TensorFlow's fake-quant ops (plot {kind} draws those)"
     if kind == "channels" and layer.variant != "per-channel":
         return "plot channels draws per-channel groups only"

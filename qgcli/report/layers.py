@@ -32,6 +32,7 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
     """Rows (dicts of :data:`LAYER_KEYS`) for every fake-quant group of ``targets`` (``run.h5`` or
     ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied.
     ``cluster``: an entered :class:`qgcli.execution.cluster.Cluster` that computes the rows on its workers."""
+    from qgcli.families import groups, registry
     from qgcli.storage import runfile
 
     rows, skipped = [], []
@@ -41,13 +42,13 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
         prefix = path if len(targets) > 1 else None
         order, todo = [], []  # order: each layer's name and its skip reason, or None (a row, from todo)
         try:
-            for layer in runfile.discover(container._opened(), group, label=path):
+            for layer in groups.discover(container._opened(), group, label=path):
                 name = layer.path if prefix is None else f"{prefix}:{layer.path}"
-                if layer.kind != runfile.FAKE_QUANT or layer.family == "quantize-dequantize":
-                    reason = layer.error or ("not a quantizer" if layer.kind == runfile.BATCH_NORM else
-                                             "QuantizeV2 groups are not reported yet")
+                skip = getattr(registry.of(layer), "REPORT_SKIP", None) if layer.family else None
+                if layer.family is None or skip:  # an unknown op (its error), or a family report skips
+                    reason = layer.error or skip
                 else:
-                    reason = runfile.validate(layer, "report")
+                    reason = groups.validate(layer, "report")
                 order.append((name, layer, reason))
                 if reason is None:
                     todo.append((name, layer))
@@ -79,9 +80,10 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
 def layer_row(container, handle, path, layer, options, percentiles, device):
     """The report row of one layer of the open run file, or ``{"error": reason}`` (the layer is skipped)."""
     from qgcli.errors import QgcliError
+    from qgcli.families.groups import literal_specs
     from qgcli.storage.operands import Operands
 
-    operands = Operands.in_group(container, path, layer.path, _literal_specs(layer), literal_ok=("min", "max"),
+    operands = Operands.in_group(container, path, layer.path, literal_specs(layer), literal_ok=("min", "max"),
                                  known=layer.datasets)
     try:
         return _row(layer, operands, options, percentiles, device)
@@ -91,18 +93,12 @@ def layer_row(container, handle, path, layer, options, percentiles, device):
         operands.close()
 
 
-def _literal_specs(layer):
-    if layer.family == "tf" and layer.variant == "args":
-        return {"min": repr(float(layer.attrs.get("min", -6.0))), "max": repr(float(layer.attrs.get("max", 6.0)))}
-    return {}
-
-
 def _attr(layer, options, name, default):
-    from qgcli.storage.runfile import _plain
+    from qgcli.families.groups import plain
 
     if name in options:
         return options[name]
-    return _plain(layer.attrs[name]) if name in layer.attrs else default
+    return plain(layer.attrs[name]) if name in layer.attrs else default
 
 
 def _row(layer, operands, options, percentiles, device):
@@ -138,10 +134,13 @@ def _family_row(layer, operands, options, percentiles, device):
     num_bits = int(_attr(layer, options, "num_bits", 8))
     narrow_range = bool(_attr(layer, options, "narrow_range", False))
     row = {"op": layer.op, "family": layer.family, "shape": list(np.shape(inputs)), "num_bits": num_bits}
-    if layer.family == "torch":
-        return {**row, **_torch_row(layer, operands, inputs, gradients, options, num_bits, narrow_range)}
-    if layer.family == "torchao":
-        return {**row, **_torchao_row(layer, inputs, gradients, device)}
+    from qgcli.families import registry
+
+    report_row = getattr(registry.of(layer), "report_row", None)
+    if report_row is not None:  # the family's own quantizer (PyTorch's, torchao's)
+        return {**row, **report_row(layer, operands, inputs, gradients, lambda name, default: _attr(
+            layer, options, name, default), num_bits, narrow_range, device)}
+    # TensorFlow's fake-quant groups: its grid's per-channel analysis
     from qgcli.ops.analysis import channel_report
     from qgcli.families.tf_fake_quant import TF_OPS, load_fake_quant_operands
 
@@ -163,93 +162,6 @@ def _family_row(layer, operands, options, percentiles, device):
     else:
         r = report.row(0)
         row.update(suggested_min=r["suggested_min"], suggested_max=r["suggested_max"])
-    return row
-
-
-def _torch_row(layer, operands, inputs, gradients, options, num_bits, narrow_range):
-    """PyTorch's own masks and forward error (no suggested range: PyTorch's observers pick the grid)."""
-    import numpy as np
-
-    from qgcli.ops import fake_quant, torch_semantics as ts
-    from qgcli.ops.analysis import sqnr_db
-    from qgcli.families.torch import torch_layout
-
-    lo, hi = fake_quant.quant_range(num_bits, narrow_range)
-    quant_min, quant_max = ts.check_quant_range(int(_attr(layer, options, "quant_min", lo)),
-                                                int(_attr(layer, options, "quant_max", hi)))
-    scale = np.asarray(operands.get("scale"))
-    zero_point = np.asarray(operands.get("zero_point"))
-    axis_attr = _attr(layer, options, "axis", None)
-    axis, _ = torch_layout(scale.shape, np.shape(inputs), None if axis_attr is None else int(axis_attr))
-    if axis is None:
-        scale = scale.reshape(())
-        zero_point = zero_point.reshape(())
-    view = ts.quantized_view(inputs, scale, zero_point, quant_min, quant_max, axis=axis)
-    n = int(view.inputs.size)
-    x = np.asarray(view.inputs, np.float64)
-    fin = np.isfinite(x)
-    err = np.where(fin, np.asarray(view.outputs, np.float64) - x, 0.0)
-    signal = float(np.sum(np.where(fin, x, 0.0) ** 2))
-    row = {"channels": int(scale.size) if axis is not None else 1,
-           "clipped_below": float(view.below.sum()) / n if n else 0.0,
-           "clipped_above": float(view.above.sum()) / n if n else 0.0,
-           "sqnr_db": float(sqnr_db(signal, float(np.sum(err * err))))}
-    row["clipped"] = row["clipped_below"] + row["clipped_above"]
-    if gradients is not None:
-        g = np.asarray(gradients, np.float64)
-        if axis is not None:
-            g = np.moveaxis(g, axis, -1)
-        mag = np.where(np.isfinite(g), np.abs(g), 0.0)
-        total = float(mag.sum())
-        row["gradient_blocked"] = float(np.where(view.inside, 0.0, mag).sum()) / total if total else 0.0
-    if not np.isfinite(row["sqnr_db"]):
-        row["sqnr_db"] = None
-    return row
-
-
-def _torchao_row(layer, inputs, gradients, device):
-    """torchao's own quantizer (the group's config): clipped shares, the gradient mass its mask blocks, and the
-    split of the input gradient (straight-through / scale path / rounding, as ``report --semantics torchao``
-    gives it over one tensor); worst channel: the block whose mask blocks most of its gradient."""
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-    from qgcli.storage.operands import to_device
-    from qgcli.ops import torchao_semantics as ts
-    from qgcli.ops.analysis import sqnr_db
-    from qgcli.families.torchao import config_from_attributes
-
-    config = config_from_attributes(layer.attrs)
-    xp, (g, x) = to_device([gradients, inputs], device)
-    res = ts.fake_quantize(x, config, g)
-    nb, length = res.blocks
-    n = nb * length
-    x = to_numpy(x).astype(np.float64).reshape(nb, length)
-    y = to_numpy(res.outputs).astype(np.float64).reshape(nb, length)
-    clipped = ~to_numpy(res.inside).reshape(nb, length)
-    fin = np.isfinite(x)
-    err = np.where(fin & np.isfinite(y), y - x, 0.0)
-    bits = 8 if isinstance(config, ts.Float8FakeQuantizeConfig) else ts.bit_width(config.dtype)
-    row = {"num_bits": bits, "channels": nb, "clipped_below": float((clipped & (x < y)).sum()) / n,
-           "clipped_above": float((clipped & (x > y)).sum()) / n,
-           "sqnr_db": float(sqnr_db(float(np.sum(np.where(fin, x, 0.0) ** 2)), float(np.sum(err * err))))}
-    row["clipped"] = row["clipped_below"] + row["clipped_above"]
-    if not np.isfinite(row["sqnr_db"]):
-        row["sqnr_db"] = None
-    if gradients is None:
-        return row
-    b = {k: to_numpy(v) for k, v in ts.block_statistics(res, xp).items() if k != "elements"}
-    mag = np.abs(to_numpy(g).astype(np.float64)).reshape(nb, length)
-    mag = np.where(np.isfinite(mag), mag, 0.0)
-    blocked = np.where(clipped, mag, 0.0).sum(axis=1)
-    per_block = np.divide(blocked, mag.sum(axis=1), out=np.zeros(nb), where=mag.sum(axis=1) > 0)
-    total = float(mag.sum())
-    mass = sum(float(b[k].sum()) for k in ("straight_through", "scale_path", "rounding"))
-    worst = int(np.argmax(per_block))
-    row.update(gradient_blocked=float(blocked.sum()) / total if total else 0.0, worst_channel=worst,
-               worst_channel_gradient_blocked=float(per_block[worst]),
-               worst_channel_clipped=float(clipped[worst].sum()) / length,
-               **{k: float(b[k].sum()) / mass if mass else 0.0 for k in ("straight_through", "scale_path", "rounding")})
     return row
 
 
@@ -291,6 +203,7 @@ def layer_operands(target, path, options):
     from qgcli.storage import io
     from qgcli.storage import runfile
     from qgcli.errors import QgcliError
+    from qgcli.families import groups, registry
     from qgcli.jobs import FakeQuantAttributes
     from qgcli.storage.operands import GroupView, Operands
 
@@ -298,16 +211,17 @@ def layer_operands(target, path, options):
     full = "/".join(p for p in ((group or ""), path.strip("/")) if p)
     container = io.Container.open(file)
     try:
-        (layer,) = [l for l in runfile.discover(container._opened(), full, label=file) if l.path == full] or [None]
+        (layer,) = [l for l in groups.discover(container._opened(), full, label=file) if l.path == full] or [None]
         if layer is None:
             raise QgcliError(f"{file}: {full!r} is not a group holding a quantizer's operands", operand="--layer")
-        if layer.family != "tf" or runfile.validate(layer, "report") is not None:
+        if not (layer.family and getattr(registry.of(layer), "CHANNEL_ANALYSIS", False)) \
+                or groups.validate(layer, "report") is not None:
             why = layer.error or f"{layer.op} is not one of TensorFlow's fake-quant ops"
             raise QgcliError(f"{full}: {why}", operand="--layer")
     except BaseException:
         container.close()
         raise
-    operands = Operands.in_group(container, file, full, _literal_specs(layer), literal_ok=("min", "max"))
+    operands = Operands.in_group(container, file, full, groups.literal_specs(layer), literal_ok=("min", "max"))
     operands._bundle_container = GroupView(container, full, owns=True)
     attributes = FakeQuantAttributes(num_bits=int(_attr(layer, options, "num_bits", 8)),
                                      narrow_range=bool(_attr(layer, options, "narrow_range", False)),

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
+from qgcli.ops.fake_quant import infer_variant
 from qgcli.storage.figures import figure_format, save_figure  # noqa: F401 (written by storage; documented here)
 
 DEFAULT_MAX_POINTS = 4000
@@ -64,13 +65,6 @@ class FakeQuantData:
     # (lo, hi): where the op's gradient mask is 1, inclusive (0-d or one per channel, channel last); None when
     # the variant has no such range.  Only used to draw the mask's step edges exactly (checked against ``mask``).
     mask_range: tuple | None = None
-
-
-def infer_variant(variant, min):
-    """Explicit ``variant`` wins; else vector ``min`` -> per-channel, scalar -> vars (the notebook's op)."""
-    if variant is not None:
-        return variant
-    return "per-channel" if np.ndim(to_numpy(min)) >= 1 else "vars"
 
 
 def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1, quantize=None):
@@ -432,7 +426,7 @@ def _summary(kind, view, idx, **extra):
 
 
 def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None):
-    variant = infer_variant(variant, min)
+    variant = infer_variant(variant, min, without_min="vars")
     axis = -1 if axis is None else axis
     data = run_variant(variant, inputs, min, max, gradients=gradients, num_bits=num_bits,
                        narrow_range=narrow_range, axis=axis, quantize=quantize)
@@ -813,7 +807,7 @@ def _estimator_view(inputs, min, max, *, semantics, scale, zero_point, quant_min
     if semantics == "torch":
         return ts.quantized_view(inputs, scale, zero_point, quant_min, quant_max, axis=axis, learnable=learnable)
     return est.tf_view(inputs, min, max, num_bits=num_bits, narrow_range=narrow_range,
-                       variant=infer_variant(variant, min), axis=-1 if axis is None else axis)
+                       variant=infer_variant(variant, min, without_min="vars"), axis=-1 if axis is None else axis)
 
 
 def _estimator_outputs_op(semantics, variant, min, per_channel):
@@ -822,7 +816,7 @@ def _estimator_outputs_op(semantics, variant, min, per_channel):
         return f"torch.fake_quantize_per_{'channel' if per_channel else 'tensor'}_affine"
     if variant == "quantize-dequantize":
         return "QuantizeV2+Dequantize"
-    return TF_OPS[infer_variant(variant, min)]
+    return TF_OPS[infer_variant(variant, min, without_min="vars")]
 
 
 def _coinciding(funcs):

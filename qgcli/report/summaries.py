@@ -6,6 +6,7 @@ import sys
 from contextvars import ContextVar
 
 from qgcli.errors import UsageProblem
+from qgcli.storage.dtypes import dtype_name
 
 #: Set by :func:`qgcli.run` (:mod:`qgcli.cli.api`): a list that takes the JSON documents a command would print.
 CAPTURED = ContextVar("qgcli_captured_documents", default=None)
@@ -21,21 +22,6 @@ def describe_arrays(arrays):
         return {"shape": list(a.shape), "dtype": dtype_name(a.dtype)}
 
     return {name: describe(a) for name, a in arrays.items()}
-
-
-_DTYPE_NAMES = {}
-
-
-def dtype_name(dtype):
-    """``str(dtype)``, looked up once per dtype (NumPy builds the text anew at ~5 us a call, and a run file's
-    summary names thousands of dtypes)."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-        return name
-    except TypeError:  # an unhashable stand-in for a dtype
-        return str(dtype)
 
 
 def json_safe(value):
@@ -162,3 +148,10 @@ def number(v, digits=4):
     if isinstance(v, int):
         return str(v)
     return f"{v:.{digits}g}"
+
+
+def fmt_value(v):
+    """A grid value in a summary table: 7 significant digits, nan for None (a NaN made JSON-safe)."""
+    if v is None:
+        return "nan"
+    return f"{v:.7g}" if isinstance(v, float) else str(v)

@@ -2,7 +2,7 @@
 results stored beside it (``<group>/reference/``, written by :mod:`qgcli.capture`).
 
 Each group runs through the runner of its family exactly as ``fakequant`` / ``fakequant-grad`` / ``bn-grad``
-run it over a run file (:func:`qgcli.storage.runfile.layer_job`, the group's attributes; no option overrides), and
+run it over a run file (:func:`qgcli.families.groups.job_from_group`, the group's attributes; no option overrides), and
 every output that the reference holds is compared: bitwise, the largest difference in units in the last
 place (ulps) and the largest absolute difference relative to the largest reference value.
 
@@ -25,8 +25,6 @@ torchao groups (``torchao.IntxFakeQuantizer`` / ``torchao.Float8FakeQuantizer``)
 #: Fake-quant outputs computed element by element: bit-identical or failed (``backprops``: the input gradient
 #: of FakeQuantWithMinMaxArgs, under TensorFlow's name).
 ELEMENTWISE = ("outputs", "backprops_wrt_input", "backprops")
-#: What a torchao group must reproduce bit for bit (its input gradient: within rtol).
-TORCHAO_BITWISE = ("outputs", "scale", "zero_point")
 REFERENCE = "reference"
 DEFAULT_RTOL = 1e-5
 
@@ -96,6 +94,7 @@ def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
     then has ``cluster``)."""
     from qgcli.storage import runfile
     from qgcli.errors import QgcliError
+    from qgcli.families import groups
     from qgcli.report.summaries import json_safe
 
     path, group, container = runfile.open_target(
@@ -103,7 +102,7 @@ def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
     rows = []
     try:
         handle = container._opened()
-        layers = runfile.discover(handle, group, label=path)
+        layers = groups.discover(handle, group, label=path)
         if not layers:
             raise QgcliError(f"{target}: no group of this file is a layer (a group with an op attribute)")
         if scheduler is None:
@@ -144,6 +143,8 @@ def _reference_of(handle, layer):
 
 
 def _verify_layer(container, handle, path, layer, rtol):
+    from qgcli.families import registry
+
     row = {"path": layer.path, "op": layer.op, "kind": layer.kind, "shape": None, "status": "no-reference",
            "passed": True, "max_ulps": None, "rel": None, "outputs": {}, "error": None}
     shape = layer.datasets.get("inputs") or layer.datasets.get("x")
@@ -154,7 +155,7 @@ def _verify_layer(container, handle, path, layer, rtol):
     if layer.error is not None or layer.kind is None:
         return _failed(row, layer.error or "unknown op")
     commands = []
-    if layer.kind == "batch-norm":
+    if layer.kind == registry.BATCH_NORM:
         commands.append("bn-grad")
     else:
         if "outputs" in reference:
@@ -181,18 +182,19 @@ def _verify_layer(container, handle, path, layer, rtol):
             row["outputs"][name] = {"compared": False, "note": "qgcli computes no such output for this op"}
             continue
         c = compare(computed[name], theirs)
-        torchao = layer.family == "torchao"
-        strict = layer.kind == "fake-quant" and name in (TORCHAO_BITWISE if torchao else ELEMENTWISE)
+        fam = registry.of(layer)
+        strict = layer.kind == registry.FAKE_QUANT and name in getattr(fam, "VERIFY_BITWISE", ELEMENTWISE)
         c["rule"] = "bitwise" if strict else f"rtol {rtol:g}"
         if strict:
             c["passed"] = c["identical"]
-        elif layer.kind == "batch-norm":
+        elif layer.kind == registry.BATCH_NORM:
             bound = _batch_norm_bound(handle, layer, name, theirs.shape)
             c["bound"] = None if bound is None else float(bound.max())
             c["passed"] = "error" not in c and c["rel"] is not None and (
                 c["rel"] <= rtol or (bound is not None and _within(computed[name], theirs, bound)))
         else:
-            bound = None if torchao else _summation_bound(handle, layer, name)
+            bounded = layer.kind == registry.FAKE_QUANT and getattr(fam, "VERIFY_SUMMATION_BOUND", True)
+            bound = _summation_bound(handle, layer, name) if bounded else None
             c["bound"] = bound
             c["passed"] = "error" not in c and c["rel"] is not None and (
                 c["rel"] <= rtol or (bound is not None and c["max_abs"] <= bound))
@@ -214,30 +216,15 @@ def _summation_bound(handle, layer, name):
     """float32's worst-case error of fake-quant reduction ``name`` over this group's terms (see the module)."""
     import numpy as np
 
+    from qgcli.families import registry
+
     g = handle[layer.path]
     if "gradients" not in g or "inputs" not in g:
         return None
     dy = np.abs(np.asarray(g["gradients"][()], dtype=np.float64))
-    if layer.family != "torch":
+    if not hasattr(registry.of(layer), "summation_bound"):
         return float(dy.size * 2.0 ** -23 * dy.sum())
-    a = layer.attrs
-    x = np.asarray(g["inputs"][()], dtype=np.float64)
-    scale = np.asarray(g["scale"][()], dtype=np.float64)
-    zp = np.asarray(g["zero_point"][()], dtype=np.float64)
-    if scale.ndim == 1 and scale.size > 1:
-        shape = [1] * x.ndim
-        shape[int(a.get("axis", 0))] = scale.size
-        scale, zp = scale.reshape(shape), zp.reshape(shape)
-    qmin, qmax = float(a.get("quant_min", 0)), float(a.get("quant_max", 255))
-    gf = float(a.get("grad_factor", 1.0))
-    q = np.round(x / scale) + zp
-    if name.endswith("zero_point"):
-        term = np.where((q < qmin) | (q > qmax), scale, 0.0)
-    else:  # LSQ's scale gradient: the rounding residue inside, the clipped level outside
-        term = np.where(q < qmin, qmin - zp, np.where(q > qmax, qmax - zp, np.clip(q, qmin, qmax) - zp - x / scale))
-    terms = dy * np.abs(term) * gf
-    n = dy.size if scale.size == 1 else dy.size // scale.size
-    return float(n * 2.0 ** -23 * terms.sum())
+    return registry.of(layer).summation_bound(g, layer.attrs, name, dy)
 
 
 def _within(ours, theirs, bound):
@@ -308,10 +295,10 @@ def _failed(row, message):
 
 
 def _validate(layer, command):
-    from qgcli.storage import runfile
+    from qgcli.families import groups
 
     saved = layer.error
-    problem = runfile._problem(layer, command)
+    problem = groups.problem(layer, command)
     layer.error = saved
     return problem
 
@@ -320,9 +307,9 @@ def _run(container, path, layer, command):
     """qgcli's outputs of ``layer`` under ``command`` (NumPy arrays by output name)."""
     from qgcli.backend import to_numpy
     from qgcli.execution.dispatch import runner_for
-    from qgcli.jobs import OperandSpecs, OutputOptions, RunFileJob
+    from qgcli.families import groups
+    from qgcli.jobs import OutputOptions, RunFileJob
     from qgcli.storage.operands import Operands
-    from qgcli.storage.runfile import layer_job
 
     estimator, grad_factor = None, None
     if layer.attrs.get("estimator") == "lsq" and command == "fakequant-grad":
@@ -332,12 +319,8 @@ def _run(container, path, layer, command):
         grad_factor = float(layer.attrs.get("grad_factor", 1.0))
     output = OutputOptions(destination=None, quiet=True)
     run = RunFileJob(command=command, target=path, output=output, estimator=estimator, grad_factor=grad_factor)
-    if layer.family == "tf" and layer.variant == "args":  # min/max live in the group's attributes
-        lo, hi = layer.attrs.get("min", -6.0), layer.attrs.get("max", 6.0)
-        specs = OperandSpecs(None, (("min", repr(float(lo))), ("max", repr(float(hi)))))
-    else:
-        specs = OperandSpecs(None, ())
-    job, _ = layer_job(run, layer, specs, output)
+    specs = groups.operand_specs(layer)  # e.g. FakeQuantWithMinMaxArgs's min/max, group attributes
+    job, _ = groups.job_from_group(run, layer, specs, output)
     runner = runner_for(job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK)
     try:

@@ -1,7 +1,7 @@
 """``qgcli bn-grad``: TensorFlow's FusedBatchNormGrad (V1/V2/V3) on saved tensors.
 
 The options become a :class:`qgcli.jobs.BatchNormJob`, run by :func:`qgcli.execution.dispatch.execute` (in memory,
-or streamed in two passes when the HDF5 inputs exceed ``--memory-limit``); the summary is rendered here.
+or streamed in two passes when the HDF5 inputs exceed ``--memory-limit``); the family renders the summary.
 """
 import click
 
@@ -22,38 +22,6 @@ def _epsilon(ctx, param, value):
     if value is not None and (not math.isfinite(value) or value < 0):
         raise click.BadParameter(f"must be a finite number >= 0, got {value!r}")
     return value
-
-
-def render_summary(console, s):
-    from rich.markup import escape
-
-    from qgcli.report.tables import Col, print_items, print_table
-
-    a = s["attributes"]
-    x = s["inputs"].get("x", {})
-    mode = "training" if a["is_training"] else "inference"
-    print_items(console, f"[bold]{s['op']}[/] epsilon={a['epsilon']:g} {a['data_format']} {mode}  "
-                  f"x {x.get('shape', [])} {escape(str(x.get('dtype', '')))}", soft_wrap=True)
-    print_items(console, f"convention: {escape(s['convention']['description'])}", soft_wrap=True)
-    pc = s["per_channel"]
-    count = s["channels"]
-    rows = [[f"ch {c}", *(_fmt(pc[k][c]) for k in ("x_backprop_norm", "scale_backprop", "offset_backprop"))]
-            for c in range(min(count, 8))]
-    if count > 8:
-        rows.append([f"... {count - 8} more", "", "", ""])
-    n = s["norms"]
-    rows.append(["L2 norm", _fmt(n["x_backprop"]), _fmt(n["scale_backprop"]), _fmt(n["offset_backprop"])])
-    cols = (Col("", "left", priority=0), Col("|x_backprop|", priority=0), Col("scale_backprop", priority=0),
-            Col("offset_backprop", priority=0))
-    print_table(console, cols, rows)
-    for note in s["notes"]:
-        print_items(console, f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
-    if s["output"] and s["output"] != "-":
-        print_items(console, f"wrote {', '.join(s['outputs'])} to {escape(s['output'])}", soft_wrap=True)
-
-
-def _fmt(v):
-    return "nan" if v is None else f"{v:.7g}"
 
 
 _EPILOG = """\b
@@ -111,4 +79,7 @@ def bn_grad(operands, epsilon, data_format, is_training, variance_kind, version,
         return
     job = BatchNormJob(operands, output, epsilon=epsilon, data_format=data_format, is_training=is_training,
                        variance_kind=variance_kind, version=version, all_outputs=all_outputs)
-    emit(execute(job), as_json=output.as_json, quiet=output.quiet, render=render_summary, output=output.destination)
+    from qgcli.families import registry
+
+    emit(execute(job), as_json=output.as_json, quiet=output.quiet, render=registry.of(job).render,
+         output=output.destination)

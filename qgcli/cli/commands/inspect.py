@@ -155,14 +155,14 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
     :data:`ATTRIBUTE_BATCH` objects as the walk goes (one guarded round trip per batch for their strings),
     and each object is closed once its batch is read: the walk holds a bounded number of objects open,
     whatever the size of the file.  ``layers``: a list that receives the file's run-file layers
-    (:func:`qgcli.storage.runfile.layer`), from the same walk.  ``reads``: ``(the container's label, which paths)``
+    (:func:`qgcli.families.groups.layer`), from the same walk.  ``reads``: ``(the container's label, which paths)``
     to read each of those datasets while the walk has it open: its entry gets ``read``, ``(shape, dtype,
     statistics, None)`` or ``(None, None, None, the error)``, what the container's own read gives.
     """
     import h5py
 
+    from qgcli.families import groups as run_groups_of
     from qgcli.storage.hdf5 import walk as h5walk
-    from qgcli.storage import runfile
     from qgcli.storage.io import tagged_bfloat16
     from qgcli.signals import deferred
 
@@ -214,7 +214,7 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
         for group_path, raw in run_groups:
             if isinstance(raw, Exception):
                 continue  # unreadable attributes: the group's entry says so
-            layer = runfile.layer(group_path, raw, children[group_path])
+            layer = run_groups_of.layer(group_path, raw, children[group_path])
             if layer is not None:
                 layers.append(layer)
     return groups, datasets, links
@@ -345,16 +345,16 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
 def _layers(layers, key):
     """A run file's groups as layers (path, op, operand shapes, what keeps one from running); [] for a file
     whose groups hold no op (a plain bundle)."""
-    from qgcli.storage import runfile
+    from qgcli.families import groups, registry
 
     out = []
     for layer in layers:
         if layer.path == "/" or (key is not None and not _matches(layer.path, key.strip("/"))):
             continue
-        command = "bn-grad" if layer.kind == runfile.BATCH_NORM else "fakequant"
+        command = "bn-grad" if layer.kind == registry.BATCH_NORM else "fakequant"
         out.append({"path": layer.path, "op": layer.op, "kind": layer.kind,
                     "operands": {name: list(shape) for name, (shape, _) in layer.datasets.items()},
-                    "problem": runfile.validate(layer, command)})
+                    "problem": groups.validate(layer, command)})
     return out
 
 

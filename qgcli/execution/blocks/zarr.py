@@ -314,7 +314,7 @@ def plan_for(job, operands, runner, locations):
         return None
     if not hasattr(runner, "block_setup"):
         raise OptionError(f"computes TensorFlow's fake-quant ops and bn-grad on Zarr tensors in blocks; "
-                          f"{job.mode} reads its Zarr operands whole (drop --scheduler, or raise --memory-limit)",
+                          f"{runner.mode(job)} reads its Zarr operands whole (drop --scheduler, or raise --memory-limit)",
                           param_hint="'--scheduler'" if job.output.scheduler else "'--memory-limit'")
     if job.output.device != "cpu":
         raise OptionError("a tensor computed in blocks runs on the CPU", param_hint="'--device'")
