@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgcli.execution.block_runs import arrays_of, check_destination, here, timing
+from qgcli.report.text import counted
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class BatchNormBlockRun:
             for key, value in small.items():
                 zarr_store.put(stage.group, key, value, attrs=attrs, compression=out.compression)
         summary = self.runner.block_summary(job, self.operands, self.arrays, setup, small, [
-            f"computed in two passes of {len(blocks)} blocks of {items} rows of the first axis; x_backprop norms "
+            f"computed in two passes of {counted(len(blocks), 'block')} of {counted(items, 'row')} of the first axis; x_backprop norms "
             "are not computed in this mode"])
         summary["blocks"] = {**timing(first + second, items, elapsed), "count": len(blocks), "passes": 2}
         return summary

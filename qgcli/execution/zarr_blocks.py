@@ -21,6 +21,7 @@ from qgcli.errors import OptionError
 import numpy as np
 
 from qgcli.execution import block_runs
+from qgcli.report.text import counted
 
 _F32 = np.float32
 
@@ -152,7 +153,7 @@ class BlockRun:
             for key, value in small.items():
                 zarr_store.put(stage.group, key, value, attrs=attrs, compression=out.compression)
         summary = self.runner.block_summary(job, self.operands, self.arrays, setup, small, [
-            f"computed in {len(blocks)} blocks of {items} rows of the first axis; clipping statistics are not "
+            f"computed in {counted(len(blocks), 'block')} of {counted(items, 'row')} of the first axis; clipping statistics are not "
             "computed in this mode"])
         summary["blocks"] = block_runs.timing(results, items, elapsed)
         return summary

@@ -231,11 +231,14 @@ def _torchao_row(layer, inputs, gradients, device):
 
 
 def worst_first(rows):
-    """Rows ordered worst first: most gradient mass blocked (most clipped without gradients), then lowest SQNR."""
+    """Rows ordered worst first: most gradient mass blocked, then lowest SQNR; the quantizers without gradients
+    after all those with, by their share clipped (a share of values is no measure of gradient lost, so it
+    cannot outrank one)."""
     def key(r):
-        metric = r["gradient_blocked"] if r["gradient_blocked"] is not None else r["clipped"]
+        no_gradients = r["gradient_blocked"] is None
+        metric = r["clipped"] if no_gradients else r["gradient_blocked"]
         sqnr = r["sqnr_db"] if r["sqnr_db"] is not None else float("inf")
-        return (-(metric or 0.0), sqnr, r["path"])
+        return (no_gradients, -(metric or 0.0), sqnr, r["path"])
 
     return sorted(rows, key=key)
 

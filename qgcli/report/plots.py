@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, OutputError, QgcliError
+from qgcli.report.text import counted
 
 FIGURE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 DEFAULT_MAX_POINTS = 4000
@@ -602,7 +603,7 @@ def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=N
         ax.set_yscale("log")
     ax.grid(True, alpha=0.5)
     dropped = view.x.size - finite.size
-    note = f"{finite.size:,} values, {bins} bins" + (f"; {dropped:,} NaN/inf not binned" if dropped else "")
+    note = f"{counted(finite.size, 'value', thousands=True)}, {counted(bins, 'bin')}" + (f"; {dropped:,} NaN/inf not binned" if dropped else "")
     _figure_legend(fig, handles, note, text_gids={h.get_label(): gid for h, gid in
                                                   zip(handles[-2:], ("clipped_below", "clipped_above"))})
     ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Inputs and quantization grid"), 9), fontsize=9)
@@ -633,10 +634,6 @@ def _channel_series(ax, values, *, color, label, gid, bottom=None, offset=0.0, w
     baseline = base if bottom is not None or fill else None
     return ax.stairs(values, edges, baseline=baseline, fill=fill, color=color, alpha=alpha,
                      label=label, gid=gid, lw=1.0)
-
-
-def _plural(n, word):
-    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def _pad_ylim(ax, *arrays):
@@ -747,7 +744,7 @@ def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False
     _channel_axis(axes[-1], depth, f"channel (axis {axis})")
     bits = f"num_bits={num_bits}{', narrow range' if narrow_range else ''}"
     fig.suptitle(_wrapped(fig, title if title is not None else
-                          f"FakeQuantWithMinMaxVarsPerChannel: {_plural(depth, 'channel')} x {rows.shape[0]:,} values, "
+                          f"FakeQuantWithMinMaxVarsPerChannel: {counted(depth, 'channel', thousands=True)} x {rows.shape[0]:,} values, "
                           f"{bits}",
                           10), fontsize=10)
     fig.qgcli_summary = {"plot": "channels", "op": "FakeQuantWithMinMaxVarsPerChannel", "channels": int(depth),
@@ -785,7 +782,7 @@ def channel_vectors(vectors, *, title=None, width=8.0, height=None):
         ax.grid(True, axis="y", alpha=0.5)
     depth = max(v.size for v in arrays.values())
     _channel_axis(axes[-1], depth, "channel")
-    fig.suptitle(_wrapped(fig, title if title is not None else f"{', '.join(arrays)} per channel ({_plural(depth, 'channel')})",
+    fig.suptitle(_wrapped(fig, title if title is not None else f"{', '.join(arrays)} per channel ({counted(depth, 'channel', thousands=True)})",
                           10), fontsize=10)
     fig.qgcli_summary = {"plot": "channels", "vectors": list(arrays), "channels": int(depth), "points": int(depth)}
     return fig
@@ -1208,7 +1205,7 @@ def layers(rows, *, steps=(), trends=None, title=None, width=None, height=None):
             ax.tick_params(axis="y", length=0)
             cbar = fig.colorbar(im, ax=ax, location="bottom", fraction=min(0.1, 0.3 / height), aspect=15, pad=0.01)
             cbar.ax.tick_params(labelsize=6)
-    what = f"{_plural(n, 'layer')}, worst first" + (f", {len(steps)} steps" if heat else "")
+    what = f"{counted(n, 'layer', thousands=True)}, worst first" + (f", {len(steps)} steps" if heat else "")
     fig.suptitle(_wrapped(fig, title if title is not None else f"Blocked gradient mass and SQNR per layer: {what}",
                           9), fontsize=9)
     worst = rows[0]

@@ -181,14 +181,20 @@ def render_summary(console, s):
     shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
     print_items(console, f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {escape(shapes)}")
     keys = ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")
-    if isinstance(grid["min"], list):
-        rows = [[f"ch {c}", *(_fmt(grid[k][c]) for k in keys)] for c in range(min(len(grid["min"]), 8))]
-        if len(grid["min"]) > 8:
-            rows.append([f"... {len(grid['min']) - 8} more", "", "", "", "", "", ""])
-    else:
-        rows = [["range", *(_fmt(grid[k]) for k in keys)]]
     cols = (Col("", "left", priority=0), Col("min", priority=2), Col("max", priority=2), Col("nudged_min", priority=0),
             Col("nudged_max", priority=0), Col("scale", priority=1), Col("zero_point", priority=1))
+    if isinstance(grid["min"], list):
+        worst = _worst_channels(stats, len(grid["min"]))
+        channels = range(len(grid["min"])) if worst is None else worst[1]
+        rows = [[f"ch {c}", *(_fmt(grid[k][c]) for k in keys)] for c in channels[:8]]
+        if worst is not None:
+            name, _, share = worst
+            cols = (Col("worst first", "left", priority=0), *cols[1:], Col(name, priority=0))
+            rows = [row + [percent(share[c])] for row, c in zip(rows, channels)]
+        if len(grid["min"]) > 8:
+            rows.append([f"... {len(grid['min']) - 8} more"] + [""] * (len(cols) - 1))
+    else:
+        rows = [["range", *(_fmt(grid[k]) for k in keys)]]
     print_table(console, cols, rows, hint="--json for every value")
     if stats is not None:
         line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
@@ -196,6 +202,24 @@ def render_summary(console, s):
             line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
         print_items(console, line)
     render_closing_lines(console, s)
+
+
+def _worst_channels(stats, depth):
+    """``(column name, channels worst first, share per channel)``: by the share of gradient mass the STE mask
+    blocks, or without gradients by the share clipped; None without per-channel statistics.  Ties keep the
+    channel order."""
+    if stats is None:
+        return None
+    if stats.get("channel_gradient_blocked") is not None:
+        name, share = "blocked", stats["channel_gradient_blocked"]
+    elif stats.get("channel_clipped_below") is not None and stats.get("channel_clipped_above") is not None:
+        name = "clipped"
+        share = [b + a for b, a in zip(stats["channel_clipped_below"], stats["channel_clipped_above"])]
+    else:
+        return None
+    if len(share) != depth:
+        return None
+    return name, sorted(range(depth), key=lambda c: -(share[c] if share[c] is not None else -1.0)), share
 
 
 def _fmt(v):

@@ -48,12 +48,12 @@ def verify(run, rtol, top, as_json, scheduler):
 def _render(console, s, top):
     from rich.table import Table
 
-    from qgcli.report.text import markup, printable_doc
+    from qgcli.report.text import counted, markup, printable_doc
 
     s = printable_doc(s)
     console.print(f"[bold]verify[/] {markup(s['run_file'])}: {s['passed']} of {s['verified']} layers pass "
                   f"({s['identical']} bit-identical), {s['failed']} fail; rtol {s['rtol']:g}"
-                  + (f"; {s['no_reference']} groups without a reference" if s["no_reference"] else ""),
+                  + (f"; {counted(s['no_reference'], 'group')} without a reference" if s["no_reference"] else ""),
                   soft_wrap=True)
     table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
     for col in ("layer", "op", "status", "max ulps", "rel", "worst output"):
