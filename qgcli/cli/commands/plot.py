@@ -356,7 +356,7 @@ Examples:
 @_LAYER
 @_figure_options(6.4, None, "4.8; 7.6 with --gradients")
 def ste(operands, attributes, channel, quantize, qdq, max_points, layer, figure):
-    """The staircase plus the STE gradient function (TF's mask) on a red twin axis.
+    """The staircase plus the STE gradient function (TF's mask) on a red panel below.
 
     With --gradients, also the back-propagated gradient backprops_wrt_input in brown.
     """
