@@ -265,6 +265,21 @@ def latest_per_layer(rows):
     return list(latest.values())
 
 
+def _no_such_layer(handle, file, full):
+    """The message for a ``--layer`` that names nothing in the run file: the closest layer paths (a typo,
+    most often), else the first layers, so that the user sees what to type."""
+    import difflib
+
+    from qgcli.storage import runfile
+
+    paths = [l.path for l in runfile.discover(handle, label=file) if l.op is not None]
+    close = difflib.get_close_matches(full, paths, n=5, cutoff=0.6)
+    if close:
+        return f"{file} has no layer {full!r}; the closest: {', '.join(close)}"
+    shown = ", ".join(paths[:10]) + (f" and {len(paths) - 10} more (qgcli inspect lists them)" if len(paths) > 10 else "")
+    return f"{file} has no layer {full!r}; its layers: {shown or 'none'}"
+
+
 def layer_operands(target, path, options):
     """``(Operands, FakeQuantAttributes)`` of one TF fake-quant group of a run file (``report --layer``):
     the group's datasets, its attributes unless typed on the command line."""
@@ -278,6 +293,8 @@ def layer_operands(target, path, options):
     full = "/".join(p for p in ((group or ""), path.strip("/")) if p)
     container = io.Container.open(file)
     try:
+        if full and full not in container._opened():
+            raise QgcliError(_no_such_layer(container._opened(), file, full), operand="--layer")
         (layer,) = [l for l in runfile.discover(container._opened(), full, label=file) if l.path == full] or [None]
         if layer is None:
             raise QgcliError(f"{file}: {full!r} is not a group holding a quantizer's operands", operand="--layer")

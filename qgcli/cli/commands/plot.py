@@ -21,6 +21,7 @@ from qgcli.cli.options import (
     qdq_options,
     quantize_options,
     quiet_option,
+    refuse_missing_bundle,
     refuse_quantize_options,
     run_file_target,
     semantics_options,
@@ -127,6 +128,7 @@ def _run(command, specs, figure, draw, *, literal_ok=("min", "max"), tallest=_TA
     if per_layer is not None:
         target = run_file_target(specs)
         if layer is not None and target is None:
+            refuse_missing_bundle(specs.bundle)
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
                                      param_hint="'--layer'")
         if target is not None:

@@ -17,6 +17,7 @@ from qgcli.cli.options import (
     narrow_range_option,
     num_bits_option,
     option_group,
+    refuse_missing_bundle,
     run_file_target,
     spec_option,
     scheduler_option,
@@ -354,6 +355,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
     if layer is not None:
         if target is None:
+            refuse_missing_bundle(operands.bundle)
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
                                      param_hint="'--layer'")
         from qgcli.report.layers import layer_operands
