@@ -105,6 +105,41 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
     return dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res)), grid, stats
 
 
+def range_warnings(grid):
+    """A note when nudging moves a range further than a user would expect: TensorFlow moves a range holding
+    0 by half a grid step at most (rounding the zero point), and more, by up to the whole range, only when 0
+    lies outside it (the zero point clamps and the range shifts onto 0); the note names the ranges asked for
+    and run.  The grid alone: no data read."""
+    import numpy as np
+
+    flat = lambda a: np.atleast_1d(np.asarray(a, np.float64))  # noqa: E731
+    lo, hi, nlo, nhi = (flat(getattr(grid, k)) for k in ("min", "max", "nudged_min", "nudged_max"))
+    used = ~flat(grid.passthrough).astype(bool)
+    no_zero = used & ((lo > 0) | (hi < 0))
+    per_channel = bool(grid.per_channel)
+
+    def ranges(which):
+        picked = np.flatnonzero(which)
+        text = ", ".join(f"{f'ch {c} ' if per_channel else ''}[{lo[c]:g}, {hi[c]:g}] runs as [{nlo[c]:g}, {nhi[c]:g}]"
+                         for c in picked[:3])
+        return text + (f" and {len(picked) - 3} more" if len(picked) > 3 else "")
+
+    notes = []
+    if no_zero.any():
+        n = int(no_zero.sum())
+        what = f"{n} of {lo.size} channel ranges {'does' if n == 1 else 'do'}" if per_channel else "the range does"
+        notes.append(f"{what} not contain 0 ({ranges(no_zero)}): TensorFlow shifts a range so that 0 is a grid "
+                     "point, and the inputs beyond it clip (qgcli nudge explains)")
+    return notes
+
+
+def nan_warnings(stats):
+    """A note when the inputs hold NaN (from the statistics already taken: no extra pass over the data)."""
+    if not stats or not stats.get("nan"):
+        return []
+    return [f"inputs hold NaN ({100 * stats['nan']:.2f}% of the elements): their outputs are NaN, as TensorFlow's"]
+
+
 def build_summary(command, op, variant, operands, raw, outputs, grid, stats, attrs, output):
     from qgcli.ops.analysis import grid_summary
 
@@ -113,6 +148,7 @@ def build_summary(command, op, variant, operands, raw, outputs, grid, stats, att
         dtype = getattr(value, "dtype", None)
         if dtype is not None and str(dtype) not in ("float32",) and name in ("inputs", "gradients"):
             notes.append(f"{name} is {dtype}; computed in float32 as TensorFlow does")
+    notes += range_warnings(grid) + nan_warnings(stats)
     return json_safe({
         "command": command,
         "op": op,
