@@ -248,12 +248,18 @@ def cli_cluster(tmp_path_factory):
     info = folder / "scheduler.json"
     dask_cli = [os.path.join(os.path.dirname(sys.executable), "dask")]
     log = open(folder / "log.txt", "wb")
+    # The workers unpickle qgcli's functions: they must import the qgcli under test, not an installed one.
+    import qgcli
+
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(qgcli.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (parent, os.environ.get("PYTHONPATH")) if p))
     procs = [subprocess.Popen([*dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                               "--scheduler-file", str(info)], stdout=log, stderr=log)]
+                               "--scheduler-file", str(info)], stdout=log, stderr=log, env=env)]
     try:
         _wait_for(lambda: _address(info), 30, "the scheduler file")
         workers = [subprocess.Popen([*dask_cli, "worker", "--scheduler-file", str(info), "--nthreads", "1",
-                                     "--no-nanny", "--no-dashboard", "--host", "127.0.0.1"], stdout=log, stderr=log)
+                                     "--no-nanny", "--no-dashboard", "--host", "127.0.0.1"], stdout=log, stderr=log,
+                                    env=env)
                    for _ in range(2)]
         procs += workers
         address = _address(info)

@@ -80,7 +80,22 @@ def test_staircase_is_the_op_with_marks_and_labels(nb):
     np.testing.assert_array_equal(np.sort(nb["inputs"].reshape(-1)), xs)
     expected = ops.fake_quant_with_min_max_vars(xs, nb["min"], nb["max"], num_bits=2)
     np.testing.assert_array_equal(bits(ys), bits(expected))
-    assert out.get_marker() == "+" and out.get_linestyle() == "-"
+    # The data as points, and under them the op's own step function (issue 40, item 4): never a line through
+    # the points, which slants between levels.
+    assert out.get_marker() == "+" and out.get_linestyle() == "None"
+    step = line(ax, "outputs_step")
+    sx, sy = step.get_xdata(), step.get_ydata()
+    assert step.get_linestyle() == "-" and np.all(np.diff(sx) >= 0)
+    assert sx[0] == min(xs[0], -8.0) and sx[-1] == max(xs[-1], 4.0)
+    # horizontal runs on the levels, vertical edges where the op changes value: the op at both ends of a run
+    np.testing.assert_array_equal(sy[::2], sy[1::2])
+    assert set(sy.tolist()) == {-8.0, -4.0, 0.0, 4.0}
+    np.testing.assert_array_equal(ops.fake_quant_with_min_max_vars(np.float32(sx[::2]), nb["min"], nb["max"],
+                                                                   num_bits=2), sy[::2])
+    edges = sx[2::2]  # each the first float32 with the next level: one ulp below it is still on the step before
+    below = ops.fake_quant_with_min_max_vars(np.nextafter(np.float32(edges), np.float32(-np.inf)), nb["min"],
+                                             nb["max"], num_bits=2)
+    np.testing.assert_array_equal(below, sy[1:-1:2])
     # The notebook's levels -8, -4, 0, 4, marked and on the y ticks; they are exactly what the op outputs.
     levels = sorted(ln.get_ydata()[0] for ln in by_gid(ax, "level"))
     assert levels == [-8.0, -4.0, 0.0, 4.0]
@@ -109,7 +124,9 @@ def test_ste_mask_is_tf_gradient_function_and_backprops_the_gradient_op(nb):
     np.testing.assert_array_equal(bits(mask.get_ydata()), bits(expected_mask.reshape(-1)[order]))
     np.testing.assert_array_equal(mask.get_xdata(), xs)
     assert mask.get_color() == "red"
-    assert ax2.get_ylabel() == "gradient function" and ax2.yaxis.label.get_color() == "r"
+    assert ax2.get_ylabel() == "gradient\nfunction" and ax2.yaxis.label.get_color() == "r"
+    # the mask on a panel of its own (issue 40, item 4): on a twin axis its 0 and 1 fell on level lines
+    assert ax2 is not ax and ax2.get_shared_x_axes().joined(ax, ax2) and list(ax2.get_yticks()) == [0.0, 1.0]
     # backprops on a panel of their own below (the notebook overlays them on the staircase), brown 'x' markers.
     bp = line(fig.axes[2], "backprops")
     expected_bp = ops.fake_quant_with_min_max_vars_gradient(g, x, mn, mx, num_bits=2)[0]
@@ -145,7 +162,10 @@ def test_args_variant_uses_the_args_op():
     out = line(fig.axes[0], "outputs")
     np.testing.assert_array_equal(bits(out.get_ydata()),
                                   bits(ops.fake_quant_with_min_max_args(out.get_xdata(), -0.9, 0.7, num_bits=3)))
-    assert "FakeQuantWithMinMaxArgs" in out.get_label()
+    step = line(fig.axes[0], "outputs_step")
+    assert "FakeQuantWithMinMaxArgs" in step.get_label()
+    np.testing.assert_array_equal(bits(step.get_ydata()[::2]), bits(ops.fake_quant_with_min_max_args(
+        np.float32(step.get_xdata()[::2]), -0.9, 0.7, num_bits=3)))  # each run's start
 
 
 def test_narrow_range_levels():
@@ -578,3 +598,20 @@ def test_buffer_rendering_needs_no_display():
     fig.savefig(buf, format="png")
     assert buf.getvalue().startswith(b"\x89PNG")
     assert type(fig.canvas).__name__ == "FigureCanvasAgg"
+
+
+def test_staircase_of_an_outlier_and_a_coarse_channel_is_the_step_function():
+    # issue 40, item 4: a line through the points drew a diagonal from the last level to an outlier, and a
+    # 3-bit channel slanted between levels; the step function is flat on every level, vertical between.
+    x = np.array([[0.17, -0.4], [0.2, 0.1], [1.5, 0.33], [0.0, 0.9]], np.float32)
+    mn, mx = np.float32([0.0, -1.0]), np.float32([0.75, 1.0])
+    for channel in (0, 1):
+        fig = plots.staircase(x, mn, mx, num_bits=3, channel=channel)
+        step = line(fig.axes[0], "outputs_step")
+        sx, sy = step.get_xdata(), step.get_ydata()
+        np.testing.assert_array_equal(sy[::2], sy[1::2])  # horizontal runs
+        np.testing.assert_array_equal(sx[1:-1:2], sx[2::2])  # joined by vertical edges
+        grid = plots.channel_grid(ops.nudge(mn, mx, num_bits=3), channel)
+        np.testing.assert_array_equal(sy[::2], ops.fake_quant_with_min_max_vars(
+            np.float32(sx[::2]), grid.min, grid.max, num_bits=3))
+        assert set(sy.tolist()) <= set(plots.grid_levels(grid).tolist())

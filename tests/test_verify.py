@@ -165,3 +165,17 @@ def test_verify_holds_batch_norm_sums_to_float32s_summation_bound(tmp_path):
     assert r.exit_code == 1
     out = json.loads(r.stdout)["layers"][0]["outputs"]["offset_backprop"]
     assert not out["passed"] and out["max_abs"] > out["bound"]
+
+
+@pytest.mark.parametrize("perturb, rule", [("fq", "bitwise"), ("bn", "rtol 0.01")])
+def test_verify_shows_the_bound_each_count_was_held_to(tmp_path, perturb, rule, runner):
+    # issue 40, item 5: "max ulps 1383" for a passing batch norm read as alarming without its bound
+    path = str(tmp_path / "run.h5")
+    _write(path, perturb=perturb)
+    r = runner.invoke(main, ["verify", path, "--rtol", "0.01"])
+    lines = r.stdout.splitlines()
+    header = next(ln for ln in lines if ln.lstrip().startswith("layer"))
+    assert "max ulps" in header and "held to" in header
+    bad = "net/act_quant" if perturb == "fq" else "net/bn"
+    row = next(ln for ln in lines if ln.startswith(bad + " "))
+    assert rule in row, row

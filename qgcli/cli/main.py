@@ -23,6 +23,11 @@ Examples:
 """
 
 
+#: Click 8.2+ raises this UsageError for a group or command called without arguments; click 8.1 prints the
+#: help itself and exits 0 (an empty tuple catches nothing).
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class QgcliContext(click.Context):
     """A command's context: the library's usage errors (:class:`qgcli.errors.UsageProblem`) become click's, so
     that they read as click's own and point at the command's ``--help``."""
@@ -60,6 +65,11 @@ class QgcliGroup(click.Group):
             _fail(exc.describe(), 128 + exc.signum)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
+        except _NO_ARGS_IS_HELP as exc:
+            # `qgcli` (or `qgcli plot`) alone: click 8.2+ shows the help as this error (on stderr, exit 2);
+            # click's own display keeps its lines, which the one-line handler below would flatten.
+            exc.show()
+            _exit(exc.exit_code)
         except click.UsageError as exc:
             _fail(exc.format_message(), 2, exc.ctx)
         except click.ClickException as exc:

@@ -11,8 +11,8 @@ import math
 import click
 
 OUTPUT_HELP = (
-    "Where to write: FILE.h5 / FILE.npz (one dataset/key per output), STORE.zarr (one array per output), "
-    "DIR/ (one .npy per output), or - (npz on stdout)."
+    "Where to write: FILE.h5 / FILE.npz (one dataset/key per output), FILE.npy (a single output), "
+    "STORE.zarr (one array per output), DIR/ (one .npy per output), or - (npz on stdout)."
 )
 QD_VARIANT = "quantize-dequantize"
 QDQ_VARIANTS = ("quantize-and-dequantize-v4", "quantize-and-dequantize-v3", "quantize-and-dequantize-v2")
@@ -434,6 +434,43 @@ def hdf5_bound_options(f):
     return f
 
 
+def refuse_missing_bundle(bundle):
+    """BUNDLE's file missing is the error to report, before any about what a run file would allow."""
+    import os
+
+    if bundle is None or bundle == "-" or bundle.startswith("-:"):
+        return
+    from qgcli.errors import FileFormatError
+    from qgcli.storage import io
+
+    path = io.parse_spec(bundle).path
+    if path is not None and not os.path.exists(path):
+        raise FileFormatError(f"no such file: {path}", operand="BUNDLE")
+
+
+def _refuse_missing_key(path, key):
+    """``path:key`` as BUNDLE where the HDF5 file has no ``key``: blame the key (a typo, most often), naming
+    what the file has at the top, rather than the options a run file's group would not take."""
+    import difflib
+
+    from qgcli.errors import FileFormatError
+    from qgcli.storage import io
+
+    refuse_missing_bundle(path)
+    container = io.Container.open(path)
+    try:
+        handle = container._opened()
+        if key in handle:
+            return
+        names = sorted(handle.keys())
+    finally:
+        container.close()
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    held = f"{', '.join(names[:12])}{' ...' if len(names) > 12 else ''}" if names else "nothing"
+    hint = f"; did you mean {' or '.join(repr(n) for n in close)}?" if close else ""
+    raise FileFormatError(f"{path} has no group or dataset {key!r}{hint} (the file holds {held})", operand="BUNDLE")
+
+
 def run_file_target(operands):
     """BUNDLE when it names a run file (``run.h5`` whose groups hold the operands, or ``run.h5:group``), else
     None (a single bundle, as always); refuses the options a run file's groups answer themselves."""
@@ -448,6 +485,8 @@ def run_file_target(operands):
     typed = [name for name in _OPERAND_PARAMS if given(name)]
     if target[1] is None and (typed or not runfile.is_run_file(bundle)):
         return None  # a whole file with operand options, or today's bundle
+    if typed:
+        _refuse_missing_key(*target)
     for name in typed:
         raise click.BadParameter("a run file's groups carry their own operands; drop the option or give one "
                                  "bundle file", param_hint=f"'--{name.rstrip('_').replace('_', '-')}'")

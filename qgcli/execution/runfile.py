@@ -10,6 +10,7 @@ folder per group, ``-`` an npz on stdout.  Nothing is written unless every group
 import os
 
 from qgcli.errors import OptionError, QgcliError, UsageProblem
+from qgcli.report.text import counted
 
 
 def execute_run(job, *, runner_for, memory_plan, remote=None):
@@ -47,8 +48,8 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
         if not mine:
             what = "FakeQuant/QuantizeV2/PyTorch fake-quant" if kind == registry.FAKE_QUANT else "FusedBatchNorm"
             skipped = f" ({len(bad)} invalid, skipped)" if bad else ""
-            raise QgcliError(f"{where}: no group holds a {what} op to run{skipped}; {len(other)} groups of the other "
-                             f"kind ({', '.join(sorted({l.label for l in other})) or 'none'})")
+            raise QgcliError(f"{where}: no group holds a {what} op to run{skipped}; "
+                             f"{counted(len(other), 'group')} of the other kind ({', '.join(sorted({l.label for l in other})) or 'none'})")
         if remote is not None:
             remote.start(job, path, mine)
         ran, skipped = _run_and_write(job, container, path, mine)
@@ -403,13 +404,13 @@ def render_run(console, s):
         table.add_row(*row)
     console.print(table)
     if len(s["layers"]) > TABLE_ROWS:
-        console.print(f"... {len(s['layers']) - TABLE_ROWS} more groups (--json for all)")
+        console.print(f"... {counted(len(s['layers']) - TABLE_ROWS, 'more group')} (--json for all)")
     for item in s["invalid"]:
         console.print(f"[yellow]skipped[/] {text(item['path'])}: {text(item['reason'])}", soft_wrap=True)
     for note in s["notes"]:
         console.print(f"[yellow]note:[/] {text(note)}", soft_wrap=True)
     if s["output"] and s["output"] != "-":
-        console.print(f"wrote {s['ran']} groups to {text(s['output'])}", soft_wrap=True)
+        console.print(f"wrote {counted(s['ran'], 'group')} to {text(s['output'])}", soft_wrap=True)
 
 
 def _markup():

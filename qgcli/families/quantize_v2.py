@@ -13,6 +13,7 @@ from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
+from qgcli.report.text import counted
 
 NAME, KIND = "quantize-dequantize", FAKE_QUANT
 OP = "QuantizeV2+Dequantize"
@@ -125,7 +126,7 @@ def build_summary(command, operands, raw, x, gradients, result, attrs, axis, out
         middle = (to_numpy(lo).astype(np.float64) + to_numpy(hi)) / 2
         wrapped = int(np.count_nonzero((quantized == np.iinfo(np.int32).min) & (to_numpy(x) > middle)))
         if wrapped:
-            notes.append(f"{wrapped} inputs at the top of the range quantized to -2147483648: TensorFlow's qint32 "
+            notes.append(f"{counted(wrapped, 'input')} at the top of the range quantized to -2147483648: TensorFlow's qint32 "
                          "cast wraps there, and qgcli reproduces it")
     if nan:
         notes.append(f"{nan} NaN inputs: quantized as TensorFlow's x86 casts do (0, or the type's minimum in whole "

@@ -109,6 +109,41 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
     return dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res)), grid, stats
 
 
+def range_warnings(grid):
+    """A note when nudging moves a range further than a user would expect: TensorFlow moves a range holding
+    0 by half a grid step at most (rounding the zero point), and more, by up to the whole range, only when 0
+    lies outside it (the zero point clamps and the range shifts onto 0); the note names the ranges asked for
+    and run.  The grid alone: no data read."""
+    import numpy as np
+
+    flat = lambda a: np.atleast_1d(np.asarray(a, np.float64))  # noqa: E731
+    lo, hi, nlo, nhi = (flat(getattr(grid, k)) for k in ("min", "max", "nudged_min", "nudged_max"))
+    used = ~flat(grid.passthrough).astype(bool)
+    no_zero = used & ((lo > 0) | (hi < 0))
+    per_channel = bool(grid.per_channel)
+
+    def ranges(which):
+        picked = np.flatnonzero(which)
+        text = ", ".join(f"{f'ch {c} ' if per_channel else ''}[{lo[c]:g}, {hi[c]:g}] runs as [{nlo[c]:g}, {nhi[c]:g}]"
+                         for c in picked[:3])
+        return text + (f" and {len(picked) - 3} more" if len(picked) > 3 else "")
+
+    notes = []
+    if no_zero.any():
+        n = int(no_zero.sum())
+        what = f"{n} of {lo.size} channel ranges {'does' if n == 1 else 'do'}" if per_channel else "the range does"
+        notes.append(f"{what} not contain 0 ({ranges(no_zero)}): TensorFlow shifts a range so that 0 is a grid "
+                     "point, and the inputs beyond it clip (qgcli nudge explains)")
+    return notes
+
+
+def nan_warnings(stats):
+    """A note when the inputs hold NaN (from the statistics already taken: no extra pass over the data)."""
+    if not stats or not stats.get("nan"):
+        return []
+    return [f"inputs hold NaN ({100 * stats['nan']:.2f}% of the elements): their outputs are NaN, as TensorFlow's"]
+
+
 def build_summary(command, op, variant, operands, raw, outputs, grid, stats, attrs, output):
     from qgcli.ops.analysis import grid_summary
 
@@ -117,6 +152,7 @@ def build_summary(command, op, variant, operands, raw, outputs, grid, stats, att
         dtype = getattr(value, "dtype", None)
         if dtype is not None and str(dtype) not in ("float32",) and name in ("inputs", "gradients"):
             notes.append(f"{name} is {dtype}; computed in float32 as TensorFlow does")
+    notes += range_warnings(grid) + nan_warnings(stats)
     return json_safe({
         "command": command,
         "op": op,
@@ -334,14 +370,20 @@ def render(console, s):
     shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())
     print_items(console, f"[bold]{s['op']}[/] num_bits={grid['num_bits']} narrow_range={grid['narrow_range']}  {escape(shapes)}")
     keys = ("min", "max", "nudged_min", "nudged_max", "scale", "zero_point")
-    if isinstance(grid["min"], list):
-        rows = [[f"ch {c}", *(_fmt(grid[k][c]) for k in keys)] for c in range(min(len(grid["min"]), 8))]
-        if len(grid["min"]) > 8:
-            rows.append([f"... {len(grid['min']) - 8} more", "", "", "", "", "", ""])
-    else:
-        rows = [["range", *(_fmt(grid[k]) for k in keys)]]
     cols = (Col("", "left", priority=0), Col("min", priority=2), Col("max", priority=2), Col("nudged_min", priority=0),
             Col("nudged_max", priority=0), Col("scale", priority=1), Col("zero_point", priority=1))
+    if isinstance(grid["min"], list):
+        worst = _worst_channels(stats, len(grid["min"]))
+        channels = range(len(grid["min"])) if worst is None else worst[1]
+        rows = [[f"ch {c}", *(_fmt(grid[k][c]) for k in keys)] for c in channels[:8]]
+        if worst is not None:
+            name, _, share = worst
+            cols = (Col("worst first", "left", priority=0), *cols[1:], Col(name, priority=0))
+            rows = [row + [percent(share[c])] for row, c in zip(rows, channels)]
+        if len(grid["min"]) > 8:
+            rows.append([f"... {len(grid['min']) - 8} more"] + [""] * (len(cols) - 1))
+    else:
+        rows = [["range", *(_fmt(grid[k]) for k in keys)]]
     print_table(console, cols, rows, hint="--json for every value")
     if stats is not None:
         line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
@@ -349,3 +391,21 @@ def render(console, s):
             line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"
         print_items(console, line)
     render_closing_lines(console, s)
+
+
+def _worst_channels(stats, depth):
+    """``(column name, channels worst first, share per channel)``: by the share of gradient mass the STE mask
+    blocks, or without gradients by the share clipped; None without per-channel statistics.  Ties keep the
+    channel order."""
+    if stats is None:
+        return None
+    if stats.get("channel_gradient_blocked") is not None:
+        name, share = "blocked", stats["channel_gradient_blocked"]
+    elif stats.get("channel_clipped_below") is not None and stats.get("channel_clipped_above") is not None:
+        name = "clipped"
+        share = [b + a for b, a in zip(stats["channel_clipped_below"], stats["channel_clipped_above"])]
+    else:
+        return None
+    if len(share) != depth:
+        return None
+    return name, sorted(range(depth), key=lambda c: -(share[c] if share[c] is not None else -1.0)), share

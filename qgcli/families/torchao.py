@@ -7,6 +7,7 @@ from qgcli.errors import OptionError
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.report.summaries import describe_arrays, json_safe
+from qgcli.report.text import counted
 
 NAME, KIND = "torchao", FAKE_QUANT
 LITERAL_OK = ()
@@ -348,7 +349,7 @@ def render(console, s):
     fields = " ".join(f"{k}={v}" for k, v in a.items() if v is not None)
     console.print(f"[bold]{markup(s['op'])}[/] {markup(fields)}", soft_wrap=True)
     scale = ("-" if blocks["scale_min"] is None else f"{blocks['scale_min']:.6g}..{blocks['scale_max']:.6g}")
-    console.print(f"{blocks['count']} blocks of {blocks['size']} (scale shape {tuple(blocks['scale_shape'])}), "
+    console.print(f"{counted(blocks['count'], 'block')} of {blocks['size']} (scale shape {tuple(blocks['scale_shape'])}), "
                   f"scale {scale}; clipped {percent(st['clipped'])}", soft_wrap=True)
     if "split" in st:
         sp = st["split"]
@@ -458,7 +459,7 @@ def render_report(console, doc, limit):
     print_table(console, _report_cols(), cells, styles=["red" if r["flagged"] else None for r in rows],
                 choice=True)
     if len(rows) < len(doc["rows"]):
-        print_items(console, f"... {len(doc['rows']) - len(rows)} more blocks (--top K, --json or --csv for all)")
+        print_items(console, f"... {counted(len(doc['rows']) - len(rows), 'more block')} (--top K, --json or --csv for all)")
     print_items(console, "[dim]straight / scale path / rounding: shares of the block's input-gradient mass (dy on "
                 "unclipped elements / through the scale / torch's rounding); blocked: |dy| the mask zeroes[/]")
     for note in doc["notes"]:

@@ -166,11 +166,14 @@ def _family_row(layer, operands, options, percentiles, device):
 
 
 def worst_first(rows):
-    """Rows ordered worst first: most gradient mass blocked (most clipped without gradients), then lowest SQNR."""
+    """Rows ordered worst first: most gradient mass blocked, then lowest SQNR; the quantizers without gradients
+    after all those with, by their share clipped (a share of values is no measure of gradient lost, so it
+    cannot outrank one)."""
     def key(r):
-        metric = r["gradient_blocked"] if r["gradient_blocked"] is not None else r["clipped"]
+        no_gradients = r["gradient_blocked"] is None
+        metric = r["clipped"] if no_gradients else r["gradient_blocked"]
         sqnr = r["sqnr_db"] if r["sqnr_db"] is not None else float("inf")
-        return (-(metric or 0.0), sqnr, r["path"])
+        return (no_gradients, -(metric or 0.0), sqnr, r["path"])
 
     return sorted(rows, key=key)
 
@@ -197,6 +200,21 @@ def latest_per_layer(rows):
     return list(latest.values())
 
 
+def _no_such_layer(handle, file, full):
+    """The message for a ``--layer`` that names nothing in the run file: the closest layer paths (a typo,
+    most often), else the first layers, so that the user sees what to type."""
+    import difflib
+
+    from qgcli.storage import runfile
+
+    paths = [l.path for l in runfile.discover(handle, label=file) if l.op is not None]
+    close = difflib.get_close_matches(full, paths, n=5, cutoff=0.6)
+    if close:
+        return f"{file} has no layer {full!r}; the closest: {', '.join(close)}"
+    shown = ", ".join(paths[:10]) + (f" and {len(paths) - 10} more (qgcli inspect lists them)" if len(paths) > 10 else "")
+    return f"{file} has no layer {full!r}; its layers: {shown or 'none'}"
+
+
 def layer_operands(target, path, options):
     """``(Operands, FakeQuantAttributes)`` of one TF fake-quant group of a run file (``report --layer``):
     the group's datasets, its attributes unless typed on the command line."""
@@ -211,6 +229,8 @@ def layer_operands(target, path, options):
     full = "/".join(p for p in ((group or ""), path.strip("/")) if p)
     container = io.Container.open(file)
     try:
+        if full and full not in container._opened():
+            raise QgcliError(_no_such_layer(container._opened(), file, full), operand="--layer")
         (layer,) = [l for l in groups.discover(container._opened(), full, label=file) if l.path == full] or [None]
         if layer is None:
             raise QgcliError(f"{file}: {full!r} is not a group holding a quantizer's operands", operand="--layer")

@@ -26,6 +26,7 @@ from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
 from qgcli.ops.fake_quant import infer_variant
 from qgcli.storage.figures import figure_format, save_figure  # noqa: F401 (written by storage; documented here)
+from qgcli.report.text import counted
 
 DEFAULT_MAX_POINTS = 4000
 # Line plots sort their points; above this many elements they first draw a seeded random subset.
@@ -374,6 +375,59 @@ def _step(x, f, lo, hi):
             np.array([v for _, _, v in merged for _ in (0, 1)]))
 
 
+#: Step edges sampled one by one up to this many (8-bit grids have 255); finer grids are sampled evenly.
+STEP_EDGES = 4096
+#: Float32 neighbours sampled on each side of an edge: the op's float32 arithmetic may move it a few ulps.
+EDGE_ULPS = 8
+
+
+def _exact_staircase(view, xs, ys):
+    """``(xs, ys)`` of the forward op's exact step function over the plotted range (the inputs' finite range
+    and the nudged bounds), for TensorFlow's fake-quant variants: the op itself evaluated densely, each step
+    edge sampled to the float32 ulp on both sides, joined with vertical edges only where its value changes.
+    None for other grids, or if the op so evaluated disagrees with the data's outputs ``ys`` at ``xs`` (so
+    what is drawn is the op's function, or nothing)."""
+    from qgcli import ops
+    from qgcli.ops.fake_quant import Grid
+
+    grid, variant = view.grid, view.data.variant
+    finite = np.isfinite(xs)
+    if not isinstance(grid, Grid) or variant not in TF_OPS or not finite.any():
+        return None
+    attrs = dict(num_bits=int(grid.num_bits), narrow_range=bool(grid.narrow_range))
+    if variant == "args":  # Args multiplies by 1/scale, Vars and PerChannel divide: the edges differ by ulps
+        def forward(v):
+            return ops.fake_quant_with_min_max_args(v, float(grid.min), float(grid.max), **attrs)
+    else:
+        def forward(v):
+            return ops.fake_quant_with_min_max_vars(v, grid.min, grid.max, **attrs)
+    if not np.array_equal(forward(xs[finite]), ys[finite]):
+        return None
+    nudged = [float(grid.nudged_min), float(grid.nudged_max)]
+    lo, hi = min(float(xs[finite].min()), *nudged), max(float(xs[finite].max()), *nudged)
+    samples = [np.linspace(lo, hi, 2049, dtype=np.float32), np.float32([lo, hi])]
+    steps = int(grid.quant_max) - int(grid.quant_min)
+    if not grid.passthrough and 0 < steps <= STEP_EDGES:
+        edges = np.float32(nudged[0] + (np.arange(steps) + 0.5) * float(grid.scale))
+        edges = edges[(edges >= lo) & (edges <= hi)]
+        around = [edges]
+        for direction in (-np.inf, np.inf):
+            near = edges
+            for _ in range(EDGE_ULPS):
+                near = np.nextafter(near, np.float32(direction))
+                around.append(near)
+        samples.append(np.concatenate(around))
+    x = np.unique(np.concatenate(samples))
+    x = x[(x >= np.float32(lo)) & (x <= np.float32(hi))]
+    y = forward(x)
+    change = np.flatnonzero(y[1:] != y[:-1]) + 1  # the first sample of each new value: the edge, to an ulp
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [x.size - 1]])
+    path_x = np.stack([x[starts], x[ends]], axis=1).reshape(-1)
+    path_y = np.repeat(y[starts], 2)
+    return path_x, path_y
+
+
 def _mark_bounds(ax, grid, orientation="v"):
     """Raw bounds dashed grey, nudged bounds dotted green (vertical lines on the x axis)."""
     line = ax.axvline if orientation == "v" else ax.axhline
@@ -396,9 +450,14 @@ def _staircase_axes(ax, view, max_points):
     idx = subsample(view.x, *keys, max_points=max_points)
     xs = view.x[idx]
     one_grid = view.grid is not None
-    # One grid: a staircase, joined as in the notebook; several grids flattened: points only.
-    (line,) = ax.plot(xs, view.outputs[idx], ls="-" if one_grid else "none", marker="+", color=C_OUTPUTS,
-                      gid="outputs", label=f"outputs ({view.data.op})")
+    # The data as points; with one grid the op's own step function under them (never a line joining the
+    # points: it would slant between levels).  Several grids flattened: points only.
+    curve = _exact_staircase(view, xs, view.outputs[idx]) if one_grid else None
+    label = f"outputs ({view.data.op})"
+    (line,) = ax.plot(xs, view.outputs[idx], ls="none", marker="+", color=C_OUTPUTS, gid="outputs",
+                      label=label if curve is None else "_nolegend_")
+    if curve is not None:
+        (line,) = ax.plot(*curve, ls="-", lw=1.0, color=C_OUTPUTS, gid="outputs_step", label=label)
     handles = [line]
     ax.set_xlabel("floating point (inputs)")
     ax.set_ylabel("de-quantized (outputs)")
@@ -466,12 +525,13 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
 
 def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=False, variant=None, axis=-1,
         channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None):
-    """The staircase plus the STE gradient function on a red twin axis (the notebook's second figure).
+    """The staircase plus the STE gradient function on a red panel of its own below, sharing the x axis (the
+    notebook's second figure; on a twin axis its 0 and 1 would fall on level lines and hide them).
 
     The gradient function is drawn as the step it is, its edges exactly on the range where the op's mask is
     1 (inclusive: TF's nudged bounds), after checking every element's mask against it; the op's values at the
     inputs drawn are the red dots (gid ``"mask"``).  With ``gradients``, ``backprops_wrt_input`` in brown (the
-    notebook's third figure) on a panel of its own below, sharing the x axis.  ``height``: 4.8 inches, 7.6
+    notebook's third figure) on a third panel, sharing the x axis.  ``height``: 4.8 inches, 7.6
     with ``gradients``.
 
     >>> fig = ste(np.array([-9.0, -1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
@@ -484,12 +544,14 @@ def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=F
     view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize)
     with_bp = view.backprops is not None
     fig = new_figure(width, height if height is not None else (7.6 if with_bp else 4.8))
-    grid_spec = fig.add_gridspec(2 if with_bp else 1, 1, height_ratios=[3, 2] if with_bp else [1])
+    grid_spec = fig.add_gridspec(3 if with_bp else 2, 1, height_ratios=[3, 1, 2] if with_bp else [3, 1])
     ax = fig.add_subplot(grid_spec[0])
     idx, handles, note = _staircase_axes(ax, view, max_points)
     ax.set_ylabel("quantized (outputs)")
+    ax.set_xlabel("")
+    ax.tick_params(axis="x", labelbottom=False)
     xs = view.x[idx]
-    ax2 = ax.twinx()
+    ax2 = fig.add_subplot(grid_spec[1], sharex=ax)
     step = None if view.mask_range is None else _step(view.x, view.mask, *view.mask_range)
     label = "gradient function (STE mask)"
     # The op's mask at the points drawn; joined only where there is no step to draw (it would ramp).
@@ -498,13 +560,19 @@ def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=F
                             color=C_MASK, gid="mask", label=label if step is None else "_nolegend_")
     if step is not None:
         (mask_line,) = ax2.plot(*step, ls="-", lw=1.5, color=C_MASK, gid="mask_step", label=label)
-    ax2.set_ylabel("gradient function", color="r")
-    ax2.set_ylim(-0.05, 1.05)
+    ax2.set_ylabel("gradient\nfunction", color="r")  # two lines: the panel is short
+    ax2.set_ylim(-0.15, 1.15)
+    ax2.set_yticks([0.0, 1.0])
+    ax2.grid(True, axis="x")
+    if view.grid is not None:
+        for value in (view.grid.nudged_min, view.grid.nudged_max):
+            ax2.axvline(float(value), color=C_NUDGED, ls=":", lw=1.6, gid="nudged_bound:mask")
+    ax2.set_xlabel("floating point (inputs)")
     handles.insert(1, mask_line)
     if with_bp:
-        ax.set_xlabel("")
-        ax3 = fig.add_subplot(grid_spec[1], sharex=ax)
-        ax.tick_params(axis="x", labelbottom=False)
+        ax2.set_xlabel("")
+        ax2.tick_params(axis="x", labelbottom=False)
+        ax3 = fig.add_subplot(grid_spec[2], sharex=ax)
         # Points only: an upstream gradient joined in x order would be a zigzag.
         (bp_line,) = ax3.plot(xs, view.backprops[idx], ls="none", color=C_BACKPROPS, marker="x", ms=3,
                               gid="backprops", label="backprops_wrt_input")
@@ -595,7 +663,7 @@ def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=N
         ax.set_yscale("log")
     ax.grid(True, alpha=0.5)
     dropped = view.x.size - finite.size
-    note = f"{finite.size:,} values, {bins} bins" + (f"; {dropped:,} NaN/inf not binned" if dropped else "")
+    note = f"{counted(finite.size, 'value', thousands=True)}, {counted(bins, 'bin')}" + (f"; {dropped:,} NaN/inf not binned" if dropped else "")
     _figure_legend(fig, handles, note, text_gids={h.get_label(): gid for h, gid in
                                                   zip(handles[-2:], ("clipped_below", "clipped_above"))})
     ax.set_title(_wrapped(fig, title if title is not None else _title(view, "Inputs and quantization grid"), 9), fontsize=9)
@@ -626,10 +694,6 @@ def _channel_series(ax, values, *, color, label, gid, bottom=None, offset=0.0, w
     baseline = base if bottom is not None or fill else None
     return ax.stairs(values, edges, baseline=baseline, fill=fill, color=color, alpha=alpha,
                      label=label, gid=gid, lw=1.0)
-
-
-def _plural(n, word):
-    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def _pad_ylim(ax, *arrays):
@@ -740,7 +804,7 @@ def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False
     _channel_axis(axes[-1], depth, f"channel (axis {axis})")
     bits = f"num_bits={num_bits}{', narrow range' if narrow_range else ''}"
     fig.suptitle(_wrapped(fig, title if title is not None else
-                          f"FakeQuantWithMinMaxVarsPerChannel: {_plural(depth, 'channel')} x {rows.shape[0]:,} values, "
+                          f"FakeQuantWithMinMaxVarsPerChannel: {counted(depth, 'channel', thousands=True)} x {rows.shape[0]:,} values, "
                           f"{bits}",
                           10), fontsize=10)
     fig.qgcli_summary = {"plot": "channels", "op": "FakeQuantWithMinMaxVarsPerChannel", "channels": int(depth),
@@ -778,7 +842,7 @@ def channel_vectors(vectors, *, title=None, width=8.0, height=None):
         ax.grid(True, axis="y", alpha=0.5)
     depth = max(v.size for v in arrays.values())
     _channel_axis(axes[-1], depth, "channel")
-    fig.suptitle(_wrapped(fig, title if title is not None else f"{', '.join(arrays)} per channel ({_plural(depth, 'channel')})",
+    fig.suptitle(_wrapped(fig, title if title is not None else f"{', '.join(arrays)} per channel ({counted(depth, 'channel', thousands=True)})",
                           10), fontsize=10)
     fig.qgcli_summary = {"plot": "channels", "vectors": list(arrays), "channels": int(depth), "points": int(depth)}
     return fig
@@ -1130,7 +1194,7 @@ def layers(rows, *, steps=(), trends=None, title=None, width=None, height=None):
             ax.tick_params(axis="y", length=0)
             cbar = fig.colorbar(im, ax=ax, location="bottom", fraction=min(0.1, 0.3 / height), aspect=15, pad=0.01)
             cbar.ax.tick_params(labelsize=6)
-    what = f"{_plural(n, 'layer')}, worst first" + (f", {len(steps)} steps" if heat else "")
+    what = f"{counted(n, 'layer', thousands=True)}, worst first" + (f", {len(steps)} steps" if heat else "")
     fig.suptitle(_wrapped(fig, title if title is not None else f"Blocked gradient mass and SQNR per layer: {what}",
                           9), fontsize=9)
     worst = rows[0]

@@ -47,6 +47,16 @@ def markup(text):
     return escape(printable(text))
 
 
+def counted(n, noun, plural=None, *, thousands=False):
+    """``n`` and ``noun``, in the plural unless ``n`` is 1: every count a message prints goes through here.
+
+    >>> counted(1, "group"), counted(0, "layer"), counted(2, "process", "processes"), counted(12345, "value", thousands=True)
+    ('1 group', '0 layers', '2 processes', '12,345 values')
+    """
+    number = f"{n:,}" if thousands else f"{n}"
+    return f"{number} {noun if n == 1 else plural or noun + 's'}"
+
+
 def one_line(message):
     """An error message on one printable line: runs of spaces, tabs and line breaks become one space,
     every other non-printable character is escaped as :func:`printable` does."""

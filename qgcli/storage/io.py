@@ -701,7 +701,8 @@ def check_output(dest, *, inputs=(), force=False, names=()):
     try:
         kind = output_kind(dest)
     except FileFormatError:
-        raise OutputError(f"cannot tell the output format of {dest!r}: use FILE.h5, FILE.npz, FILE.npy, DIR/ or -",
+        raise OutputError(f"cannot tell the output format of {dest!r}: use FILE.h5, FILE.npz, FILE.npy (one output), "
+                          "STORE.zarr, DIR/ or -",
                           operand="--output") from None
     if kind == "stdout":
         return kind

@@ -6,6 +6,7 @@ import click
 
 from qgcli.cli.options import bundle_argument, operand_group, report_options, spec_option
 from qgcli.report.summaries import emit, json_safe, percent
+from qgcli.report.text import counted
 
 
 def _first_indices(mask, k):
@@ -84,7 +85,7 @@ def _render_compare(console, s):
     from qgcli.report.tables import print_items
 
     grids = s["grids"]
-    print_items(console, f"[bold]TensorFlow vs PyTorch[/] on {s['elements']:,} elements, integers "
+    print_items(console, f"[bold]TensorFlow vs PyTorch[/] on {counted(s['elements'], 'element', thousands=True)}, integers "
                 f"\\[{grids['quant_min']}, {grids['quant_max']}]"
                 + (f", per channel on axis {grids['axis']}" if grids["per_channel"] else ""))
     tf, pt = grids["tf"], grids["torch"]
@@ -101,7 +102,7 @@ def _render_compare(console, s):
             print_items(console, f"  {escape(where + why)}")
     for part, label in (("forward", "forward values"), ("mask", "gradient masks")):
         d = s[part]
-        print_items(console, escape(f"{label} differ at {d['differ']:,} elements ({percent(d['share'])})"
+        print_items(console, escape(f"{label} differ at {counted(d['differ'], 'element', thousands=True)} ({percent(d['share'])})"
                                     + (f"; first {', '.join(map(str, d['first'][:5]))}" if d["first"] else "")))
         for reason, count in d["reasons"].items():
             print_items(console, f"  {count:,} {reason}: {escape(_WHY[reason])}")

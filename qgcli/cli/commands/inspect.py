@@ -9,6 +9,7 @@ import click
 
 from qgcli.cli.options import hdf5_bound_options
 from qgcli.report.summaries import dump_json, number, stdout_console
+from qgcli.report.text import counted
 from qgcli.cli.options import table_options
 
 INSPECT_SCHEMA = 1
@@ -427,7 +428,7 @@ def render_inspect(console, doc):
                 if lay["problem"]:
                     cell.append("  " + lay["problem"], style="red")
                 rows.append([lay["path"], lay["op"] or "(bundle)", cell])
-            print_table(console, _LAYER_COLS, rows, title=f"{len(f['layers'])} layers (run file)")
+            print_table(console, _LAYER_COLS, rows, title=f"{counted(len(f['layers']), 'layer')} (run file)")
         notes, rows, styles = [], [], []
         for t in f["tensors"]:
             shape = "?" if t["shape"] is None else "[" + ", ".join(map(str, t["shape"])) + "]"
@@ -442,7 +443,8 @@ def render_inspect(console, doc):
             if extra:
                 notes.append(f"{t['name']}: {_attr_text(extra)}")
         if f["tensors"]:
-            print_table(console, _TENSOR_COLS, rows, styles=styles, choice=True)
+            cols, rows = _without_absent_statistics(f["tensors"], rows)
+            print_table(console, cols, rows, styles=styles, choice=True)
         for g in f["groups"]:
             if g["path"] != "/":
                 attrs = f"  ({_attr_text(g['attributes'])})" if g["attributes"] else ""
@@ -453,6 +455,20 @@ def render_inspect(console, doc):
             print_items(console, f"  {lk['kind']} link {lk['path']} -> {lk['target']} ({how})", markup=False)
         for note in notes:
             print_items(console, f"  [yellow]{escape(note)}[/]")
+
+
+_STATISTICS = ("min", "max", "mean", "std", "nan", "inf", "zeros")
+
+
+def _without_absent_statistics(tensors, rows):
+    """The tensor table's columns and rows, less the statistics when no tensor has any (--no-stats): a column
+    of dashes per statistic says nothing.  A --columns choice keeps every column it may name."""
+    from qgcli.report.tables import CHOICE
+
+    if CHOICE["columns"] is not None or any(t[k] is not None for t in tensors for k in _STATISTICS):
+        return _TENSOR_COLS, rows
+    keep = [i for i, c in enumerate(_TENSOR_COLS) if c.name not in _STATISTICS]
+    return tuple(_TENSOR_COLS[i] for i in keep), [[r[i] for i in keep] for r in rows]
 
 
 _INSPECT_EPILOG = """\b

@@ -21,6 +21,7 @@ from qgcli.cli.options import (
     qdq_options,
     quantize_options,
     quiet_option,
+    refuse_missing_bundle,
     refuse_quantize_options,
     run_file_target,
     semantics_options,
@@ -28,6 +29,7 @@ from qgcli.cli.options import (
     typed_overrides,
 )
 from qgcli.report.summaries import emit, json_safe
+from qgcli.report.text import counted
 
 # Variants the plots can draw; qgcli.report.plots.run_variant maps each to its ops.
 PLOT_VARIANTS = ("args", "vars", "per-channel")
@@ -126,6 +128,7 @@ def _run(command, specs, figure, draw, *, literal_ok=("min", "max"), tallest=_TA
     if per_layer is not None:
         target = run_file_target(specs)
         if layer is not None and target is None:
+            refuse_missing_bundle(specs.bundle)
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
                                      param_hint="'--layer'")
         if target is not None:
@@ -209,8 +212,8 @@ def _run_layers(command, target, f, per_layer, layer):
 
 
 def _render_layers(console, s):
-    console.print(f"wrote {s['figures']} figures ({s['format']}) to {s['output']} in {s['seconds']:.1f} s "
-                  f"({s['workers'] or 1} process{'es' if s['workers'] > 1 else ''})"
+    console.print(f"wrote {counted(s['figures'], 'figure')} ({s['format']}) to {s['output']} in {s['seconds']:.1f} s "
+                  f"({counted(s['workers'] or 1, 'process', 'processes')})"
                   + (f"; names changed, see {s['index']}" if s["index"] else ""), soft_wrap=True, markup=False)
     for item in s["skipped"]:
         console.print(f"not drawn: {item['path']} ({item['op'] or 'no op'}): {item['reason']}", soft_wrap=True,
@@ -220,9 +223,9 @@ def _render_layers(console, s):
 def _render(console, s):
     what = s.get("outputs_op") or s.get("op") or ", ".join(s.get("vectors", []))
     size = f"{s['size_px'][0]}x{s['size_px'][1]} px" if s["size_px"] else f"{s['size_in'][0]:g}x{s['size_in'][1]:g} in"
-    detail = (f"{s['channels']} channels" if s["plot"] == "channels"
+    detail = (counted(s['channels'], 'channel') if s["plot"] == "channels"
               else f"{s['points']:,} of {s['elements']:,} points" if s["plot"] != "hist"
-              else f"{s['points']:,} values in {s['bins']} bins")
+              else f"{counted(s['points'], 'value', thousands=True)} in {counted(s['bins'], 'bin')}")
     where = "stdout" if s["output"] == "-" else s["output"]
     console.print(f"wrote {where} ({s['format']}, {size}): {s['plot']} of {what}, {detail}", soft_wrap=True,
                   markup=False)  # the path and the operand names are the user's: no markup in them
@@ -355,7 +358,7 @@ Examples:
 @_LAYER
 @_figure_options(6.4, None, "4.8; 7.6 with --gradients")
 def ste(operands, attributes, channel, quantize, qdq, max_points, layer, figure):
-    """The staircase plus the STE gradient function (TF's mask) on a red twin axis.
+    """The staircase plus the STE gradient function (TF's mask) on a red panel below.
 
     With --gradients, also the back-propagated gradient backprops_wrt_input in brown.
     """
@@ -584,9 +587,9 @@ def layers(runs, attributes, top, figure):
 def _render_layer_bars(console, s):
     where = "stdout" if s["output"] == "-" else s["output"]
     size = f"{s['size_px'][0]}x{s['size_px'][1]} px" if s["size_px"] else f"{s['size_in'][0]:g}x{s['size_in'][1]:g} in"
-    steps = f" over {len(s['steps'])} steps" if s["steps"] else ""
-    console.print(f"wrote {where} ({s['format']}, {size}): {s['layers']} layers{steps}, worst {s['worst']}",
+    steps = f" over {counted(len(s['steps']), 'step')}" if s["steps"] else ""
+    console.print(f"wrote {where} ({s['format']}, {size}): {counted(s['layers'], 'layer')}{steps}, worst {s['worst']}",
                   soft_wrap=True, markup=False)
     if s["skipped"]:
-        console.print(f"not drawn: {len(s['skipped'])} groups (no quantizer or not valid; --json lists them)",
+        console.print(f"not drawn: {counted(len(s['skipped']), 'group')} (no quantizer or not valid; --json lists them)",
                       soft_wrap=True, markup=False)

@@ -17,6 +17,7 @@ from qgcli.cli.options import (
     narrow_range_option,
     num_bits_option,
     option_group,
+    refuse_missing_bundle,
     run_file_target,
     spec_option,
     scheduler_option,
@@ -24,6 +25,7 @@ from qgcli.cli.options import (
     typed_overrides,
 )
 from qgcli.report.summaries import dump_json, number, stdout_console
+from qgcli.report.text import counted
 from qgcli.cli.options import fail_on_option, gate, table_options
 
 REPORT_SCHEMA = 1
@@ -197,10 +199,10 @@ def render_report(console, doc, limited):
     print_table(console, _report_cols(), rows, styles=["red" if r["flagged"] else None for r in doc["rows"]],
                 choice=True)
     if limited:
-        print_items(console, f"... {doc['channels'] - len(doc['rows'])} more channels (--top K to show more, "
+        print_items(console, f"... {counted(doc['channels'] - len(doc['rows']), 'more channel')} (--top K to show more, "
                     "--json or --csv for all)")
     if doc["per_channel"]:
-        total = f"all {doc['channels']} channels: "
+        total = f"all {counted(doc['channels'], 'channel')}: "
     else:
         total = "whole tensor: "
     total += f"clipped {_pct(t['clipped_below'])} below, {_pct(t['clipped_above'])} above"
@@ -364,6 +366,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                                  param_hint="'--tensorboard'")
     if layer is not None:
         if target is None:
+            refuse_missing_bundle(operands.bundle)
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
                                      param_hint="'--layer'")
         from qgcli.report.layers import layer_operands
@@ -592,7 +595,7 @@ def _render_layers(console, doc, top):
     print_table(console, cols, rows, styles=["red" if r["flagged"] else None for r in shown], choice=True,
                 choice_others=doc["steps"] if doc["trends"] else ())
     if len(shown) < len(doc["layers"]):
-        print_items(console, f"... {len(doc['layers']) - len(shown)} more layers (--top K, --json or --csv for all)")
+        print_items(console, f"... {counted(len(doc['layers']) - len(shown), 'more layer')} (--top K, --json or --csv for all)")
     if doc["trends"]:
         steps = doc["steps"]
         cols = (Col("layer", justify="left", priority=0),

@@ -58,19 +58,32 @@ def verify(run, rtol, top, as_json, html, force, fail_on, scheduler):
                                    "framework's results (see the table, or --json)")
 
 
+def _held_to(row, rtol):
+    """The rule the output with the most ulps was held to, so that a large count reads as what it is: "bitwise"
+    (0 ulps), "rtol 1e-05" (of the largest reference value) or "sum bound" (float32's worst-case summation
+    error, where it is the larger)."""
+    compared = [c for c in row["outputs"].values() if c.get("compared", True) and "rule" in c]
+    if not compared or not row["max_ulps"]:
+        return "-"  # identical, or nothing compared: no count to explain
+    worst = max(compared, key=lambda c: c.get("max_ulps") or 0)
+    if worst["rule"] != "bitwise" and worst.get("bound") is not None and (worst.get("rel") or 0.0) > rtol:
+        return "sum bound"
+    return worst["rule"]
+
+
 def _render(console, s, top):
     from rich.table import Table
 
-    from qgcli.report.text import markup, printable_doc
+    from qgcli.report.text import counted, markup, printable_doc
 
     s = printable_doc(s)
     console.print(f"[bold]verify[/] {markup(s['run_file'])}: {s['passed']} of {s['verified']} layers pass "
                   f"({s['identical']} bit-identical), {s['failed']} fail; rtol {s['rtol']:g}"
-                  + (f"; {s['no_reference']} groups without a reference" if s["no_reference"] else ""),
+                  + (f"; {counted(s['no_reference'], 'group')} without a reference" if s["no_reference"] else ""),
                   soft_wrap=True)
     table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
-    for col in ("layer", "op", "status", "max ulps", "rel", "worst output"):
-        table.add_column(col, justify="left" if col in ("layer", "op", "status", "worst output") else "right")
+    for col in ("layer", "op", "status", "max ulps", "held to", "rel", "worst output"):
+        table.add_column(col, justify="left" if col in ("layer", "op", "status", "held to", "worst output") else "right")
     rows = [r for r in s["layers"] if r["status"] != "no-reference"]
     for r in rows[:top] if top else rows:
         worst = max(((name, c) for name, c in r["outputs"].items() if c.get("compared", True)),
@@ -78,5 +91,5 @@ def _render(console, s, top):
         status = r["status"]
         colour = {"identical": "green", "within-rtol": "green", "differs": "red", "failed": "red"}[status]
         table.add_row(markup(r["path"]), markup(r["op"] or ""), f"[{colour}]{status}[/]", number(r["max_ulps"]),
-                      number(r["rel"], 3), markup(r["error"] or worst or ""))
+                      _held_to(r, s["rtol"]), number(r["rel"], 3), markup(r["error"] or worst or ""))
     console.print(table)

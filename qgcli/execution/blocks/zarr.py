@@ -24,6 +24,7 @@ import numpy as np
 
 from qgcli.execution.blocks import leaves as leaf_reduction
 from qgcli.execution.blocks import two_pass
+from qgcli.report.text import counted
 
 _F32 = np.float32
 
@@ -138,7 +139,7 @@ def _leaf_run(setup, arrays, x, items):
         small = leaf_reduction.finish(plan, sums, passthrough, kind) if plan is not None else {}
         return small, results, {}
 
-    note = f"computed in {len(blocks)} blocks of {items} rows of the first axis"
+    note = f"computed in {counted(len(blocks), 'block')} of {counted(items, 'row')} of the first axis"
     return _F32, run, note
 
 
@@ -242,7 +243,7 @@ def _two_pass_run(setup, arrays, x, items):
         small = {**two_pass.small_outputs(coefs, n, checked.channels), **setup["extra_outputs"]}
         return small, first + second, {"count": len(blocks), "passes": 2}
 
-    note = f"computed in two passes of {len(blocks)} blocks of {items} rows of the first axis"
+    note = f"computed in two passes of {counted(len(blocks), 'block')} of {counted(items, 'row')} of the first axis"
     return out_dtype, run, note
 
 
