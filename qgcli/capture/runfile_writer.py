@@ -26,7 +26,7 @@ GRADIENT_OPERANDS = ("gradients", "y_backprop")
 FORWARD_REFERENCES = ("outputs", "scale", "zero_point")
 KEEP = ("all", "forward", "weights")
 # Below this many elements an array is stored uncompressed (HDF5 cannot chunk a scalar; tiny ones gain nothing).
-_COMPRESS_MIN = 1024
+_COMPRESS_MIN = 256
 _STAGING = ".qgcli_staging"
 
 _STEP_GROUP = re.compile(r"^(step|epoch|iter)_\d+$")
@@ -248,11 +248,6 @@ class RunFileWriter:
             for key, value in clean.items():
                 h5.attrs[key] = value
         return Group(self, path, h5)
-
-    def rename(self, path, new):
-        """Give group ``path`` of the current step the path ``new`` (both below the step)."""
-        with self.lock:
-            self.groups[new] = self.groups.pop(path)
 
     def drop(self, path):
         """Remove group ``path`` from the step being written (an incomplete one: its space stays unused)."""

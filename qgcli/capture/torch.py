@@ -42,6 +42,7 @@ results for exactly the stored operands.
 import contextlib
 
 from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.steps import StepCapture
 
 #: torch.ao results that verify compares bit for bit: stored as digests (the tensors are the step's, once).
 _DIGESTED = ("outputs", "backprops_wrt_input")
@@ -58,61 +59,10 @@ def _torch():
     return torch
 
 
-class Capture:
+class Capture(StepCapture):
     """What a capture recorded: ``groups`` (run-file group paths of the last step, below the step group),
     ``skipped`` (name -> why it was not recorded) and the ``writer``.  :meth:`step` marks the steps of a
     training loop; without it the whole block is one step."""
-
-    def __init__(self, writer, *, steps=None, every=None):
-        self.writer = writer
-        self.skipped = {}
-        self.steps = None if steps is None else {int(s) for s in steps}
-        if every is not None and (isinstance(every, bool) or int(every) != every or every < 1):
-            raise ValueError(f"every={every!r} must be a positive integer")
-        self.every = every
-        self.active = True  # the whole block is the step until step() is called
-        self.explicit = False
-        self.pending = []  # (name, path, check() -> why the group goes, or None), run when the step ends
-        self.calls = {}  # hooked name -> its calls so far in this step
-
-    @property
-    def groups(self):
-        return list(self.writer.groups)
-
-    def selected(self, step):
-        """Whether training step ``step`` is captured (``steps=`` and ``every=``)."""
-        return (self.steps is None or step in self.steps) and (self.every is None or step % self.every == 0)
-
-    @contextlib.contextmanager
-    def step(self, step):
-        """One training step of a loop: captured when :meth:`selected`, under ``step_<N>/``; yields whether."""
-        if not self.explicit:  # what ran in the block before its first step() is no step
-            self.explicit = True
-            self.writer.discard_step()
-        if not self.selected(step):
-            self.active = False
-            yield False
-            return
-        self.writer.begin_step(step)
-        self.pending, self.calls, self.active = [], {}, True
-        try:
-            yield True
-        except BaseException:
-            self.active = False
-            self.writer.discard_step()
-            raise
-        self.active = False
-        self.end_step()
-        self.writer.commit_step()
-
-    def end_step(self):
-        """Drop the groups that turned out incomplete (a batch norm no gradient reached)."""
-        for name, path, check in self.pending:
-            reason = check()
-            if reason:
-                self.skipped[name] = reason
-                self.writer.drop(path)
-        self.pending = []
 
     def site(self, name, fx_sites):
         """The group name of this call of hooked module ``name`` (an FX observer: the node it follows) and
@@ -184,8 +134,9 @@ def _module_types(torch):
 def _fx_sites(model, fake_quant_types):
     """An FX graph module's activation observers (``activation_post_process_N``, called from the graph): module
     id -> ``[(group name, observer name)]`` per call in graph order, named by the node each call follows (the
-    module's path, or the function's node name: ``layer1.0.conv1.activation_post_process``,
-    ``add_3.activation_post_process``); an observer the graph calls at several sites has one name per site."""
+    module's path, or the function inside the module that called it: ``layer1.0.conv1.activation_post_process``,
+    ``layer1.0.relu.activation_post_process``); an observer the graph calls at several sites has one name per
+    site."""
     graph = getattr(model, "graph", None)
     if graph is None or not hasattr(graph, "nodes") or not hasattr(model, "get_submodule"):
         return {}
@@ -198,10 +149,23 @@ def _fx_sites(model, fake_quant_types):
         except AttributeError:
             continue
         if isinstance(module, fake_quant_types):
-            src = node.args[0]
-            follows = src.target if src.op == "call_module" else src.name
+            follows = _node_path(node.args[0])
             sites.setdefault(id(module), []).append((f"{follows}.activation_post_process", str(node.target)))
     return sites
+
+
+def _node_path(node):
+    """An FX node as a module path: a module's own path, a function or method by the module whose forward
+    called it (``layer1.0`` + ``relu``: tracing records the module stack), an input by its name."""
+    if node.op in ("call_module", "placeholder", "get_attr"):
+        return str(node.target)
+    op = getattr(node.target, "__name__", None) or str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return op
+    key, value = list(stack.items())[-1]
+    scope = value[0] if isinstance(value, tuple) else key
+    return f"{scope}.{op}" if scope else op
 
 
 def _torchao_type():
@@ -288,6 +252,9 @@ def _fake_quant_hook(torch, cap, name, fx_sites):
         s = {"scale": module.scale.detach().clone(), "zero_point": module.zero_point.detach().clone(),
              "qmin": qmin, "qmax": qmax, "axis": axis, "learnable": learnable, "fused": fused,
              "grad_factor": grad_factor, "module": module}
+        if fused:  # this call's own range: an observer that several FX sites share moves on before the backward
+            obs = module.activation_post_process
+            s["range"] = obs.min_val.detach().clone(), obs.max_val.detach().clone()
         scale = _numpy(s["scale"]).astype(np.float32)
         zp = s["zero_point"]
         if learnable:  # the kernel rounds and clamps LSQ's float zero point
@@ -343,7 +310,7 @@ def _replay_fake_quant(torch, s, x, dy):
             off = torch.zeros(1, dtype=torch.long)
             on = torch.ones(1, dtype=torch.long)
             y = torch.fused_moving_avg_obs_fake_quant(
-                x, off, on, obs.min_val.detach().clone(), obs.max_val.detach().clone(), scale, zp,
+                x, off, on, s["range"][0].clone(), s["range"][1].clone(), scale, zp,
                 obs.averaging_constant, qmin, qmax, m.ch_axis, m.is_per_channel, m.is_symmetric_quant)
         elif axis is None:
             y = torch.fake_quantize_per_tensor_affine(x, scale, zp, qmin, qmax)
