@@ -155,3 +155,13 @@ def test_layers_keep_and_compression(tmp_path):
         assert list(f) == ["w"]
     with pytest.raises(ValueError):
         RunFileWriter(str(tmp_path / "x.h5"), keep="some")
+
+
+def test_names_below_a_group_take_a_suffix_at_its_level(tmp_path):
+    w = RunFileWriter(str(tmp_path / "run.h5"))
+    x, g = _arrays(5, (4, 4))
+    assert _fake_quant(w, "a", x, g) == "a"
+    assert _fake_quant(w, "a/b", x, g) == "a_1/b"  # a layer holds no layer
+    assert _fake_quant(w, "a/b", x, g) == "a_2/b"
+    assert _fake_quant(w, "c/d", x, g) == "c/d" and _fake_quant(w, "c", x, g) == "c_1"
+    w.close()

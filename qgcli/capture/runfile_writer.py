@@ -173,7 +173,9 @@ class RunFileWriter:
             while path in self.groups or any(p.startswith(path + "/") or path.startswith(p + "/")
                                              for p in self.groups):
                 n += 1
-                path = f"{base}_{n}"
+                above = [p for p in self.groups if base.startswith(p + "/")]
+                # a group above: its level takes the suffix (``a/b`` under a group ``a``: ``a_1/b``)
+                path = f"{above[0]}_{n}{base[len(above[0]):]}" if above else f"{base}_{n}"
         return path
 
     # --- steps ----------------------------------------------------------------------------------------
@@ -364,16 +366,17 @@ class Group:
                 w._dataset(self.h5, key, value)
 
     def put_reference(self, reference, *, digest=()):
-        """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256)."""
+        """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256);
+        returns the digests (name -> 32 ``uint8``)."""
         import numpy as np
 
         w = self.writer
         if not w.references:
-            return
+            return {}
         kept = {k: v for k, v in reference.items()
                 if v is not None and (w.backward or k in FORWARD_REFERENCES)}
         if not kept:
-            return
+            return {}
         sums = {k: _digest_of(v) for k, v in kept.items() if k in digest}  # hashed outside the lock
         with w.lock:
             r = self.h5.require_group(REFERENCE)
@@ -386,6 +389,7 @@ class Group:
                     d.attrs["dtype"] = value.dtype.str
                 else:
                     w._dataset(r, key, value)
+        return sums
 
     def get(self, key):
         """An operand written before, read back (the backward pass replays kernels on the stored inputs)."""

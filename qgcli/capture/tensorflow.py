@@ -230,7 +230,8 @@ def _when_recording(tf, callback, tensors):
     """Run ``callback(*arrays)`` on the tensors that ``tensors()`` makes, from inside the computation, while a
     captured step runs (the tensors are computed then only); returns a tensor to hang control dependencies on."""
     def record():
-        return tf.numpy_function(callback, list(tensors()), tf.int32, stateful=True, name="qgcli_capture")
+        return tf.numpy_function(tf.autograph.experimental.do_not_convert(callback), list(tensors()), tf.int32,
+                                 stateful=True, name="qgcli_capture")
 
     return tf.cond(_flag[0], record, lambda: tf.constant(0, tf.int32))
 
@@ -263,7 +264,8 @@ def _forward(site, write):
         cap = _recording()
         if cap is None or not cap.writer.wants(site.name, weight=site.weight):
             return np.int32(0)
-        group = cap.writer.open_group(site.name, site.op, site.attrs)
+        # opened under a stand-in path: the step's groups are named when it ends (Capture.end_step)
+        group = cap.writer.open_group(f"op{len(cap.raw)}", site.op, site.attrs)
         cap.raw[group.path] = (site.name, site.leaf)
         cap.open[site] = group
         write(cap, group, *arrays)

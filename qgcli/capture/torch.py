@@ -41,12 +41,13 @@ results for exactly the stored operands.
 """
 import contextlib
 
-from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.runfile_writer import RunFileWriter, digest
 from qgcli.capture.steps import StepCapture
 
 #: torch.ao results that verify compares bit for bit: stored as digests (the tensors are the step's, once).
 _DIGESTED = ("outputs", "backprops_wrt_input")
 _NO_GRADIENT = "no gradient flowed back through it (bn-grad needs y_backprop)"
+_REPLAY_DIFFERS = "the module's output differs from its kernel replayed on the stored operands"
 
 
 def _torch():
@@ -267,15 +268,20 @@ def _fake_quant_hook(torch, cap, name, fx_sites):
         if learnable:
             attrs.update(estimator="lsq", grad_factor=float(grad_factor))
         x = x.detach()
-        with torch.no_grad():
-            replayed, _ = _replay_fake_quant(torch, s, x, None)
-        if not torch.equal(replayed, output):
-            attrs["note"] = "the module's output differs from its kernel replayed on the stored operands"
+        backward = writer.backward and output.requires_grad
+        if not backward:  # else the backward's replay checks the output (one replay, not two)
+            with torch.no_grad():
+                replayed, _ = _replay_fake_quant(torch, s, x, None)
+            if not torch.equal(replayed, output):
+                attrs["note"] = _REPLAY_DIFFERS
         op = "fake_quantize_per_tensor_affine" if axis is None else "fake_quantize_per_channel_affine"
         group = writer.open_group(label, op, attrs)
         group.put({"inputs": _numpy(x), "scale": scale, "zero_point": zp})
-        group.put_reference({"outputs": _numpy(output)}, digest=_DIGESTED)
-        if writer.backward:
+        out = _numpy(output)
+        s["outputs"] = group.put_reference({"outputs": out}, digest=_DIGESTED).get("outputs")
+        if s["outputs"] is None and backward:
+            s["outputs"] = digest(out)
+        if backward:
             _on_gradient(output, lambda dy: _backward_fake_quant(torch, group, s, dy))
 
     return hook
@@ -283,15 +289,19 @@ def _fake_quant_hook(torch, cap, name, fx_sites):
 
 def _backward_fake_quant(torch, group, s, dy):
     """The upstream gradient, and the module's own kernel's gradients on the stored operands."""
+    import numpy as np
+
     x = torch.from_numpy(group.get("inputs"))
-    _, grads = _replay_fake_quant(torch, s, x, dy)
+    replayed, grads = _replay_fake_quant(torch, s, x, dy)
+    if not np.array_equal(digest(_numpy(replayed)), s["outputs"]):
+        group.set_attrs(note=_REPLAY_DIFFERS)
     group.put({"gradients": _numpy(dy)})
     group.put_reference({k: _numpy(v) for k, v in grads.items()}, digest=_DIGESTED)
 
 
 def _replay_fake_quant(torch, s, x, dy):
     """The module's own kernel on the recorded tensors: ``(outputs, {gradient name: tensor})``."""
-    x = x.clone().requires_grad_(dy is not None)
+    x = x.requires_grad_(dy is not None)  # the stored inputs read back (backward) or the call's own (no grad)
     scale, zp = s["scale"].clone(), s["zero_point"].clone()
     qmin, qmax, axis = s["qmin"], s["qmax"], s["axis"]
     grads = {}
