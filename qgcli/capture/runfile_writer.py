@@ -1,16 +1,33 @@
-"""Write a run file from NumPy arrays: one group per op, its operands as datasets, the op and its attributes
-as group attributes (docs/whole-models.md), and the framework's own results in a ``reference/`` subgroup
-under qgcli's output names (``outputs``, ``backprops_wrt_input``, ``x_backprop`` ...), which ``qgcli verify``
-compares with qgcli's recomputation.
+"""Write a run file from NumPy arrays as a training step runs: one group per op, its operands as datasets, the
+op and its attributes as group attributes (docs/whole-models.md), and the framework's own results in a
+``reference/`` subgroup under qgcli's output names (``outputs``, ``backprops_wrt_input``, ``x_backprop`` ...),
+which ``qgcli verify`` compares with qgcli's recomputation.
 
-Framework-free: the capture helpers hand it arrays.  Groups are kept in memory until :meth:`close`, which
-writes the file atomically (a temporary file renamed over the destination, as every qgcli output): an
-exception inside a capture leaves the old file (or none), never half a run file.
+Framework-free: the capture helpers hand it arrays, group by group, and each array goes to the file at once
+(memory: the group being written, not the step).  Results that ``verify`` compares bit for bit can be kept as
+a digest (``digest=`` of :meth:`RunFileWriter.add`: a 32-byte ``uint8`` dataset under the output's name, with
+attributes ``digest = "sha256"``, ``shape`` and ``dtype``, the SHA-256 of the array's C-order bytes), so that
+each tensor of the step is stored once.
+
+Atomic, step by step: a step is written into an anonymous HDF5 group (reachable from no link, so invisible to
+every reader) and linked under its name (``step_000300``) only when it is complete, then flushed; a new file is
+a hidden temporary file renamed into place at its first commit.  An exception (or a kill) during a step leaves
+the earlier steps as they were; appending costs the step's own bytes (no copy of the file).
 """
+import fnmatch
 import os
 import re
+import threading
 
 REFERENCE = "reference"
+DIGEST = "sha256"
+#: Operands and results that belong to the backward pass (``keep="forward"`` drops them).
+GRADIENT_OPERANDS = ("gradients", "y_backprop")
+FORWARD_REFERENCES = ("outputs", "scale", "zero_point")
+KEEP = ("all", "forward", "weights")
+# Below this many elements an array is stored uncompressed (HDF5 cannot chunk a scalar; tiny ones gain nothing).
+_COMPRESS_MIN = 256
+_STAGING = ".qgcli_staging"
 
 _STEP_GROUP = re.compile(r"^(step|epoch|iter)_\d+$")
 
@@ -40,21 +57,45 @@ def clean_path(name):
     return "/".join(parts) or "op"
 
 
+def digest(array):
+    """The SHA-256 of ``array``'s C-order bytes (what a digest dataset holds), as 32 ``uint8``."""
+    import hashlib
+
+    import numpy as np
+
+    a = np.ascontiguousarray(array)
+    return np.frombuffer(hashlib.sha256(memoryview(a).cast("B")).digest(), dtype=np.uint8)
+
+
+def _patterns(layers):
+    if layers is None:
+        return None
+    return (layers,) if isinstance(layers, str) else tuple(layers)
+
+
 class RunFileWriter:
-    """Collects op groups and writes them as a run file on :meth:`close`.
+    """Writes op groups into a run file as they come, one step at a time.
 
     Parameters
     ----------
     path : str
         The run file (``.h5``).
     step : int or str, optional
-        Every group goes under ``step_<N>/`` (zero-padded to 6 digits).  With a step, an existing file is
-        kept and the step is added to it (refused when that step is already there); without one, an existing
-        file is refused unless ``overwrite``.
+        The step the groups go under (``step_<N>/``, zero-padded to 6 digits) until :meth:`begin_step` names
+        another.  With steps, an existing file is kept and each step is added to it (refused when that step is
+        already there); without, the groups go to the top of a new file, and an existing file is refused unless
+        ``overwrite``.
     references : bool
         Store the framework's own results under ``<group>/reference/`` (default True).
     overwrite : bool
         Replace an existing file (without ``step``).
+    compression : str or int, optional
+        HDF5 compression of the arrays (``"gzip"``, ``"lzf"``, or a gzip level 0-9), with the byte shuffle.
+    layers : str or list of str, optional
+        Glob patterns (``fnmatch``) on group paths below the step: only matching groups are kept.
+    keep : ``"all"``, ``"forward"`` or ``"weights"``
+        ``"forward"``: the forward operands and results only (no upstream gradient, no gradient references);
+        ``"weights"``: only the groups the capture marks as weight quantizers.
 
     Examples
     --------
@@ -67,38 +108,132 @@ class RunFileWriter:
     >>> w.close()
     """
 
-    def __init__(self, path, *, step=None, references=True, overwrite=False, description=None):
+    def __init__(self, path, *, step=None, references=True, overwrite=False, description=None, compression=None,
+                 layers=None, keep="all"):
         self.path = os.fspath(path)
         self.step = step_group(step)
         self.references = references
         self.overwrite = overwrite
         self.description = description
-        self.groups = {}  # path -> (op, operands, attrs, reference)
+        self.layers = _patterns(layers)
+        if keep not in KEEP:
+            raise ValueError(f"keep={keep!r}: one of {', '.join(KEEP)}")
+        self.keep = keep
+        self.compression = self._compression(compression)
+        self.groups = {}  # path below the step -> staged group name, for the step being written
+        self.steps = []  # the steps committed so far
+        self.bytes_written = 0
+        self.lock = threading.RLock()  # TensorFlow runs its graph callbacks on several threads
+        self._file = None
+        self._tmp = None  # the new file's temporary name until its first commit
+        self._staging = None
         self._closed = False
         if not self.path.lower().endswith((".h5", ".hdf5")):
             raise ValueError(f"{self.path}: a run file is an HDF5 file (.h5)")
         if os.path.exists(self.path) and self.step is None and not overwrite:
             raise FileExistsError(f"{self.path} exists; give step=N to add a step to it, or overwrite=True")
 
+    @staticmethod
+    def _compression(compression):
+        if compression is None or compression is False:
+            return {}
+        if isinstance(compression, bool) or compression is True:
+            compression = "gzip"
+        if isinstance(compression, int):
+            return {"compression": "gzip", "compression_opts": compression, "shuffle": True}
+        if compression not in ("gzip", "lzf"):
+            raise ValueError(f"compression={compression!r}: gzip, lzf or a gzip level 0-9")
+        return {"compression": compression, "shuffle": True}
+
+    # --- what to keep ---------------------------------------------------------------------------------
+
+    def wants(self, name, *, weight=False):
+        """Whether a group called ``name`` (before :meth:`unique`) is kept: the ``layers`` patterns and
+        ``keep="weights"``.  Capture helpers ask before copying anything."""
+        if self._closed:
+            return False
+        if self.keep == "weights" and not weight:
+            return False
+        if self.layers is None:
+            return True
+        path = clean_path(name)
+        return any(fnmatch.fnmatchcase(path, p.strip("/")) for p in self.layers)
+
+    @property
+    def backward(self):
+        """Whether upstream gradients and gradient references are kept (not ``keep="forward"``)."""
+        return self.keep != "forward"
+
     def unique(self, name):
-        """``name`` as a group path not used yet, and neither inside nor above another group (a layer holds no
-        layer): ``name``, ``name_1``, ``name_2`` ... (an op called twice)."""
+        """``name`` as a group path not used yet in this step, and neither inside nor above another group (a
+        layer holds no layer): ``name``, ``name_1``, ``name_2`` ... (an op called twice)."""
         base = clean_path(name)
         path, n = base, 0
-        while path in self.groups or any(p.startswith(path + "/") or path.startswith(p + "/") for p in self.groups):
-            n += 1
-            path = f"{base}_{n}"
+        with self.lock:
+            while path in self.groups or any(p.startswith(path + "/") or path.startswith(p + "/")
+                                             for p in self.groups):
+                n += 1
+                above = [p for p in self.groups if base.startswith(p + "/")]
+                # a group above: its level takes the suffix (``a/b`` under a group ``a``: ``a_1/b``)
+                path = f"{above[0]}_{n}{base[len(above[0]):]}" if above else f"{base}_{n}"
         return path
 
-    def add(self, name, op, operands, attrs=None, reference=None):
-        """Add one op group (``name`` made unique); returns its path (below the step group)."""
+    # --- steps ----------------------------------------------------------------------------------------
+
+    def begin_step(self, step):
+        """Write the next groups under ``step`` (the previous step must be committed or discarded)."""
+        with self.lock:
+            if self._staging is not None:
+                raise RuntimeError(f"step {self.step} is not committed yet")
+            self.step = step_group(step)
+            self.groups = {}
+
+    def _open(self):
+        """The file and the staging group of this step, made on the first group (nothing is written for a
+        step without groups)."""
+        import h5py
+
+        if self._staging is not None:
+            return self._staging
+        if self._file is None:
+            if self.step is not None and os.path.exists(self.path):
+                self._file = h5py.File(self.path, "a")
+            else:
+                from qgcli.storage import io
+
+                parent = os.path.dirname(os.path.abspath(self.path))
+                self._tmp = os.path.join(parent, f".qgcli-{io.temp_token()}.tmp")
+                self._file = h5py.File(self._tmp, "w")
+        f = self._file
+        if self.step is None:
+            if self.steps:
+                raise RuntimeError("without a step, a run file holds one set of groups")
+            self._staging = f.create_group(_STAGING)
+        else:
+            if self.step in f:
+                raise FileExistsError(f"{self.path} already holds the step {self.step}")
+            self._staging = h5py.Group(h5py.h5g.create(f.id, None))  # anonymous until the commit links it
+        return self._staging
+
+    def add(self, name, op, operands, attrs=None, reference=None, *, digest=(), weight=False):
+        """Write one op group (``name`` made unique) of the current step; returns its path below the step, or
+        None when the group is not kept (:meth:`wants`).  ``digest``: names in ``reference`` stored as their
+        SHA-256 only (results verify compares bit for bit)."""
+        if not self.wants(name, weight=weight):
+            return None
+        group = self.open_group(name, op, attrs)
+        group.put(operands)
+        if reference:
+            group.put_reference(reference, digest=digest)
+        return group.path
+
+    def open_group(self, name, op, attrs=None):
+        """Start one op group (``name`` made unique) of the current step; its arrays are written with
+        :meth:`Group.put` as they come (a forward part now, the gradients in the backward pass)."""
         import numpy as np
 
         if self._closed:
             raise RuntimeError("the run file is already written")
-        path = self.unique(name)
-        arrays = {k: np.asarray(v) for k, v in operands.items() if v is not None}
-        ref = {k: np.asarray(v) for k, v in (reference or {}).items() if v is not None} if self.references else {}
         clean = {"op": op}
         for key, value in (attrs or {}).items():
             if value is None:
@@ -106,59 +241,103 @@ class RunFileWriter:
             if isinstance(value, np.generic):
                 value = value.item()
             clean[key] = value
-        self.groups[path] = (arrays, clean, ref)
-        return path
+        with self.lock:
+            staging = self._open()
+            path = self.unique(name)
+            staged = f".g{len(self.groups):05d}"  # flat until the commit names it
+            self.groups[path] = staged
+            h5 = staging.create_group(staged)
+            for key, value in clean.items():
+                h5.attrs[key] = value
+        return Group(self, path, h5)
+
+    def drop(self, path):
+        """Remove group ``path`` from the step being written (an incomplete one: its space stays unused)."""
+        with self.lock:
+            staged = self.groups.pop(path, None)
+            if staged is not None and self._staging is not None:
+                del self._staging[staged]
+
+    def _dataset(self, parent, key, value):
+        import numpy as np
+
+        value = np.asarray(value)
+        options = self.compression if value.size >= _COMPRESS_MIN else {}
+        parent.create_dataset(key, data=value, **options)
+        self.bytes_written += value.nbytes
+
+    def commit_step(self):
+        """Link the step written so far into the file, under its name, and flush it to disk."""
+        with self.lock:
+            if self._staging is None:
+                return
+            f, staging = self._file, self._staging
+            for path, staged in self.groups.items():
+                parent = path.rpartition("/")[0]
+                if parent:
+                    staging.require_group(parent)
+                # a hard link and an unlink, not H5Lmove (which crashes inside an anonymous group)
+                staging[path] = staging[staged]
+                del staging[staged]
+            if self.step is None:
+                for name in list(staging):
+                    f.move(f"{_STAGING}/{name}", name)
+                del f[_STAGING]
+            from qgcli import __version__
+
+            f.attrs["qgcli_capture_version"] = __version__
+            if self.description and "description" not in f.attrs:
+                f.attrs["description"] = self.description
+            if self.step is not None:
+                f[self.step] = staging
+            f.flush()
+            self._staging = None
+            self.steps.append(self.step)
+            if self._tmp is not None:  # a new file: its first step makes it appear, whole
+                os.fsync(f.id.get_vfd_handle())
+                os.replace(self._tmp, self.path)
+                self._tmp = None
+
+    def discard_step(self):
+        """Forget the step being written: nothing of it is linked (its space in the file stays unused)."""
+        with self.lock:
+            staging, self._staging = self._staging, None
+            self.groups = {}
+            if staging is not None and self.step is None:
+                del self._file[_STAGING]
 
     def __len__(self):
         return len(self.groups)
 
     def close(self):
-        """Write the file (atomically); nothing is written when no group was added."""
+        """Commit the step being written and close the file."""
         if self._closed:
             return
-        self._closed = True
-        if not self.groups:
-            return
-        from qgcli.storage import io
-
-        append = self.step is not None and os.path.exists(self.path)
-        io.atomic_write(self.path, lambda tmp: self._write(tmp, append))
+        try:
+            self.commit_step()
+        finally:
+            self._finish()
 
     def discard(self):
-        """Forget the groups; nothing is written."""
+        """Forget the step being written and close the file (a new file is removed)."""
+        if self._closed:
+            return
+        try:
+            self.discard_step()
+        finally:
+            self._finish()
+
+    def _finish(self):
         self._closed = True
-        self.groups.clear()
-
-    def _write(self, tmp, append):
-        import shutil
-
-        import h5py
-
-        from qgcli import __version__
-        from qgcli.signals import deferred
-
-        if append:
-            shutil.copyfile(self.path, tmp)
-            opened = h5py.File(tmp, "a")
-        else:
-            opened = h5py.File(tmp, "w")
-        with deferred(), opened as f:
-            if self.step is not None and self.step in f:
-                raise FileExistsError(f"{self.path} already holds the step {self.step}")
-            f.attrs["qgcli_capture_version"] = __version__
-            if self.description and "description" not in f.attrs:
-                f.attrs["description"] = self.description
-            for path, (arrays, attrs, ref) in self.groups.items():
-                full = f"{self.step}/{path}" if self.step else path
-                g = f.require_group(full)
-                for key, value in attrs.items():
-                    g.attrs[key] = value
-                for key, value in arrays.items():
-                    g.create_dataset(key, data=value)
-                if ref:
-                    r = g.create_group(REFERENCE)
-                    for key, value in ref.items():
-                        r.create_dataset(key, data=value)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
+            self._tmp = None
 
     def __enter__(self):
         return self
@@ -169,3 +348,62 @@ class RunFileWriter:
         else:
             self.discard()
         return False
+
+
+class Group:
+    """One op group being written: :meth:`put` its operands, :meth:`put_reference` the framework's results."""
+
+    def __init__(self, writer, path, h5):
+        self.writer, self.path, self.h5 = writer, path, h5
+
+    def put(self, operands):
+        """Write operands (None values skipped; the upstream gradients too under ``keep="forward"``)."""
+        w = self.writer
+        with w.lock:
+            for key, value in operands.items():
+                if value is None or (key in GRADIENT_OPERANDS and not w.backward):
+                    continue
+                w._dataset(self.h5, key, value)
+
+    def put_reference(self, reference, *, digest=()):
+        """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256);
+        returns the digests (name -> 32 ``uint8``)."""
+        import numpy as np
+
+        w = self.writer
+        if not w.references:
+            return {}
+        kept = {k: v for k, v in reference.items()
+                if v is not None and (w.backward or k in FORWARD_REFERENCES)}
+        if not kept:
+            return {}
+        sums = {k: _digest_of(v) for k, v in kept.items() if k in digest}  # hashed outside the lock
+        with w.lock:
+            r = self.h5.require_group(REFERENCE)
+            for key, value in kept.items():
+                if key in sums:
+                    value = np.asarray(value)
+                    d = r.create_dataset(key, data=sums[key])
+                    d.attrs["digest"] = DIGEST
+                    d.attrs["shape"] = np.asarray(value.shape, dtype=np.int64)
+                    d.attrs["dtype"] = value.dtype.str
+                else:
+                    w._dataset(r, key, value)
+        return sums
+
+    def get(self, key):
+        """An operand written before, read back (the backward pass replays kernels on the stored inputs)."""
+        with self.writer.lock:
+            return self.h5[key][()]
+
+    def set_attrs(self, **attrs):
+        with self.writer.lock:
+            for key, value in attrs.items():
+                if value is not None:
+                    self.h5.attrs[key] = value
+
+
+def _digest_of(value):
+    import numpy as np
+
+    return digest(np.asarray(value))

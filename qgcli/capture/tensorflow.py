@@ -1,10 +1,14 @@
-"""Capture one TensorFlow training step (forward + ``tf.GradientTape`` backward) into a run file.
+"""Capture TensorFlow training steps (forward + ``tf.GradientTape`` backward) into a run file, eagerly or inside
+a ``tf.function`` (tf_keras ``model.fit`` included), without forcing eager execution.
 
     with qgcli.capture.tensorflow.capture("run.h5", step=300):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                       model.trainable_variables))
+
+    with qgcli.capture.tensorflow.capture("run.h5", every=100) as cap:      # model.fit: one group per step
+        model.fit(x, y, epochs=3, callbacks=[cap.keras_callback()])
 
 Recorded, one group per call, named by the name scope of the call (tf_keras layers open one per layer:
 ``sequential/quant_conv/LastValueQuant``; a second call in the same scope ``..._1``; a group that would
@@ -27,27 +31,35 @@ hold another gets the leaf ``fake_quant`` / ``batch_norm``):
 Not captured: the unfused batch-norm arithmetic (tf_keras ``fused=False``, 2-D/3-D inputs such as a batch
 norm after ``Dense``, ``virtual_batch_size``/``renorm``, and Keras 3's ``BatchNormalization``, which is
 ``tf.nn.moments`` + ``tf.nn.batch_normalization`` with no fused op to name); ``tf.raw_ops`` calls; inference
-batch norm (running statistics: nothing to differentiate; listed in ``skipped``).
+batch norm (running statistics: nothing to differentiate; listed in ``skipped``); XLA-compiled steps
+(``jit_compile=True``: XLA cannot run the Python callbacks).
 
-How: each wrapped call runs the original op, copies its operands and output, and passes the output through a
-``tf.custom_gradient`` identity whose gradient function copies the upstream gradient ``dy``.  That needs
-eager execution: the block turns on ``tf.config.run_functions_eagerly(True)`` (restored after), so a
-``tf.function`` training step (or ``model.fit``'s) runs eagerly and is captured too; a call seen while
-building a graph anyway (``tf.compat.v1`` sessions) is listed in ``skipped``, not recorded.  After the step
-the reference results (``reference/``) are TF's own: the forward output as the step computed it, and the
-gradients of TF's gradient kernels (``tf.raw_ops.FakeQuantWithMinMax*Gradient``, ``FusedBatchNormGradV3``
-on the reserve spaces of ``FusedBatchNormV3`` rerun on the stored ``x``) on exactly the stored operands.
+How: each wrapped call runs the original op and adds taps to the computation, the same in eager mode and in a
+graph being traced: a ``tf.numpy_function`` that receives the operands and the output, and, through a
+``tf.custom_gradient`` identity on the output, one that receives the upstream gradient ``dy`` together with
+TF's own gradient kernel run on the same tensors (``tf.raw_ops.FakeQuantWithMinMax*Gradient``,
+``FusedBatchNormGradV3`` on the reserve spaces of ``FusedBatchNormV3`` rerun on ``x``): those are the
+reference results (``reference/``).  Each callback writes its arrays to the file at once (TF runs them on its
+own threads, beside the rest of the step).  The taps sit under a ``tf.cond`` on one boolean variable, on only
+while a captured step runs, so a compiled step costs about nothing outside captured steps.  A ``tf.function``
+is traced with the taps only when its first trace happens inside a capture block (``cap.keras_callback()``
+rebuilds ``model.fit``'s train function for that); a graph traced before runs without them.
 """
 import contextlib
 
 from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.steps import StepCapture
 
 _FAKE_QUANT = {
     "fake_quant_with_min_max_args": "FakeQuantWithMinMaxArgs",
     "fake_quant_with_min_max_vars": "FakeQuantWithMinMaxVars",
     "fake_quant_with_min_max_vars_per_channel": "FakeQuantWithMinMaxVarsPerChannel",
 }
-_active = []
+#: Results verify compares bit for bit: stored as digests.
+_DIGESTED = ("outputs", "backprops_wrt_input", "backprops")
+_NO_GRADIENT = "no gradient flowed back through it (bn-grad needs y_backprop)"
+_active = []  # the capture running now (taps traced under an earlier one record into it)
+_flag = []  # the one tf.Variable(bool) the taps' tf.cond reads: on while a captured step runs
 
 
 def _tf():
@@ -60,62 +72,117 @@ def _tf():
     return tf
 
 
-class Capture:
-    """What a capture recorded: ``groups`` (run-file group paths, below the step group), ``skipped``
-    (name -> why it was not recorded) and the ``writer``."""
+class Capture(StepCapture):
+    """What a capture recorded: ``groups`` (run-file group paths of the last step, below the step group),
+    ``skipped`` (name -> why it was not recorded) and the ``writer``.  :meth:`step` marks the steps of a
+    training loop (:meth:`keras_callback` those of ``model.fit``); without it the whole block is one step."""
 
-    def __init__(self, writer):
-        self.writer = writer
-        self.records = []  # [name, leaf, write(writer, name) -> reason or None]
-        self.skipped = {}
+    def __init__(self, tf, writer, **kwargs):
+        super().__init__(writer, **kwargs)
+        self.tf = tf
+        self.open = {}  # tap site -> the group of its last forward call in this step
+        self.raw = {}  # group path as opened -> (name by scope, leaf): named when the step ends
 
-    @property
-    def groups(self):
-        return list(self.writer.groups)
+    def begin(self, step):
+        chosen = super().begin(step)
+        self.open = {}
+        self._switch()
+        return chosen
+
+    def finish(self):
+        super().finish()
+        self._switch()
+
+    def abort(self):
+        super().abort()
+        self._switch()
+
+    def _switch(self):
+        _flag[0].assign(bool(self.active))
+
+    def end_step(self):
+        """Name the step's groups, in the order they were opened, as the scopes of all of them allow: a group
+        whose name another lies below gets its leaf (a layer's group holds no other layer)."""
+        super().end_step()
+        w = self.writer
+        with w.lock:
+            opened = [(path, w.groups.pop(path)) for path in list(w.groups)]
+            names = [self.raw[path] for path, _ in opened]
+            for (_, staged), (name, leaf) in zip(opened, names):
+                if any(other.startswith(name + "/") for other, _ in names):
+                    name = f"{name}/{leaf}"
+                w.groups[w.unique(name)] = staged
+        self.open, self.raw = {}, {}
+
+    def keras_callback(self):
+        """A tf_keras callback for ``model.fit``: each training batch is a step (numbered by the optimizer's
+        ``iterations``), captured as ``steps=`` / ``every=`` choose; it rebuilds the model's train function
+        when training begins, so that the graph is traced with the taps."""
+        import tensorflow as tf
+
+        cap = self
+
+        class QgcliCapture(tf.keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                self.model.make_train_function(force=True)
+
+            def on_train_batch_begin(self, batch, logs=None):
+                iterations = getattr(getattr(self.model, "optimizer", None), "iterations", None)
+                cap.begin(int(iterations.numpy()) if iterations is not None else batch)
+
+            def on_train_batch_end(self, batch, logs=None):
+                cap.finish()
+
+        return QgcliCapture()
 
 
 @contextlib.contextmanager
-def capture(path, *, step=None, references=True, overwrite=False):
+def capture(path, *, step=None, references=True, overwrite=False, layers=None, keep="all", compression=None,
+            steps=None, every=None):
     """Record every fake-quant and training-mode fused batch-norm call of one step into run file ``path``
-    (under ``step_<N>/`` when ``step`` is given; see :class:`RunFileWriter`).  Written when the block ends
-    without an exception; yields a :class:`Capture`."""
+    (under ``step_<N>/`` when ``step`` is given), each group written as the step runs; yields a
+    :class:`Capture`.  Written when the block (or :meth:`Capture.step`) ends without an exception.
+
+    ``layers`` (glob patterns on group paths), ``keep`` (``"all"``, ``"forward"``, ``"weights"``: the fake
+    quants of variables) and ``compression``: see :class:`RunFileWriter`.  ``steps`` / ``every``: the steps of
+    ``with cap.step(i):`` (or of ``cap.keras_callback()``) that are captured."""
     tf = _tf()
     if _active:
         raise RuntimeError("a TensorFlow capture is already running")
-    writer = RunFileWriter(path, step=step, references=references, overwrite=overwrite)
-    cap = Capture(writer)
+    writer = RunFileWriter(path, step=step, references=references, overwrite=overwrite, layers=layers, keep=keep,
+                           compression=compression)
+    cap = Capture(tf, writer, steps=steps, every=every)
+    if not _flag:
+        with tf.init_scope():
+            _flag.append(tf.Variable(False, trainable=False, name="qgcli_capture_on"))
     patched = []
     for module in _modules(tf, "quantization"):
         for attr, op in _FAKE_QUANT.items():
             original = getattr(module, attr, None)
             if original is not None:
                 patched.append((module, attr, original))
-                setattr(module, attr, _fake_quant_wrapper(tf, cap, op, original))
+                setattr(module, attr, _fake_quant_wrapper(tf, op, original))
     for module in _modules(tf, "nn"):
         original = getattr(module, "fused_batch_norm", None)
         if original is not None:
             patched.append((module, "fused_batch_norm", original))
-            setattr(module, "fused_batch_norm", _batch_norm_wrapper(tf, cap, original))
-    eager_before = tf.config.functions_run_eagerly()
-    tf.config.run_functions_eagerly(True)
+            setattr(module, "fused_batch_norm", _batch_norm_wrapper(tf, original))
     _active.append(cap)
+    cap._switch()
     try:
         yield cap
+        if not cap.explicit:
+            cap.active = False
+            cap.end_step()
     except BaseException:
         writer.discard()
         raise
     finally:
+        cap.active = False
+        cap._switch()
         _active.pop()
-        tf.config.run_functions_eagerly(eager_before)
         for module, attr, original in reversed(patched):
             setattr(module, attr, original)
-    names = [r[0] for r in cap.records]
-    for name, leaf, write in cap.records:
-        if any(other.startswith(name + "/") for other in names):  # a layer's group holds no other layer
-            name = f"{name}/{leaf}"
-        reason = write(writer, name)
-        if reason:
-            cap.skipped[name] = reason
     writer.close()
 
 
@@ -138,18 +205,6 @@ def _name(tf, given, leaf):
     return "/".join(parts) or leaf
 
 
-def _tap(tf, tensor, slot):
-    """``tensor`` through an identity whose gradient stores the upstream gradient in ``slot[0]``."""
-    @tf.custom_gradient
-    def identity(t):
-        def grad(dy):
-            slot[0] = dy.numpy().copy()
-            return dy
-        return tf.identity(t), grad
-
-    return identity(tensor)
-
-
 def _bind(original, args, kwargs):
     import inspect
 
@@ -158,131 +213,240 @@ def _bind(original, args, kwargs):
     return bound.arguments
 
 
-def _value(v):
+def _recording():
+    """The capture whose step is being recorded now, or None."""
+    cap = _active[-1] if _active else None
+    return cap if cap is not None and cap.active else None
+
+
+class _Site:
+    """One wrapped call as traced (eager: each call is its own site): its name and what its callbacks write."""
+
+    def __init__(self, name, leaf, op, attrs, weight):
+        self.name, self.leaf, self.op, self.attrs, self.weight = name, leaf, op, attrs, weight
+
+
+def _when_recording(tf, callback, tensors):
+    """Run ``callback(*arrays)`` on the tensors that ``tensors()`` makes, from inside the computation, while a
+    captured step runs (the tensors are computed then only); returns a tensor to hang control dependencies on."""
+    def record():
+        return tf.numpy_function(tf.autograph.experimental.do_not_convert(callback), list(tensors()), tf.int32,
+                                 stateful=True, name="qgcli_capture")
+
+    return tf.cond(_flag[0], record, lambda: tf.constant(0, tf.int32))
+
+
+def _tap(tf, tensor, on_gradient):
+    """``tensor`` through an identity whose gradient hands ``dy`` to ``on_gradient(dy)`` (a tensor that the
+    returned gradient then depends on)."""
+    @tf.custom_gradient
+    def identity(t):
+        def grad(dy):
+            done = on_gradient(dy)
+            with tf.control_dependencies([done]):
+                return tf.identity(dy)
+        return tf.identity(t), grad
+
+    return identity(tensor)
+
+
+def _group(site):
+    """The group of ``site``'s current call in the capture recording now (opened by its forward callback)."""
+    cap = _recording()
+    return cap, (cap.open.get(site) if cap is not None else None)
+
+
+def _forward(site, write):
+    """A forward callback: open the site's group in the capture recording now and let ``write(group)`` fill it."""
     import numpy as np
 
-    return np.asarray(v.numpy() if hasattr(v, "numpy") else v).copy()
+    def callback(*arrays):
+        cap = _recording()
+        if cap is None or not cap.writer.wants(site.name, weight=site.weight):
+            return np.int32(0)
+        # opened under a stand-in path: the step's groups are named when it ends (Capture.end_step)
+        group = cap.writer.open_group(f"op{len(cap.raw)}", site.op, site.attrs)
+        cap.raw[group.path] = (site.name, site.leaf)
+        cap.open[site] = group
+        write(cap, group, *arrays)
+        return np.int32(0)
+
+    return callback
 
 
-def _fake_quant_wrapper(tf, cap, op, original):
+def _backward(site, write):
+    import numpy as np
+
+    def callback(*arrays):
+        cap, group = _group(site)
+        if group is not None and cap.writer.backward:
+            write(cap, group, *arrays)
+        return np.int32(0)
+
+    return callback
+
+
+def _is_variable(tf, value):
+    if isinstance(value, tf.Variable):
+        return True
+    op = getattr(value, "op", None)
+    return op is not None and getattr(op, "type", None) == "ReadVariableOp"
+
+
+def _fake_quant_wrapper(tf, op, original):
     def wrapper(*args, **kwargs):
-        if not tf.executing_eagerly():
-            cap.skipped[_name(tf, kwargs.get("name"), "fake_quant")] = "called while building a graph: not captured"
-            return original(*args, **kwargs)
         a = _bind(original, args, kwargs)
+        name = _name(tf, a.get("name"), "fake_quant")
+        cap = _active[-1] if _active else None
         x = tf.convert_to_tensor(a["inputs"])
         if x.dtype != tf.float32:
-            cap.skipped[_name(tf, a.get("name"), "fake_quant")] = f"inputs are {x.dtype.name}"
+            if cap is not None:
+                cap.skipped[name] = f"inputs are {x.dtype.name}"
             return original(*args, **kwargs)
-        name = _name(tf, a.get("name"), "fake_quant")
-        x_slot = [None]
+        common = {"num_bits": int(a["num_bits"]), "narrow_range": bool(a["narrow_range"])}
+        attrs = {**common, "framework": "tensorflow"}
         a = dict(a)
-        a["inputs"] = _tap(tf, x, x_slot)
-        out = original(**a)
-        dy = [None]
-        s = {"op": op, "x": x.numpy().copy(), "out": out.numpy().copy(), "dy": dy, "dx": x_slot,
-             "num_bits": int(a["num_bits"]), "narrow_range": bool(a["narrow_range"])}
         if op == "FakeQuantWithMinMaxArgs":
-            s["min"], s["max"] = float(a["min"]), float(a["max"])
+            attrs.update(min=float(a["min"]), max=float(a["max"]))
+            bounds = []
         else:
-            s["min"], s["max"] = _value(a["min"]).astype("float32"), _value(a["max"]).astype("float32")
-        cap.records.append([name, "fake_quant", lambda writer, path: _write_fake_quant(tf, writer, path, s)])
-        return _tap(tf, out, dy)
+            a["min"], a["max"] = (tf.cast(tf.convert_to_tensor(a[k]), tf.float32) for k in ("min", "max"))
+            bounds = [a["min"], a["max"]]
+        site = _Site(name, "fake_quant", op, attrs, _is_variable(tf, args[0] if args else kwargs.get("inputs")))
+        grad_name = "backprops" if op == "FakeQuantWithMinMaxArgs" else "backprops_wrt_input"
+
+        def write_forward(cap, group, x, out, *bounds):
+            operands = {"inputs": x}
+            if bounds:
+                lo, hi = bounds
+                if op == "FakeQuantWithMinMaxVars":
+                    lo, hi = lo.reshape(()), hi.reshape(())
+                operands.update(min=lo, max=hi)
+            group.put(operands)
+            group.put_reference({"outputs": out}, digest=_DIGESTED)
+
+        def write_backward(cap, group, dy, *grads):
+            group.put({"gradients": dy})
+            names = [grad_name] + (["backprop_wrt_min", "backprop_wrt_max"] if len(grads) == 3 else [])
+            group.put_reference(dict(zip(names, grads)), digest=_DIGESTED)
+            group.dx_digest = _digest(grads[0])
+
+        def write_dx(cap, group, dx):  # the step's own input gradient against TF's kernel on the stored operands
+            if getattr(group, "dx_digest", None) is not None and _digest(dx) != group.dx_digest:
+                group.set_attrs(note="the step's input gradient differs from TF's gradient kernel on the stored "
+                                     "operands")
+
+        def reference_gradients(dy):
+            if op == "FakeQuantWithMinMaxArgs":
+                got = [tf.raw_ops.FakeQuantWithMinMaxArgsGradient(gradients=dy, inputs=x, min=attrs["min"],
+                                                                  max=attrs["max"], **common)]
+            else:
+                got = list(getattr(tf.raw_ops, op + "Gradient")(gradients=dy, inputs=x, min=a["min"], max=a["max"],
+                                                                **common))
+            return [dy] + got
+
+        def record_dy(dy):
+            return _when_recording(tf, _backward(site, write_backward), lambda: reference_gradients(dy))
+
+        a["inputs"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
+        out = original(**a)
+        done = _when_recording(tf, _forward(site, write_forward), lambda: [x, out] + bounds)
+        with tf.control_dependencies([done]):
+            out = tf.identity(out)
+        return _tap(tf, out, record_dy)
 
     wrapper.__wrapped__ = original
     return wrapper
 
 
-def _write_fake_quant(tf, writer, path, s):
+def _digest(array):
+    from qgcli.capture.runfile_writer import digest
+
+    return bytes(digest(array))
+
+
+def _batch_norm_wrapper(tf, original):
     import numpy as np
 
-    op, dy = s["op"], s["dy"][0]
-    attrs = {"num_bits": s["num_bits"], "narrow_range": s["narrow_range"], "framework": "tensorflow"}
-    operands = {"inputs": s["x"], "gradients": dy}
-    reference = {"outputs": s["out"]}
-    common = dict(num_bits=s["num_bits"], narrow_range=s["narrow_range"])
-    if op == "FakeQuantWithMinMaxArgs":
-        attrs.update(min=s["min"], max=s["max"])
-        if dy is not None:
-            reference["backprops"] = tf.raw_ops.FakeQuantWithMinMaxArgsGradient(
-                gradients=dy, inputs=s["x"], min=s["min"], max=s["max"], **common).numpy()
-    else:
-        lo, hi = s["min"], s["max"]
-        if op == "FakeQuantWithMinMaxVars":
-            lo, hi = lo.reshape(()), hi.reshape(())
-        operands.update(min=lo, max=hi)
-        if dy is not None:
-            grad_op = getattr(tf.raw_ops, op + "Gradient")
-            got = grad_op(gradients=dy, inputs=s["x"], min=lo, max=hi, **common)
-            reference.update(backprops_wrt_input=got[0].numpy(), backprop_wrt_min=got[1].numpy(),
-                             backprop_wrt_max=got[2].numpy())
-    dx, ref_dx = s["dx"][0], reference.get("backprops_wrt_input", reference.get("backprops"))
-    if dx is not None and ref_dx is not None and not np.array_equal(dx.view(np.uint32), ref_dx.view(np.uint32)):
-        attrs["note"] = "the step's input gradient differs from TF's gradient kernel on the stored operands"
-    writer.add(path, op, operands, attrs, reference)
-    return None
-
-
-def _batch_norm_wrapper(tf, cap, original):
     def wrapper(*args, **kwargs):
         a = _bind(original, args, kwargs)
-        training = a["is_training"]
         name = _name(tf, a.get("name"), "batch_norm")
-        if not tf.executing_eagerly():
-            cap.skipped[name] = "called while building a graph: not captured"
-            return original(*args, **kwargs)
-        if not bool(_value(training)):
-            cap.skipped[name] = "inference (running statistics): no batch statistics to differentiate"
-            return original(*args, **kwargs)
+        cap = _active[-1] if _active else None
+        training = a["is_training"]
+        if tf.is_tensor(training) and not hasattr(training, "numpy"):
+            reason = "is_training is a graph tensor: not captured"
+        elif not bool(training.numpy() if hasattr(training, "numpy") else training):
+            reason = "inference (running statistics): no batch statistics to differentiate"
+        else:
+            reason = None
         x = tf.convert_to_tensor(a["x"])
-        if x.dtype != tf.float32 or x.shape.rank not in (4, 5):
-            cap.skipped[name] = f"x is {x.dtype.name} of rank {x.shape.rank}: not captured"
+        if reason is None and (x.dtype != tf.float32 or x.shape.rank not in (4, 5)):
+            reason = f"x is {x.dtype.name} of rank {x.shape.rank}: not captured"
+        if reason is not None:
+            if cap is not None:
+                cap.skipped[name] = reason
             return original(*args, **kwargs)
-        x_slot, dy = [None], [None]
         a = dict(a)
-        a["x"] = _tap(tf, x, x_slot)
-        y, mean, variance = original(**a)
         fmt = a["data_format"]
         fmt = fmt.decode() if isinstance(fmt, bytes) else str(fmt)
-        s = {"x": x.numpy().copy(), "scale": _value(a["scale"]).astype("float32"),
-             "offset": _value(a["offset"]).astype("float32"), "y": y.numpy().copy(),
-             "epsilon": max(float(a["epsilon"]), 1.001e-5),  # what fused_batch_norm hands the op
-             "data_format": fmt, "dy": dy, "dx": x_slot}
-        cap.records.append([name, "batch_norm", lambda writer, path: _write_batch_norm(tf, writer, path, s)])
-        return _tap(tf, y, dy), mean, variance
+        epsilon = max(float(a["epsilon"]), 1.001e-5)  # what fused_batch_norm hands the op
+        scale = tf.cast(tf.convert_to_tensor(a["scale"]), tf.float32)
+        offset = tf.cast(tf.convert_to_tensor(a["offset"]), tf.float32)
+        attrs = {"epsilon": float(np.float32(epsilon)), "data_format": fmt, "is_training": True,
+                 "variance_kind": "variance", "framework": "tensorflow"}
+        site = _Site(name, "batch_norm", "FusedBatchNormV3", attrs, False)
+        empty = tf.zeros((0,), tf.float32)
+
+        def rerun():  # TF's forward on the same x: its reserve spaces, which the gradient kernel takes
+            return tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset, mean=empty, variance=empty,
+                                               epsilon=epsilon, exponential_avg_factor=1.0, data_format=fmt,
+                                               is_training=True)
+
+        def write_forward(cap, group, x, scale, rs1, rs2, rs3, y, y_rerun):
+            operands = {"x": x, "scale": scale, "reserve_space_1": rs1, "reserve_space_2": rs2}
+            if rs3.size:
+                operands["reserve_space_3"] = rs3
+            group.put(operands)
+            if not np.array_equal(y, y_rerun):
+                group.note = "the step's output differs from FusedBatchNormV3 rerun on the stored x"
+                group.set_attrs(note=group.note)
+            if cap.writer.backward:
+                group.done = False
+                cap.pending.append((site.name, group.path, lambda: None if group.done else _NO_GRADIENT))
+
+        def write_backward(cap, group, dy, dx, dscale, doffset):
+            group.put({"y_backprop": dy})
+            group.put_reference({"x_backprop": dx, "scale_backprop": dscale, "offset_backprop": doffset})
+            group.dx_digest = _digest(dx)
+            group.done = True
+
+        def write_dx(cap, group, dx):
+            if getattr(group, "dx_digest", None) is not None and _digest(dx) != group.dx_digest:
+                note = "the step's x gradient differs from FusedBatchNormGradV3 on the stored operands"
+                previous = getattr(group, "note", None)
+                group.set_attrs(note=f"{previous}; {note}" if previous else note)
+
+        def record_dy(dy):
+            fwd = rerun()
+            grad = tf.raw_ops.FusedBatchNormGradV3(
+                y_backprop=dy, x=x, scale=scale, reserve_space_1=fwd.reserve_space_1,
+                reserve_space_2=fwd.reserve_space_2, reserve_space_3=fwd.reserve_space_3, epsilon=epsilon,
+                data_format=fmt, is_training=True)
+            return [dy, grad.x_backprop, grad.scale_backprop, grad.offset_backprop]
+
+        a["x"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
+        y, mean, variance = original(**a)
+
+        def forward_tensors():
+            fwd = rerun()
+            return [x, scale, fwd.reserve_space_1, fwd.reserve_space_2, fwd.reserve_space_3, y, fwd.y]
+
+        done = _when_recording(tf, _forward(site, write_forward), forward_tensors)
+        with tf.control_dependencies([done]):
+            y = tf.identity(y)
+        y = _tap(tf, y, lambda dy: _when_recording(tf, _backward(site, write_backward), lambda: record_dy(dy)))
+        return y, mean, variance
 
     wrapper.__wrapped__ = original
     return wrapper
 
-
-def _write_batch_norm(tf, writer, path, s):
-    import numpy as np
-
-    dy = s["dy"][0]
-    if dy is None:
-        return "no gradient flowed back through it (bn-grad needs y_backprop)"
-    empty = np.zeros((0,), np.float32)
-    fwd = tf.raw_ops.FusedBatchNormV3(x=s["x"], scale=s["scale"], offset=s["offset"], mean=empty, variance=empty,
-                                      epsilon=s["epsilon"], exponential_avg_factor=1.0,
-                                      data_format=s["data_format"], is_training=True)
-    rs1, rs2, rs3 = fwd.reserve_space_1.numpy(), fwd.reserve_space_2.numpy(), fwd.reserve_space_3.numpy()
-    grad = tf.raw_ops.FusedBatchNormGradV3(y_backprop=dy, x=s["x"], scale=s["scale"], reserve_space_1=rs1,
-                                           reserve_space_2=rs2, reserve_space_3=rs3, epsilon=s["epsilon"],
-                                           data_format=s["data_format"], is_training=True)
-    reference = {"x_backprop": grad.x_backprop.numpy(), "scale_backprop": grad.scale_backprop.numpy(),
-                 "offset_backprop": grad.offset_backprop.numpy()}
-    attrs = {"epsilon": float(np.float32(s["epsilon"])), "data_format": s["data_format"], "is_training": True,
-             "variance_kind": "variance", "framework": "tensorflow"}
-    notes = []
-    if not np.array_equal(fwd.y.numpy(), s["y"]):
-        notes.append("the step's output differs from FusedBatchNormV3 rerun on the stored x")
-    dx = s["dx"][0]
-    if dx is not None and not np.array_equal(dx, reference["x_backprop"]):
-        notes.append("the step's x gradient differs from FusedBatchNormGradV3 on the stored operands")
-    if notes:
-        attrs["note"] = "; ".join(notes)
-    operands = {"y_backprop": dy, "x": s["x"], "scale": s["scale"], "reserve_space_1": rs1, "reserve_space_2": rs2}
-    if rs3.size:
-        operands["reserve_space_3"] = rs3
-    writer.add(path, "FusedBatchNormV3", operands, attrs, reference)
-    return None

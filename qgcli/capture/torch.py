@@ -41,7 +41,13 @@ results for exactly the stored operands.
 """
 import contextlib
 
-from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.runfile_writer import RunFileWriter, digest
+from qgcli.capture.steps import StepCapture
+
+#: torch.ao results that verify compares bit for bit: stored as digests (the tensors are the step's, once).
+_DIGESTED = ("outputs", "backprops_wrt_input")
+_NO_GRADIENT = "no gradient flowed back through it (bn-grad needs y_backprop)"
+_REPLAY_DIFFERS = "the module's output differs from its kernel replayed on the stored operands"
 
 
 def _torch():
@@ -54,35 +60,43 @@ def _torch():
     return torch
 
 
-class Capture:
-    """What a capture recorded: ``groups`` (run-file group paths, below the step group), ``skipped``
-    (group path -> why it was not recorded) and the ``writer``."""
+class Capture(StepCapture):
+    """What a capture recorded: ``groups`` (run-file group paths of the last step, below the step group),
+    ``skipped`` (name -> why it was not recorded) and the ``writer``.  :meth:`step` marks the steps of a
+    training loop; without it the whole block is one step."""
 
-    def __init__(self, writer):
-        self.writer = writer
-        self.records = []
-        self.skipped = {}
-
-    @property
-    def groups(self):
-        return list(self.writer.groups)
+    def site(self, name, fx_sites):
+        """The group name of this call of hooked module ``name`` (an FX observer: the node it follows) and
+        the observer's own name (FX) or None."""
+        k = self.calls.get(name, 0)
+        self.calls[name] = k + 1
+        if fx_sites and k < len(fx_sites):
+            return fx_sites[k]
+        return name, None
 
 
 @contextlib.contextmanager
-def capture(model, path, *, step=None, references=True, overwrite=False):
+def capture(model, path, *, step=None, references=True, overwrite=False, layers=None, keep="all",
+            compression=None, steps=None, every=None):
     """Record the fake-quantize and batch-norm modules of ``model`` during one forward + backward into run
-    file ``path`` (under ``step_<N>/`` when ``step`` is given; see :class:`RunFileWriter`).  Written when the
-    block ends without an exception; yields a :class:`Capture`."""
+    file ``path`` (under ``step_<N>/`` when ``step`` is given), writing each group as the step runs; yields a
+    :class:`Capture`.  Written when the block (or :meth:`Capture.step`) ends without an exception.
+
+    ``layers`` (glob patterns on group paths), ``keep`` (``"all"``, ``"forward"``, ``"weights"``) and
+    ``compression``: see :class:`RunFileWriter`.  ``steps`` / ``every``: the steps of ``with cap.step(i):``
+    that are captured (those in ``steps``, and with ``i % every == 0``)."""
     torch = _torch()
-    writer = RunFileWriter(path, step=step, references=references, overwrite=overwrite)
-    cap = Capture(writer)
+    writer = RunFileWriter(path, step=step, references=references, overwrite=overwrite, layers=layers, keep=keep,
+                           compression=compression)
+    cap = Capture(writer, steps=steps, every=every)
     handles = []
     fake_quant_types, bn_type = _module_types(torch)
     torchao_type = _torchao_type()
     fake_quant_types += (torchao_type,) if torchao_type else ()
     hooked = [(name, module) for name, module in model.named_modules() if isinstance(module, fake_quant_types)
               or isinstance(module, bn_type)]
-    names = [name for name, _ in hooked]
+    sites = _fx_sites(model, fake_quant_types)
+    names = [name for name, _ in hooked] + [s for calls in sites.values() for s, _ in calls]
     if torchao_type:
         cap.skipped.update(_torchao_unseen(model))
     for name, module in hooked:
@@ -92,9 +106,13 @@ def capture(model, path, *, step=None, references=True, overwrite=False):
         # the group <path>/batch_norm: a layer's group holds no other layer.
         if not name or any(other.startswith(name + ".") for other in names if other != name):
             name = f"{name}.{leaf}" if name else leaf
-        make = _batch_norm_hook if not fake_quant else (
-            _torchao_hook if torchao_type and isinstance(module, torchao_type) else _fake_quant_hook)
-        handles.append(module.register_forward_hook(make(torch, cap, name)))
+        if not fake_quant:
+            make = _batch_norm_hook(torch, cap, name)
+        elif torchao_type and isinstance(module, torchao_type):
+            make = _torchao_hook(torch, cap, name)
+        else:
+            make = _fake_quant_hook(torch, cap, name, sites.get(id(module)))
+        handles.append(module.register_forward_hook(make))
     try:
         yield cap
     except BaseException:
@@ -103,10 +121,8 @@ def capture(model, path, *, step=None, references=True, overwrite=False):
     finally:
         for h in handles:
             h.remove()
-    for name, record in cap.records:
-        reason = record(writer)
-        if reason:
-            cap.skipped[name] = reason
+    if not cap.explicit:
+        cap.end_step()
     writer.close()
 
 
@@ -114,6 +130,43 @@ def _module_types(torch):
     from torch.ao.quantization.fake_quantize import FakeQuantizeBase
 
     return (FakeQuantizeBase,), torch.nn.modules.batchnorm._BatchNorm
+
+
+def _fx_sites(model, fake_quant_types):
+    """An FX graph module's activation observers (``activation_post_process_N``, called from the graph): module
+    id -> ``[(group name, observer name)]`` per call in graph order, named by the node each call follows (the
+    module's path, or the function inside the module that called it: ``layer1.0.conv1.activation_post_process``,
+    ``layer1.0.relu.activation_post_process``); an observer the graph calls at several sites has one name per
+    site."""
+    graph = getattr(model, "graph", None)
+    if graph is None or not hasattr(graph, "nodes") or not hasattr(model, "get_submodule"):
+        return {}
+    sites = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or not node.args or not hasattr(node.args[0], "op"):
+            continue
+        try:
+            module = model.get_submodule(node.target)
+        except AttributeError:
+            continue
+        if isinstance(module, fake_quant_types):
+            follows = _node_path(node.args[0])
+            sites.setdefault(id(module), []).append((f"{follows}.activation_post_process", str(node.target)))
+    return sites
+
+
+def _node_path(node):
+    """An FX node as a module path: a module's own path, a function or method by the module whose forward
+    called it (``layer1.0`` + ``relu``: tracing records the module stack), an input by its name."""
+    if node.op in ("call_module", "placeholder", "get_attr"):
+        return str(node.target)
+    op = getattr(node.target, "__name__", None) or str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return op
+    key, value = list(stack.items())[-1]
+    scope = value[0] if isinstance(value, tuple) else key
+    return f"{scope}.{op}" if scope else op
 
 
 def _torchao_type():
@@ -140,17 +193,20 @@ def _torchao_unseen(model):
 
 
 def _numpy(t):
-    return t.detach().cpu().contiguous().numpy().copy()
+    return t.detach().cpu().contiguous().numpy()
 
 
-def _grad_slot(output):
-    """A one-item list that receives the upstream gradient of ``output`` (None when nothing flows back)."""
-    slot = [None]
-    if output.requires_grad:
-        def hook(grad):
-            slot[0] = grad.detach().clone()
-        output.register_hook(hook)
-    return slot
+def _on_gradient(output, write):
+    """Call ``write(dy)`` with the upstream gradient of ``output`` during the backward pass (a tensor hook,
+    which in-place ops after the module do not disturb); False when nothing can flow back."""
+    if not output.requires_grad:
+        return False
+
+    def hook(grad):
+        write(grad.detach())
+
+    output.register_hook(hook)
+    return True
 
 
 def _per_channel(torch, module):
@@ -159,17 +215,29 @@ def _per_channel(torch, module):
                        getattr(torch, "per_channel_affine_float_qparams", None))
 
 
-def _fake_quant_hook(torch, cap, name):
+def _is_weight(name, x, torch):
+    return name.rpartition(".")[2] in ("weight_fake_quant", "weight_fake_quantizer") or isinstance(
+        x, torch.nn.Parameter)
+
+
+def _fake_quant_hook(torch, cap, name, fx_sites):
+    import numpy as np
     from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
     from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
 
     def hook(module, args, output):
-        if not bool(module.fake_quant_enabled[0]):
-            cap.skipped[name] = "fake quant disabled"
+        if not cap.active:
             return
+        label, observer = cap.site(name, fx_sites)
         x = args[0]
+        writer = cap.writer
+        if not writer.wants(label, weight=_is_weight(name, x, torch)):
+            return
+        if not bool(module.fake_quant_enabled[0]):
+            cap.skipped[label] = "fake quant disabled"
+            return
         if not torch.is_floating_point(x):
-            cap.skipped[name] = f"inputs are {x.dtype}"
+            cap.skipped[label] = f"inputs are {x.dtype}"
             return
         learnable = isinstance(module, _LearnableFakeQuantize)
         fused = isinstance(module, FusedMovingAvgObsFakeQuantize)
@@ -179,26 +247,65 @@ def _fake_quant_hook(torch, cap, name):
         else:
             qmin, qmax = int(module.activation_post_process.quant_min), int(module.activation_post_process.quant_max)
         axis = int(module.ch_axis) % x.dim() if per_channel else None
-        scale = module.scale.detach().clone()
-        zero_point = module.zero_point.detach().clone()
         grad_factor = None
         if learnable:
             grad_factor = 1.0 / (x.numel() * module.quant_max) ** 0.5 if module.use_grad_scaling else 1.0
-        state = {"x": x.detach().clone(), "scale": scale, "zero_point": zero_point, "out": output.detach().clone(),
-                 "dy": _grad_slot(output), "qmin": qmin, "qmax": qmax, "axis": axis, "learnable": learnable,
-                 "fused": fused, "grad_factor": grad_factor, "module": module, "class": type(module).__name__}
-        cap.records.append((name, lambda writer: _write_fake_quant(torch, writer, name, state)))
+        s = {"scale": module.scale.detach().clone(), "zero_point": module.zero_point.detach().clone(),
+             "qmin": qmin, "qmax": qmax, "axis": axis, "learnable": learnable, "fused": fused,
+             "grad_factor": grad_factor, "module": module}
+        if fused:  # this call's own range: an observer that several FX sites share moves on before the backward
+            obs = module.activation_post_process
+            s["range"] = obs.min_val.detach().clone(), obs.max_val.detach().clone()
+        scale = _numpy(s["scale"]).astype(np.float32)
+        zp = s["zero_point"]
+        if learnable:  # the kernel rounds and clamps LSQ's float zero point
+            zp = zp.round().clamp(qmin, qmax)
+        zp = _numpy(zp).astype(np.int32)
+        if axis is None:
+            scale, zp = scale.reshape(()), zp.reshape(())
+        attrs = {"quant_min": qmin, "quant_max": qmax, "axis": axis, "framework": "torch",
+                 "module": type(module).__name__, "observer": observer}
+        if learnable:
+            attrs.update(estimator="lsq", grad_factor=float(grad_factor))
+        x = x.detach()
+        backward = writer.backward and output.requires_grad
+        if not backward:  # else the backward's replay checks the output (one replay, not two)
+            with torch.no_grad():
+                replayed, _ = _replay_fake_quant(torch, s, x, None)
+            if not torch.equal(replayed, output):
+                attrs["note"] = _REPLAY_DIFFERS
+        op = "fake_quantize_per_tensor_affine" if axis is None else "fake_quantize_per_channel_affine"
+        group = writer.open_group(label, op, attrs)
+        group.put({"inputs": _numpy(x), "scale": scale, "zero_point": zp})
+        out = _numpy(output)
+        s["outputs"] = group.put_reference({"outputs": out}, digest=_DIGESTED).get("outputs")
+        if s["outputs"] is None and backward:
+            s["outputs"] = digest(out)
+        if backward:
+            _on_gradient(output, lambda dy: _backward_fake_quant(torch, group, s, dy))
 
     return hook
 
 
-def _replay_fake_quant(torch, s, dy):
+def _backward_fake_quant(torch, group, s, dy):
+    """The upstream gradient, and the module's own kernel's gradients on the stored operands."""
+    import numpy as np
+
+    x = torch.from_numpy(group.get("inputs"))
+    replayed, grads = _replay_fake_quant(torch, s, x, dy)
+    if not np.array_equal(digest(_numpy(replayed)), s["outputs"]):
+        group.set_attrs(note=_REPLAY_DIFFERS)
+    group.put({"gradients": _numpy(dy)})
+    group.put_reference({k: _numpy(v) for k, v in grads.items()}, digest=_DIGESTED)
+
+
+def _replay_fake_quant(torch, s, x, dy):
     """The module's own kernel on the recorded tensors: ``(outputs, {gradient name: tensor})``."""
-    x = s["x"].clone().requires_grad_(dy is not None)
+    x = x.requires_grad_(dy is not None)  # the stored inputs read back (backward) or the call's own (no grad)
     scale, zp = s["scale"].clone(), s["zero_point"].clone()
     qmin, qmax, axis = s["qmin"], s["qmax"], s["axis"]
     grads = {}
-    with torch.enable_grad():
+    with torch.enable_grad() if dy is not None else contextlib.nullcontext():
         if s["learnable"]:
             scale.requires_grad_(dy is not None)
             zp.requires_grad_(dy is not None)
@@ -213,7 +320,7 @@ def _replay_fake_quant(torch, s, dy):
             off = torch.zeros(1, dtype=torch.long)
             on = torch.ones(1, dtype=torch.long)
             y = torch.fused_moving_avg_obs_fake_quant(
-                x, off, on, obs.min_val.detach().clone(), obs.max_val.detach().clone(), scale, zp,
+                x, off, on, s["range"][0].clone(), s["range"][1].clone(), scale, zp,
                 obs.averaging_constant, qmin, qmax, m.ch_axis, m.is_per_channel, m.is_symmetric_quant)
         elif axis is None:
             y = torch.fake_quantize_per_tensor_affine(x, scale, zp, qmin, qmax)
@@ -228,73 +335,64 @@ def _replay_fake_quant(torch, s, dy):
     return y.detach(), grads
 
 
-def _write_fake_quant(torch, writer, name, s):
+def _batch_norm_hook(torch, cap, name):
     import numpy as np
 
-    dy = s["dy"][0]
-    replayed, grads = _replay_fake_quant(torch, s, dy)
-    qmin, qmax, axis = s["qmin"], s["qmax"], s["axis"]
-    scale = _numpy(s["scale"]).astype(np.float32)
-    zp = s["zero_point"]
-    if s["learnable"]:  # the kernel rounds and clamps LSQ's float zero point
-        zp = zp.round().clamp(qmin, qmax)
-    zp = _numpy(zp).astype(np.int32)
-    if axis is None:
-        scale, zp = scale.reshape(()), zp.reshape(())
-    attrs = {"quant_min": qmin, "quant_max": qmax, "axis": axis, "framework": "torch", "module": s["class"]}
-    if s["learnable"]:
-        attrs.update(estimator="lsq", grad_factor=float(s["grad_factor"]))
-    reference = {"outputs": _numpy(s["out"]), **{k: _numpy(v) for k, v in grads.items()}}
-    if not torch.equal(replayed, s["out"]):
-        attrs["note"] = "the module's output differs from its kernel replayed on the stored operands"
-    op = "fake_quantize_per_tensor_affine" if axis is None else "fake_quantize_per_channel_affine"
-    writer.add(name, op, {"inputs": _numpy(s["x"]), "scale": scale, "zero_point": zp,
-                          "gradients": None if dy is None else _numpy(dy)}, attrs, reference)
-
-
-def _batch_norm_hook(torch, cap, name):
     def hook(module, args, output):
+        if not cap.active:
+            return
+        label, _ = cap.site(name, None)
+        writer = cap.writer
+        if not writer.wants(label):
+            return
         batch_stats = module.training or module.running_mean is None
         if not batch_stats:
-            cap.skipped[name] = "eval mode (running statistics): no batch statistics to differentiate"
+            cap.skipped[label] = "eval mode (running statistics): no batch statistics to differentiate"
             return
-        x = args[0]
+        x = args[0].detach()
         if x.dim() not in (2, 3, 4, 5):
-            cap.skipped[name] = f"input of rank {x.dim()}"
+            cap.skipped[label] = f"input of rank {x.dim()}"
             return
-        state = {"x": x.detach().clone(), "eps": float(module.eps), "dy": _grad_slot(output),
-                 "weight": None if module.weight is None else module.weight.detach().clone(),
-                 "bias": None if module.bias is None else module.bias.detach().clone(), "class": type(module).__name__}
-        cap.records.append((name, lambda writer: _write_batch_norm(torch, writer, name, state)))
+        eps, channels = float(module.eps), x.shape[1]
+        weight = module.weight.detach() if module.weight is not None else torch.ones(channels, dtype=x.dtype)
+        bias = module.bias.detach() if module.bias is not None else torch.zeros(channels, dtype=x.dtype)
+        # What PyTorch's batch norm saves for its backward: the batch mean and 1/sqrt(biased var + eps).
+        with torch.no_grad():
+            _, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
+        shape = tuple(x.shape)
+        attrs = {"epsilon": eps, "data_format": "NCDHW" if len(shape) == 5 else "NCHW", "is_training": True,
+                 "variance_kind": "inv-std", "framework": "torch", "module": type(module).__name__}
+        if len(shape) < 4:
+            attrs["framework_shape"] = np.asarray(shape, dtype=np.int64)
+        group = writer.open_group(label, "FusedBatchNormV3", attrs)
+        group.put({"x": _numpy(x).reshape(_as4(shape)), "scale": _numpy(weight).astype(np.float32),
+                   "reserve_space_1": _numpy(mean), "reserve_space_2": _numpy(invstd)})
+        if not writer.backward:
+            return
+        s = {"weight": weight.clone(), "mean": mean, "invstd": invstd, "eps": eps, "shape": shape,
+             "bias": module.bias is not None, "done": False}
+        flows = _on_gradient(output, lambda dy: _backward_batch_norm(torch, group, s, dy))
+        cap.pending.append((label, group.path, lambda: None if flows and s["done"] else _NO_GRADIENT))
 
     return hook
 
 
-def _write_batch_norm(torch, writer, name, s):
-    import numpy as np
+def _as4(shape):
+    """A batch norm's input shape as the 4-D NCHW the op takes (BatchNorm1d: ``[N, C, L, 1]``)."""
+    return tuple(shape) + (1,) * (4 - len(shape)) if len(shape) < 4 else tuple(shape)
 
-    x, eps, dy = s["x"], s["eps"], s["dy"][0]
-    channels = x.shape[1]
-    weight = s["weight"] if s["weight"] is not None else torch.ones(channels, dtype=x.dtype)
-    bias = s["bias"] if s["bias"] is not None else torch.zeros(channels, dtype=x.dtype)
-    # What PyTorch's batch norm saves for its backward: the batch mean and 1/sqrt(biased var + eps).
-    _, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
-    if dy is None:
-        return "no gradient flowed back through it (bn-grad needs y_backprop)"
-    dx, dw, db = torch.ops.aten.native_batch_norm_backward(dy, x, weight, None, None, mean, invstd, True, eps,
-                                                           [True, True, True])
-    shape = tuple(x.shape)
-    as4 = (lambda t: t.reshape(shape + (1,) * (4 - len(shape)))) if len(shape) < 4 else (lambda t: t)
-    reference = {"x_backprop": _numpy(as4(dx)), "scale_backprop": _numpy(dw)}
-    if s["bias"] is not None:
+
+def _backward_batch_norm(torch, group, s, dy):
+    shape = s["shape"]
+    x = torch.from_numpy(group.get("x")).reshape(shape)
+    dx, dw, db = torch.ops.aten.native_batch_norm_backward(dy, x, s["weight"], None, None, s["mean"], s["invstd"],
+                                                           True, s["eps"], [True, True, True])
+    group.put({"y_backprop": _numpy(dy).reshape(_as4(shape))})
+    reference = {"x_backprop": _numpy(dx).reshape(_as4(shape)), "scale_backprop": _numpy(dw)}
+    if s["bias"]:
         reference["offset_backprop"] = _numpy(db)
-    attrs = {"epsilon": eps, "data_format": "NCDHW" if len(shape) == 5 else "NCHW", "is_training": True,
-             "variance_kind": "inv-std", "framework": "torch", "module": s["class"]}
-    if len(shape) < 4:
-        attrs["framework_shape"] = np.asarray(shape, dtype=np.int64)
-    writer.add(name, "FusedBatchNormV3",
-               {"y_backprop": _numpy(as4(dy)), "x": _numpy(as4(x)), "scale": _numpy(weight).astype(np.float32),
-                "reserve_space_1": _numpy(mean), "reserve_space_2": _numpy(invstd)}, attrs, reference)
+    group.put_reference(reference)
+    s["done"] = True
 
 
 # --- torchao's QAT fake quantizers -------------------------------------------------------------------------
@@ -347,34 +445,60 @@ def _torchao_hook(torch, cap, name):
     from qgcli.errors import QgcliError
 
     def hook(module, args, output):
+        if not cap.active:
+            return
+        label, _ = cap.site(name, None)
         x = args[0]
+        writer = cap.writer
+        if not writer.wants(label, weight=_is_weight(name, x, torch)):
+            return
         if not getattr(module, "enabled", True) or output is x:
-            cap.skipped[name] = "fake quant disabled"
+            cap.skipped[label] = "fake quant disabled"
             return
         if x.dtype != torch.float32:
-            cap.skipped[name] = f"inputs are {_torch_dtype_name(x.dtype)}: qgcli reproduces torchao's float32 path only"
+            cap.skipped[label] = (f"inputs are {_torch_dtype_name(x.dtype)}: qgcli reproduces torchao's float32 "
+                                  "path only")
             return
         try:
             config = _torchao_config(module, x)
         except QgcliError as exc:
-            cap.skipped[name] = f"torchao config not reproduced by qgcli: {exc}"
+            cap.skipped[label] = f"torchao config not reproduced by qgcli: {exc}"
             return
-        state = {"x": x.detach().clone(), "out": output.detach().clone(), "dy": _grad_slot(output),
-                 "module": module, "config": config, "class": type(module).__name__}
-        cap.records.append((name, lambda writer: _write_torchao(torch, writer, name, state)))
+        import torchao
+
+        x = x.detach()
+        attrs = {k: v for k, v in config.attributes().items() if v is not None}
+        if getattr(config, "group_size", None) is not None:
+            attrs["group_size"] = config.group_size
+        attrs.update(framework="torchao", torchao_version=torchao.__version__, module=type(module).__name__)
+        replayed, _, scale, zero_point = _replay_torchao(torch, module, x, None)
+        if not torch.equal(replayed, output):
+            attrs["note"] = "the module's output differs from a fresh quantizer of its config on the stored operands"
+        group = writer.open_group(label, config.op, attrs)
+        group.put({"inputs": _numpy(x)})
+        group.put_reference({"outputs": _numpy(output), "scale": _qparam(torch, scale),
+                             "zero_point": _qparam(torch, zero_point)}, digest=("outputs",))
+        if writer.backward:
+            _on_gradient(output, lambda dy: _backward_torchao(torch, group, module, dy))
 
     return hook
 
 
-def _replay_torchao(torch, s, dy):
+def _backward_torchao(torch, group, module, dy):
+    x = torch.from_numpy(group.get("inputs"))
+    _, dx, _, _ = _replay_torchao(torch, module, x, dy)
+    group.put({"gradients": _numpy(dy)})
+    group.put_reference({"backprops_wrt_input": _numpy(dx)})
+
+
+def _replay_torchao(torch, module, x, dy):
     """A fresh quantizer of the module's config on the recorded tensors (the user's module keeps its state):
     ``(outputs, backprops_wrt_input or None, scale or None, zero_point or None)``."""
     from torchao.quantization.qat.fake_quantizer import Float8FakeQuantizer, IntxFakeQuantizer
 
-    module = s["module"]
     fresh = (Float8FakeQuantizer if isinstance(module, Float8FakeQuantizer) else IntxFakeQuantizer)(module.config)
-    x = s["x"].clone().requires_grad_(dy is not None)
-    with torch.enable_grad():
+    x = x.clone().requires_grad_(dy is not None)
+    with torch.enable_grad() if dy is not None else torch.no_grad():
         y = fresh(x)
         dx = torch.autograd.grad(y, x, dy)[0] if dy is not None else None
     if isinstance(fresh, IntxFakeQuantizer):
@@ -385,7 +509,8 @@ def _replay_torchao(torch, s, dy):
         from torchao.quantization.utils import get_block_size
 
         c = module.config
-        scale = _choose_scale_float8(s["x"], get_block_size(s["x"].shape, c.granularity), c.dtype,
+        x = x.detach()
+        scale = _choose_scale_float8(x, get_block_size(x.shape, c.granularity), c.dtype,
                                      hp_value_lb=c.hp_value_lb, hp_value_ub=c.hp_value_ub)
     except (ImportError, TypeError, RuntimeError):
         pass
@@ -400,21 +525,3 @@ def _qparam(torch, t):
     if t.dtype not in (torch.float16, torch.int32, torch.float32):
         t = t.to(torch.float32)
     return _numpy(t)
-
-
-def _write_torchao(torch, writer, name, s):
-    import torchao
-
-    dy = s["dy"][0]
-    replayed, dx, scale, zero_point = _replay_torchao(torch, s, dy)
-    config = s["config"]
-    attrs = {k: v for k, v in config.attributes().items() if v is not None}
-    if getattr(config, "group_size", None) is not None:
-        attrs["group_size"] = config.group_size
-    attrs.update(framework="torchao", torchao_version=torchao.__version__, module=s["class"])
-    if not torch.equal(replayed, s["out"]):
-        attrs["note"] = "the module's output differs from a fresh quantizer of its config on the stored operands"
-    reference = {"outputs": _numpy(s["out"]), "backprops_wrt_input": None if dx is None else _numpy(dx),
-                 "scale": _qparam(torch, scale), "zero_point": _qparam(torch, zero_point)}
-    writer.add(name, config.op, {"inputs": _numpy(s["x"]), "gradients": None if dy is None else _numpy(dy)},
-               attrs, reference)

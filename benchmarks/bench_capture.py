@@ -1,0 +1,238 @@
+"""What capture costs on real models (issue 36): a ResNet-18 in eager torch.ao QAT (32x32, batch 8) and a tf_keras
+MobileNetV2 under tfmot (alpha 0.35, 32x32, batch 8, a compiled ``tf.function`` train step).
+
+    python benchmarks/bench_capture.py [torch|tf|all] [--steps 3] [--repeat 5] [--threads 1]
+
+Each model runs in two fresh processes (so that peak RSS is each one's own): one times --repeat plain steps
+after a warm-up; the other captures --steps consecutive steps into one run file (``every=1``: each step
+appended to the file the earlier ones made), timing each.  Printed, against the issue's goals:
+
+* captured step / plain step (median plain; captured: the median of the captured steps) -- goal <= 2x; for
+  the TF step the goal is the plain step plus 1.2x the time h5py alone needs to write the same bytes
+  (measured here: the captured file's datasets written again with h5py, from memory);
+* file bytes / operand bytes (the datasets outside ``reference/``, which the file must hold) -- goal <= 1.3x;
+* peak RSS of the capturing process - peak RSS of the plain one, against the largest group (its bytes in
+  the file) -- goal <= 1.5x the largest group;
+* each appended step's time / the first captured step's -- goal <= 1.2x.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _torch_model():
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import torch
+    from capture_models import eager_qat_resnet18
+
+    model = eager_qat_resnet18(width=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def capture(path, **kw):
+        from qgcli.capture.torch import capture as cap
+
+        return cap(model, path, **kw)
+
+    return step, capture
+
+
+def _tf_model():
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import numpy as np
+    import tensorflow as tf
+    from capture_models import mobilenet_v2
+
+    model = mobilenet_v2()
+    opt, loss_fn = model.optimizer, model.loss
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((8, 32, 32, 3)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, 8))
+    compiled = []
+
+    def make():
+        @tf.function
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return loss
+        compiled[:] = [train_step]
+
+    make()
+
+    def step():
+        compiled[0](x, y).numpy()
+
+    def capture(path, **kw):
+        import contextlib
+
+        from qgcli.capture.tensorflow import capture as cap
+
+        @contextlib.contextmanager
+        def traced_inside():
+            with cap(path, **kw) as c:
+                make()  # traced (first call) inside the block: with the taps
+                yield c
+        return traced_inside()
+
+    return step, capture
+
+
+def _child(framework, mode, steps, repeat, path, threads):
+    if framework == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+    step, capture = (_torch_model if framework == "torch" else _tf_model)()
+    result = {"framework": framework, "mode": mode}
+    if mode == "plain":
+        step()
+        step()  # warm-up (TF: the trace)
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        result.update(times=times, peak_rss_mb=_rss_mb())
+    else:
+        step()
+        times = []
+        with capture(path, every=1) as cap:
+            if framework == "tf":  # the trace with the taps, outside any captured step
+                step()
+            for i in range(steps):
+                t = time.perf_counter()
+                with cap.step(i):
+                    step()
+                times.append(time.perf_counter() - t)
+        result.update(times=times, peak_rss_mb=_rss_mb(), groups=len(cap.groups))
+    print(json.dumps(result))
+
+
+def _file_figures(path):
+    """(operand bytes: the datasets outside reference/, the largest group's bytes in the file, the first
+    step's datasets as arrays)."""
+    import h5py
+
+    operand, largest, first = 0, 0, []
+    with h5py.File(path) as f:
+        for n, step in enumerate(f):
+            groups = []
+            f[step].visititems(lambda name, obj: groups.append(obj) if "op" in obj.attrs else None)
+            for g in groups:
+                size = 0
+                for name in _datasets(g):
+                    d = g[name]
+                    size += d.id.get_storage_size()
+                    if not name.startswith("reference/"):
+                        operand += d.nbytes
+                    if n == 0:
+                        first.append(d[()])
+                largest = max(largest, size)
+    return operand, largest, first
+
+
+def _datasets(group):
+    import h5py
+
+    names = []
+    group.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return names
+
+
+def _h5py_write_seconds(datasets, directory):
+    import h5py
+
+    best = float("inf")
+    for _ in range(3):
+        path = os.path.join(directory, "rewrite.h5")
+        t = time.perf_counter()
+        with h5py.File(path, "w") as f:
+            for i, a in enumerate(datasets):
+                f.create_dataset(f"d{i}", data=a)
+            f.flush()
+        best = min(best, time.perf_counter() - t)
+        os.unlink(path)
+    return best
+
+
+def _run(framework, args, directory):
+    path = os.path.join(directory, f"{framework}.h5")
+    out = {}
+    for mode in ("plain", "capture"):
+        cmd = [sys.executable, __file__, "--child", framework, mode, "--steps", str(args.steps), "--repeat",
+               str(args.repeat), "--path", path, "--threads", str(args.threads)]
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if done.returncode:
+            sys.exit(f"{framework} {mode} failed:\n{done.stderr[-3000:]}")
+        out[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    plain = statistics.median(out["plain"]["times"])
+    captured = out["capture"]["times"]
+    file_bytes = os.path.getsize(path)
+    operand, largest, first = _file_figures(path)
+    per_step_bytes = sum(a.nbytes for a in first)
+    rss = out["capture"]["peak_rss_mb"] - out["plain"]["peak_rss_mb"]
+    print(f"== {framework}: {out['capture']['groups']} groups per step, {args.steps} steps captured")
+    print(f"plain step          {plain:.3f} s (median of {args.repeat}: "
+          f"{', '.join(f'{t:.3f}' for t in out['plain']['times'])})")
+    print(f"captured steps      {', '.join(f'{t:.3f}' for t in captured)} s; median "
+          f"{statistics.median(captured):.3f} = {statistics.median(captured) / plain:.2f}x plain (goal <= 2x)")
+    if framework == "tf":
+        write = _h5py_write_seconds(first, directory)
+        goal = plain + 1.2 * write
+        print(f"h5py alone writes one step's {per_step_bytes / 1e6:.1f} MB in {write:.3f} s: goal plain + 1.2x = "
+              f"{goal:.3f} s; captured median {statistics.median(captured):.3f} s = "
+              f"{statistics.median(captured) / goal:.2f}x the goal")
+    print(f"file                {file_bytes / 1e6:.1f} MB for {operand / 1e6:.1f} MB of operands = "
+          f"{file_bytes / operand:.3f}x (goal <= 1.3x)")
+    print(f"peak RSS            plain {out['plain']['peak_rss_mb']:.0f} MB, capturing "
+          f"{out['capture']['peak_rss_mb']:.0f} MB: +{rss:.0f} MB = {rss / (largest / 2**20):.2f}x the largest group "
+          f"({largest / 2**20:.1f} MB) (goal <= 1.5x)")
+    print(f"appended steps      {', '.join(f'{t / captured[0]:.2f}' for t in captured[1:])} x the first (goal <= 1.2x)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", nargs="?", default="all", choices=("torch", "tf", "all"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the machine may be shared)")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child[0], args.child[1], args.steps, args.repeat, args.path, args.threads)
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        for framework in (("torch", "tf") if args.which == "all" else (args.which,)):
+            _run(framework, args, directory)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""qgcli.capture.runfile_writer as a step runs: groups go to the file as they come, steps are linked in whole
+(a SIGKILL during an append leaves the earlier steps readable), appending copies nothing, each tensor is
+stored once (bit-for-bit references as digests that `qgcli verify` checks), and the options that choose
+what to keep (layers=, keep=, compression=)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from qgcli import ops
+from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fake_quant(w, name, x, g, *, digest=True, weight=False):
+    lo, hi = np.float32(-1.0), np.float32(0.8)
+    dx, dmin, dmax = ops.fake_quant_with_min_max_vars_gradient(g, x, lo, hi, num_bits=8, narrow_range=False)
+    out = ops.fake_quant_with_min_max_vars(x, lo, hi, num_bits=8, narrow_range=False)
+    return w.add(name, "FakeQuantWithMinMaxVars", {"inputs": x, "min": lo, "max": hi, "gradients": g},
+                 {"num_bits": 8, "narrow_range": False},
+                 {"outputs": out, "backprops_wrt_input": dx, "backprop_wrt_min": dmin, "backprop_wrt_max": dmax},
+                 digest=("outputs", "backprops_wrt_input") if digest else (), weight=weight)
+
+
+def _arrays(seed, shape=(64, 256)):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+
+
+def test_digests_store_each_tensor_once_and_verify_checks_them(tmp_path, runner):
+    path = str(tmp_path / "run.h5")
+    x, g = _arrays(0)
+    with RunFileWriter(path, step=1) as w:
+        _fake_quant(w, "net.act", x, g)
+    with h5py.File(path) as f:
+        ref = f["step_000001/net/act/reference"]
+        assert ref["outputs"].shape == (32,) and ref["outputs"].attrs["digest"] == "sha256"
+        assert tuple(ref["outputs"].attrs["shape"]) == x.shape and ref["backprop_wrt_min"].shape == ()
+    assert os.path.getsize(path) < 1.1 * (x.nbytes + g.nbytes) + 20_000
+    r = runner.invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 0, r.output
+    layer = json.loads(r.stdout)["layers"][0]
+    assert layer["status"] == "identical" and layer["outputs"]["outputs"]["digest"] == "sha256"
+    with h5py.File(path, "a") as f:  # a reference that differs by one bit fails
+        d = f["step_000001/net/act/reference/outputs"]
+        d[0] = d[0] ^ 1
+    r = runner.invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 1
+    assert "SHA-256" in json.loads(r.stdout)["layers"][0]["outputs"]["outputs"]["error"]
+
+
+def test_steps_append_without_copying(tmp_path):
+    path = str(tmp_path / "run.h5")
+    x, g = _arrays(1, (256, 1024))
+    w = RunFileWriter(path, step=0)
+    sizes = []
+    for step in range(4):
+        w.begin_step(step)
+        _fake_quant(w, "a", x, g)
+        _fake_quant(w, "b", g, x)
+        w.commit_step()
+        sizes.append(os.path.getsize(path))
+    w.close()
+    growth = np.diff(sizes)
+    assert growth.max() < 1.05 * growth.min() and growth.min() < 1.1 * 4 * x.nbytes
+    with h5py.File(path) as f:
+        assert sorted(f) == [f"step_00000{i}" for i in range(4)]
+        assert np.array_equal(f["step_000003/b/inputs"][()], g)
+    w = RunFileWriter(path, step=3)  # a step already in the file is refused
+    with pytest.raises(FileExistsError):
+        _fake_quant(w, "a", x, g)
+    w.discard()
+
+
+def test_a_failed_step_leaves_the_file_as_it_was(tmp_path):
+    path = str(tmp_path / "run.h5")
+    x, g = _arrays(2)
+    with RunFileWriter(path, step=1) as w:
+        _fake_quant(w, "a", x, g)
+    with pytest.raises(RuntimeError):
+        with RunFileWriter(path, step=2) as w:
+            _fake_quant(w, "a", x, g)
+            raise RuntimeError("diverged")
+    with h5py.File(path) as f:
+        assert list(f) == ["step_000001"]
+    assert sorted(os.listdir(tmp_path)) == ["run.h5"]
+
+
+_APPEND = """
+import sys, numpy as np
+from qgcli.capture.runfile_writer import RunFileWriter
+w = RunFileWriter(sys.argv[1], step=2)
+rng = np.random.default_rng(0)
+for i in range(10000):
+    w.add(f"layer{i}/act", "FakeQuantWithMinMaxArgs", {"inputs": rng.standard_normal(1 << 18).astype("f4")})
+    if i == 3:
+        print("writing", flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.2, 0.6])
+def test_a_kill_during_an_append_leaves_the_earlier_steps(tmp_path, delay):
+    path = str(tmp_path / "run.h5")
+    x, g = _arrays(3)
+    with RunFileWriter(path, step=1) as w:
+        _fake_quant(w, "a", x, g)
+        _fake_quant(w, "b", g, x)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    child = subprocess.Popen([sys.executable, "-c", _APPEND, path], stdout=subprocess.PIPE, env=env, cwd=ROOT)
+    assert child.stdout.readline().strip() == b"writing"
+    time.sleep(delay)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    assert os.path.getsize(path) > 4 * x.nbytes  # the child did write into the file
+    with h5py.File(path) as f:
+        assert list(f) == ["step_000001"]
+        assert np.array_equal(f["step_000001/a/inputs"][()], x) and np.array_equal(f["step_000001/b/inputs"][()], g)
+    with RunFileWriter(path, step=2) as w:  # and the file takes the step again
+        _fake_quant(w, "a", x, g)
+    with h5py.File(path) as f:
+        assert list(f) == ["step_000001", "step_000002"]
+
+
+def test_layers_keep_and_compression(tmp_path):
+    x, g = _arrays(4)
+    x = np.round(x * 4) / 4  # a few levels: compresses
+    path = str(tmp_path / "run.h5")
+    with RunFileWriter(path, layers=["conv*/weight*", "fc/*"], compression="gzip") as w:
+        assert _fake_quant(w, "conv1.weight_q", x, g, weight=True) == "conv1/weight_q"
+        assert _fake_quant(w, "conv1.act_q", x, g) is None
+        assert _fake_quant(w, "fc.act_q", x, g) == "fc/act_q"
+    with h5py.File(path) as f:
+        assert sorted(f) == ["conv1", "fc"] and list(f["conv1"]) == ["weight_q"]
+        assert f["fc/act_q/inputs"].compression == "gzip"
+        assert f["fc/act_q/inputs"].id.get_storage_size() < x.nbytes / 2
+    path = str(tmp_path / "forward.h5")
+    with RunFileWriter(path, keep="forward") as w:
+        _fake_quant(w, "a", x, g)
+    with h5py.File(path) as f:
+        assert set(f["a"]) == {"inputs", "min", "max", "reference"} and set(f["a/reference"]) == {"outputs"}
+    path = str(tmp_path / "weights.h5")
+    with RunFileWriter(path, keep="weights") as w:
+        _fake_quant(w, "a", x, g)
+        _fake_quant(w, "w", x, g, weight=True)
+    with h5py.File(path) as f:
+        assert list(f) == ["w"]
+    with pytest.raises(ValueError):
+        RunFileWriter(str(tmp_path / "x.h5"), keep="some")
+
+
+def test_names_below_a_group_take_a_suffix_at_its_level(tmp_path):
+    w = RunFileWriter(str(tmp_path / "run.h5"))
+    x, g = _arrays(5, (4, 4))
+    assert _fake_quant(w, "a", x, g) == "a"
+    assert _fake_quant(w, "a/b", x, g) == "a_1/b"  # a layer holds no layer
+    assert _fake_quant(w, "a/b", x, g) == "a_2/b"
+    assert _fake_quant(w, "c/d", x, g) == "c/d" and _fake_quant(w, "c", x, g) == "c_1"
+    w.close()
