@@ -166,6 +166,7 @@ COMMANDS = {
     "bn-grad": ("batch_norm", "bn_grad"), "plot": ("plot", "plot"), "inspect": ("inspect", "inspect"),
     "report": ("report", "report"), "nudge": ("nudge", "nudge"),
     "compare-semantics": ("compare_semantics", "compare_semantics"), "verify": ("verify", "verify"),
+    "trend": ("trend", "trend"), "doctor": ("doctor", "doctor"),
 }
 
 
@@ -187,6 +188,10 @@ def _command_module(module):
         from qgcli.cli.commands import compare_semantics as found
     elif module == "verify":
         from qgcli.cli.commands import verify as found
+    elif module == "trend":
+        from qgcli.cli.commands import trend as found
+    elif module == "doctor":
+        from qgcli.cli.commands import doctor as found
     else:
         raise KeyError(module)
     return found
