@@ -122,7 +122,12 @@ class HistoryWriter:
                                   for lid, stats in rows.items()])
 
     def close(self):
+        """Close; a finished history is one file (back to a rollback journal: a reader then leaves no -wal)."""
         if self._db is not None:
+            try:
+                self._db.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.OperationalError:  # a reader holds it open: the WAL stays, still correct
+                pass
             self._db.close()
             self._db = None
 
