@@ -318,6 +318,11 @@ def test_trend_table_fits_80_columns_and_fail_on(tmp_path):
     assert result.exit_code == 0 and "error: no_gradient at step 8: conv1.weight_fake_quant" in result.output
     result = CliRunner().invoke(main, ["trend", str(tmp_path / "h"), "--step", "7"])
     assert result.exit_code == 2 and "no sample at step 7" in result.output
+    result = CliRunner().invoke(main, ["plot", "trend", str(tmp_path / "h"), "-o", str(tmp_path / "trend.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "trend.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = CliRunner().invoke(main, ["plot", "trend", str(tmp_path / "h"), "-o", str(tmp_path / "trend.png")])
+    assert again.exit_code == 2 and "exists; use --force" in again.output
 
 
 def test_doctor_on_a_run_file(tmp_path):
