@@ -304,8 +304,14 @@ def run_page(page, tmp_path, pycache=None):
 
 def _run_page_in_process(page, pycache):
     """``run_page`` in a child process (its own working directory and warnings), so pages run side by side."""
+    import qgcli
+
+    # The child runs this file as a script: sys.path starts at tests/, so without this it would import the
+    # installed qgcli, not the one this test imports (a checkout's).
+    package_parent = str(Path(qgcli.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, __file__, str(page), str(pycache)], capture_output=True, text=True,
-                          timeout=20 * COMMAND_TIMEOUT)
+                          timeout=20 * COMMAND_TIMEOUT, env=env)
     if proc.returncode != 0:
         return {"run": 0, "skipped": [], "failure": f"the page runner failed:\n{proc.stdout}{proc.stderr}",
                 "seconds": 0.0}
