@@ -18,7 +18,7 @@ Examples:
 FAIL_EXIT = 3
 
 
-@click.command(epilog=_EXAMPLE)
+@click.command(epilog=_EXAMPLE, short_help="Gradient-path findings of a history or a run file; --fail-on for CI.")
 @click.argument("target", metavar="RUN_OR_HISTORY", type=click.Path(dir_okay=False))
 @click.option("--fail-on", type=click.Choice(["warning", "error"]), default=None,
               help="Exit 3 when a finding of this severity (warning: any finding) is found.")

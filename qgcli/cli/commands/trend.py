@@ -15,7 +15,7 @@ Examples:
 """
 
 
-@click.command(epilog=_EXAMPLE)
+@click.command(epilog=_EXAMPLE, short_help="Per-layer statistics and events of a monitored run (a history).")
 @click.argument("history", metavar="HISTORY", type=click.Path(exists=True, dir_okay=False))
 @click.option("--step", type=click.IntRange(min=1), default=None, help="Show the sample at step N (default: the last).")
 @json_option()
