@@ -156,6 +156,7 @@ def test_command_modules_import_no_other_command_module():
 LAYERS = [
     ("cli", ["qgcli.cli", "qgcli.__main__"]),
     ("capture", ["qgcli.capture"]),
+    ("monitor", ["qgcli.monitor"]),
     ("whole-model reports", ["qgcli.report.verify", "qgcli.report.layers", "qgcli.report.layer_figures",
                              "qgcli.report.layer_details"]),
     ("execution", ["qgcli.execution"]),
@@ -198,7 +199,7 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_run_down_the_layers():
-    """cli -> capture -> whole-model reports -> execution -> families -> presentation -> storage -> ops -> base."""
+    """cli -> capture -> monitor -> whole-model reports -> execution -> families -> presentation -> storage -> ops -> base."""
     graph = _graph()
     wrong = [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]}) at line {graph[m][d]}"
              for m, d in sorted(_climbs() - set(KNOWN_CLIMBS))]

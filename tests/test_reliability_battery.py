@@ -32,6 +32,9 @@ ROWS = [
     ("npz-is-text", ["inspect", "{d}/text.npz"], 2, "text.npz", "cannot open as npz"),
     ("h5-signature-only", ["fakequant", "{d}/text.h5", "-o", "{o}/o.h5"], 2, "BUNDLE", "cannot open as h5"),
     ("verify-not-h5", ["verify", "{d}/text.h5"], 2, "RUN", "cannot open as h5"),
+    ("trend-not-history", ["trend", "{d}/text.h5"], 2, "text.h5", "not a qgcli history"),
+    ("doctor-not-h5", ["doctor", "{d}/text.h5"], 2, "RUN_OR_HISTORY", "cannot open as h5"),
+    ("plot-trend-not-history", ["plot", "trend", "{d}/text.h5", "-o", "{o}/t.png"], 2, "text.h5", "not a qgcli history"),
     ("suffix-unknown", ["nudge", "--min", "{d}/secret.bin", "--max", "1"], 2, "min", "unknown file type"),
     # --- empty and truncated files
     ("npy-empty", ["plot", "hist", "--inputs", "{d}/empty.npy", "--min", "-1", "--max", "1", "-o", "{o}/h.png"],

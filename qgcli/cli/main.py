@@ -176,7 +176,7 @@ COMMANDS = {
     "bn-grad": ("batch_norm", "bn_grad"), "plot": ("plot", "plot"), "inspect": ("inspect", "inspect"),
     "report": ("report", "report"), "nudge": ("nudge", "nudge"),
     "compare-semantics": ("compare_semantics", "compare_semantics"), "verify": ("verify", "verify"),
-    "diff": ("diff", "diff"),
+    "trend": ("trend", "trend"), "doctor": ("doctor", "doctor"), "diff": ("diff", "diff"),
 }
 
 
@@ -200,6 +200,10 @@ def _command_module(module):
         from qgcli.cli.commands import verify as found
     elif module == "diff":
         from qgcli.cli.commands import diff as found
+    elif module == "trend":
+        from qgcli.cli.commands import trend as found
+    elif module == "doctor":
+        from qgcli.cli.commands import doctor as found
     else:
         raise KeyError(module)
     return found

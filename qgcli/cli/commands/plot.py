@@ -256,6 +256,29 @@ def plot():
     pass
 
 
+@plot.command("trend", epilog="""\b
+Examples:
+  qgcli plot trend run.qgh -o trend.png
+""")
+@click.argument("history", metavar="HISTORY", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", "destination", metavar="FIG", required=True,
+              help="Figure file; the format follows the extension: .png, .svg or .pdf.")
+@force_option("Replace an existing figure file.")
+@click.option("--dpi", type=click.IntRange(10, 1200), default=100, show_default=True, help="Pixels per inch.")
+@click.option("--worst", type=click.IntRange(1, 20), default=4, show_default=True,
+              help="How many of the worst layers (largest blocked gradient share) get curves.")
+def trend(history, destination, force, dpi, worst):
+    """Layer x step heat maps of a history (blocked gradient, clipping, oscillation) and the worst layers' curves."""
+    from qgcli.monitor.figures import trend_figure
+    from qgcli.monitor.history import read_history
+    from qgcli.monitor.trends import trend as trend_of
+    from qgcli.report.plots import save_figure
+    from qgcli.storage.outputs import check_figure_output
+
+    check_figure_output(destination, inputs=[history], force=force)
+    save_figure(trend_figure(trend_of(read_history(history)), worst=worst), destination, dpi=dpi)
+
+
 _LAYER = click.option("--layer", "layer", metavar="PATH", default=None,
                        help="Run file: draw the group PATH only (default: one figure per group into -o DIR/).")
 

@@ -1,0 +1,487 @@
+"""Watch a PyTorch QAT run: per-layer statistics every N steps into a history file.
+
+    with qgcli.monitor.torch.monitor(model, "run.qgh", every=10, optimizer=optimizer):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()          # the monitor counts steps by the optimizer's step hook
+
+Without ``optimizer=``, call ``mon.step()`` after each optimizer step.  Steps count from 1; a sample is taken
+at step 1 and at every multiple of ``every``.  Hooked: the modules capture hooks (``torch.ao`` fake-quantize
+modules, learnable ones included; torchao QAT fake quantizers; batch norms), named by module path (a module
+with hooked modules below it gets the leaf ``.fake_quant`` / ``.batch_norm``).  Only the first forward of a
+module in a step counts, and only forwards with autograd on (an evaluation pass under ``no_grad`` is ignored).
+
+Passive: forward hooks and autograd-node hooks that only read (the upstream gradient is the node's
+``grad_outputs``, the framework's input gradient its ``grad_inputs``); the integer codes are computed from the
+module's own ``scale`` / ``zero_point`` buffers with tensor math, never by calling a quantizer or an observer,
+so a monitored run's weights equal an unmonitored run's bit for bit.  Statistics are computed with torch ops
+on the tensors' device; one transfer of the scalars per sample.  Oscillation (Nagel et al. 2022) is tracked at
+every step: each weight quantizer keeps its last integer codes, last move direction and the frequency
+``f_t = m*o_t + (1-m)*f_(t-1)`` (``momentum`` m); a sample records the share of weights with f above
+``threshold``.
+
+Under ``torch.distributed`` every rank must run the monitor; the statistics are gathered to rank 0 (means of
+shares and norms, sums of counts, the smallest minimum and the largest maximum) and only rank 0 writes.
+"""
+import contextlib
+import time
+
+from qgcli.monitor.history import HistoryWriter
+
+#: statistic -> how ranks combine it (others: the mean)
+_REDUCE = {"scale_min": min, "zero_point_min": min, "range_min": min, "scale_max": max, "zero_point_max": max,
+           "range_max": max, "oscillation_max": max, "nan_inputs": sum, "nan_grads": sum,
+           "fake_quant_enabled": min, "observer_enabled": min, "in_optimizer": min}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        from qgcli.errors import QgcliError
+
+        raise QgcliError("qgcli.monitor.torch needs PyTorch: pip install 'qgcli[torch]'") from None
+    return torch
+
+
+@contextlib.contextmanager
+def monitor(model, path, *, every=10, optimizer=None, momentum=0.01, threshold=0.02, overwrite=False,
+            durable=False):
+    """Record ``model``'s quantizers and batch norms every ``every`` steps into history ``path``; yields a
+    :class:`Monitor`.  The hooks are removed and the history closed when the block ends."""
+    mon = Monitor(model, path, every=every, optimizer=optimizer, momentum=momentum, threshold=threshold,
+                  overwrite=overwrite, durable=durable)
+    try:
+        yield mon
+    finally:
+        mon.close()
+
+
+class _Layer:
+    def __init__(self, path, module, kind, framework):
+        self.path, self.module, self.kind, self.framework = path, module, kind, framework
+        self.role = "batch_norm" if kind == "batch_norm" else None
+        self.info = {}
+        self.lid = None
+        self.order = None  # first forward call's rank among the layers: the history's layer ids follow it
+        self.seen_step = 0
+        self.stats = {}
+        # oscillation state of a weight quantizer
+        self.codes = self.direction = self.frequency = self.sample_codes = None
+
+
+class Monitor:
+    """The running monitor: ``step_count`` (completed steps), ``path``; :meth:`step` ends a step when no
+    optimizer counts them."""
+
+    def __init__(self, model, path, *, every=10, optimizer=None, momentum=0.01, threshold=0.02, overwrite=False,
+                 durable=False):
+        from qgcli.errors import UsageProblem
+
+        torch = self._t = _torch()
+        if int(every) < 1:
+            raise UsageProblem(f"every must be at least 1, not {every}")
+        self.every, self.optimizer = int(every), optimizer
+        self.momentum, self.threshold = float(momentum), float(threshold)
+        self.step_count = 0
+        self.path = path
+        dist = torch.distributed
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        self.world = dist.get_world_size() if self._distributed else 1
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        self._layers = _find_layers(torch, model)
+        self._calls = 0
+        self._handles = []
+        for layer in self._layers:
+            m = layer.module
+            if layer.kind == "batch_norm":
+                self._handles.append(m.register_forward_pre_hook(self._bn_pre_hook(layer)))
+                self._handles.append(m.register_forward_hook(self._bn_hook(layer)))
+            else:
+                self._handles.append(m.register_forward_hook(self._fq_hook(layer)))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._end_step()))
+        self._writer = None
+        if self.rank == 0:
+            self._writer = HistoryWriter(path, overwrite=overwrite, durable=durable, meta={
+                "framework": "torch", "torch_version": torch.__version__, "every": self.every,
+                "momentum": self.momentum, "threshold": self.threshold, "optimizer": optimizer is not None,
+                "world_size": self.world})
+
+    # --- steps ------------------------------------------------------------------------------------------
+
+    @property
+    def _current(self):
+        return self.step_count + 1
+
+    def _sampling(self, step=None):
+        step = self._current if step is None else step
+        return step == 1 or step % self.every == 0
+
+    def step(self):
+        """End the current step (call it after ``optimizer.step()`` when no ``optimizer=`` was given)."""
+        from qgcli.errors import UsageProblem
+
+        if self.optimizer is not None:
+            raise UsageProblem("this monitor counts steps by its optimizer's step hook: do not call step()")
+        self._end_step()
+
+    def _end_step(self):
+        step = self._current
+        self.step_count = step
+        if self._sampling(step):
+            self._flush(step)
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # --- hooks ------------------------------------------------------------------------------------------
+
+    def _first_call(self, layer):
+        """True for the layer's first autograd-on forward of this step."""
+        if not self._t.is_grad_enabled() or layer.seen_step == self._current:
+            return False
+        layer.seen_step = self._current
+        if layer.order is None:
+            layer.order = self._calls
+            self._calls += 1
+        return True
+
+    def _fq_hook(self, layer):
+        torch = self._t
+
+        def hook(module, args, output):
+            if not args or not torch.is_tensor(args[0]) or not self._first_call(layer):
+                return
+            x = args[0]
+            if layer.role is None:
+                layer.role = "weight" if isinstance(x, torch.nn.Parameter) else "activation"
+            sampling = self._sampling()
+            with torch.no_grad():
+                qparams = _qparams(torch, layer, module, x)
+                codes = None if qparams is None else _codes(torch, x.detach(), *qparams)
+                if layer.role == "weight" and codes is not None:
+                    self._track_oscillation(layer, codes, qparams, sampling)
+                if sampling:
+                    self._forward_stats(layer, module, x, output, qparams, codes)
+
+        return hook
+
+    def _track_oscillation(self, layer, codes, qparams, sampling):
+        torch = self._t
+        qmin, qmax = qparams[2], qparams[3]
+        q = codes.clamp(qmin, qmax).to(torch.int16)
+        if layer.codes is None or layer.codes.shape != q.shape:
+            layer.codes, layer.sample_codes = q, q
+            layer.direction = torch.zeros_like(q, dtype=torch.int8)
+            layer.frequency = torch.zeros_like(q, dtype=torch.float32)
+        else:
+            move = torch.sign(q - layer.codes).to(torch.int8)
+            moved = move != 0
+            flipped = moved & (move == -layer.direction)
+            layer.frequency.mul_(1 - self.momentum).add_(flipped.to(torch.float32), alpha=self.momentum)
+            layer.direction = torch.where(moved, move, layer.direction)
+            layer.codes = q
+        if sampling:
+            s = layer.stats
+            s["codes_changed"] = (q != layer.sample_codes).float().mean()
+            s["oscillating"] = (layer.frequency > self.threshold).float().mean()
+            s["oscillation_max"] = layer.frequency.max()
+            layer.sample_codes = q
+
+    def _forward_stats(self, layer, module, x, output, qparams, codes):
+        torch = self._t
+        s = layer.stats
+        xd = x.detach()
+        s["nan_inputs"] = (~torch.isfinite(xd)).sum()
+        enabled = _enabled(torch, module)
+        s["fake_quant_enabled"] = enabled
+        if hasattr(module, "observer_enabled"):
+            s["observer_enabled"] = module.observer_enabled[0]
+        learnable = isinstance(getattr(module, "scale", None), torch.nn.Parameter) and module.scale.requires_grad
+        layer.info["learnable"] = bool(learnable)
+        if learnable and self.optimizer is not None:
+            ids = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+            s["in_optimizer"] = float(id(module.scale) in ids)
+        active = output is not x and torch.is_tensor(output)
+        s["needs_grad"] = float(bool(active and output.requires_grad))
+        mask = None
+        if qparams is not None:
+            scale, zp, qmin, qmax, _ = qparams
+            sf, zf = scale.detach().float().flatten(), zp.detach().float().flatten()
+            s["scale_min"], s["scale_median"], s["scale_max"] = sf.min(), sf.median(), sf.max()
+            s["zero_point_min"], s["zero_point_max"] = zf.min(), zf.max()
+            s["range_min"] = ((qmin - zf) * sf).min()
+            s["range_max"] = ((qmax - zf) * sf).max()
+            s["clip_low"] = (codes < qmin).float().mean()
+            s["clip_high"] = (codes > qmax).float().mean()
+            mask = (codes >= qmin) & (codes <= qmax)
+        if not active:
+            return
+        out = output.detach()
+        noise = (xd.float() - out.float()).square().sum()
+        s["sqnr_db"] = 10 * torch.log10(xd.float().square().sum() / noise.clamp_min(1e-30))
+        if not output.requires_grad:
+            return
+        node = output.grad_fn
+        if layer.framework == "torch.ao" and node is not None:
+            node.register_hook(self._node_hook(layer, mask, learnable))
+        else:  # torchao: a composite of ops, no one node; the input's gradient from its own tensor hook
+            output.register_hook(lambda dy: self._upstream(layer, dy, mask))
+            if x.requires_grad:
+                _once(x, lambda dx: self._downstream(layer, dx, None, None))
+
+    def _node_hook(self, layer, mask, learnable):
+        def hook(grad_inputs, grad_outputs):
+            dy = grad_outputs[0] if grad_outputs else None
+            if dy is None:
+                return
+            with self._t.no_grad():
+                self._upstream(layer, dy, mask)
+                dx = grad_inputs[0] if grad_inputs else None
+                self._downstream(layer, dx, dy, mask)
+                if learnable and len(grad_inputs) >= 3:
+                    for name, g in (("scale_grad_norm", grad_inputs[1]), ("zero_point_grad_norm", grad_inputs[2])):
+                        if g is not None:
+                            layer.stats[name] = g.float().norm()
+
+        return hook
+
+    def _upstream(self, layer, dy, mask):
+        torch = self._t
+        with torch.no_grad():
+            s = layer.stats
+            dyf = dy.detach().float()
+            s["dy_norm"] = dyf.norm()
+            s["dy_zero"] = (dyf == 0).float().mean()
+            s["nan_grads"] = (~torch.isfinite(dyf)).sum()
+            if mask is not None and mask.shape == dyf.shape:
+                mass = dyf.abs()
+                s["blocked"] = (mass * ~mask).sum() / mass.sum()
+
+    def _downstream(self, layer, dx, dy, mask):
+        torch = self._t
+        if dx is None:
+            return
+        with torch.no_grad():
+            dxf = dx.detach().float()
+            layer.stats["dx_norm"] = dxf.norm()
+            if dy is not None and mask is not None and mask.shape == dxf.shape == dy.shape:
+                reference = dy.detach().float() * mask
+                den = reference.abs().sum()
+                den = torch.where(den > 0, den, dy.detach().float().abs().sum())
+                layer.stats["ste_error"] = (dxf - reference).abs().sum() / den
+
+    def _bn_pre_hook(self, layer):
+        torch = self._t
+
+        def hook(module, args):
+            if layer.order is None and torch.is_grad_enabled():  # before the observers its forward hooks call
+                layer.order = self._calls
+                self._calls += 1
+            if self._sampling() and torch.is_grad_enabled() and module.training and module.running_mean is not None:
+                layer.running = (module.running_mean.detach().clone(), module.running_var.detach().clone())
+
+        return hook
+
+    def _bn_hook(self, layer):
+        torch = self._t
+
+        def hook(module, args, output):
+            running = getattr(layer, "running", None)
+            layer.running = None
+            if not self._sampling() or not args or not self._first_call(layer):
+                return
+            x = args[0]
+            s = layer.stats
+            with torch.no_grad():
+                xd = x.detach().float()
+                s["nan_inputs"] = (~torch.isfinite(xd)).sum()
+                s["needs_grad"] = float(bool(output.requires_grad))
+                if running is not None and xd.dim() >= 2:
+                    dims = [d for d in range(xd.dim()) if d != 1]
+                    mean, var = xd.mean(dims), xd.var(dims, unbiased=False)
+                    rm, rv = running[0].float(), running[1].float()
+                    eps = float(module.eps)
+                    s["bn_mean_shift"] = ((mean - rm).abs() / (rv + eps).sqrt()).mean()
+                    s["bn_var_ratio"] = ((var + eps) / (rv + eps)).log().abs().mean()
+            if output.requires_grad and output.grad_fn is not None:
+                output.grad_fn.register_hook(self._node_hook(layer, None, False))
+
+        return hook
+
+    # --- samples ----------------------------------------------------------------------------------------
+
+    def _flush(self, step):
+        torch = self._t
+        rows = {}
+        for layer in self._layers:
+            if not layer.stats:
+                continue
+            names = list(layer.stats)
+            values = [v.detach().reshape(()).double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
+                      for v in (layer.stats[n] for n in names)]
+            rows[layer.path] = (layer, names, values)
+            layer.stats = {}
+        # one host transfer per device
+        flat = {}
+        by_device = {}
+        for path, (_, names, values) in rows.items():
+            for n, v in zip(names, values):
+                by_device.setdefault(v.device, []).append((path, n, v))
+        for items in by_device.values():
+            got = torch.stack([v.to(items[0][2].device) for _, _, v in items]).cpu().tolist()
+            for (path, n, _), value in zip(items, got):
+                flat.setdefault(path, {})[n] = value
+        if self._distributed:
+            gathered = [None] * self.world if self.rank == 0 else None
+            torch.distributed.gather_object(flat, gathered, dst=0)
+            if self.rank == 0:
+                flat = _combine(gathered)
+        if self._writer is None:
+            return
+        out = {}
+        for layer in sorted(self._layers, key=lambda lay: (lay.order is None, lay.order or 0)):
+            if layer.path not in flat:
+                continue
+            info = dict(layer.info)
+            if layer.lid is None:
+                layer.lid = self._writer.layer_id(layer.path, layer.kind, layer.role, type(layer.module).__name__,
+                                                  info)
+            out[layer.lid] = flat[layer.path]
+        self._writer.add_sample(step, out, ranks=self.world)
+
+
+def _once(tensor, fn):
+    """``fn(grad)`` at the next gradient of ``tensor`` only: a hook on a leaf (a weight) would otherwise stay
+    for every later step."""
+    handle = None
+
+    def hook(grad):
+        handle.remove()
+        fn(grad)
+
+    handle = tensor.register_hook(hook)
+
+
+def _combine(per_rank):
+    """One sample from every rank's: see ``_REDUCE``; NaN (nothing measured) is left out of a mean."""
+    paths = []
+    for sample in per_rank:
+        paths += [p for p in sample if p not in paths]
+    out = {}
+    for path in paths:
+        names = []
+        for sample in per_rank:
+            names += [n for n in sample.get(path, {}) if n not in names]
+        row = {}
+        for n in names:
+            vals = [sample[path][n] for sample in per_rank if n in sample.get(path, {})]
+            vals = [v for v in vals if v == v]
+            if vals:
+                reduce = _REDUCE.get(n)
+                row[n] = reduce(vals) if reduce else sum(vals) / len(vals)
+        out[path] = row
+    return out
+
+
+# --- finding the layers and their quantization parameters ---------------------------------------------------
+
+def _torchao_base():
+    import sys
+
+    if "torchao" not in sys.modules:  # a model with torchao quantizers imported it already
+        return None
+    try:
+        from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
+    except ImportError:
+        return None
+    return FakeQuantizerBase
+
+
+def _find_layers(torch, model):
+    from torch.ao.quantization.fake_quantize import FakeQuantizeBase
+
+    torchao = _torchao_base()
+    bn = torch.nn.modules.batchnorm._BatchNorm
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, FakeQuantizeBase):
+            found.append((name, m, "fake_quant", "torch.ao"))
+        elif torchao is not None and isinstance(m, torchao):
+            found.append((name, m, "fake_quant", "torchao"))
+        elif isinstance(m, bn):
+            found.append((name, m, "batch_norm", "torch"))
+    names = [n for n, *_ in found]
+    layers = []
+    for name, m, kind, framework in found:
+        # a module with hooked modules below it (prepare_qat puts bn1.activation_post_process under bn1)
+        if not name or any(other.startswith(name + ".") for other in names):
+            name = f"{name}.{kind}" if name else kind
+        layers.append(_Layer(name, m, kind, framework))
+    return layers
+
+
+def _enabled(torch, module):
+    flag = getattr(module, "fake_quant_enabled", None)
+    if torch.is_tensor(flag):
+        return flag[0]
+    return float(bool(getattr(module, "enabled", True)))
+
+
+def _qparams(torch, layer, module, x):
+    """``(scale, zero_point, quant_min, quant_max, axis)`` as the module's forward used them (its buffers after
+    the call), None for a quantizer without integer codes (float8)."""
+    if not torch.is_floating_point(x):
+        return None
+    if layer.framework == "torch.ao":
+        qmin = getattr(module, "quant_min", None)
+        qmax = getattr(module, "quant_max", None)
+        if qmin is None:
+            obs = module.activation_post_process
+            qmin, qmax = obs.quant_min, obs.quant_max
+        qmin, qmax = int(qmin), int(qmax)
+        scale, zp = module.scale, module.zero_point
+        qscheme = getattr(module, "qscheme", None)
+        per_channel = qscheme in (torch.per_channel_symmetric, torch.per_channel_affine,
+                                  getattr(torch, "per_channel_affine_float_qparams", None))
+        axis = int(module.ch_axis) % x.dim() if per_channel and x.dim() else None
+        if zp.is_floating_point():  # LSQ's float zero point: its kernel rounds and clamps it
+            zp = zp.detach().round().clamp(qmin, qmax)
+        layer.info.update(quant_min=qmin, quant_max=qmax, per_channel=axis is not None, axis=axis)
+        return scale.detach(), zp.detach(), qmin, qmax, axis
+    scale = getattr(module, "scale", None)
+    if not torch.is_tensor(scale) or not hasattr(module.config, "mapping_type"):
+        return None
+    from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS
+
+    bounds = _DTYPE_TO_QVALUE_BOUNDS.get(module.config.dtype)
+    if bounds is None or x.numel() % max(scale.numel(), 1):
+        return None
+    zp = module.zero_point if torch.is_tensor(module.zero_point) else torch.zeros_like(scale)
+    layer.info.update(quant_min=int(bounds[0]), quant_max=int(bounds[1]), per_channel=scale.numel() > 1,
+                      dtype=str(module.config.dtype).rpartition(".")[2], granularity=str(module.config.granularity))
+    return scale.detach(), zp.detach().float(), int(bounds[0]), int(bounds[1]), "blocks"
+
+
+def _codes(torch, x, scale, zp, qmin, qmax, axis):
+    """The integer codes before clamping, ``round(x * (1/scale)) + zero_point`` (the kernels' order), shaped
+    like ``x``; torchao's blocks (groups, rows, tokens) are contiguous runs of ``x`` in ``scale``'s order."""
+    xf = x.float()
+    if axis == "blocks":
+        xb = xf.reshape(scale.numel(), -1)
+        q = torch.round(xb * (1.0 / scale.float().reshape(-1, 1))) + zp.reshape(-1, 1)
+        return q.reshape(x.shape)
+    if axis is not None:
+        shape = [1] * x.dim()
+        shape[axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    return torch.round(xf * (1.0 / scale.float())) + zp.float()

@@ -1,0 +1,96 @@
+"""qgcli.monitor.keras on a small tf_keras + TF Model Optimization QAT model: model.fit with the callback, a
+custom tf.function loop with mon.step() (nothing forced eager), a planted fault found by `qgcli doctor`, and
+the monitor is passive (the same weights, bit for bit)."""
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow")
+tfmot = pytest.importorskip("tensorflow_model_optimization")
+np = pytest.importorskip("numpy")
+
+from click.testing import CliRunner  # noqa: E402
+
+from qgcli.cli import main  # noqa: E402
+from qgcli.monitor.history import read_history  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _model():
+    tf.keras.backend.clear_session()  # layer names from 0 again
+    tf.keras.utils.set_random_seed(0)
+    base = tf.keras.Sequential([tf.keras.layers.Conv2D(4, 3, input_shape=(8, 8, 3)),
+                                tf.keras.layers.BatchNormalization(), tf.keras.layers.ReLU(),
+                                tf.keras.layers.Flatten(), tf.keras.layers.Dense(4)])
+    model = tfmot.quantization.keras.quantize_model(base)
+    model.compile(tf.keras.optimizers.SGD(0.05), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data():
+    rng = np.random.RandomState(0)
+    return rng.randn(48, 8, 8, 3).astype("float32"), rng.randint(0, 4, 48)
+
+
+def _doctor(path):
+    result = CliRunner().invoke(main, ["doctor", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["findings"]
+
+
+@pytest.mark.slow  # two fits, traced twice: ~35 s on 2 busy cores
+@pytest.mark.skipif(os.environ.get("QGCLI_LONG", "") in ("", "0"), reason="two fits, ~35 s: set QGCLI_LONG=1")
+def test_fit_and_passive(tmp_path):
+    from qgcli.monitor.keras import Monitor
+
+    x, y = _data()
+    plain = _model()
+    plain.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    watched = _model()
+    watched.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[Monitor(tmp_path / "h", every=4)])
+    assert all(np.array_equal(a, b) for a, b in zip(plain.get_weights(), watched.get_weights()))
+    h = read_history(tmp_path / "h")
+    assert h.steps == [1, 4, 8, 12] and h.meta["framework"] == "tensorflow"
+    roles = {layer["path"]: layer["role"] for layer in h.layers}
+    weight = [p for p, r in roles.items() if r == "weight" and "conv" in p]
+    assert weight, roles
+    s = h.series(weight[0])
+    assert s["scale_min"][0] > 0 and all(v > 0 for v in s["dy_norm"]) and s["ste_error"] == [0, 0, 0, 0]
+    assert s["codes_changed"][0] == 0 and s["oscillating"][-1] is not None
+    assert [f for f in _doctor(tmp_path / "h") if f["severity"] == "error"] == []
+
+
+def test_tf_function_loop_and_a_range_made_negative(tmp_path):
+    from qgcli.monitor.keras import monitor
+
+    x, y = _data()
+    model = _model()
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = tf.keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            value = loss(yb, model(xb, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    ranges = [v for v in model.get_layer("quant_dense").weights if "post_activation_m" in v.name]
+    assert len(ranges) == 2, [v.name for v in model.get_layer("quant_dense").weights]
+    with monitor(tmp_path / "h", every=3) as mon:
+        for i in range(6):
+            if i == 4:  # before step 5: the dense layer's output range turned inside out (min > max)
+                low, high = sorted(ranges, key=lambda v: v.name.endswith("max"))
+                low.assign(5.0)
+                high.assign(-5.0)
+            step(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+            mon.step()
+    assert not tf.config.functions_run_eagerly()
+    h = read_history(tmp_path / "h")
+    assert h.steps == [1, 3, 6]
+    findings = [f for f in _doctor(tmp_path / "h") if f["kind"] == "range_collapse"]
+    assert [(f["layer"], f["step"]) for f in findings] == [("sequential/quant_dense/MovingAvgQuantize", 6)], findings

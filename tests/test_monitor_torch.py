@@ -1,0 +1,346 @@
+"""qgcli.monitor.torch on small PyTorch QAT models (torch.ao eager, torchao): tens of steps with planted
+faults, and `qgcli doctor --json` names the layer, the kind and the step; the monitor is passive (bit-for-bit
+the same weights), steps count from 1, and `trend` reads the history."""
+import json
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from qgcli.cli import main  # noqa: E402
+from qgcli.monitor.history import read_history  # noqa: E402
+from qgcli.monitor.torch import monitor  # noqa: E402
+
+nn = torch.nn
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+class _ZeroGrad(torch.autograd.Function):
+    """Identity forward, zeros backward: a quantizer whose backward was broken."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return torch.zeros_like(dy)
+
+
+def _net():
+    import torch.ao.quantization as tq
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant = tq.QuantStub()
+            self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn1 = nn.BatchNorm2d(8)
+            self.relu1 = nn.ReLU(inplace=True)
+            self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+            self.relu2 = nn.ReLU()
+            self.flat = nn.Flatten()
+            self.fc = nn.Linear(8 * 8 * 8, 4)
+            self.dequant = tq.DeQuantStub()
+
+        def forward(self, x):
+            x = self.relu1(self.bn1(self.conv1(self.quant(x))))
+            return self.dequant(self.fc(self.flat(self.relu2(self.conv2(x)))))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = Net()
+        model.qconfig = tq.get_default_qat_qconfig("x86")
+        model.train()
+        tq.prepare_qat(model, inplace=True)
+    return model
+
+
+def _data(steps):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(steps)]
+
+
+def _train(model, path, steps=14, every=4, plant=None, params=None, lr=0.05, use_monitor=True):
+    opt = torch.optim.SGD(model.parameters() if params is None else params, lr=lr)
+    ctx = monitor(model, path, every=every, optimizer=opt) if use_monitor else _null()
+    with ctx:
+        for step, (x, y) in enumerate(_data(steps), start=1):
+            if plant:
+                plant(step, model)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return model
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _doctor(path, *extra):
+    result = CliRunner().invoke(main, ["doctor", str(path), "--json", *extra])
+    assert result.exit_code in (0, 3), result.output
+    return json.loads(result.output)["findings"]
+
+
+def _first(findings, kind, layer):
+    got = [f for f in findings if f["kind"] == kind and f["layer"] == layer]
+    assert got, f"no {kind} on {layer}: {[(f['kind'], f['layer'], f['step']) for f in findings]}"
+    return got[0]
+
+
+def test_healthy_run_has_no_error_and_steps_count_from_one(tmp_path):
+    path = tmp_path / "healthy.anything"
+    _train(_net(), path, steps=12, every=5, lr=0.01)
+    h = read_history(path)
+    assert h.steps == [1, 5, 10]  # every=5
+    paths = [layer["path"] for layer in h.layers]
+    assert paths[:4] == ["quant.activation_post_process", "conv1.weight_fake_quant", "conv1.activation_post_process",
+                         "bn1.batch_norm"]  # forward order
+    roles = {layer["path"]: layer["role"] for layer in h.layers}
+    assert roles["conv2.weight_fake_quant"] == "weight" and roles["fc.activation_post_process"] == "activation"
+    findings = _doctor(path)
+    assert [f for f in findings if f["severity"] == "error"] == []
+    # the input quantizer of data needs no gradient: no finding
+    assert not [f for f in findings if f["layer"] == "quant.activation_post_process"]
+    s = h.series("conv2.weight_fake_quant")
+    assert all(v == 0 for v in s["ste_error"]) and all(v > 0 for v in s["dy_norm"])
+    assert s["fake_quant_enabled"] == [1, 1, 1] and s["scale_min"][0] > 0
+
+
+def test_passive_bit_for_bit(tmp_path):
+    plain = _train(_net(), None, steps=6, use_monitor=False)
+    watched = _train(_net(), tmp_path / "h", steps=6, every=1)
+    a, b = plain.state_dict(), watched.state_dict()
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_steps_counted_by_mon_step(tmp_path):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with monitor(model, tmp_path / "h", every=3) as mon:
+        for x, y in _data(7):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            mon.step()
+        with torch.no_grad():
+            model(x)  # an evaluation pass after the last step is not a sample
+    assert read_history(tmp_path / "h").steps == [1, 3, 6] and mon.step_count == 7
+
+
+def test_ste_broken(tmp_path):
+    def plant(step, model):
+        if step == 6:
+            m = model.conv2.activation_post_process
+            forward = m.forward
+            m.forward = lambda x: _ZeroGrad.apply(forward(x))
+
+    _train(_net(), tmp_path / "h", plant=plant)
+    findings = _doctor(tmp_path / "h")
+    f = _first(findings, "ste_broken", "conv2.activation_post_process")
+    assert f["step"] == 8 and f["severity"] == "error"
+    upstream = _first(findings, "no_gradient", "conv1.weight_fake_quant")
+    assert upstream["step"] == 8 and "conv2.activation_post_process" in upstream["evidence"]
+
+
+def _clip_everything(m):
+    """A quantizer whose scale is 1e-12: every input is clipped (the fused quantizer would compute its scale from
+    the observer's range, which always holds zero, so it becomes a plain fake quant on its own buffers)."""
+    m.disable_observer()
+    m.scale.fill_(1e-12)
+    m.zero_point.fill_(0)
+    m.forward = lambda x: torch.fake_quantize_per_tensor_affine(x, m.scale, m.zero_point, m.quant_min, m.quant_max)
+
+
+def test_no_gradient_upstream_of_a_quantizer_clipping_everything(tmp_path):
+    def plant(step, model):
+        if step == 6:
+            _clip_everything(model.conv2.activation_post_process)
+
+    _train(_net(), tmp_path / "h", plant=plant)
+    findings = _doctor(tmp_path / "h")
+    f = _first(findings, "no_gradient", "bn1.batch_norm")
+    assert f["step"] == 8 and "downstream cause: conv2.activation_post_process" in f["evidence"]
+    assert _first(findings, "no_gradient", "conv1.weight_fake_quant")["step"] == 8
+    assert not [f for f in findings if f["kind"] == "ste_broken"]
+    events = json.loads(CliRunner().invoke(main, ["trend", str(tmp_path / "h"), "--json"]).output)["events"]
+    assert {"step": 8, "layer": "conv2.activation_post_process", "kind": "clipping_jump"}.items() <= {
+        k: v for e in events if e["kind"] == "clipping_jump" for k, v in e.items()}.items()
+
+
+def test_fake_quant_disabled_mid_run(tmp_path):
+    import torch.ao.quantization as tq
+
+    def plant(step, model):
+        if step == 6:
+            model.apply(tq.disable_fake_quant)
+
+    _train(_net(), tmp_path / "h", plant=plant)
+    findings = _doctor(tmp_path / "h")
+    f = _first(findings, "fake_quant_disabled", "conv1.weight_fake_quant")
+    assert f["step"] == 8 and f["severity"] == "warning"
+    assert not [f for f in findings if f["severity"] == "error"]
+
+
+def _lsq_net(scale=0.05):
+    from torch.ao.quantization import MovingAverageMinMaxObserver
+    from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
+
+    torch.manual_seed(0)
+    fq = _LearnableFakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, scale=scale,
+                                zero_point=0.0, use_grad_scaling=True, dtype=torch.quint8)
+    fq.enable_param_learning()
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), fq, nn.Linear(16, 4))
+
+
+def _train_lsq(model, path, steps=20, every=5, plant=None, leave_out_scale=False):
+    fq = model[2]
+    params = [p for p in model.parameters() if not (leave_out_scale and p is fq.scale)]
+    opt = torch.optim.SGD(params, lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    with monitor(model, path, every=every, optimizer=opt):
+        for step in range(1, steps + 1):
+            if plant:
+                plant(step, model)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+
+def test_range_not_learning(tmp_path):
+    _train_lsq(_lsq_net(), tmp_path / "left_out", leave_out_scale=True)
+    f = _first(_doctor(tmp_path / "left_out"), "range_not_learning", "2")
+    assert f["step"] == 1 and "optimizer" in f["evidence"]
+    _train_lsq(_lsq_net(), tmp_path / "in")
+    h = read_history(tmp_path / "in")
+    assert h.series("2")["in_optimizer"][0] == 1 and h.series("2")["scale_grad_norm"][0] > 0
+    assert not [f for f in _doctor(tmp_path / "in") if f["kind"] == "range_not_learning"]
+
+
+def test_range_collapse(tmp_path):
+    def plant(step, model):
+        with torch.no_grad():
+            model[2].scale.mul_(0.5)
+
+    _train_lsq(_lsq_net(), tmp_path / "h", plant=plant)
+    f = _first(_doctor(tmp_path / "h"), "range_collapse", "2")
+    assert f["step"] == 10 and f["severity"] == "error"
+
+
+def test_oscillation(tmp_path):
+    """Weights just above a rounding boundary, pulled toward it with a learning rate that makes them cross it
+    each step: every weight oscillates."""
+    from torch.ao.quantization import FakeQuantize, MinMaxObserver
+
+    class Weights(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fq = FakeQuantize(observer=MinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+                                   qscheme=torch.per_tensor_symmetric)
+            self.fq.scale.fill_(0.1)
+            self.fq.zero_point.zero_()
+            self.fq.disable_observer()
+            k = torch.arange(-8, 8, dtype=torch.float32)
+            self.target = (k + 0.5) * 0.1
+            self.weight = nn.Parameter(self.target + 0.001)
+
+        def forward(self):
+            return self.fq(self.weight)
+
+    model = Weights()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with monitor(model, tmp_path / "h", every=5, optimizer=opt):
+        for _ in range(20):
+            opt.zero_grad()
+            ((model() - model.target) ** 2).sum().backward()
+            opt.step()
+    f = _first(_doctor(tmp_path / "h"), "oscillation", "fq")
+    assert f["step"] == 5 and f["severity"] == "warning"
+    s = read_history(tmp_path / "h").series("fq")
+    assert s["oscillating"][-1] == 1 and s["codes_changed"][-1] == 1  # 5 steps between samples: all moved
+
+
+def test_torchao_model(tmp_path):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization import qat
+    from torchao.quantization.granularity import PerGroup
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+    quantize_(model, qat.QATConfig(config, step="prepare"), filter_fn=lambda m, fqn: fqn == "2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with monitor(model, tmp_path / "h", every=2, optimizer=opt):
+        for _ in range(4):
+            x, y = torch.randn(2, 4, 16), torch.randint(0, 8, (8,))
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x).reshape(8, 8), y).backward()
+            opt.step()
+    h = read_history(tmp_path / "h")
+    assert {layer["path"]: layer["role"] for layer in h.layers} == {
+        "2.activation_fake_quantizer": "activation", "2.weight_fake_quantizer": "weight"}
+    w = h.series("2.weight_fake_quantizer")
+    assert w["steps"] == [1, 2, 4] and all(v > 0 for v in w["dy_norm"]) and all(v > 0 for v in w["dx_norm"])
+    assert w["clip_low"][0] == 0 and w["scale_min"][0] > 0 and w["codes_changed"][1] is not None
+    assert not [f for f in _doctor(tmp_path / "h") if f["severity"] == "error"]
+
+
+def test_trend_table_fits_80_columns_and_fail_on(tmp_path):
+    def plant(step, model):
+        if step == 6:
+            _clip_everything(model.conv2.activation_post_process)
+
+    _train(_net(), tmp_path / "h", plant=plant)
+    result = CliRunner().invoke(main, ["trend", str(tmp_path / "h")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[1].split()[:3] == ["layer", "role", "clip"] and max(map(len, lines[1:])) <= 80
+    assert "values at step 12" in lines[0]
+    doc = json.loads(CliRunner().invoke(main, ["trend", str(tmp_path / "h"), "--json"]).output)
+    layer = doc["layers"][1]
+    assert layer["path"] == "conv1.weight_fake_quant" and layer["steps"] == [1, 4, 8, 12]
+    assert len(layer["blocked"]) == 4 and {"step", "layer", "kind", "message"} == set(doc["events"][0])
+    assert CliRunner().invoke(main, ["doctor", str(tmp_path / "h"), "--fail-on", "error"]).exit_code == 3
+    result = CliRunner().invoke(main, ["doctor", str(tmp_path / "h")])
+    assert result.exit_code == 0 and "error: no_gradient at step 8: conv1.weight_fake_quant" in result.output
+    result = CliRunner().invoke(main, ["trend", str(tmp_path / "h"), "--step", "7"])
+    assert result.exit_code == 2 and "no sample at step 7" in result.output
+    result = CliRunner().invoke(main, ["plot", "trend", str(tmp_path / "h"), "-o", str(tmp_path / "trend.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "trend.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = CliRunner().invoke(main, ["plot", "trend", str(tmp_path / "h"), "-o", str(tmp_path / "trend.png")])
+    assert again.exit_code == 2 and "exists; use --force" in again.output
+
+
+def test_doctor_on_a_run_file(tmp_path):
+    from qgcli.capture.torch import capture
+
+    from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
+
+    model = _net()
+    never_ran = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=127)
+    never_ran.disable_observer()  # scale 1, zero point 0: FakeQuantize's defaults
+    model.conv2.activation_post_process = never_ran
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _data(1)[0]
+    with capture(model, str(tmp_path / "run.h5"), step=7):
+        nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    findings = _doctor(tmp_path / "run.h5")
+    assert [(f["kind"], f["layer"], f["step"]) for f in findings] == [
+        ("observer_default", "conv2/activation_post_process", 7)]
+    result = CliRunner().invoke(main, ["doctor", str(tmp_path / "nothing.txt")])
+    assert result.exit_code == 2
