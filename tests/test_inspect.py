@@ -301,7 +301,7 @@ def test_h5_odd_datasets_do_not_stop_the_listing(cli, tmp_path):
 
 
 def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path):
-    from qgcli.storage import io as qio
+    from qgcli.storage import h5
 
     rng = np.random.default_rng(3)
     path = tmp_path / "plain.h5"
@@ -317,12 +317,12 @@ def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path
     with h5py.File(path, "r") as f:
         for name in ("big_endian", "int8", "half", "scalar", "gzip", "fill_only", "uint32"):
             ds = f[name]
-            fast = qio.read_plain_dataset(ds.id, ds.shape, ds.dtype)
-            checked = qio._read_dataset_node(qio._checked_dataset(ds, name, "x"), name, "x")
+            fast = h5.read_plain_dataset(ds.id, ds.shape, ds.dtype)
+            checked = h5.read_dataset_node(h5.checked_dataset(ds, name, "x"), name, "x")
             assert fast is not None and fast.dtype == checked.dtype and fast.shape == checked.shape, name
             np.testing.assert_array_equal(fast, checked)
         ds = f["external"]
-        assert qio.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None  # left to the checked read, which refuses it
+        assert h5.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None  # left to the checked read, which refuses it
     t = {t["name"]: t for t in inspect_json(cli, path)["files"][0]["tensors"]}
     assert "external file" in t["external"]["error"] and t["external"]["min"] is None
     assert t["big_endian"]["dtype"] == ">f4" and t["fill_only"]["min"] == t["fill_only"]["max"] == 2.5

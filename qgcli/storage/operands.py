@@ -137,9 +137,9 @@ class GroupView:
     kind = "h5"
 
     def __init__(self, container, group, *, owns=False, known=None):
-        from qgcli.storage import io
+        from qgcli.storage import h5, io
 
-        self._io = io
+        self._io, self._h5 = io, h5
         self._container = container
         self._group = group
         self._owns = owns
@@ -153,14 +153,14 @@ class GroupView:
         # Resolved once: each operand is then one link below it (deep run-file paths cost nothing per read).
         if self._node is None:
             top = self._container._opened()
-            self._node = self._io._h5_resolve(top, self._group, self._container.label) if self._group.strip("/") \
+            self._node = self._h5.resolve(top, self._group, self._container.label) if self._group.strip("/") \
                 else top
         return self._node
 
     def _resolve(self, name):
         node = self._resolved.get(name)
         if node is None:
-            node = self._resolved[name] = self._io._h5_resolve(self._group_node(), name, self._label)
+            node = self._resolved[name] = self._h5.resolve(self._group_node(), name, self._label)
         return node
 
     def has(self, name):
@@ -172,14 +172,14 @@ class GroupView:
             self._resolve(name)
             return True
         except FileFormatError as exc:
-            return not isinstance(exc, self._io._NoSuchObject)
+            return not isinstance(exc, self._h5.NoSuchObject)
 
     def read(self, name):
         from qgcli.signals import deferred
 
         with deferred():
             array = self._read_known(name) if name in self._known else None
-            return array if array is not None else self._io._read_dataset_node(self.dataset(name), name, self._label)
+            return array if array is not None else self._h5.read_dataset_node(self.dataset(name), name, self._label)
 
     def _read_known(self, name):
         """A small plain dataset that discovery found, looked up as the checked read looks it up and read in
@@ -189,14 +189,14 @@ class GroupView:
 
         shape, dtype = self._known[name]
         try:
-            return self._io.read_plain_dataset(self._resolve(name).id, shape, np.dtype(dtype))
+            return self._h5.read_plain_dataset(self._resolve(name).id, shape, np.dtype(dtype))
         except self._io.CORRUPT_FILE_ERRORS:
             return None
 
     def dataset(self, name):
         ds = self._checked.get(name)
         if ds is None:
-            ds = self._checked[name] = self._io._checked_dataset(self._resolve(name), name, self._label)
+            ds = self._checked[name] = self._h5.checked_dataset(self._resolve(name), name, self._label)
         return ds
 
     def close(self):

@@ -41,7 +41,7 @@ def _plain(value, limit=64):
 
 def _attributes(obj):
     from qgcli.errors import QgcliError
-    from qgcli.storage.io import read_attributes
+    from qgcli.storage.h5 import read_attributes
 
     try:
         return {key: _plain(value) for key, value in read_attributes(obj).items()}
@@ -163,7 +163,7 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
 
     from qgcli.storage.hdf5 import walk as h5walk
     from qgcli.storage import runfile
-    from qgcli.storage.io import tagged_bfloat16
+    from qgcli.storage.h5 import tagged_bfloat16
     from qgcli.signals import deferred
 
     groups, datasets, links = [], [], []
@@ -223,13 +223,13 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
 def _read_open(obj, name, label, shape, dtype):
     """What :func:`_read_entry` reads of a dataset, from the open Dataset (as ``Container.read`` reads it);
     ``shape`` and ``dtype``: the walk's, so that a small plain dataset is read in one low-level call."""
-    from qgcli.storage import io
+    from qgcli.storage import h5
     from qgcli.errors import FileFormatError
 
-    array = io.read_plain_dataset(obj.id, shape, dtype)
+    array = h5.read_plain_dataset(obj.id, shape, dtype)
     if array is None:
         try:
-            array = io._read_dataset_node(io._checked_dataset(obj, name, label), name, label)
+            array = h5.read_dataset_node(h5.checked_dataset(obj, name, label), name, label)
         except FileFormatError as exc:
             return None, None, None, str(exc)
     return array.shape, array.dtype, tensor_stats(array), None
@@ -240,7 +240,7 @@ def _attributes_many(objs):
     a broken attribute table spoils its own entry only) where the batch fails, with the exception in place
     of the attributes as read."""
     from qgcli.errors import QgcliError
-    from qgcli.storage.io import read_attributes, read_attributes_many
+    from qgcli.storage.h5 import read_attributes, read_attributes_many
 
     try:
         return [({key: _plain(value) for key, value in raw.items()}, raw) for raw in read_attributes_many(objs)]
@@ -276,6 +276,7 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
     import os
 
     from qgcli.storage import io
+    from qgcli.storage.checks import reason
     from qgcli.errors import FileFormatError, OperandError, QgcliError
 
     spec = io.parse_spec(text)
@@ -306,7 +307,7 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
             except QgcliError:
                 raise  # the bounds on depth and group count (qgcli.storage.hdf5.walk): already one clean error
             except io.CORRUPT_FILE_ERRORS as exc:  # damaged HDF5 metadata: one clean error, not a traceback
-                raise OperandError(f"{label}: cannot list its structure: {io._reason(exc)}", operand="FILE") from None
+                raise OperandError(f"{label}: cannot list its structure: {reason(exc)}", operand="FILE") from None
             entry["attributes"] = groups[0]["attributes"]
             entry["groups"] = [g for g in groups if spec.key is None or _matches(g["path"], spec.key)
                                or g["path"] == "/"]
