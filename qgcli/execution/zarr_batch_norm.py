@@ -124,8 +124,7 @@ class BatchNormBlockRun:
         import bisect
         import dataclasses
 
-        from qgcli import __version__
-        from qgcli.storage import zarr_store
+        from qgcli.storage import provenance, zarr_store
         from qgcli.errors import OperandError
         from qgcli.ops import batch_norm as bn
         from qgcli.families.batch_norm import dtype_of
@@ -166,7 +165,7 @@ class BatchNormBlockRun:
             i1 = min(shape[0], i0 + items)
             lo, hi = bisect.bisect_left(starts, i0 * per), bisect.bisect_left(starts, i1 * per)
             blocks.append(Block((i0, i1), tuple(plan[lo:hi])))
-        attrs = {"qgcli_version": __version__, **{k: v for k, v in setup["attrs"].items() if v is not None}}
+        attrs = provenance.attributes(setup["attrs"])
         acb = _acb(shape, channels_first)
         n = acb[0] * acb[2]
         with zarr_store.staged(out.destination) as stage:

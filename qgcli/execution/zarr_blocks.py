@@ -107,8 +107,7 @@ class BlockRun:
         """Check the output, plan the blocks, compute them (``compute_all(function, work, blocks)`` -> the
         results of ``function(work, block)`` in order; default: one after another here), add the leaf sums,
         write; returns the summary."""
-        from qgcli import __version__
-        from qgcli.storage import zarr_store
+        from qgcli.storage import provenance, zarr_store
         from qgcli.ops import blocked, reduction
 
         job, out = self.job, self.job.output
@@ -130,7 +129,7 @@ class BlockRun:
         else:
             params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
             bounds, divide, flush = (*params, passthrough), setup["divide"], grid.needs_flush()
-        attrs = {"qgcli_version": __version__, **{k: v for k, v in setup["attrs"].items() if v is not None}}
+        attrs = provenance.attributes(setup["attrs"])
         name = self.runner.big_output(job, setup["variant"])
         blocks = blocks_of(shape, depth, items, plan)
         small = {}
