@@ -174,14 +174,14 @@ def _check_destination(dest, source, force):
     from qgcli.storage import formats, io
     from qgcli.errors import OutputError
 
-    kind = io.check_output(dest, inputs=[source], force=force)
-    if kind == "npy":
+    fmt = formats.get(io.check_output(dest, inputs=[source], force=force))
+    if not hasattr(fmt, "group_sink"):  # .npy: one array per file
         raise OutputError("a run file gives several outputs per group; use .h5, .npz, DIR/ or -", operand="--output")
-    if kind == "dir":
+    if fmt is formats.DIRECTORY:
         directory = dest.rstrip("/") or "/"
         if os.path.isdir(directory) and os.listdir(directory) and not force:
             raise OutputError(f"{directory} exists and is not empty; use --force to write into it", operand="--output")
-    return formats.get(kind)
+    return fmt
 
 
 #: Groups the rendered table shows (the rest are counted).

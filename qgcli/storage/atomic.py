@@ -30,19 +30,22 @@ def atomic_write(dest, writer):
 def staging(dest):
     """``with staging(dest) as tmp``: a temporary file beside ``dest`` to write, renamed over ``dest`` when
     the block ends without an error (removed otherwise)."""
-    mode = _mode_for(dest)
-    tmp = _new_temp(dest)
-    with _cleanup(tmp, dest):
+    mode, made = _mode_for(dest), []
+    with _cleanup(made, dest):
+        tmp = _new_temp(dest, made)
         yield tmp
         _finish(tmp, mode)
     commit([(tmp, dest)])
 
 
-def stage_in(directory, writer, *, sync=True):
+def stage_in(directory, writer, made, *, sync=True):
     """Write a future file with ``writer(path)`` to a new temporary file in ``directory`` (synced unless
-    ``sync`` is false, given the usual 0666 & ~umask); returns its path, for :func:`commit`."""
-    tmp = _new_temp(os.path.join(directory, "-"))
-    with _cleanup(tmp, directory):
+    ``sync`` is false, given the usual 0666 & ~umask); returns its path, for :func:`commit`, and appends it
+    to ``made`` (the caller's list of what to remove if the output fails) before anything can interrupt."""
+    mine = []
+    with _cleanup(mine, directory):
+        tmp = _new_temp(os.path.join(directory, "-"), mine)
+        made.append(tmp)
         writer(tmp)
         _finish(tmp, 0o666 & ~umask(), sync=sync)
     return tmp
@@ -63,23 +66,18 @@ def _mode_for(dest):
         return 0o666 & ~umask()
 
 
-def _new_temp(dest):
+def _new_temp(dest, made):
+    """A new empty temporary file beside ``dest``, its name appended to ``made`` before it exists."""
     parent = os.path.dirname(os.path.abspath(dest))
     # Not tempfile.mkstemp: its name is known only after the file exists, and an interrupt in between
     # would leave the file behind.  Here the name is set first, so cleanup always knows it.
     for _ in range(100):
-        tmp = os.path.join(parent, f".qgcli-{temp_token()}.tmp")
+        made[:] = [os.path.join(parent, f".qgcli-{temp_token()}.tmp")]
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            return tmp
+            os.close(os.open(made[0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            return made[0]
         except FileExistsError:
-            continue
-        except BaseException as exc:
-            unlink(tmp)
-            error = as_os_error(exc, dest)
-            if error is not None and error is not exc:
-                raise error from None
-            raise
+            made.clear()  # someone else's: never removed
     raise FileExistsError(f"no free temporary file name in {parent}")
 
 
@@ -94,13 +92,15 @@ def _finish(tmp, mode, *, sync=True):
 
 
 @contextlib.contextmanager
-def _cleanup(tmp, dest):
-    """Remove ``tmp`` when the block fails; a failed write is reported as the OSError it is."""
+def _cleanup(made, dest):
+    """Remove the temporary file named in ``made`` when the block fails; a failed write is reported as the
+    OSError it is."""
     hdf5_files = _open_hdf5_files()
     try:
         yield
     except BaseException as exc:
-        unlink(tmp)
+        for tmp in made:
+            unlink(tmp)
         if _open_hdf5_files() > hdf5_files:
             # HDF5 could not close the file it failed to write (a full disk).  Touching its objects again
             # (even freeing them) can crash HDF5 2.0, so they are kept, and the CLI exits with os._exit.
@@ -147,15 +147,16 @@ def commit(staged, *, sync=True):
             fsync_directory(parent)
 
 
-def new_temp_dir(parent):
-    """A new, empty, private ``.qgcli-*.tmpdir`` in ``parent`` (named before it exists)."""
+def new_temp_dir(parent, made):
+    """A new, empty, private ``.qgcli-*.tmpdir`` in ``parent``, its name appended to ``made`` before it
+    exists (a signal that lands as it is made still finds it removed)."""
     for _ in range(100):
-        tmpdir = os.path.join(parent, f".qgcli-{temp_token()}.tmpdir")
+        made[:] = [os.path.join(parent, f".qgcli-{temp_token()}.tmpdir")]
         try:
-            os.mkdir(tmpdir, 0o700)
-            return tmpdir
+            os.mkdir(made[0], 0o700)
+            return made[0]
         except FileExistsError:
-            continue
+            made.clear()  # someone else's: never removed
     raise FileExistsError(f"no free temporary directory name in {parent}")
 
 

@@ -32,20 +32,22 @@ def writing(dest, *, sync=True):
     directory = os.path.abspath(dest.rstrip("/") or dest)
     parent = os.path.dirname(directory)
     new = not os.path.isdir(directory)
-    staging, staged = None, {}  # staged: name -> its temporary file
+    made, temps, staged = [], [], {}  # the staging folder of a new DIR; every temporary file; name -> its own
     try:
         if new:
             os.makedirs(parent, exist_ok=True)
-            staging = atomic.new_temp_dir(parent)
+            atomic.new_temp_dir(parent, made)
+        staging = made[0] if new else None
         where = staging if new else directory
 
         def put(name, array):
-            staged[name] = atomic.stage_in(where, lambda p: npy.write(p, array), sync=sync)
+            staged[name] = atomic.stage_in(where, lambda p: npy.write(p, array), temps, sync=sync)
 
         yield put
         layout = group_file_paths(staged, suffix=".npy")
         if layout.changed:
-            staged[None] = atomic.stage_in(where, lambda p: atomic.write_text(p, layout.index_json()), sync=sync)
+            staged[None] = atomic.stage_in(where, lambda p: atomic.write_text(p, layout.index_json()), temps,
+                                           sync=sync)
         root = staging if new else directory
         moves = [(tmp, os.path.join(root, INDEX_NAME) if name is None else layout.target(root, name))
                  for name, tmp in staged.items()]
@@ -57,24 +59,24 @@ def writing(dest, *, sync=True):
             os.makedirs(os.path.dirname(target), exist_ok=True)
         if not new:
             atomic.commit(moves, sync=sync)
-            staged.clear()
+            temps.clear()
             return
         for tmp, target in moves:
             os.replace(tmp, target)
-        staged.clear()
+        temps.clear()
         os.chmod(staging, 0o777 & ~atomic.umask())
         if sync:
             atomic.fsync_directory(staging)
         raise_pending()
         os.rename(staging, directory)  # atomic; fails if DIR appeared meanwhile and is not empty
-        staging = None
+        made.clear()
         if sync:
             atomic.fsync_directory(parent)
     except BaseException as exc:
-        for tmp in staged.values():
+        for tmp in temps:
             atomic.unlink(tmp)
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        for tmpdir in made:
+            shutil.rmtree(tmpdir, ignore_errors=True)
         error = atomic.as_os_error(exc, dest)
         if error is not None and error is not exc:
             raise error from None

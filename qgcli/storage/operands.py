@@ -11,7 +11,7 @@ class Operands:
     """Operands by TensorFlow name, from ``--name SPEC`` options or else from a positional bundle file."""
 
     def __init__(self, bundle, specs, *, literal_ok=(), stdin=None):
-        from qgcli.storage import io
+        from qgcli.storage import formats, io
 
         self._io = io
         self.stdin = stdin if stdin is not None else io.Stdin()
@@ -29,7 +29,7 @@ class Operands:
                 self._bundle_container = io.Container.open(spec.path, self.stdin)
             except FileFormatError as exc:
                 raise self._error("BUNDLE", str(exc)) from None
-            if self._bundle_container.kind == "npy":
+            if not formats.get(self._bundle_container.kind).holds_many:
                 raise self._error("BUNDLE", "a bundle must be an .npz or .h5 file with named tensors, not .npy")
         self._specs = {}
         for name, text in specs.items():
@@ -68,12 +68,13 @@ class Operands:
     def dataset(self, name):
         """The unread h5py Dataset behind operand ``name``, or None when it is not in an HDF5 file."""
         from qgcli.errors import FileFormatError
+        from qgcli.storage import formats
 
         try:
             if name in self._specs:
                 spec = self._specs[name]
-                if spec.path is None or self._io.file_kind(spec.path) != "h5":
-                    return None
+                if spec.path is None or not hasattr(formats.for_input(spec.path), "dataset"):
+                    return None  # only HDF5 datasets are read in blocks from here
                 container = self._io.Container.open(spec.path, self.stdin)
                 self._opened.append(container)
                 key = spec.key or (name if container.has(name) else None)
