@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hostile import npy_bytes, npy_with_header
+from qgcli.storage import formats
 from qgcli.storage import io as qio
 from qgcli.errors import QgcliError
 
@@ -95,7 +96,7 @@ key_text = st.text(st.characters(blacklist_characters=":", blacklist_categories=
 @CI
 @given(st.text(max_size=12), st.sampled_from([".h5", ".hdf5", ".npz", ".H5", ".NPZ"]), key_text)
 def test_container_key_split_at_the_last_colon(stem, suffix, key):
-    if key.lower().endswith(qio._KNOWN_SUFFIXES):
+    if key.lower().endswith(formats.KNOWN_SUFFIXES):
         key += "x"  # 'a.h5:b.npy' names the file 'a.h5:b.npy' (the suffix wins), tested below
     spec = check_spec(f"{stem}{suffix}:{key}", False)
     if (stem + suffix) in ("-",) or (stem + suffix).startswith("-:"):

@@ -220,6 +220,41 @@ def test_dir_output_stays_inside_dir_and_the_index_maps_back(tmp_path):
         assert {c["name"] for c in index["collisions"]} >= {"a?b", "case"}
 
 
+def test_run_file_dir_output_takes_the_same_names_as_single_outputs(cli, tmp_path):
+    """A run file's ``-o DIR/`` (one folder per group) goes through the same writer, and the same sanitiser,
+    as a single command's: every file inside DIR, ``index.json`` mapping ``group/output`` back."""
+    groups = ["con", "a:b", "a_b", "..x", "\x1b]0;t\x07g", "ok"]
+    rng = np.random.default_rng(0)
+    run = tmp_path / "run.h5"
+    with h5py.File(run, "w") as f:
+        for name in groups:
+            g = f.create_group(name)
+            g.attrs["op"] = "FakeQuantWithMinMaxVars"
+            g.create_dataset("inputs", data=rng.standard_normal((3, 4)).astype(np.float32))
+            g.create_dataset("gradients", data=rng.standard_normal((3, 4)).astype(np.float32))
+            g.create_dataset("min", data=np.float32(-1))
+            g.create_dataset("max", data=np.float32(1))
+    for existing in (False, True):
+        dest = tmp_path / f"out{existing:d}"
+        if existing:
+            dest.mkdir()
+        r = cli("fakequant-grad", run, "-o", f"{dest}/", "-q")
+        assert r.exit_code == 0, r.output
+        written = [os.path.join(folder, f) for folder, _, files in os.walk(dest) for f in files]
+        assert all(_inside(dest, p) for p in written) and len(written) == 3 * len(groups) + 1
+        with open(dest / INDEX_NAME, encoding="ascii") as fh:
+            index = json.load(fh)
+        names = {e["name"]: e["path"] for e in index["files"]}
+        assert sorted(names) == sorted(f"{g}/{o}" for g in groups
+                                       for o in ("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"))
+        assert names["ok/backprop_wrt_min"] == "ok/backprop_wrt_min.npy" and names["con/backprop_wrt_min"].startswith("_con/")
+        with h5py.File(run, "r") as f:
+            want = f["a:b"]["inputs"][()]
+        got = np.load(dest / names["a:b/backprops_wrt_input"])
+        assert got.shape == want.shape
+        assert not [p for p in os.listdir(tmp_path) if p.startswith(".qgcli-")]  # no staging left behind
+
+
 def test_dir_output_with_plain_names_writes_no_index(tmp_path):
     from qgcli.storage import io
 

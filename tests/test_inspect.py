@@ -301,7 +301,7 @@ def test_h5_odd_datasets_do_not_stop_the_listing(cli, tmp_path):
 
 
 def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path):
-    from qgcli.storage import io as qio
+    from qgcli.storage import h5
 
     rng = np.random.default_rng(3)
     path = tmp_path / "plain.h5"
@@ -317,15 +317,96 @@ def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path
     with h5py.File(path, "r") as f:
         for name in ("big_endian", "int8", "half", "scalar", "gzip", "fill_only", "uint32"):
             ds = f[name]
-            fast = qio.read_plain_dataset(ds.id, ds.shape, ds.dtype)
-            checked = qio._read_dataset_node(qio._checked_dataset(ds, name, "x"), name, "x")
+            fast = h5.read_plain_dataset(ds.id, ds.shape, ds.dtype)
+            checked = h5.read_dataset_node(h5.checked_dataset(ds, name, "x"), name, "x")
             assert fast is not None and fast.dtype == checked.dtype and fast.shape == checked.shape, name
             np.testing.assert_array_equal(fast, checked)
         ds = f["external"]
-        assert qio.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None  # left to the checked read, which refuses it
+        assert h5.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None  # left to the checked read, which refuses it
     t = {t["name"]: t for t in inspect_json(cli, path)["files"][0]["tensors"]}
     assert "external file" in t["external"]["error"] and t["external"]["min"] is None
     assert t["big_endian"]["dtype"] == ">f4" and t["fill_only"]["min"] == t["fill_only"]["max"] == 2.5
     with h5py.File(path, "r") as f:
         check_stats(t["half"], f["half"][()])
         check_stats(t["gzip"], f["gzip"][()])
+
+
+# --- every format the tool reads (the storage registry, qgcli.storage.formats) ----------------------------
+
+def test_inspect_lists_a_safetensors_file_with_its_metadata(cli, tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(7)
+    arrays = {"inputs": rng.standard_normal((3, 4)).astype(np.float32), "scale": np.arange(4, dtype=np.int32)}
+    path = tmp_path / "t.safetensors"
+    st.save_file(arrays, str(path), metadata={"qgcli_version": "0.1.0", "op": "FakeQuantWithMinMaxVars"})
+    (f,) = inspect_json(cli, path)["files"]
+    assert list(f) == FILE_KEYS
+    assert f["format"] == "safetensors" and f["size_bytes"] == os.path.getsize(path)
+    assert f["attributes"] == {"op": "FakeQuantWithMinMaxVars", "qgcli_version": "0.1.0"}
+    assert f["groups"] == f["links"] == f["layers"] == []
+    by_name = {t["name"]: t for t in f["tensors"]}
+    assert sorted(by_name) == ["inputs", "scale"]
+    for name, a in arrays.items():
+        assert list(by_name[name]) == TENSOR_KEYS
+        assert by_name[name]["shape"] == list(a.shape) and by_name[name]["dtype"] == str(a.dtype)
+        check_stats(by_name[name], a)
+    (one,) = inspect_json(cli, f"{path}:scale")["files"][0]["tensors"]
+    assert one["name"] == "scale" and one["max"] == 3
+    r = cli("inspect", path)
+    assert r.exit_code == 0, r.output
+    assert "safetensors, " in r.stdout and "written by qgcli 0.1.0: FakeQuantWithMinMaxVars" in r.stdout
+
+
+def test_inspect_reads_what_qgcli_writes_in_every_output_format(cli, tmp_path):
+    """An output of each format qgcli writes to a file lists the same tensors with the same statistics."""
+    pytest.importorskip("safetensors")
+    bundle = os.path.join(SAMPLES, "notebook.h5")
+    seen = {}
+    for suffix in (".h5", ".npz", ".safetensors"):
+        out = tmp_path / f"out{suffix}"
+        r = cli("fakequant-grad", bundle, "--num-bits", "2", "-o", out, "-q")
+        assert r.exit_code == 0, r.output
+        (f,) = inspect_json(cli, out)["files"]
+        seen[suffix] = {t["name"]: (t["shape"], t["dtype"], t["min"], t["max"], t["zeros"]) for t in f["tensors"]}
+    assert seen[".npz"] == seen[".h5"] and len(seen[".h5"]) == 3
+    # safetensors keeps a 0-d tensor as shape [1] (its writer's rule, unchanged); the values are the same
+    assert {k: v[1:] for k, v in seen[".safetensors"].items()} == {k: v[1:] for k, v in seen[".h5"].items()}
+
+
+def test_inspect_lists_a_zarr_store_and_a_root_array(cli, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    out = tmp_path / "out.zarr"
+    r = cli("fakequant-grad", os.path.join(SAMPLES, "notebook.h5"), "--num-bits", "2", "-o", out, "-q")
+    assert r.exit_code == 0, r.output
+    (f,) = inspect_json(cli, out)["files"]
+    assert f["format"] == "zarr" and f["size_bytes"] > 0
+    assert f["attributes"]["qgcli_version"] and f["attributes"]["num_bits"] == 2
+    assert sorted(t["name"] for t in f["tensors"]) == ["backprop_wrt_max", "backprop_wrt_min", "backprops_wrt_input"]
+    assert all(t["error"] is None and t["min"] is not None for t in f["tensors"])
+    r = cli("inspect", out)
+    assert r.exit_code == 0 and "Zarr, " in r.stdout, r.output
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    root = zarr.create_array(store=str(tmp_path / "one.zarr"), shape=a.shape, dtype=a.dtype)
+    root[...] = a
+    (t,) = inspect_json(cli, tmp_path / "one.zarr")["files"][0]["tensors"]
+    assert t["name"] == "" and t["shape"] == [3, 4] and t["max"] == 11
+
+
+def test_the_registry_chooses_formats_by_suffix_and_magic_bytes():
+    from qgcli.storage import formats
+
+    for path, name in (("a.npy", "npy"), ("A.NPZ", "npz"), ("a.h5", "h5"), ("a.hdf5", "h5"),
+                       ("a.safetensors", "safetensors"), ("a.zarr", "zarr"), ("a.zarr/", "zarr"),
+                       ("s3://b/a.zarr", "zarr")):
+        assert formats.for_input(path).name == name, path
+    for dest, name in (("-", "stdout"), ("d/", "dir"), ("o.zarr/", "zarr"), ("o.h5", "h5")):
+        assert formats.for_output(dest).name == name, dest
+    assert formats.sniff(b"\x93NUMPY\x01\x00").name == "npy"
+    assert formats.sniff(b"PK\x03\x04").name == "npz"
+    assert formats.sniff(b"\x89HDF\r\n\x1a\n").name == "h5"
+    assert formats.sniff(b"\x08\x00\x00\x00\x00\x00\x00\x00") is None  # safetensors has no magic: never sniffed
+    assert formats.head_fits(formats.get("safetensors"), b"\x08\x00\x00\x00\x00\x00\x00\x00")
+    assert not formats.head_fits(formats.get("safetensors"), b"PK\x03\x04\x00\x00\x00\x00")
+    with pytest.raises(Exception, match="unknown file type"):
+        formats.for_input("a.txt")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qgcli.storage.hdf5 import walk as h5walk
-from qgcli.storage import io
+from qgcli.storage import h5
 from qgcli.storage import runfile
 from qgcli.cli.commands import inspect as inspect_cmd
 
@@ -37,9 +37,9 @@ def test_h5_open_is_group_getitem(tmp_path):
     _file(path)
     with h5py.File(path, "r") as f:
         for name in ("step_0", "step_0/layer_1/wq/inputs", "bf"):
-            a, b = io.h5_open(f.id, name.encode()), f[name]
+            a, b = h5.h5_open(f.id, name.encode()), f[name]
             assert type(a) is type(b) and a.id == b.id
-        assert io.h5_open(f.id, b"bf")._readonly and f["bf"]._readonly
+        assert h5.h5_open(f.id, b"bf")._readonly and f["bf"]._readonly
 
 
 def test_structure_matches_high_level_walk(tmp_path):
@@ -53,7 +53,7 @@ def test_structure_matches_high_level_walk(tmp_path):
         assert [d["path"] for d in datasets] == want_ds
         assert datasets[[d["path"] for d in datasets].index("bf")]["dtype"] == "bfloat16"
         for g in groups[1:]:
-            assert g["attributes"] == {k: inspect_cmd._plain(v) for k, v in io.read_attributes(f[g["path"]]).items()}
+            assert g["attributes"] == {k: inspect_cmd._plain(v) for k, v in h5.read_attributes(f[g["path"]]).items()}
     kinds = {lk["path"]: (lk["kind"], lk["target"]) for lk in links}
     assert kinds["soft"] == ("soft", "/step_0") and kinds["ext"] == ("external", "other.h5:/x")
     assert kinds["step_1"] == ("hard", "again")  # "again" comes first by name
@@ -71,7 +71,7 @@ def test_attributes_batch_falls_back_object_by_object(monkeypatch, tmp_path):
     with h5py.File(path, "r") as f:
         objs = [f["step_0/layer_0/wq"], f["step_0"]]
         want = [inspect_cmd._attributes(o) for o in objs]
-        monkeypatch.setattr(io, "read_attributes_many", broken)
+        monkeypatch.setattr(h5, "read_attributes_many", broken)
         assert [plain for plain, _ in inspect_cmd._attributes_many(objs)] == \
             [{"<unreadable>": "OSError: a damaged attribute table"}] * 2
         monkeypatch.undo()

@@ -140,8 +140,8 @@ def _fail(message, code, ctx=None):
 
 
 def _exit(code):
-    io = sys.modules.get("qgcli.storage.io")
-    if io is not None and io.hdf5_left_open():
+    atomic = sys.modules.get("qgcli.storage.atomic")
+    if atomic is not None and atomic.hdf5_left_open():
         # A full disk left HDF5 unable to close the file it was writing (its temporary file is already
         # removed); HDF5's own exit handler would then crash with SIGSEGV, so leave without it.
         for stream in (sys.stdout, sys.stderr):

@@ -124,50 +124,59 @@ def _compute(job, layer, group_job, runner, operands, skipped):
 
 
 def _run_and_write(job, container, path, layers):
-    """Compute every layer and write its outputs; returns (ran: list of dicts, skipped layers)."""
-    from qgcli.storage import io
+    """Compute every layer and write its outputs through the target format's group sink
+    (:mod:`qgcli.storage.formats`); returns (ran: list of dicts, skipped layers)."""
+    from qgcli.backend import to_numpy
+    from qgcli.execution import blocks
+    from qgcli.signals import raise_pending
 
     out = job.output
-    dest = out.destination
-    kind = _check_destination(dest, path, out.force)
-    ran, skipped = [], []
-    if kind == "h5":
-        io.atomic_write(dest, lambda tmp: _write_h5(job, container, path, layers, tmp, ran, skipped))
-    elif kind in ("npz", "stdout"):
-        _write_npz(job, container, path, layers, dest, kind, ran, skipped)
-    elif kind == "safetensors":  # one flat file, keys <group>/<name> as in .npz
-        arrays = {f"{layer.path}/{name}": a for layer, outs, _ in _in_memory(job, container, path, layers, ran, skipped)
-                  for name, a in outs.items()}
-        io.atomic_write(dest, lambda tmp: io._write_safetensors(tmp, arrays))
-    elif kind == "zarr":  # one Zarr group per run-file group, with its attributes, as in .h5
-        from qgcli.storage import zarr_store
-
-        zarr_store.write_groups(dest, ((layer.path, outs, _provenance(attrs)) for layer, outs, attrs in
-                                       _in_memory(job, container, path, layers, ran, skipped)),
-                                compression=out.compression)
-    else:
-        _write_dir(job, container, path, layers, dest, ran, skipped)
+    fmt = _check_destination(out.destination, path, out.force)
+    memory_plan = _TOOLS["memory_plan"]
+    ran, skipped, budgets = [], [], {}
+    with fmt.group_sink(out.destination, compression=out.compression) as sink:
+        for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
+            raise_pending()
+            try:
+                if sink.streams:  # .h5: a group too large for memory is computed into the file
+                    streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
+                    plan = None if _fits(layer, group_job, budgets) else \
+                        memory_plan(group_job, operands, streams=streams, mode=runner.mode(group_job))
+                else:
+                    plan = memory_plan(group_job, operands, streams=False,
+                                       mode=f"{runner.mode(group_job)} writing {out.destination}")
+                grp = sink.begin(layer.path)
+                if plan is not None:
+                    streamed = blocks.stream(runner, group_job, operands, *plan)
+                    small = streamed.compute(grp, lambda n: None)
+                    sink.add(layer.path, small, streamed.attrs)
+                    summary = streamed.summarise(small)
+                else:
+                    result = _compute(job, layer, group_job, runner, operands, skipped)
+                    if result is None:
+                        sink.discard(layer.path)
+                        continue
+                    sink.add(layer.path, {k: to_numpy(v) for k, v in result.outputs.items()}, result.attrs)
+                    summary = result.summary
+            finally:
+                operands.close()
+            _record(job, ran, layer, group_job, summary, overrides)
     return ran, skipped
 
 
 def _check_destination(dest, source, force):
-    from qgcli.storage import io
+    """The output's format (:mod:`qgcli.storage.formats`), once the target is checked."""
+    from qgcli.storage import formats, io
     from qgcli.errors import OutputError
 
-    kind = io.check_output(dest, inputs=[source], force=force)
-    if kind == "npy":
+    fmt = formats.get(io.check_output(dest, inputs=[source], force=force))
+    if not hasattr(fmt, "group_sink"):  # .npy: one array per file
         raise OutputError("a run file gives several outputs per group; use .h5, .npz, DIR/ or -", operand="--output")
-    if kind == "dir":
+    if fmt is formats.DIRECTORY:
         directory = dest.rstrip("/") or "/"
         if os.path.isdir(directory) and os.listdir(directory) and not force:
             raise OutputError(f"{directory} exists and is not empty; use --force to write into it", operand="--output")
-    return kind
-
-
-def _provenance(attrs):
-    from qgcli import __version__
-
-    return {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
+    return fmt
 
 
 #: Groups the rendered table shows (the rest are counted).
@@ -183,48 +192,6 @@ def _record(job, ran, layer, group_job, summary, overrides):
                 "overrides": overrides, "summary": summary if keep else {}})
 
 
-def _write_h5(job, container, path, layers, tmp, ran, skipped):
-    import h5py
-    import numpy as np
-
-    from qgcli.storage import io
-    from qgcli.backend import to_numpy
-    from qgcli.execution import blocks
-    from qgcli.storage.hdf5.small import SmallWriter
-    memory_plan = _TOOLS["memory_plan"]
-    from qgcli.signals import raise_pending
-
-    compression = job.output.compression
-    budgets = {}
-    with io.open_h5_for_writing(tmp) as f:
-        writer = SmallWriter(f)  # thousands of small groups: HDF5's low-level calls, same objects
-        for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
-            raise_pending()
-            try:
-                streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
-                plan = None if _fits(layer, group_job, budgets) else \
-                    memory_plan(group_job, operands, streams=streams, mode=runner.mode(group_job))
-                grp = h5py.Group(writer.group(layer.path))
-                if plan is not None:
-                    streamed = blocks.stream(runner, group_job, operands, *plan)
-                    attrs = _provenance(streamed.attrs)
-                    small = streamed.compute(grp, lambda n: None)
-                    _put(writer, grp, small, compression, np)
-                    summary = streamed.summarise(small)
-                else:
-                    result = _compute(job, layer, group_job, runner, operands, skipped)
-                    if result is None:
-                        del f[layer.path]
-                        continue
-                    attrs = _provenance(result.attrs)
-                    _put(writer, grp, {k: to_numpy(v) for k, v in result.outputs.items()}, compression, np)
-                    summary = result.summary
-                writer.attributes(grp.id, attrs)
-            finally:
-                operands.close()
-            _record(job, ran, layer, group_job, summary, overrides)
-
-
 def _fits(layer, group_job, budgets):
     """Whether the group's large operands, by the shapes discovery found, fit the memory budget
     (:func:`qgcli.execution.memory.shapes_fit`): then the memory plan is None without opening a dataset.
@@ -236,113 +203,6 @@ def _fits(layer, group_job, budgets):
         budgets[limit] = memory.parse_memory_limit(limit)
     return bool(memory.shapes_fit(layer.datasets, group_job.large_operands, budgets[limit]))
 
-
-def _put(writer, grp, arrays, compression, np):
-    for name, array in arrays.items():
-        array = np.asarray(array)
-        options = {"compression": compression, "chunks": True} if compression and array.ndim and array.size else {}
-        if array.dtype.name == "bfloat16":
-            ds = grp.create_dataset(name, data=array.view(np.uint16), **options)
-            ds.attrs["dtype"] = "bfloat16"
-        elif options or not writer.dataset(grp.id, name, array):
-            grp.create_dataset(name, data=array, **options)  # the op's attributes live on the group
-
-
-def _in_memory(job, container, path, layers, ran, skipped):
-    """Yield ``(layer, outputs as NumPy arrays, the op's attributes)`` group by group (outputs that are not .h5
-    do not stream)."""
-    from qgcli.backend import to_numpy
-    memory_plan = _TOOLS["memory_plan"]
-
-    for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
-        try:
-            memory_plan(group_job, operands, streams=False, mode=f"{runner.mode(group_job)} writing {job.output.destination}")
-            result = _compute(job, layer, group_job, runner, operands, skipped)
-        finally:
-            operands.close()
-        if result is None:
-            continue
-        _record(job, ran, layer, group_job, result.summary, overrides)
-        yield layer, {k: to_numpy(v) for k, v in result.outputs.items()}, result.attrs
-
-
-def _write_npz(job, container, path, layers, dest, kind, ran, skipped):
-    import io as _io
-    import sys
-    import zipfile
-
-    import numpy as np
-
-    from qgcli.storage import io
-
-    def write(fh):
-        with zipfile.ZipFile(fh, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for layer, arrays, _ in _in_memory(job, container, path, layers, ran, skipped):
-                for name, array in arrays.items():
-                    with zf.open(f"{layer.path}/{name}.npy", "w", force_zip64=True) as member:
-                        np.lib.format.write_array(member, np.asarray(array), allow_pickle=False)
-
-    if kind == "stdout":
-        buf = _io.BytesIO()
-        write(buf)
-        sys.stdout.buffer.write(buf.getvalue())
-        sys.stdout.buffer.flush()
-        return
-
-    def staged(tmp):
-        with open(tmp, "wb") as fh:
-            write(fh)
-
-    io.atomic_write(dest, staged)
-
-
-def group_folder(path):
-    """The folder (relative to ``-o DIR/``) of a group's outputs: its path, one folder per component, with
-    components that a file system would read otherwise (empty, ``.``, ``..``) made literal.  One function, so
-    that a shared path-sanitising rule can replace it."""
-    parts = []
-    for part in path.strip("/").split("/"):
-        parts.append(part if part not in ("", ".", "..") else "%" + part.replace(".", "%2E"))
-    return os.path.join(*parts) if parts else "_root"
-
-
-def _write_dir(job, container, path, layers, dest, ran, skipped):
-    """Every group's .npy files written into a hidden staging folder beside DIR, then moved into place."""
-    import shutil
-
-    from qgcli.storage import io
-
-    directory = os.path.abspath(dest.rstrip("/") or dest)
-    parent = os.path.dirname(directory)
-    staging = os.path.join(parent, f".qgcli-{io.temp_token()}.tmpdir")
-    os.mkdir(staging, 0o700)
-    try:
-        moves = []
-        for layer, arrays, _ in _in_memory(job, container, path, layers, ran, skipped):
-            folder = group_folder(layer.path)
-            os.makedirs(os.path.join(staging, folder), exist_ok=True)
-            for name, array in arrays.items():
-                io._write_npy(os.path.join(staging, folder, name + ".npy"), array)
-                moves.append(os.path.join(folder, name + ".npy"))
-        if not os.path.exists(directory):
-            os.chmod(staging, 0o777 & ~io._umask())
-            os.rename(staging, directory)
-            staging = None
-            return
-        for rel in moves:  # an existing DIR (empty, or --force): file by file
-            target = os.path.join(directory, rel)
-            if os.path.isdir(target):
-                from qgcli.errors import OutputError
-
-                raise OutputError(f"{target} is a directory", operand="--output")
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.replace(os.path.join(staging, rel), target)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-# --- the summary ---------------------------------------------------------------------------------------
 
 def _summary(job, where, layers, ran, other, skipped):
     from qgcli.families.groups import OVERRIDABLE

@@ -185,7 +185,8 @@ def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, o
     returns ``(summaries in task order, index.json path or None, workers used)``."""
     import shutil
 
-    from qgcli.storage import io
+    from qgcli.storage import atomic
+    from qgcli.storage import directory as directory_format
     from qgcli.errors import OutputError
     from qgcli.storage.paths import group_file_paths
 
@@ -195,7 +196,7 @@ def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, o
         raise OutputError(f"{directory} is a file, not a directory", operand="--output")
     if os.path.isdir(directory) and os.listdir(directory) and not force:
         raise OutputError(f"{directory} exists and is not empty; use --force to write into it", operand="--output")
-    staging = os.path.join(os.path.dirname(directory), f".qgcli-{io.temp_token()}.tmpdir")
+    staging = os.path.join(os.path.dirname(directory), f".qgcli-{atomic.temp_token()}.tmpdir")
     os.mkdir(staging, 0o700)
     try:
         targets = [layout.target(staging, t.path) for t in tasks]
@@ -203,9 +204,9 @@ def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, o
             os.makedirs(os.path.dirname(target), exist_ok=True)
         n = workers(len(tasks), jobs)
         summaries = _draw_all(tasks, targets, dpi, fmt, n, on_done)
-        index = io.write_index(staging, layout)
+        index = directory_format.write_index(staging, layout)
         if not os.path.exists(directory):
-            os.chmod(staging, 0o777 & ~io._umask())
+            os.chmod(staging, 0o777 & ~atomic.umask())
             os.rename(staging, directory)
             staging = None
         else:  # an existing (empty, or --force) DIR: file by file

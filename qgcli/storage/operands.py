@@ -11,7 +11,7 @@ class Operands:
     """Operands by TensorFlow name, from ``--name SPEC`` options or else from a positional bundle file."""
 
     def __init__(self, bundle, specs, *, literal_ok=(), stdin=None):
-        from qgcli.storage import io
+        from qgcli.storage import formats, io
 
         self._io = io
         self.stdin = stdin if stdin is not None else io.Stdin()
@@ -29,7 +29,7 @@ class Operands:
                 self._bundle_container = io.Container.open(spec.path, self.stdin)
             except FileFormatError as exc:
                 raise self._error("BUNDLE", str(exc)) from None
-            if self._bundle_container.kind == "npy":
+            if not formats.get(self._bundle_container.kind).holds_many:
                 raise self._error("BUNDLE", "a bundle must be an .npz or .h5 file with named tensors, not .npy")
         self._specs = {}
         for name, text in specs.items():
@@ -68,12 +68,13 @@ class Operands:
     def dataset(self, name):
         """The unread h5py Dataset behind operand ``name``, or None when it is not in an HDF5 file."""
         from qgcli.errors import FileFormatError
+        from qgcli.storage import formats
 
         try:
             if name in self._specs:
                 spec = self._specs[name]
-                if spec.path is None or self._io.file_kind(spec.path) != "h5":
-                    return None
+                if spec.path is None or not hasattr(formats.for_input(spec.path), "dataset"):
+                    return None  # only HDF5 datasets are read in blocks from here
                 container = self._io.Container.open(spec.path, self.stdin)
                 self._opened.append(container)
                 key = spec.key or (name if container.has(name) else None)
@@ -137,9 +138,9 @@ class GroupView:
     kind = "h5"
 
     def __init__(self, container, group, *, owns=False, known=None):
-        from qgcli.storage import io
+        from qgcli.storage import h5, io
 
-        self._io = io
+        self._io, self._h5 = io, h5
         self._container = container
         self._group = group
         self._owns = owns
@@ -153,14 +154,14 @@ class GroupView:
         # Resolved once: each operand is then one link below it (deep run-file paths cost nothing per read).
         if self._node is None:
             top = self._container._opened()
-            self._node = self._io._h5_resolve(top, self._group, self._container.label) if self._group.strip("/") \
+            self._node = self._h5.resolve(top, self._group, self._container.label) if self._group.strip("/") \
                 else top
         return self._node
 
     def _resolve(self, name):
         node = self._resolved.get(name)
         if node is None:
-            node = self._resolved[name] = self._io._h5_resolve(self._group_node(), name, self._label)
+            node = self._resolved[name] = self._h5.resolve(self._group_node(), name, self._label)
         return node
 
     def has(self, name):
@@ -172,14 +173,14 @@ class GroupView:
             self._resolve(name)
             return True
         except FileFormatError as exc:
-            return not isinstance(exc, self._io._NoSuchObject)
+            return not isinstance(exc, self._h5.NoSuchObject)
 
     def read(self, name):
         from qgcli.signals import deferred
 
         with deferred():
             array = self._read_known(name) if name in self._known else None
-            return array if array is not None else self._io._read_dataset_node(self.dataset(name), name, self._label)
+            return array if array is not None else self._h5.read_dataset_node(self.dataset(name), name, self._label)
 
     def _read_known(self, name):
         """A small plain dataset that discovery found, looked up as the checked read looks it up and read in
@@ -189,14 +190,14 @@ class GroupView:
 
         shape, dtype = self._known[name]
         try:
-            return self._io.read_plain_dataset(self._resolve(name).id, shape, np.dtype(dtype))
+            return self._h5.read_plain_dataset(self._resolve(name).id, shape, np.dtype(dtype))
         except self._io.CORRUPT_FILE_ERRORS:
             return None
 
     def dataset(self, name):
         ds = self._checked.get(name)
         if ds is None:
-            ds = self._checked[name] = self._io._checked_dataset(self._resolve(name), name, self._label)
+            ds = self._checked[name] = self._h5.checked_dataset(self._resolve(name), name, self._label)
         return ds
 
     def close(self):

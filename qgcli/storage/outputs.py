@@ -13,12 +13,11 @@ FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 
 def write_outputs(outputs, dest, *, operands, force, attrs, compression=None):
     """Check the target, then write every output (NumPy arrays) atomically."""
-    from qgcli import __version__
-    from qgcli.storage import io
+    from qgcli.storage import io, provenance
     from qgcli.backend import to_numpy
 
     io.check_output(dest, inputs=operands.input_paths(), force=force, names=list(outputs))
-    attrs = {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
+    attrs = provenance.attributes(attrs)
     try:
         io.save_outputs({k: to_numpy(v) for k, v in outputs.items()}, dest, attrs=attrs, compression=compression)
     except BrokenPipeError:
@@ -30,8 +29,9 @@ def write_outputs(outputs, dest, *, operands, force, attrs, compression=None):
 def check_figure_output(dest, *, inputs=(), force=False, option="--output", format=None):
     """Refuse a figure path that has no .png/.svg/.pdf suffix (unless ``format`` names one), is an input,
     exists without ``force``, is a directory or lies in a missing or read-only directory (the rules of
-    ``qgcli.storage.io.check_output``); ``-`` (stdout) is refused when stdout is a terminal."""
+    ``qgcli.storage.targets.check_file``); ``-`` (stdout) is refused when stdout is a terminal."""
     from qgcli.errors import OutputError
+    from qgcli.storage.targets import same_file
 
     if not dest:
         raise OutputError("a figure needs a file name ending in .png, .svg or .pdf, or - for stdout", operand=option)
@@ -45,7 +45,7 @@ def check_figure_output(dest, *, inputs=(), force=False, option="--output", form
         raise OutputError(f"cannot tell the figure format from {ext!r} in {dest}; use .png, .svg or .pdf",
                           operand=option)
     for source in inputs:
-        if source and os.path.exists(source) and os.path.exists(dest) and _same_file(source, dest):
+        if source and os.path.exists(source) and os.path.exists(dest) and same_file(source, dest):
             raise OutputError(f"{dest} is also an input; qgcli never overwrites its inputs", operand=option)
     if os.path.isdir(dest):
         raise OutputError(f"{dest} is a directory", operand=option)
@@ -56,13 +56,6 @@ def check_figure_output(dest, *, inputs=(), force=False, option="--output", form
         raise OutputError(f"{dest} exists; use --force to replace it", operand=option)
     if not os.access(parent, os.W_OK):
         raise OutputError(f"directory {parent} is not writable", operand=option)
-
-
-def _same_file(a, b):
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def save_checked(fig, dest, dpi, format=None):

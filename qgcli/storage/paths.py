@@ -5,7 +5,7 @@ sequences.  Whenever qgcli writes one file (or folder) per name, ``-o DIR/`` tod
 per group of a run file next, the relative paths come from :func:`group_file_paths`, never from the names
 themselves, and the mapping back to the exact names is written beside the outputs (:data:`INDEX_NAME`):
 :func:`qgcli.storage.io.save_outputs` does all of it for ``-o DIR/`` (names with ``/`` become sub-folders), and
-:func:`qgcli.storage.io.write_index` writes an index for outputs written another way.
+:func:`qgcli.storage.directory.write_index` writes an index for outputs written another way.
 Output HDF5 files keep the exact names; only file-system paths are sanitised.
 
 The rules, the same on every platform so that a layout made on Linux opens on Windows and macOS:
@@ -171,7 +171,7 @@ def group_file_paths(group_paths, *, suffix="", reserved=(INDEX_NAME,), max_byte
     FileLayout
         A mapping from each exact name to its relative path (``/``-separated; join it with
         :meth:`FileLayout.target`).  ``layout.changed`` says whether the index must be written beside the
-        outputs (:func:`qgcli.storage.io.write_index` writes ``layout.index_json()`` as :data:`INDEX_NAME`), and
+        outputs (:func:`qgcli.storage.directory.write_index` writes ``layout.index_json()`` as :data:`INDEX_NAME`), and
         ``layout.collisions`` / ``layout.notes()`` report names moved aside.
 
     Examples

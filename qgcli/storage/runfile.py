@@ -35,12 +35,12 @@ class Layer:
 
 def split_target(text):
     """``(path, group or None)`` of ``run.h5`` / ``run.h5:group/path``; None when ``text`` is no .h5 file."""
-    from qgcli.storage import io
+    from qgcli.storage import h5, io
 
     if text is None or text == "-" or text.startswith("-:"):
         return None
     spec = io.parse_spec(text)
-    if spec.path is None or not spec.path.lower().endswith(io.H5_SUFFIXES):
+    if spec.path is None or not spec.path.lower().endswith(h5.FORMAT.suffixes):
         return None
     group = spec.key.strip("/") if spec.key else None
     return spec.path, group or None
@@ -124,7 +124,7 @@ def _dataset(group, name, readonly=None):
     import h5py
     from h5py import h5l
 
-    from qgcli.storage.io import h5_open
+    from qgcli.storage.h5 import h5_open
 
     try:
         raw = group._e(name)
@@ -148,7 +148,8 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     import h5py
 
     from qgcli.storage.hdf5 import walk as h5walk
-    from qgcli.storage import io
+    from qgcli.storage import h5
+    from qgcli.storage.checks import reason
     from qgcli.errors import FileFormatError
     from qgcli.signals import deferred
     from qgcli.storage.dtypes import dtype_name
@@ -156,7 +157,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     label = label or handle.filename
     top = handle
     if group:
-        node = io._h5_resolve(handle, group, label)
+        node = h5.resolve(handle, group, label)
         if not isinstance(node, h5py.Group):
             raise FileFormatError(f"{label}: {group!r} is a dataset, not a group of a run file")
         top = node
@@ -199,7 +200,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
                 attrs = _attributes_of([top if path == top.name else handle.file[path]])[0]
             if isinstance(attrs, Exception):
                 layers.append(Layer(path.lstrip("/") or "/", None, None, None, None, {}, {},
-                                    error=f"cannot be read: {io._reason(attrs)}"))
+                                    error=f"cannot be read: {reason(attrs)}"))
             else:
                 layers.append(layer(path, attrs, datasets))
     return layers
@@ -218,11 +219,11 @@ ATTRIBUTE_BATCH = 32
 def _attributes_of(groups):
     """Each group's attributes as read (one guarded round trip for their strings), group by group where the
     batch fails, with the error in place of the attributes of a group that cannot be read."""
-    from qgcli.storage import io
+    from qgcli.storage import h5, io
     from qgcli.errors import FileFormatError
 
     try:
-        return io.read_attributes_many(groups)
+        return h5.read_attributes_many(groups)
     except FileFormatError:
         raise
     except io.CORRUPT_FILE_ERRORS:
@@ -230,7 +231,7 @@ def _attributes_of(groups):
     out = []
     for g in groups:
         try:
-            out.append(io.read_attributes(g))
+            out.append(h5.read_attributes(g))
         except FileFormatError:
             raise
         except io.CORRUPT_FILE_ERRORS as exc:

@@ -18,6 +18,8 @@ import shutil
 import numpy as np
 
 from qgcli.errors import FileFormatError, OutputError
+from qgcli.storage import atomic
+from qgcli.storage.checks import check_memory
 
 SUFFIX = ".zarr"
 #: The rows of one output chunk (and of one block on a cluster) hold about this much: whole chunks are
@@ -61,8 +63,8 @@ def _zarr():
     return zarr
 
 
-# What damaged or hostile stores raise from zarr, its codecs and JSON parsing (qgcli.storage.io has the same list for
-# its formats; this module does not import qgcli.storage.io, which imports it).
+# What damaged or hostile stores raise from zarr, its codecs and JSON parsing (qgcli.storage.checks has the list
+# for the one-file formats, which adds zip, zlib and NumPy-header errors).
 _CORRUPT = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError,
             OverflowError, SystemError)
 
@@ -74,16 +76,6 @@ def _errors():
 def _reason(exc):
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
-
-
-def _check_memory(nbytes, what):
-    try:
-        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return
-    if nbytes > limit:
-        raise FileFormatError(f"{what} declares {nbytes / 2**30:.1f} GiB of data, more than this machine's memory "
-                              f"({limit / 2**30:.1f} GiB)")
 
 
 def open_store(path, *, read_only):
@@ -131,6 +123,11 @@ class ZarrContainer:
 
     def close(self):
         pass  # a zarr store holds no open file between reads
+
+    @property
+    def one_array(self):
+        """The store's root is one array (read with no key, as an .npy is)."""
+        return self._is_array()
 
     def _is_array(self):
         return isinstance(self._node, _zarr().Array)
@@ -185,7 +182,7 @@ class ZarrContainer:
     def read(self, key=None):
         node = self.array(key)
         what = f"{self.label}: {key or '(root)'!r}"
-        _check_memory(int(node.size) * node.dtype.itemsize, what)
+        check_memory(int(node.size) * node.dtype.itemsize, what)
         try:
             data = np.asarray(node[...])
         except _errors() as exc:
@@ -194,6 +191,16 @@ class ZarrContainer:
 
     def dataset(self, key):
         return None  # not an HDF5 dataset: the HDF5 streaming executor does not take it
+
+    def attributes(self):
+        """The root's attributes (a qgcli output's provenance)."""
+        try:
+            return json_attrs(dict(self._node.attrs))
+        except _errors() as exc:
+            raise FileFormatError(f"{self.label}: cannot read its attributes: {_reason(exc)}") from None
+
+    def header(self, key):
+        return None, None  # no header to read apart from the array's metadata: the read says what failed
 
 
 def as_tagged(node, data):
@@ -209,7 +216,7 @@ def as_tagged(node, data):
 
 def check_output(dest, *, inputs=(), force=False):
     """Refuse a store that is an input (or holds one), exists without ``force``, is a directory that is no
-    Zarr store, or lies in a missing or read-only directory (the rules of :func:`qgcli.storage.io.check_output`)."""
+    Zarr store, or lies in a missing or read-only directory (the rules of :func:`qgcli.storage.targets.check_file`)."""
     local = local_path(dest)
     if local is None:
         fs, root = _fsspec(dest)
@@ -321,7 +328,7 @@ class _Stage:
     def __init__(self, dest):
         self.dest = dest
         self.local = local_path(dest)
-        name = f".qgcli-{os.urandom(8).hex()}.tmp.zarr"  # secrets.token_hex(8), as qgcli.storage.io.temp_token
+        name = f".qgcli-{atomic.temp_token()}.tmp.zarr"
         if self.local is not None:
             parent = os.path.dirname(os.path.abspath(self.local))
             self.path = os.path.join(parent, name)
@@ -340,10 +347,10 @@ class _Stage:
                 self.fs.rm(self.root, recursive=True)
             self.fs.mv(self.tmp_root, self.root, recursive=True)
             return
-        os.chmod(self.path, 0o777 & ~_umask())
+        os.chmod(self.path, 0o777 & ~atomic.umask())
         old = None
         if os.path.lexists(self.local):  # --force over a store: moved aside, then removed
-            old = os.path.join(os.path.dirname(self.path), f".qgcli-{os.urandom(8).hex()}.old.zarr")
+            old = os.path.join(os.path.dirname(self.path), f".qgcli-{atomic.temp_token()}.old.zarr")
             os.rename(self.local, old)
         try:
             os.rename(self.path, self.local)
@@ -364,12 +371,6 @@ class _Stage:
                 pass
 
 
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def save(dest, arrays, *, attrs=None, compression=None):
     """Write ``arrays`` (name -> array) as a new store at ``dest``: the attributes on the root group and on
     every array, as .h5 outputs carry them."""
@@ -379,10 +380,74 @@ def save(dest, arrays, *, attrs=None, compression=None):
 def write_groups(dest, groups, *, compression=None, array_attrs=False):
     """A new store at ``dest`` with one group per ``(path, arrays, attrs)`` of ``groups`` (an iterable: a
     run file's groups as they are computed; the attributes on the group, as a run file's .h5 output)."""
+    with _group_sink(dest, compression=compression, array_attrs=array_attrs) as sink:
+        for path, arrays, attrs in groups:
+            sink.add(path, arrays, attrs)
+
+
+@contextlib.contextmanager
+def _group_sink(dest, *, compression=None, array_attrs=False, provenance=None):
     codecs(compression)  # a refused --compression before anything is computed
     with staged(dest) as stage:
-        for path, arrays, attrs in groups:
-            group = stage.group.require_group(path) if path else stage.group
-            group.attrs.update(json_attrs(attrs))
-            for name, array in arrays.items():
-                put(group, name, array, attrs=attrs if array_attrs else {}, compression=compression)
+        yield _GroupSink(stage, compression, array_attrs, provenance)
+
+
+class _GroupSink:
+    """``add(path, arrays, attrs)`` writes one group of a new store (see :func:`write_groups`)."""
+
+    streams = False
+
+    def __init__(self, stage, compression, array_attrs, provenance):
+        self.stage, self.compression, self.array_attrs = stage, compression, array_attrs
+        self.provenance = provenance or (lambda attrs: attrs)
+
+    def begin(self, path):
+        return None
+
+    def discard(self, path):
+        pass
+
+    def add(self, path, arrays, attrs):
+        attrs = self.provenance(attrs)
+        group = self.stage.group.require_group(path) if path else self.stage.group
+        group.attrs.update(json_attrs(attrs))
+        for name, array in arrays.items():
+            put(group, name, array, attrs=attrs if self.array_attrs else {}, compression=self.compression)
+
+
+def _store_size(path):
+    """Bytes under a local store (what ``inspect`` reports as its size); 0 for a URL."""
+    local = local_path(path)
+    if local is None:
+        return 0
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(local) for f in files)
+
+
+class ZarrFormat:
+    """Zarr stores, claimed by name (``.zarr``, a directory or URL), before any directory rule."""
+
+    name, title, suffixes, magic = "zarr", "Zarr", (SUFFIX,), None
+    holds_many, hierarchical = True, False
+
+    def claims(self, path):
+        return is_zarr(path)
+
+    def open_container(self, path):
+        return ZarrContainer.open(path)
+
+    def size(self, path):
+        return _store_size(path)
+
+    def check_output(self, dest, *, inputs=(), force=False, names=()):
+        check_output(dest, inputs=inputs, force=force)
+
+    def write(self, dest, arrays, *, attrs, compression=None, stdout=None):
+        save(dest, arrays, attrs=attrs, compression=compression)
+
+    def group_sink(self, dest, *, compression=None):
+        from qgcli.storage import provenance
+
+        return _group_sink(dest, compression=compression, provenance=provenance.attributes)
+
+
+FORMAT = ZarrFormat()

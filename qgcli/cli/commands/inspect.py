@@ -42,7 +42,7 @@ def _plain(value, limit=64):
 
 def _attributes(obj):
     from qgcli.errors import QgcliError
-    from qgcli.storage.io import read_attributes
+    from qgcli.storage.h5 import read_attributes
 
     try:
         return {key: _plain(value) for key, value in read_attributes(obj).items()}
@@ -113,26 +113,7 @@ def _tensor_entry(name, shape, dtype, attributes, *, stats=None, error=None):
     return entry
 
 
-def _npy_header(source, name):
-    """Shape and dtype from an npz member's .npy header (never unpickling anything); (None, None) if unreadable."""
-    import io as _io
-    import zipfile
-
-    import numpy as np
-
-    try:
-        with zipfile.ZipFile(_io.BytesIO(source) if isinstance(source, bytes) else source) as zf:
-            with zf.open(name + ".npy") as fh:
-                version = np.lib.format.read_magic(fh)
-                reader = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                          else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = reader(fh)
-        return shape, str(dtype)
-    except Exception:  # noqa: BLE001 - only a better error message is at stake
-        return None, None
-
-
-def _read_entry(container, name, attributes, with_stats, shape=None, dtype=None, source=None):
+def _read_entry(container, name, attributes, with_stats, shape=None, dtype=None):
     """One tensor's entry; a tensor that cannot be read gets its error recorded, not a failed command."""
     from qgcli.errors import FileFormatError
 
@@ -141,8 +122,8 @@ def _read_entry(container, name, attributes, with_stats, shape=None, dtype=None,
     try:
         array = container.read(name or None)
     except FileFormatError as exc:
-        if shape is None and source is not None:
-            shape, dtype = _npy_header(source, name)
+        if shape is None:
+            shape, dtype = container.header(name)  # what the header says (an npz member's), if anything
         return _tensor_entry(name, shape, dtype or "unknown", attributes, error=str(exc))
     stats = tensor_stats(array) if with_stats else None
     return _tensor_entry(name, array.shape, array.dtype, attributes, stats=stats)
@@ -164,7 +145,7 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
 
     from qgcli.families import groups as run_groups_of
     from qgcli.storage.hdf5 import walk as h5walk
-    from qgcli.storage.io import tagged_bfloat16
+    from qgcli.storage.h5 import tagged_bfloat16
     from qgcli.signals import deferred
 
     groups, datasets, links = [], [], []
@@ -224,13 +205,13 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
 def _read_open(obj, name, label, shape, dtype):
     """What :func:`_read_entry` reads of a dataset, from the open Dataset (as ``Container.read`` reads it);
     ``shape`` and ``dtype``: the walk's, so that a small plain dataset is read in one low-level call."""
-    from qgcli.storage import io
+    from qgcli.storage import h5
     from qgcli.errors import FileFormatError
 
-    array = io.read_plain_dataset(obj.id, shape, dtype)
+    array = h5.read_plain_dataset(obj.id, shape, dtype)
     if array is None:
         try:
-            array = io._read_dataset_node(io._checked_dataset(obj, name, label), name, label)
+            array = h5.read_dataset_node(h5.checked_dataset(obj, name, label), name, label)
         except FileFormatError as exc:
             return None, None, None, str(exc)
     return array.shape, array.dtype, tensor_stats(array), None
@@ -241,7 +222,7 @@ def _attributes_many(objs):
     a broken attribute table spoils its own entry only) where the batch fails, with the exception in place
     of the attributes as read."""
     from qgcli.errors import QgcliError
-    from qgcli.storage.io import read_attributes, read_attributes_many
+    from qgcli.storage.h5 import read_attributes, read_attributes_many
 
     try:
         return [({key: _plain(value) for key, value in raw.items()}, raw) for raw in read_attributes_many(objs)]
@@ -274,9 +255,8 @@ def _matches(name, key):
 
 def inspect_source(text, stdin, *, with_stats=True, progress=None):
     """The ``files[]`` entry of ``qgcli inspect --json`` for one FILE argument (path[:KEY] or -)."""
-    import os
-
-    from qgcli.storage import io
+    from qgcli.storage import formats, io
+    from qgcli.storage.checks import CORRUPT_FILE_ERRORS, reason
     from qgcli.errors import FileFormatError, OperandError, QgcliError
 
     spec = io.parse_spec(text)
@@ -285,20 +265,21 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
     except FileFormatError as exc:
         raise OperandError(str(exc), operand="FILE") from None
     label = "-" if spec.path is None else spec.path
-    size = len(stdin.read()) if spec.path is None else os.path.getsize(spec.path)
+    fmt = formats.get(container.kind)
+    size = len(stdin.read()) if spec.path is None else formats.size(fmt, spec.path)
     entry = {"file": label, "format": container.kind, "size_bytes": size, "key": spec.key, "attributes": {},
              "groups": [], "links": [], "tensors": [], "layers": []}
-    npz_source = None
     with container:
-        if container.kind == "npy":
+        if not fmt.holds_many:
             if spec.key is not None:
                 raise OperandError(f"{label} is an .npy file with one array; it has no key {spec.key!r}",
                                    operand="FILE")
             todo = [("", None, None, {}, None)]
-        elif container.kind == "npz":
-            todo = [(n, None, None, {}, None) for n in container.names() if spec.key is None or n == spec.key]
-            npz_source = stdin.read() if spec.path is None else spec.path
-        else:
+        elif not fmt.hierarchical:  # flat keys (npz, safetensors, a Zarr store's arrays)
+            entry["attributes"] = {key: _plain(value) for key, value in container.attributes().items()}
+            names = [""] if getattr(container, "one_array", False) and spec.key is None else container.names()
+            todo = [(n, None, None, {}, None) for n in names if spec.key is None or n == spec.key]
+        else:  # HDF5: groups, links and run-file layers from one walk
             layers = []
             try:
                 reads = (container.label, lambda p: spec.key is None or _matches(p, spec.key)) if with_stats else None
@@ -306,8 +287,8 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
                                                         label=label, layers=layers, reads=reads)
             except QgcliError:
                 raise  # the bounds on depth and group count (qgcli.storage.hdf5.walk): already one clean error
-            except io.CORRUPT_FILE_ERRORS as exc:  # damaged HDF5 metadata: one clean error, not a traceback
-                raise OperandError(f"{label}: cannot list its structure: {io._reason(exc)}", operand="FILE") from None
+            except CORRUPT_FILE_ERRORS as exc:  # damaged HDF5 metadata: one clean error, not a traceback
+                raise OperandError(f"{label}: cannot list its structure: {reason(exc)}", operand="FILE") from None
             entry["attributes"] = groups[0]["attributes"]
             entry["groups"] = [g for g in groups if spec.key is None or _matches(g["path"], spec.key)
                                or g["path"] == "/"]
@@ -336,8 +317,7 @@ def inspect_source(text, stdin, *, with_stats=True, progress=None):
                 entry["tensors"].append(_tensor_entry(name, shape, dtype or "unknown", attrs, error=error) if error
                                         else _tensor_entry(name, array_shape, array_dtype, attrs, stats=stats))
             else:
-                entry["tensors"].append(_read_entry(container, name, attrs, with_stats, shape, dtype,
-                                                    source=npz_source if container.kind == "npz" else None))
+                entry["tensors"].append(_read_entry(container, name, attrs, with_stats, shape, dtype))
             if progress is not None:
                 progress.advance()
     return entry
@@ -401,6 +381,7 @@ def render_inspect(console, doc):
     from rich.text import Text
 
     from qgcli.report.tables import print_items, print_table
+    from qgcli.storage import formats
     from qgcli.report.text import printable_doc
 
     _columns()
@@ -409,7 +390,7 @@ def render_inspect(console, doc):
     for i, f in enumerate(doc["files"]):
         if i:
             console.print()
-        kind = {"h5": "HDF5", "npz": "npz", "npy": "npy"}[f["format"]]
+        kind = formats.get(f["format"]).title
         count = len(f["tensors"])
         print_items(console, f"[bold]{escape(f['file'])}[/]  {kind}, {_human_bytes(f['size_bytes'])}, "
                       f"{count} tensor{'s' if count != 1 else ''}")

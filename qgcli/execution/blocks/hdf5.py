@@ -293,17 +293,16 @@ def write_streamed(output, operands, force, attrs, compute, *, quiet, total_byte
     ``compute`` returns the small outputs (name -> array) to store beside the streamed ones, compressed as
     in memory (every dataset with elements).
     """
-    from qgcli import __version__
     from qgcli.errors import RuntimeFailure
-    from qgcli.storage import io
+    from qgcli.storage import atomic, h5, io, provenance
     from qgcli.report.progress import Progress
 
     io.check_output(output, inputs=operands.input_paths(), force=force)
-    attrs = {"qgcli_version": __version__, **{k: v for k, v in attrs.items() if v is not None}}
+    attrs = provenance.attributes(attrs)
     small = {}
 
     def write(path):
-        with io.open_h5_for_writing(path) as out, Progress("streaming", total=total_bytes, unit="bytes", quiet=quiet) as bar:
+        with h5.open_for_writing(path) as out, Progress("streaming", total=total_bytes, unit="bytes", quiet=quiet) as bar:
             for key, value in attrs.items():
                 out.attrs[key] = value
             small.update(compute(out, bar.advance))
@@ -315,7 +314,7 @@ def write_streamed(output, operands, force, attrs, compute, *, quiet, total_byte
                     ds.attrs[key] = v
 
     try:
-        io.atomic_write(output, write)
+        atomic.atomic_write(output, write)
     except OSError as exc:
         raise RuntimeFailure(f"cannot write {output}: {exc.strerror or exc}") from None
     return small

@@ -263,8 +263,7 @@ class BlockRun:
         """Check the output, plan the blocks, compute them (``compute_all(function, work, blocks)`` -> the
         results of ``function(work, block)`` in order; default: one after another here), add the partial
         sums, write; returns the summary."""
-        from qgcli import __version__
-        from qgcli.storage import zarr_store
+        from qgcli.storage import provenance, zarr_store
 
         job, out = self.job, self.job.output
         check_destination(job, self.operands)
@@ -275,7 +274,7 @@ class BlockRun:
         cap = max(1, min(zarr_store.CHUNK_BYTES, self.budget // 16) // per_item_bytes)
         items = max(1, min(int(big.chunks[0]), cap))
         dtype, run, note = _RUNS[setup["blocks"]](setup, self.arrays, big, items)
-        attrs = {"qgcli_version": __version__, **{k: v for k, v in setup["attrs"].items() if v is not None}}
+        attrs = provenance.attributes(setup["attrs"])
         with zarr_store.staged(out.destination) as stage:
             stage.group.attrs.update(zarr_store.json_attrs(attrs))
             zarr_store.create_array(stage.group, setup["output"], shape, dtype, attrs=attrs,

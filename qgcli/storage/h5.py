@@ -1,0 +1,405 @@
+"""The HDF5 format (.h5, .hdf5): reading with every link checked (nothing outside the file is opened),
+attributes read under :mod:`qgcli.storage.hdf5.guard`, and writing single outputs (one dataset per output,
+the provenance on the file and on each dataset) and run-file outputs (one group per run-file group, written
+by :class:`qgcli.storage.hdf5.small.SmallWriter` at HDF5's own speed).
+
+The low-level helpers live in :mod:`qgcli.storage.hdf5` (walk, guard, contiguous, chunks, small).
+"""
+import contextlib
+import io as _io
+
+import numpy as np
+
+from qgcli.errors import FileFormatError, QgcliError
+from qgcli.signals import deferred, raise_pending
+from qgcli.storage import atomic, provenance, targets
+from qgcli.storage.checks import CORRUPT_FILE_ERRORS, check_memory, reason
+from qgcli.storage.hdf5 import contiguous as h5_contiguous
+from qgcli.storage.hdf5 import guard as hdf5_guard
+
+MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+class NoSuchObject(FileFormatError):
+    """A key names nothing in an HDF5 file."""
+
+
+_MAX_SOFT_LINKS = 16  # HDF5's own limit on soft-link hops (H5L_NUM_LINKS)
+
+
+def resolve(handle, key, label):
+    """The object at ``key``, walking the path one link at a time so that nothing outside the file is opened.
+
+    Hard links are followed, soft links by their target path within the file (at most 16 hops, so a
+    cycle ends), and an external link is refused before HDF5 would open the file it names.
+    """
+    import h5py
+    from h5py import h5l
+
+    if isinstance(key, bytes):  # a link name that is not UTF-8 (h5py hands those out as bytes)
+        key = key.decode("utf-8", "surrogateescape")
+    todo = [p for p in reversed(key.split("/")) if p and p != "."]
+    node, hops = handle, 0
+    try:
+        while todo:
+            part = todo.pop()
+            name = part.encode("utf-8", "surrogateescape")
+            if not isinstance(node, h5py.Group) or not node.id.links.exists(name):
+                raise NoSuchObject(f"{label}: has no dataset {key!r}")
+            kind = node.id.links.get_info(name).type
+            if kind == h5l.TYPE_EXTERNAL:
+                target = node.id.links.get_val(name)[0].decode("utf-8", "replace")
+                raise FileFormatError(f"{label}: {key!r} is an external link to {target}; qgcli does not follow it")
+            if kind == h5l.TYPE_SOFT:
+                hops += 1
+                if hops > _MAX_SOFT_LINKS:
+                    raise FileFormatError(f"{label}: {key!r} goes through more than {_MAX_SOFT_LINKS} soft links")
+                target = node.id.links.get_val(name).decode("utf-8", "surrogateescape")
+                if target.startswith("/"):
+                    node = handle
+                todo.extend(p for p in reversed(target.split("/")) if p and p != ".")
+                continue
+            if kind != h5l.TYPE_HARD:
+                raise FileFormatError(f"{label}: {key!r} is a user-defined link; qgcli does not follow it")
+            node = node[name]
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{label}: cannot resolve {key!r}: {reason(exc)}") from None
+    return node
+
+
+def checked_at(handle, key, label):
+    """The checked h5py Dataset under ``key``: no group, no virtual or external data outside the file."""
+    return checked_dataset(resolve(handle, key, label), key, label)
+
+
+def checked_dataset(node, key, label):
+    """``node`` (resolved from ``key``) when it is a Dataset whose data lies in its own file."""
+    import h5py
+
+    try:
+        if not isinstance(node, h5py.Dataset):
+            raise FileFormatError(f"{label}: {key!r} is a group, not a dataset")
+        if node.is_virtual:
+            for source in node.virtual_sources():
+                if source.file_name not in (".", node.file.filename):
+                    raise FileFormatError(
+                        f"{label}: {key!r} is a virtual dataset reading {source.file_name}; qgcli does not follow it"
+                    )
+        if node.external:
+            # Raw data in other files ("external storage") would let a file read /etc/passwd as uint8.
+            raise FileFormatError(f"{label}: {key!r} keeps its data in the external file {node.external[0][0]}; "
+                                  "qgcli does not follow it")
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{label}: dataset {key!r} cannot be read: {reason(exc)}") from None
+    return node
+
+
+def read_at(handle, key, label):
+    return read_dataset_node(checked_at(handle, key, label), key, label)
+
+
+def read_dataset_node(node, key, label):
+    """The array of a checked Dataset (:func:`checked_dataset`)."""
+    try:
+        if node.dtype.hasobject:
+            # Variable-length strings and sequences and references live in HDF5's global heap; no tensor
+            # is stored that way, and a damaged heap made HDF5 loop forever on the read (fuzzing found it).
+            raise FileFormatError(f"{label}: {key!r} holds {object_kind(node.dtype)}, not a tensor; "
+                                  "qgcli does not read it")
+        check_memory(int(node.size or 0) * node.dtype.itemsize, f"{label}: {key!r}")
+        data = h5_contiguous.read(node, f"{label}: dataset {key!r}")
+        if data is None:
+            data = node[()]
+        bfloat16 = getattr(data, "dtype", None) == np.uint16 and tagged_bfloat16(node)
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{label}: dataset {key!r} cannot be read: {reason(exc)}") from None
+    if bfloat16:
+        import ml_dtypes
+
+        data = data.view(ml_dtypes.bfloat16)
+    return np.asarray(data)
+
+
+#: Datasets up to this size take :func:`read_plain_dataset`'s one-call read (a run file's many small tensors).
+PLAIN_READ_BYTES = 1 << 20
+
+
+def read_plain_dataset(dsid, shape, dtype):
+    """What ``read_dataset_node(checked_dataset(node, ...))`` gives of a small Dataset of plain numbers kept
+    in its own file (``dsid``: its low-level DatasetID; ``shape``, ``dtype``: its own, already asked), in one
+    low-level read without h5py's per-read layers; None for anything else, and on any error (the checked
+    read then says why)."""
+    from h5py import h5d, h5s
+
+    # uint16 may be a bfloat16-tagged tensor; empty, object, compound and exotic types take the checked read.
+    if (dtype.kind not in "fiu" or dtype.itemsize > 8 or (dtype.kind == "u" and dtype.itemsize == 2)
+            or dtype.fields is not None or dtype.subdtype is not None):
+        return None
+    size = 1
+    for d in shape:
+        size *= d
+    if not 0 < size * dtype.itemsize <= PLAIN_READ_BYTES:
+        return None
+    try:
+        dcpl = dsid.get_create_plist()
+        if dcpl.get_layout() == h5d.VIRTUAL or dcpl.get_external_count():
+            return None  # data outside this file: the checked read refuses it
+        array = np.empty(shape, dtype=dtype)
+        dsid.read(h5s.ALL, h5s.ALL, array)
+    except CORRUPT_FILE_ERRORS:
+        return None
+    return array
+
+
+def tagged_bfloat16(dataset):
+    """Whether an HDF5 dataset carries qgcli's ``dtype=bfloat16`` tag (bfloat16 stored as uint16).
+
+    The one attribute qgcli reads even when it is a variable-length string (h5py's default for ``str``,
+    so that is how users tag their files), and only on integer datasets."""
+    return dataset.dtype.kind == "u" and dataset.attrs.get("dtype") in ("bfloat16", b"bfloat16")
+
+
+def h5_open(parent_id, name, *, readonly=True):
+    """The h5py object (Group, Dataset or Datatype) that ``name`` (bytes, relative to the low-level
+    ``parent_id``) names: what ``group[name]`` gives, without its per-call path checks (a walk over
+    thousands of groups calls this once per object).  Raises as ``group[name]`` does."""
+    import h5py
+    from h5py import h5i, h5o
+
+    oid = h5o.open(parent_id, name)
+    otype = h5i.get_type(oid)
+    if otype == h5i.GROUP:
+        return h5py.Group(oid)
+    if otype == h5i.DATASET:
+        return h5py.Dataset(oid, readonly=readonly)
+    if otype == h5i.DATATYPE:
+        return h5py.Datatype(oid)
+    raise TypeError("Unknown object type")
+
+
+def read_attributes(obj):
+    """An HDF5 object's attributes, name -> value (strings as ``str``).
+
+    On a damaged global heap HDF5 spins for ever inside the read of a variable-length value, holding the
+    GIL, so that no signal can stop it.  Scalar variable-length strings (h5py's default for ``str``: every
+    qgcli provenance attribute) are therefore read by :mod:`qgcli.storage.hdf5.guard`, which gives up after a few
+    seconds; other variable-length and object-typed values are never read and appear as ``"<KIND: not
+    read>"`` (the kind, as for such datasets).
+    """
+    return read_attributes_many([obj])[0]
+
+
+def read_attributes_many(objs):
+    """:func:`read_attributes` of each of ``objs`` (a run file's groups), with every scalar string attribute
+    of all of them read in one guarded batch (one round trip to :mod:`qgcli.storage.hdf5.guard`'s worker thread)."""
+    from h5py import h5a
+
+    outs, strings = [], []  # strings: (dict, key, AttrID)
+    for obj in objs:
+        out = {}
+        outs.append(out)
+        for key in _attribute_names(obj.id):
+            key_text = key.decode("utf-8", "surrogateescape")
+            try:
+                attr = h5a.open(obj.id, key)
+                dtype = attr.dtype
+                if dtype.kind == "O":
+                    out[key_text] = f"<{object_kind(dtype)}: not read>"
+                    if attr.shape == ():
+                        # the file's name only for the first (the message of a stuck read names it)
+                        strings.append((out, key_text, attr, None if strings else obj.file.filename))
+                elif dtype.kind in "biuf" and dtype.subdtype is None and attr.shape == ():
+                    out[key_text] = _scalar_attribute(attr, dtype)  # what obj.attrs[key] gives, opened once
+                else:
+                    value = obj.attrs[key]
+                    out[key_text] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            except FileFormatError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an unsupported or damaged attribute must not stop the listing
+                out[key_text] = f"<unreadable: {type(exc).__name__}>"
+    if strings:
+        try:
+            values = hdf5_guard.read_string_attributes([s[2] for s in strings], strings[0][3])
+        except FileFormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as above, for every attribute of the batch
+            values = [exc] * len(strings)
+        for (out, key_text, _, _), value in zip(strings, values):
+            if isinstance(value, Exception):
+                out[key_text] = f"<unreadable: {type(value).__name__}>"
+            elif value is not None:
+                out[key_text] = value
+    return outs
+
+
+def _attribute_names(oid):
+    """The raw names of an object's attributes in ``obj.attrs.keys()``'s order (creation order where the
+    object tracks it, else by name), without h5py's per-call layers."""
+    from h5py import h5, h5a, h5p
+
+    tracked = oid.get_create_plist().get_attr_creation_order() & h5p.CRT_ORDER_TRACKED
+    names = []
+    h5a.iterate(oid, lambda name, *_: names.append(name), index_type=h5.INDEX_CRT_ORDER if tracked else h5.INDEX_NAME)
+    return names
+
+
+def _scalar_attribute(attr, dtype):
+    """A scalar numeric attribute's value as h5py's ``attrs[key]`` reads it (a NumPy scalar), from its AttrID."""
+    from h5py import h5t
+
+    value = np.zeros((), dtype=dtype)
+    attr.read(value, mtype=h5t.py_create(dtype))
+    return value[()]
+
+
+def object_kind(dtype):
+    import h5py
+
+    if h5py.check_string_dtype(dtype) is not None:
+        return "variable-length strings"
+    if h5py.check_vlen_dtype(dtype) is not None:
+        return "variable-length sequences"
+    return "HDF5 references" if h5py.check_ref_dtype(dtype) is not None else f"objects ({dtype})"
+
+
+@contextlib.contextmanager
+def open_for_writing(path):
+    """``with h5py.File(path, "w")``, without a chunk cache and with signals deferred until the file is
+    closed (a signal inside an HDF5 call would leave HDF5 half-way; the writer calls
+    :func:`qgcli.signals.raise_pending` where it can stop).  Outputs are written once, so the cache buys
+    nothing, and with HDF5 2.0 a write that fails while the cache holds chunks (a full disk) crashes the
+    process with SIGSEGV instead of raising."""
+    import h5py
+
+    with deferred(), h5py.File(path, "w", rdcc_nbytes=0) as f:
+        yield f
+
+
+def write_file(fh, arrays, attrs, compression=None):
+    with open_for_writing(fh) as f:
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        for name, array in arrays.items():
+            raise_pending()  # between two datasets HDF5 is in a clean state: stop here on a signal
+            array = np.asarray(array)
+            data = array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+            if compression and array.ndim and array.size:
+                from qgcli.storage.hdf5 import chunks as h5_chunks  # chunks compressed on every core
+
+                ds = h5_chunks.create(f, name, data.shape, data.dtype, compression)
+                h5_chunks.write(ds, data)
+            else:
+                ds = f.create_dataset(name, data=data)
+            if array.dtype.name == "bfloat16":
+                ds.attrs["dtype"] = "bfloat16"
+            for key, value in attrs.items():
+                ds.attrs[key] = value
+
+
+def dataset_names(handle, label):
+    """Dataset paths through hard links, never soft or external links."""
+    import h5py
+
+    names = []
+    try:
+        # HDF5's object visitor follows hard links only and visits each object once (so cycles end).
+        with deferred():
+            handle.visititems(lambda name, obj: names.append(
+            name.decode("utf-8", "surrogateescape") if isinstance(name, bytes) else name)
+            if isinstance(obj, h5py.Dataset) else None)
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{label}: cannot list its datasets: {reason(exc)}") from None
+    return names
+
+
+class GroupSink:
+    """A run file's outputs in one open HDF5 file: a group per run-file group, the op's attributes (with the
+    provenance) on the group.  ``begin(path)`` makes the group (a streamed group is computed into it),
+    ``add`` writes its outputs and attributes, ``discard`` removes a group that failed."""
+
+    streams = True
+
+    def __init__(self, f, compression):
+        from qgcli.storage.hdf5.small import SmallWriter
+
+        self.file = f
+        self.compression = compression
+        self.writer = SmallWriter(f)  # thousands of small groups: HDF5's low-level calls, same objects
+        self._begun = (None, None)
+
+    def begin(self, path):
+        import h5py
+
+        self._begun = (path, h5py.Group(self.writer.group(path)))
+        return self._begun[1]
+
+    def add(self, path, arrays, attrs):
+        begun, grp = self._begun
+        if begun != path:
+            grp = self.begin(path)
+        for name, array in arrays.items():
+            self._put(grp, name, np.asarray(array))
+        self.writer.attributes(grp.id, provenance.attributes(attrs))
+
+    def _put(self, grp, name, array):
+        compression = self.compression
+        options = {"compression": compression, "chunks": True} if compression and array.ndim and array.size else {}
+        if array.dtype.name == "bfloat16":
+            ds = grp.create_dataset(name, data=array.view(np.uint16), **options)
+            ds.attrs["dtype"] = "bfloat16"
+        elif options or not self.writer.dataset(grp.id, name, array):
+            grp.create_dataset(name, data=array, **options)  # the op's attributes live on the group
+
+    def discard(self, path):
+        del self.file[path]
+
+
+class H5Format:
+    name, title, suffixes, magic = "h5", "HDF5", (".h5", ".hdf5"), MAGIC
+    holds_many = hierarchical = True  # groups, links and run-file layers: inspect walks them
+
+    def open(self, source):
+        import h5py
+
+        with deferred():
+            return h5py.File(_io.BytesIO(source) if isinstance(source, bytes) else source, "r")
+
+    def names(self, handle, label):
+        return dataset_names(handle, label)
+
+    def read(self, handle, key, label):
+        with deferred():
+            return read_at(handle, key, label)
+
+    def dataset(self, handle, key, label):
+        with deferred():
+            return checked_at(handle, key, label)
+
+    def has(self, handle, key, label):
+        try:
+            with deferred():
+                resolve(handle, key, label)
+            return True
+        except FileFormatError as exc:
+            # Present but unreadable (an external link, say): say so when it is read, not "missing".
+            return not isinstance(exc, NoSuchObject)
+
+    def check_output(self, dest, *, inputs=(), force=False, names=()):
+        targets.check_file(dest, inputs=inputs, force=force)
+
+    def write(self, dest, arrays, *, attrs, compression=None, stdout=None):
+        atomic.atomic_write(dest, lambda p: write_file(p, arrays, attrs, compression))
+
+    @contextlib.contextmanager
+    def group_sink(self, dest, *, compression=None):
+        with atomic.staging(dest) as tmp, open_for_writing(tmp) as f:
+            yield GroupSink(f, compression)
+
+
+FORMAT = H5Format()

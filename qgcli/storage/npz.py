@@ -1,0 +1,106 @@
+"""The .npz format: a zip of .npy members, read with zipfile itself (each member then by the checked .npy
+reader, never by ``np.load``) and written in ``np.savez``'s layout."""
+import contextlib
+import io as _io
+import zipfile
+
+import numpy as np
+
+from qgcli.errors import FileFormatError, QgcliError
+from qgcli.storage import atomic, npy, targets
+from qgcli.storage.checks import CORRUPT_FILE_ERRORS, reason
+from qgcli.storage.sinks import FlatSink
+
+MAGIC = b"PK"
+
+
+def members(zf):
+    """key -> member name, as np.load names them (``x.npy`` is key ``x``)."""
+    try:
+        names = zf.namelist()
+    except CORRUPT_FILE_ERRORS:
+        return {}
+    return {(n[:-4] if n.endswith(".npy") else n): n for n in names}
+
+
+def read_member(zf, member, key, label):
+    what = f"{label}: key {key!r}"
+    try:
+        info = zf.getinfo(member)
+        with zf.open(info) as fh:
+            if fh.read(6) != npy.MAGIC:
+                raise FileFormatError(f"{what} is not an .npy array")
+            fh.seek(0)
+            return npy.read_stream(fh, info.file_size, what)
+    except QgcliError:
+        raise
+    except CORRUPT_FILE_ERRORS as exc:
+        raise FileFormatError(f"{what} cannot be read: {reason(exc)}") from None
+
+
+@contextlib.contextmanager
+def writing(fh):
+    """``with writing(fh) as put``: ``put(key, array)`` adds ``key.npy``.  np.savez's layout, with the zip file
+    closed on every failure (NumPy 1.x's savez leaves it open when a write fails, and its __del__ then reports
+    an error on stderr)."""
+    with zipfile.ZipFile(fh, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        def put(key, array):
+            with zf.open(key + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asarray(array), allow_pickle=False)
+        yield put
+
+
+def write_zip(fh, arrays):
+    with writing(fh) as put:
+        for key, array in arrays.items():
+            put(key, array)
+
+
+class NpzFormat:
+    name, title, suffixes, magic = "npz", "npz", (".npz",), MAGIC
+    holds_many, hierarchical = True, False
+
+    def open(self, source):
+        return zipfile.ZipFile(_io.BytesIO(source) if isinstance(source, bytes) else source)
+
+    def names(self, handle, label):
+        return list(members(handle))
+
+    def read(self, handle, key, label):
+        found = members(handle)
+        if key not in found:
+            raise FileFormatError(f"{label}: has no key {key!r} (keys: {', '.join(found) or 'none'})")
+        return read_member(handle, found[key], key, label)
+
+    def has(self, handle, key, label):
+        return key in members(handle)
+
+    def header(self, handle, key):
+        """Shape and dtype from the member's .npy header (never unpickling anything); (None, None) if
+        unreadable: what ``inspect`` shows of a member it cannot read."""
+        try:
+            with handle.open(key + ".npy") as fh:
+                version = np.lib.format.read_magic(fh)
+                reader = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                          else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = reader(fh)
+            return shape, str(dtype)
+        except Exception:  # noqa: BLE001 - only a better error message is at stake
+            return None, None
+
+    def check_output(self, dest, *, inputs=(), force=False, names=()):
+        targets.check_file(dest, inputs=inputs, force=force)
+
+    def write(self, dest, arrays, *, attrs, compression=None, stdout=None):
+        with self.group_sink(dest) as sink:
+            for key, array in arrays.items():
+                sink.put(key, array)
+
+    @contextlib.contextmanager
+    def group_sink(self, dest, *, compression=None):
+        """A run file's outputs as keys ``group/name`` of one .npz, written as the groups are computed."""
+        with atomic.staging(dest) as tmp, open(tmp, "wb") as fh, writing(fh) as put:
+            yield FlatSink(put)
+
+
+FORMAT = NpzFormat()
