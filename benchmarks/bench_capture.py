@@ -120,7 +120,8 @@ def _child(framework, mode, steps, repeat, path, threads):
             times.append(time.perf_counter() - t)
         result.update(times=times, peak_rss_mb=_rss_mb())
     else:
-        step()
+        if framework == "torch":
+            step()  # warm-up (TF: traced once only, with the taps, below: a plain trace would stay in memory)
         times = []
         with capture(path, every=1) as cap:
             if framework == "tf":  # the trace with the taps, outside any captured step

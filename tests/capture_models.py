@@ -165,7 +165,14 @@ def tfmot_quantizer_calls(model):
     calls = 0
     for layer in model.layers:
         if isinstance(layer, keras.QuantizeWrapper):
-            calls += len(layer._weight_vars) + len(layer._quantize_activations) + len(layer._output_quantizer_vars)
+            calls += len(layer._weight_vars) + sum(_quantizes(a) for a in layer._quantize_activations)
+            calls += 1 if layer._output_quantizers else 0
         elif type(layer).__name__ == "QuantizeLayer" and layer.quantizer is not None:
             calls += 1
     return calls
+
+
+def _quantizes(activation):
+    """How many fake quants a tfmot QuantizeAwareActivation calls: one before a softmax, one after linear/relu/
+    swish/gelu, none for NoOpActivation (a conv whose batch norm quantizes after it)."""
+    return int(activation._should_pre_quantize()) + int(activation._should_post_quantize())

@@ -181,6 +181,7 @@ def test_mobilenet_v2_in_model_fit(tmp_path, runner):
     from capture_models import mobilenet_v2, tfmot_quantizer_calls
     from qgcli.capture.tensorflow import capture
 
+    tf.keras.backend.clear_session()
     model = mobilenet_v2(size=32)
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((8, 32, 32, 3)).astype("float32"), rng.integers(0, 10, 8)
@@ -201,7 +202,7 @@ def test_mobilenet_v2_in_model_fit(tmp_path, runner):
     assert all(r["status"] == "identical" for r in doc["layers"] if r["kind"] == "fake-quant")
 
 
-def test_tf_model_fit_in_graph_mode_every_n_steps(tmp_path, runner):
+def test_tf_model_fit_in_graph_mode_every_n_steps(tmp_path, runner, request):
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     tf = pytest.importorskip("tensorflow")
@@ -215,6 +216,8 @@ def test_tf_model_fit_in_graph_mode_every_n_steps(tmp_path, runner):
 
     keras = tf.keras
     layers = keras.layers
+    keras.backend.clear_session()  # layer names (quantize_layer, not quantize_layer_3) as in a fresh process
+    request.addfinalizer(keras.backend.clear_session)
     tf.random.set_seed(0)
     model = tfmot.quantization.keras.quantize_model(keras.Sequential(
         [layers.Input((6, 6, 2)), layers.Conv2D(4, 3, name="conv"), layers.BatchNormalization(name="bn"),

@@ -74,9 +74,11 @@ def test_steps_append_without_copying(tmp_path):
     with h5py.File(path) as f:
         assert sorted(f) == [f"step_00000{i}" for i in range(4)]
         assert np.array_equal(f["step_000003/b/inputs"][()], g)
-    w = RunFileWriter(path, step=3)  # a step already in the file is refused
+    with pytest.raises(FileExistsError):  # a step already in the file is refused, before any group
+        RunFileWriter(path, step=3)
+    w = RunFileWriter(path, step=5)
     with pytest.raises(FileExistsError):
-        _fake_quant(w, "a", x, g)
+        w.begin_step(2)
     w.discard()
 
 

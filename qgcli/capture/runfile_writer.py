@@ -132,6 +132,23 @@ class RunFileWriter:
             raise ValueError(f"{self.path}: a run file is an HDF5 file (.h5)")
         if os.path.exists(self.path) and self.step is None and not overwrite:
             raise FileExistsError(f"{self.path} exists; give step=N to add a step to it, or overwrite=True")
+        self._refuse_existing_step()
+
+    def _refuse_existing_step(self):
+        """Refuse a step the file already holds now, not at its first group (inside a training step)."""
+        import h5py
+
+        if self.step is None:
+            return
+        if self._file is not None:
+            present = self.step in self._file
+        elif os.path.exists(self.path):
+            with h5py.File(self.path, "r") as f:
+                present = self.step in f
+        else:
+            present = False
+        if present:
+            raise FileExistsError(f"{self.path} already holds the step {self.step}")
 
     @staticmethod
     def _compression(compression):
@@ -187,6 +204,7 @@ class RunFileWriter:
                 raise RuntimeError(f"step {self.step} is not committed yet")
             self.step = step_group(step)
             self.groups = {}
+            self._refuse_existing_step()
 
     def _open(self):
         """The file and the staging group of this step, made on the first group (nothing is written for a
@@ -199,10 +217,8 @@ class RunFileWriter:
             if self.step is not None and os.path.exists(self.path):
                 self._file = h5py.File(self.path, "a")
             else:
-                from qgcli.storage import io
-
-                parent = os.path.dirname(os.path.abspath(self.path))
-                self._tmp = os.path.join(parent, f".qgcli-{io.temp_token()}.tmp")
+                parent = os.path.dirname(os.path.abspath(self.path))  # hidden, as every qgcli temporary
+                self._tmp = os.path.join(parent, f".qgcli-{os.urandom(8).hex()}.tmp")
                 self._file = h5py.File(self._tmp, "w")
         f = self._file
         if self.step is None:
