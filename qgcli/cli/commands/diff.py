@@ -11,7 +11,7 @@ Examples:
 """
 
 
-@click.command(epilog=_EXAMPLE)
+@click.command(epilog=_EXAMPLE, short_help="Two run files (or bundles) compared layer by layer, worst changes first.")
 @click.argument("a", metavar="A", type=click.Path(dir_okay=False))
 @click.argument("b", metavar="B", type=click.Path(dir_okay=False))
 @click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Show the K worst changes only.")
