@@ -35,6 +35,7 @@ ROWS = [
     ("trend-not-history", ["trend", "{d}/text.h5"], 2, "text.h5", "not a qgcli history"),
     ("doctor-not-h5", ["doctor", "{d}/text.h5"], 2, "RUN_OR_HISTORY", "cannot open as h5"),
     ("plot-trend-not-history", ["plot", "trend", "{d}/text.h5", "-o", "{o}/t.png"], 2, "text.h5", "not a qgcli history"),
+    ("diff-not-h5", ["diff", "{d}/text.h5", "{d}/text.h5"], 2, "text.h5", "cannot open as h5"),
     ("suffix-unknown", ["nudge", "--min", "{d}/secret.bin", "--max", "1"], 2, "min", "unknown file type"),
     # --- empty and truncated files
     ("npy-empty", ["plot", "hist", "--inputs", "{d}/empty.npy", "--min", "-1", "--max", "1", "-o", "{o}/h.png"],
