@@ -519,7 +519,7 @@ static inline __attribute__((always_inline)) uint32_t qg_floatx_code_clipped(flo
 static inline float qg_pow2(int n) { return qg_float(n >= -126 ? (uint32_t)(n + 127) << 23 : 0x00400000u); }
 
 /* max |x| of a block on the bits (0x7F800001 and above: NaN) */
-static inline uint32_t qg_amax_bits(const float *restrict x, int64_t n) {
+static inline uint32_t qg_amax_bits_of(const float *restrict x, int64_t n) {
     uint32_t amax = 0;
     for (int64_t i = 0; i < n; ++i) {
         uint32_t m = qg_bits(x[i]) & 0x7FFFFFFFu;
@@ -580,7 +580,7 @@ static inline __attribute__((always_inline)) int qg_mx_run(
                      : fmt == QG_E3M2 ? 28.0f : fmt == QG_E2M1 ? 6.0f : 127.0f / 64.0f;
     for (int64_t b = 0; b < blocks; ++b) {
         const float *restrict xb = x + b * size;
-        uint32_t amax_bits = qg_amax_bits(xb, size);
+        uint32_t amax_bits = qg_amax_bits_of(xb, size);
         if (amax_bits > 0x7F800000u) return 1; /* NaN: the NumPy path */
         float f, s_out;
         codes[b] = (uint8_t)qg_mx_scale(amax_bits, fmax, mbits, emax, mode, &f, &s_out);
@@ -637,6 +637,10 @@ int qg_mx_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restrict
     }
 }
 
+/* max |x| of n float32 on the bits (NVFP4's per-tensor amax: no |x| temporary; a NaN's bits sort above
+ * Inf's, and the caller turns any NaN into torch's) */
+uint32_t qg_amax_bits(const float *restrict x, int64_t n) { return qg_amax_bits_of(x, n); }
+
 /* NVFP4 blocks of 16 (nvfp4._quantize_blocks): per_tensor with the tensor scale t and its reciprocal inv_t
  * (finite, t > 0).  Returns 0, or 1 where a block's max is NaN or its reciprocal scale is not finite (the
  * NumPy path redoes the run). */
@@ -644,7 +648,7 @@ int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restr
                     int64_t blocks, int per_tensor, float t, float inv_t) {
     for (int64_t b = 0; b < blocks; ++b) {
         const float *restrict xb = x + b * 16;
-        uint32_t amax_bits = qg_amax_bits(xb, 16);
+        uint32_t amax_bits = qg_amax_bits_of(xb, 16);
         if (amax_bits > 0x7F800000u) return 1;
         float bscale = qg_float(amax_bits) / 6.0f;
         if (per_tensor) bscale = bscale / t;

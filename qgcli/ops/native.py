@@ -26,6 +26,7 @@ _SIGNATURES = {
     "qg_lzf_compress": (_I64, [_P, _I64, _P, _I64, _I64]),
     "qg_mx_blocks": (_INT, [_P, _P, _P, _P, _I64, _I64, _INT, _INT]),
     "qg_nvfp4_blocks": (_INT, [_P, _P, _P, _P, _I64, _INT, _F, _F]),
+    "qg_amax_bits": (ctypes.c_uint32, [_P, _I64]),
     "qg_cpu_has_avx2": (_INT, []),
     "qg_abi_version": (_INT, []),
 }

@@ -87,8 +87,15 @@ def pack_fp4(codes, axis=-1):
 
 
 def _tensor_scale(x, xp):
+    from qgcli.ops import native
+
+    lib = native.for_arrays(xp, x) if x.size else None
     with np.errstate(invalid="ignore"):
-        amax = sf.nan_as_torch_max(xp.max(xp.abs(x)), xp) if x.size else _F32(0)
+        if lib is not None:  # one pass, no |x| temporary: max |x| on the bits (the same value, NaN aside)
+            amax = sf.nan_as_torch_max(np.array(lib.qg_amax_bits(native.address(x, _F32), x.size),
+                                                np.uint32).view(_F32))
+        else:
+            amax = sf.nan_as_torch_max(xp.max(xp.abs(x)), xp) if x.size else _F32(0)
         return xp.asarray(xp.asarray(amax, _F32) / _F32(448.0 * 6.0), dtype=_F32).reshape(())
 
 
