@@ -6,6 +6,7 @@ subnormal-flush forward, and the thread count.
 """
 import shutil
 import sysconfig
+import warnings
 
 import numpy as np
 import pytest
@@ -193,3 +194,63 @@ def test_nudge_matches_the_numpy_path(monkeypatch, num_bits, narrow):
         for field in _NUDGED:
             assert np.shape(getattr(a, field)) == np.shape(getattr(b, field))
             same_bits(getattr(a, field), getattr(b, field))
+
+
+def format_inputs(rng, blocks, size, nan):
+    """Blocks at scales from subnormal to huge, with zero blocks, Inf and (``nan``) NaN elements, ties on the
+    element grids and maxima just above powers of two (rceil's log2)."""
+    x = (rng.standard_normal((blocks, size)) * np.exp2(rng.integers(-140, 120, (blocks, 1)))).astype(f32)
+    x[::7] = 0
+    x[3::11, 0] = np.exp2(rng.integers(-120, 120, x[3::11, 0].shape)).astype(f32) * f32(1 + 2.0**-20)
+    x[5::13] = rng.choice(np.array([0.25, 0.75, 1.25, 2.5, 5.0, 3.5, -0.75, 448, 480, 57344], f32), x[5::13].shape)
+    flat = x.reshape(-1)
+    flat[rng.integers(0, flat.size, flat.size // 300)] = rng.choice(np.array([np.inf, -np.inf], f32))
+    if nan:
+        flat[rng.integers(0, flat.size, 3)] = np.nan
+    return x
+
+
+def same_format_result(got, want):
+    for a, b in zip(got, want):
+        if a is None:
+            assert b is None
+            continue
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind == "f" and a.dtype.itemsize == 4:
+            same_bits(a, b)
+        else:
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@needs_kernels
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize("size", [32, 3, 16])
+def test_mx_matches_the_numpy_path(monkeypatch, size, nan):
+    from qgcli.ops import mx
+
+    rng = np.random.default_rng(size + nan)
+    x = format_inputs(rng, 4000, size, nan)
+    for fmt in mx.FORMATS:
+        for mode in mx.SCALE_MODES:
+            if fmt == "mxfp4" and size % 2:
+                continue
+            with np.errstate(all="ignore"):
+                got, want = both(monkeypatch, lambda: mx.mx_fake_quantize(x, format=fmt, block_size=size,
+                                                                          scale_mode=mode))
+            same_format_result(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_nvfp4_matches_the_numpy_path(monkeypatch, per_tensor, nan):
+    from qgcli.ops import nvfp4
+
+    rng = np.random.default_rng(per_tensor + 2 * nan)
+    x = format_inputs(rng, 4000, 16, nan)
+    if per_tensor:
+        x[np.isinf(x)] = 1e30  # an Inf makes the whole tensor NaN (the NumPy path's business)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the per-tensor scale's NaN warning, raised on both paths
+        got, want = both(monkeypatch, lambda: nvfp4.nvfp4_fake_quantize(x, per_tensor_scale=per_tensor))
+    same_format_result(got, want)

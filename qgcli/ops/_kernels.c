@@ -463,9 +463,216 @@ int64_t qg_lzf_compress(const uint8_t *restrict in, int64_t n, uint8_t *restrict
     return size;
 }
 
+/* --- MX and NVFP4 blocks (qgcli/ops/mx.py, nvfp4.py; docs/formats-mx-nvfp4-onnx.md) ------------------
+ *
+ * One pass per run of blocks: the block's max |x|, its scale code, the element codes and the dequantized
+ * values, the same float32 operations as the NumPy path.  Blocks whose max is NaN are left to the NumPy
+ * path (the kernels return 1 and Python redoes the whole run there): NaN bits reach the codes through
+ * torchao's bit tricks, which only the NumPy code reproduces.  Inf blocks are handled here.  Every lane is
+ * 32 bits wide and every choice a select, so that the element loops vectorize (8 lanes with AVX2). */
+
+static inline uint32_t qg_bits(float v) { uint32_t u; memcpy(&u, &v, 4); return u; }
+static inline float qg_float(uint32_t u) { float v; memcpy(&v, &u, 4); return v; }
+
+/* torchao's _f32_to_floatx_unpacked of a non-NaN float32 (_small_floats.f32_to_floatx): nearest, ties to
+ * even, subnormals by the float-add trick, saturation at max_normal.  ebits/mbits are constants at every
+ * call, so the constants fold.  The int32 sums of the Python code are done in uint32 (no overflow UB): the
+ * 8 bits kept after the shift are the same. */
+static inline __attribute__((always_inline)) uint32_t qg_floatx_code(float v, const int ebits, const int mbits) {
+    const int exp_bias = (1 << (ebits - 1)) - 1;
+    const float max_normal = ldexpf((float)((1 << (mbits + 1)) - 1) / (float)(1 << mbits),
+                                    (1 << ebits) - 1 - exp_bias);
+    const float min_normal = ldexpf(1.0f, 1 - exp_bias);
+    const uint32_t denorm_int = (uint32_t)((127 - exp_bias) + (23 - mbits) + 1) << 23;
+    const uint32_t val_to_add = (uint32_t)((exp_bias - 127) * (1 << 23)) + ((1u << (23 - mbits - 1)) - 1);
+    uint32_t bits = qg_bits(v), sign = bits & 0x80000000u, a_bits = bits ^ sign;
+    float a = qg_float(a_bits);
+    uint32_t den = (qg_bits(a + qg_float(denorm_int)) - denorm_int) & 0xFFu;
+    uint32_t nor = ((a_bits + val_to_add + ((a_bits >> (23 - mbits)) & 1u)) >> (23 - mbits)) & 0xFFu;
+    uint32_t out = a >= max_normal ? (uint32_t)((1 << (ebits + mbits)) - 1) : (a < min_normal ? den : nor);
+    return out | (sign >> (31 - ebits - mbits));
+}
+
+/* The float32 value of a code qg_floatx_code gives (torchao's _floatx_unpacked_to_f32, ml_dtypes' float8
+ * values: equal on every such code; NaN codes never get here). */
+static inline __attribute__((always_inline)) float qg_floatx_value(uint32_t c, const int ebits, const int mbits) {
+    const int exp_bias = (1 << (ebits - 1)) - 1;
+    uint32_t e = (c >> mbits) & ((1u << ebits) - 1), m = c & ((1u << mbits) - 1);
+    float normal = qg_float(((e + 127 - exp_bias) << 23) | (m << (23 - mbits)));
+    float subnormal = (float)(int32_t)m * ldexpf(1.0f, 1 - exp_bias - mbits); /* exact */
+    uint32_t sign = (c >> (ebits + mbits)) << 31;
+    return qg_float(qg_bits(e ? normal : subnormal) | sign);
+}
+
+static inline float qg_clampf(float v, float bound) { return v < -bound ? -bound : (v > bound ? bound : v); }
+
+/* qg_floatx_code(clip(v, -bound, bound)) of a non-NaN v, 0 < bound <= max_normal: |v| at or above the bound
+ * takes the bound's code, with v's sign (a float clamp before the cast cost 2.5x the time of the loop; the
+ * codes are the same).  With bound == max_normal (fp6, fp4) the clamp changes nothing at all. */
+static inline __attribute__((always_inline)) uint32_t qg_floatx_code_clipped(float v, const int ebits,
+                                                                            const int mbits, const float bound) {
+    uint32_t c = qg_floatx_code(v, ebits, mbits), top = qg_floatx_code(bound, ebits, mbits);
+    return fabsf(v) >= bound ? top | (c & (1u << (ebits + mbits))) : c;
+}
+
+/* float32 2^n for n in [-127, 127] (2^-127 is subnormal), as np.ldexp gives it */
+static inline float qg_pow2(int n) { return qg_float(n >= -126 ? (uint32_t)(n + 127) << 23 : 0x00400000u); }
+
+/* max |x| of a block on the bits (0x7F800001 and above: NaN) */
+static inline uint32_t qg_amax_bits_of(const float *restrict x, int64_t n) {
+    uint32_t amax = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t m = qg_bits(x[i]) & 0x7FFFFFFFu;
+        amax = m > amax ? m : amax;
+    }
+    return amax;
+}
+
+enum { QG_E4M3, QG_E5M2, QG_E2M3, QG_E3M2, QG_E2M1, QG_INT8 };
+enum { QG_FLOOR, QG_RCEIL, QG_CEIL, QG_EVEN };
+
+/* One block's E8M0 code (amax not NaN), its quantizing factor (rceil: the reciprocal r, multiplied; else the
+ * scale s, divided) and its dequantizing scale. */
+static inline __attribute__((always_inline)) int qg_mx_scale(uint32_t amax_bits, float fmax, int mbits, int emax,
+                                                             const int mode, float *factor, float *s_out) {
+    int code;
+    if (mode == QG_RCEIL) {
+        float d = qg_float(amax_bits) / fmax;
+        uint32_t d_bits = qg_bits(d), mantissa = d_bits & 0x7FFFFFu;
+        int e = (int)(d_bits >> 23) - 127;
+        if (isinf(d)) {
+            code = 254;
+        } else if (e > -127 && (mantissa == 0 || mantissa >= (1u << 10))) {
+            /* ceil(float32(log2 d)) without the log2 (one call per block was most of the time): 2^e is its own
+             * log2; from 2^-13 above it log2(d) - e > 1.7e-4 is far more than half a float32 ulp at |e| < 128
+             * (2^-18), so the rounded log2 stays above e and its ceiling is e + 1 */
+            int k = mantissa ? e + 1 : e;
+            code = (k > 127 ? 127 : k) + 127;
+        } else { /* just above a power of two, or subnormal: torch's float32 log2, then ceil */
+            double k = ceil((double)(float)log2((double)d));
+            k = k < -127.0 ? -127.0 : (k > 127.0 ? 127.0 : k);
+            code = (int)k + 127;
+        }
+        *factor = code == 0 ? 1.0f : qg_pow2(127 - code);
+    } else {
+        uint32_t a = amax_bits;
+        if (mode == QG_EVEN) a = (a + (1u << (23 - mbits - 1))) & 0xFF800000u;
+        int e = (int)((a >> 23) & 0xFF) - 127;
+        if (mode == QG_CEIL) e += (a & 0x7FFFFFu) != 0;
+        int k = e - emax;
+        code = (k < -127 ? -127 : (k > 128 ? 128 : k)) + 127;
+        float s = qg_float((uint32_t)code << 23);
+        *factor = s > 0x1p-126f ? s : 0x1p-126f;
+    }
+    *s_out = code == 255 ? NAN : qg_pow2(code - 127);
+    return code;
+}
+
+/* The run of blocks for one format (fmt: QG_E4M3...) and scale mode, both constants. */
+static inline __attribute__((always_inline)) int qg_mx_run(
+    const float *restrict x, uint8_t *restrict q, uint8_t *restrict codes, float *restrict y, int64_t blocks,
+    int64_t size, const int fmt, const int mode) {
+    const int ebits = fmt == QG_E4M3 ? 4 : fmt == QG_E5M2 ? 5 : fmt == QG_E3M2 ? 3 : fmt == QG_INT8 ? 0 : 2;
+    const int mbits = fmt == QG_E4M3 || fmt == QG_E2M3 ? 3 : fmt == QG_E5M2 || fmt == QG_E3M2 ? 2
+                    : fmt == QG_E2M1 ? 1 : 6;
+    const int emax = fmt == QG_E4M3 ? 8 : fmt == QG_E5M2 ? 15 : fmt == QG_E3M2 ? 4 : fmt == QG_INT8 ? 0 : 2;
+    const float fmax = fmt == QG_E4M3 ? 448.0f : fmt == QG_E5M2 ? 57344.0f : fmt == QG_E2M3 ? 7.5f
+                     : fmt == QG_E3M2 ? 28.0f : fmt == QG_E2M1 ? 6.0f : 127.0f / 64.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float *restrict xb = x + b * size;
+        uint32_t amax_bits = qg_amax_bits_of(xb, size);
+        if (amax_bits > 0x7F800000u) return 1; /* NaN: the NumPy path */
+        float f, s_out;
+        codes[b] = (uint8_t)qg_mx_scale(amax_bits, fmax, mbits, emax, mode, &f, &s_out);
+        uint8_t *restrict qb = q + b * size;
+        float *restrict yb = y + b * size;
+        if (fmt == QG_INT8 && codes[b] == 255) { /* an Inf block (s = Inf): x / s is 0 or NaN, both code 0 */
+            memset(qb, 0, (size_t)size);
+            for (int64_t i = 0; i < size; ++i) yb[i] = NAN;
+            continue;
+        }
+        for (int64_t i = 0; i < size; ++i) {
+            /* clamped to +-fmax (fp8, rceil; fp6/fp4 floor saturate in the cast, at fmax: the same codes) */
+            float v = mode == QG_RCEIL ? xb[i] * f : xb[i] / f;
+            uint32_t c;
+            float value;
+            if (fmt == QG_INT8) {
+                float t = qg_clampf(rintf(qg_clampf(v, fmax) * 64.0f), 127.0f); /* not NaN: s is finite here */
+                c = (uint32_t)(int32_t)t;
+                /* the code's value: rint(-0.3) is -0.0, code 0 is +0 (gcc folds a conversion round trip
+                 * into t with AVX2, so the sign is cleared by adding +0, which no flag here lets it drop) */
+                value = (t + 0.0f) * 0x1p-6f;
+            } else {
+                c = qg_floatx_code_clipped(v, ebits, mbits, fmax);
+                value = qg_floatx_value(c, ebits, mbits);
+            }
+            qb[i] = (uint8_t)c;
+            yb[i] = value * s_out;
+        }
+    }
+    return 0;
+}
+
+#define QG_MX_MODES(fmt)                                                                          \
+    switch (mode) {                                                                               \
+    case QG_FLOOR: return qg_mx_run(x, q, codes, y, blocks, size, fmt, QG_FLOOR);                 \
+    case QG_RCEIL: return qg_mx_run(x, q, codes, y, blocks, size, fmt, QG_RCEIL);                 \
+    case QG_CEIL: return qg_mx_run(x, q, codes, y, blocks, size, fmt, QG_CEIL);                   \
+    default: return qg_mx_run(x, q, codes, y, blocks, size, fmt, QG_EVEN);                        \
+    }
+
+/* MX fake quantization of `blocks` blocks of `size` float32 (x: [blocks][size]) into element codes q (uint8;
+ * int8 bytes for mxint8), scale codes (one per block) and outputs y.  fmt: 0 e4m3, 1 e5m2, 2 e2m3, 3 e3m2,
+ * 4 e2m1, 5 int8; mode: 0 floor, 1 rceil, 2 ceil, 3 even.  Returns 0, or 1 at the first block whose max is
+ * NaN (what it wrote is to be redone). */
+int qg_mx_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restrict codes, float *restrict y,
+                 int64_t blocks, int64_t size, int fmt, int mode) {
+    switch (fmt) {
+    case QG_E4M3: QG_MX_MODES(QG_E4M3)
+    case QG_E5M2: QG_MX_MODES(QG_E5M2)
+    case QG_E2M3: QG_MX_MODES(QG_E2M3)
+    case QG_E3M2: QG_MX_MODES(QG_E3M2)
+    case QG_E2M1: QG_MX_MODES(QG_E2M1)
+    default: QG_MX_MODES(QG_INT8)
+    }
+}
+
+/* max |x| of n float32 on the bits (NVFP4's per-tensor amax: no |x| temporary; a NaN's bits sort above
+ * Inf's, and the caller turns any NaN into torch's) */
+uint32_t qg_amax_bits(const float *restrict x, int64_t n) { return qg_amax_bits_of(x, n); }
+
+/* NVFP4 blocks of 16 (nvfp4._quantize_blocks): per_tensor with the tensor scale t and its reciprocal inv_t
+ * (finite, t > 0).  Returns 0, or 1 where a block's max is NaN or its reciprocal scale is not finite (the
+ * NumPy path redoes the run). */
+int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restrict s8, float *restrict y,
+                    int64_t blocks, int per_tensor, float t, float inv_t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float *restrict xb = x + b * 16;
+        uint32_t amax_bits = qg_amax_bits_of(xb, 16);
+        if (amax_bits > 0x7F800000u) return 1;
+        float bscale = qg_float(amax_bits) / 6.0f;
+        if (per_tensor) bscale = bscale / t;
+        bscale = bscale < 0x1p-6f ? 0x1p-6f : (bscale > 448.0f ? 448.0f : bscale);
+        uint32_t code = qg_floatx_code(bscale, 4, 3);
+        float s32 = qg_floatx_value(code, 4, 3);
+        float r = per_tensor ? inv_t / s32 : (1.0f / s32) * 1.0f;
+        if (!isfinite(r)) return 1;
+        float s_out = per_tensor ? t * s32 : s32;
+        s8[b] = (uint8_t)code;
+        uint8_t *restrict qb = q + b * 16;
+        float *restrict yb = y + b * 16;
+        for (int i = 0; i < 16; ++i) {
+            uint32_t c = qg_floatx_code(xb[i] * r, 2, 1); /* clip(.., -6, 6): fp4 saturates at 6 anyway */
+            qb[i] = (uint8_t)c;
+            yb[i] = qg_floatx_value(c, 2, 1) * s_out;
+        }
+    }
+    return 0;
+}
+
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 6; }
+int qg_abi_version(void) { return 7; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

@@ -87,6 +87,9 @@ _F32 = np.float32
 SCALE_MODES = ("floor", "rceil", "ceil", "even")
 #: elements per run of blocks on the thread pool (the chain of operations stays in cache)
 CHUNK_ELEMENTS = 1 << 15
+#: the compiled kernels' runs are this many times longer: one pass and no temporaries (the run, its codes and
+#: outputs still fit in L2), and fewer trips through the pool
+NATIVE_RUNS = 8
 
 
 class _Format(NamedTuple):
@@ -107,6 +110,9 @@ FORMATS = {
     "mxint8": _Format("int8", 0, 6, 0, 127.0 / 64.0),
 }
 _TABLES = {}
+#: format -> its number in the compiled kernels (qg_mx_blocks' fmt: this order) and the scale modes' numbers
+_KERNEL_FORMATS = {f: i for i, f in enumerate(FORMATS.values())}
+_KERNEL_MODES = {m: i for i, m in enumerate(SCALE_MODES)}
 
 
 class MXResult(NamedTuple):
@@ -286,19 +292,29 @@ def _q_dtype(fmt):
 
 
 def _chunked(xb, fmt, scale_mode):
-    """:func:`_quantize_blocks` over cache-sized runs of blocks, on the thread pool (NumPy)."""
-    from qgcli.ops import blocked
+    """:func:`_quantize_blocks` over cache-sized runs of blocks, on the thread pool (NumPy), each run in one
+    call of the compiled kernels where they are built (the same bits; a run with a NaN block is redone in
+    NumPy, whose bit tricks give its NaN codes)."""
+    from qgcli.ops import blocked, native
 
     nb, bs = xb.shape
     q = np.empty(xb.shape, _q_dtype(fmt))
     code = np.empty((nb, 1), np.uint8)
     y = np.empty(xb.shape, _F32)
-    step = max(1, CHUNK_ELEMENTS // bs)
+    lib = native.library()
+    step = max(1, CHUNK_ELEMENTS * (NATIVE_RUNS if lib is not None else 1) // bs)
     if fmt.kind == "fpx" and fmt.ebits + fmt.mbits == 3 and bs % 2:
         step += step % 2  # fp4 pairs must not straddle two runs
+    if lib is not None:
+        x_at, q_at, code_at, y_at = (native.address(a, a.dtype) for a in (xb, q, code, y))
+        kernel_format, kernel_mode = _KERNEL_FORMATS[fmt], _KERNEL_MODES[scale_mode]
 
     def one(start):
         stop = min(start + step, nb)
+        if lib is not None and not lib.qg_mx_blocks(x_at + 4 * start * bs, q_at + start * bs, code_at + start,
+                                                    y_at + 4 * start * bs, stop - start, bs, kernel_format,
+                                                    kernel_mode):
+            return
         q[start:stop], code[start:stop], y[start:stop] = _quantize_blocks(xb[start:stop], fmt, scale_mode, np)
 
     blocked._map(one, range(0, nb, step))

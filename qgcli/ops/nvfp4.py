@@ -87,8 +87,15 @@ def pack_fp4(codes, axis=-1):
 
 
 def _tensor_scale(x, xp):
+    from qgcli.ops import native
+
+    lib = native.for_arrays(xp, x) if x.size else None
     with np.errstate(invalid="ignore"):
-        amax = sf.nan_as_torch_max(xp.max(xp.abs(x)), xp) if x.size else _F32(0)
+        if lib is not None:  # one pass, no |x| temporary: max |x| on the bits (the same value, NaN aside)
+            amax = sf.nan_as_torch_max(np.array(lib.qg_amax_bits(native.address(x, _F32), x.size),
+                                                np.uint32).view(_F32))
+        else:
+            amax = sf.nan_as_torch_max(xp.max(xp.abs(x)), xp) if x.size else _F32(0)
         return xp.asarray(xp.asarray(amax, _F32) / _F32(448.0 * 6.0), dtype=_F32).reshape(())
 
 
@@ -158,17 +165,29 @@ def _quantize_blocks(xb, t, inv_t, xp):
 
 
 def _chunked(xb, t, inv_t):
-    """:func:`_quantize_blocks` over cache-sized runs of blocks on the thread pool (NumPy)."""
-    from qgcli.ops import blocked
+    """:func:`_quantize_blocks` over cache-sized runs of blocks on the thread pool (NumPy), each run in one
+    call of the compiled kernels where they are built and the per-tensor scale is usable (the same bits; a
+    run with a NaN block or an infinite reciprocal scale is redone in NumPy)."""
+    from qgcli.ops import blocked, native
 
     nb = xb.shape[0]
     q = np.empty(xb.shape, np.uint8)
     s8 = np.empty((nb, 1), np.uint8)
     y = np.empty(xb.shape, _F32)
-    step = max(1, mx.CHUNK_ELEMENTS // BLOCK_SIZE)
+    lib = native.library()
+    if t is not None and not (np.isfinite(t) and t > 0 and np.isfinite(inv_t)):
+        lib = None  # every output NaN, or its zeros: the NumPy path's business
+    step = max(1, mx.CHUNK_ELEMENTS * (mx.NATIVE_RUNS if lib is not None else 1) // BLOCK_SIZE)
+    if lib is not None:
+        x_at, q_at, s8_at, y_at = (native.address(a, a.dtype) for a in (xb, q, s8, y))
+        scales = (1, float(t), float(inv_t)) if t is not None else (0, 1.0, 1.0)
 
     def one(start):
         stop = min(start + step, nb)
+        if lib is not None and not lib.qg_nvfp4_blocks(x_at + 4 * start * BLOCK_SIZE, q_at + start * BLOCK_SIZE,
+                                                       s8_at + start, y_at + 4 * start * BLOCK_SIZE, stop - start,
+                                                       *scales):
+            return
         q[start:stop], s8[start:stop], y[start:stop] = _quantize_blocks(xb[start:stop], t, inv_t, np)
 
     blocked._map(one, range(0, nb, step))
