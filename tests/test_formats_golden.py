@@ -38,6 +38,9 @@ def _attr(a):
 def same_bits(got, want):
     """Bit for bit (floats: NaN matches any NaN, everything else by its bits, so -0 differs from +0)."""
     got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        return False
+    got, want = got.reshape(-1), want.reshape(-1)  # NumPy 1.24 cannot view a 0-d array as another dtype
     got, want = (a.view(np.uint8) if a.dtype.kind not in "fiub" else a for a in (got, want))  # ml_dtypes: bytes
     if got.shape != want.shape:
         return False

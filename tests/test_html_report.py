@@ -56,6 +56,19 @@ def _requests(driver):
     return urls
 
 
+def _drawn(element, selector, timeout=10.0):
+    """The elements ``selector`` finds under ``element`` once the page's script has drawn them (the details'
+    ``toggle`` event fires after the click returns)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        found = element.find_elements("css selector", selector)
+        if found or time.monotonic() > end:
+            return found
+        time.sleep(0.05)
+
+
 def _column(driver, index):
     return [td.text for td in driver.find_elements("css selector", f"#qg-table tbody tr td:nth-child({index})")
             if td.is_displayed()]
@@ -90,12 +103,12 @@ def test_run_file_page_in_chromium(tmp_path, browser):
     first = browser.find_element("css selector", "details[data-layer='step_000100/backbone/conv1/weight_quant']")
     assert first.find_elements("css selector", "svg") == []
     first.find_element("tag name", "summary").click()
-    assert first.find_elements("css selector", "svg rect")
-    rows = first.find_elements("css selector", "table tbody tr")
+    assert _drawn(first, "svg rect")
+    rows = _drawn(first, "table tbody tr")
     assert len(rows) == 16  # the weight quantizer's 16 channels, worst first
     torch_layer = browser.find_element("css selector", "details[data-layer='step_000100/head/act_quant']")
     torch_layer.find_element("tag name", "summary").click()
-    assert torch_layer.find_elements("css selector", "svg rect")
+    assert _drawn(torch_layer, "svg rect")
     errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
     assert errors == []
     assert [u for u in _requests(browser) if not u.startswith(("file:", "data:"))] == []
