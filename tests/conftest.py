@@ -49,25 +49,9 @@ def kernels(request, monkeypatch):
 @pytest.fixture
 def runner():
     """click's CliRunner as click >= 8.2 has it: ``result.stderr`` apart, ``result.output`` both streams."""
-    import inspect
+    from clirunner import make_runner
 
-    from click.testing import CliRunner, Result
-
-    if "mix_stderr" not in inspect.signature(CliRunner).parameters:
-        return CliRunner()
-
-    class _Result(Result):  # click 8.1: output is stdout alone when stderr is captured apart
-        @property
-        def output(self):
-            return self.stdout + self.stderr
-
-    class _Runner(CliRunner):
-        def invoke(self, *args, **kwargs):
-            result = super().invoke(*args, **kwargs)
-            result.__class__ = _Result
-            return result
-
-    return _Runner(mix_stderr=False)
+    return make_runner()
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from clirunner import make_runner
 
 import qgcli
 from qgcli.cli import main
@@ -16,7 +16,7 @@ SAMPLES = ROOT / "samples"
 
 def test_run_writes_what_the_command_line_writes(tmp_path):
     summary = qgcli.run("fakequant-grad", str(SAMPLES / "per_channel.h5"), output=str(tmp_path / "api.h5"))
-    r = CliRunner().invoke(main, ["fakequant-grad", str(SAMPLES / "per_channel.h5"), "-o", str(tmp_path / "cli.h5"),
+    r = make_runner().invoke(main, ["fakequant-grad", str(SAMPLES / "per_channel.h5"), "-o", str(tmp_path / "cli.h5"),
                                   "--json"])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "api.h5").read_bytes() == (tmp_path / "cli.h5").read_bytes()

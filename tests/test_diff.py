@@ -5,7 +5,7 @@ import shutil
 
 import h5py
 import numpy as np
-from click.testing import CliRunner
+from clirunner import make_runner
 
 from qgcli.cli import main
 from qgcli.report.diff import diff
@@ -14,7 +14,7 @@ SAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _cli(*args):
-    return CliRunner().invoke(main, list(args), prog_name="qgcli")
+    return make_runner().invoke(main, list(args), prog_name="qgcli")
 
 
 def test_diff_of_two_run_files_names_the_layer_made_worse(tmp_path):

@@ -3,7 +3,7 @@ import json
 import os
 
 import pytest
-from click.testing import CliRunner
+from clirunner import make_runner
 
 from qgcli.cli import main
 from qgcli.report import gates
@@ -13,7 +13,7 @@ RUN, PER_CHANNEL = os.path.join(SAMPLES, "run.h5"), os.path.join(SAMPLES, "per_c
 
 
 def _cli(*args):
-    return CliRunner().invoke(main, list(args), prog_name="qgcli")
+    return make_runner().invoke(main, list(args), prog_name="qgcli")
 
 
 def test_report_gate_holds_after_printing():

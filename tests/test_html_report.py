@@ -4,8 +4,6 @@ the console shows no error."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -16,9 +14,9 @@ SAMPLES = os.path.join(ROOT, "samples")
 
 
 def _cli(*args):
-    from click.testing import CliRunner
+    from clirunner import make_runner
 
-    return CliRunner().invoke(main, list(args))
+    return make_runner().invoke(main, list(args))
 
 
 @pytest.fixture(scope="module")

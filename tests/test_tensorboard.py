@@ -3,7 +3,7 @@ import json
 import os
 
 import pytest
-from click.testing import CliRunner
+from clirunner import make_runner
 
 from qgcli.cli import main
 
@@ -21,7 +21,7 @@ def _load(logdir):
 
 def test_report_events_read_back(tmp_path):
     logdir = tmp_path / "tb"
-    r = CliRunner().invoke(main, ["report", RUN, "--tensorboard", str(logdir), "--json"])
+    r = make_runner().invoke(main, ["report", RUN, "--tensorboard", str(logdir), "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     acc = _load(logdir)
@@ -41,9 +41,9 @@ def test_report_events_read_back(tmp_path):
 
 def test_tensorboard_refusals(tmp_path):
     per_channel = os.path.join(os.path.dirname(RUN), "per_channel.h5")
-    r = CliRunner().invoke(main, ["report", per_channel, "--tensorboard", str(tmp_path / "tb")], prog_name="qgcli")
+    r = make_runner().invoke(main, ["report", per_channel, "--tensorboard", str(tmp_path / "tb")], prog_name="qgcli")
     assert r.exit_code == 2 and "--tensorboard" in r.output and not (tmp_path / "tb").exists()
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    r = CliRunner().invoke(main, ["report", RUN, "--tensorboard", str(blocker / "tb"), "-q"])
+    r = make_runner().invoke(main, ["report", RUN, "--tensorboard", str(blocker / "tb"), "-q"])
     assert r.exit_code == 2 and "cannot write" in r.output

@@ -4,7 +4,7 @@ import json
 
 import h5py
 import numpy as np
-from click.testing import CliRunner
+from clirunner import make_runner
 
 from qgcli.cli import main
 
@@ -30,7 +30,7 @@ def _starved_run(path):
 def test_upstream_gradient_is_reported(tmp_path):
     run = str(tmp_path / "run.h5")
     _starved_run(run)
-    r = CliRunner().invoke(main, ["report", run, "--json"])
+    r = make_runner().invoke(main, ["report", run, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     by_layer = {row["layer"]: row for row in doc["layers"]}
@@ -40,10 +40,10 @@ def test_upstream_gradient_is_reported(tmp_path):
     assert by_layer["head/logits_quant"]["clipped"] == 1.0
     assert doc["verdict"].startswith(
         "Verdict: no gradient reaches 1 layer: step_000001/head/logits_quant clips 100%; ")
-    r = CliRunner().invoke(main, ["report", run])
+    r = make_runner().invoke(main, ["report", run])
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("step_000001/conv/act_quant")][0]
     assert "no grad" in line
-    r = CliRunner().invoke(main, ["report", run, "--fail-on", "no-gradient", "-q"])
+    r = make_runner().invoke(main, ["report", run, "--fail-on", "no-gradient", "-q"])
     assert r.exit_code == 3 and "step_000001/conv/act_quant" in r.stderr and "input_quant" in r.stderr
 
 
@@ -51,6 +51,6 @@ def test_healthy_layers_say_present(tmp_path):
     import os
 
     run = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "samples", "run.h5")
-    doc = json.loads(CliRunner().invoke(main, ["report", run, "--json"]).stdout)
+    doc = json.loads(make_runner().invoke(main, ["report", run, "--json"]).stdout)
     assert {row["upstream_gradient"] for row in doc["layers"]} == {"present"}
     assert not doc["verdict"].startswith("Verdict: no gradient")

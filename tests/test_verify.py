@@ -150,18 +150,18 @@ def _cancelling_batch_norm(path, *, offset_error):
 
 
 def test_verify_holds_batch_norm_sums_to_float32s_summation_bound(tmp_path):
-    from click.testing import CliRunner
+    from clirunner import make_runner
 
     path = str(tmp_path / "bn.h5")
     _cancelling_batch_norm(path, offset_error=0.0)
-    r = CliRunner().invoke(main, ["verify", path, "--json"])
+    r = make_runner().invoke(main, ["verify", path, "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)["layers"][0]["outputs"]["offset_backprop"]
     assert out["passed"] and out["rel"] > 1e-5 and out["max_abs"] <= out["bound"]
     # a real error (one term's worth: a term left out or counted twice) is above what float32's summation allows
     path2 = str(tmp_path / "bn_wrong.h5")
     _cancelling_batch_norm(path2, offset_error=1.0)
-    r = CliRunner().invoke(main, ["verify", path2, "--json"])
+    r = make_runner().invoke(main, ["verify", path2, "--json"])
     assert r.exit_code == 1
     out = json.loads(r.stdout)["layers"][0]["outputs"]["offset_backprop"]
     assert not out["passed"] and out["max_abs"] > out["bound"]

@@ -109,8 +109,8 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
 
     >>> import numpy as np
     >>> r = nvfp4_fake_quantize(np.full((1, 16), 0.7, np.float32), per_tensor_scale=False)
-    >>> float(r.outputs[0, 0]), r.quantized[0, 0]
-    (0.703125, np.uint8(7))
+    >>> float(r.outputs[0, 0]), int(r.quantized[0, 0])
+    (0.703125, 7)
     """
     xp, x = _inputs(inputs)
     axis = check_blocks(x.shape, axis, BLOCK_SIZE, what="NVFP4 block size")
