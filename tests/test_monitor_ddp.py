@@ -59,8 +59,10 @@ def test_ddp_two_processes_one_history(tmp_path):
     h = read_history(tmp_path / "history")
     assert h.steps == [1, 2, 4] and h.meta["world_size"] == "2"
     import sqlite3
+    from contextlib import closing
 
-    assert {r[0] for r in sqlite3.connect(tmp_path / "history").execute("select ranks from samples")} == {2}
+    with closing(sqlite3.connect(tmp_path / "history")) as db:
+        assert {r[0] for r in db.execute("select ranks from samples")} == {2}
     assert [layer["path"] for layer in h.layers] == ["0.activation_post_process", "1.weight_fake_quant",
                                                      "1.activation_post_process", "3.weight_fake_quant",
                                                      "3.activation_post_process"]

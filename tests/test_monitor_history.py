@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from contextlib import closing
 
 import pytest
 
@@ -25,13 +26,14 @@ def _write(path, steps, layers=3):
 def test_schema_reads_with_sqlite_alone(tmp_path):
     path = tmp_path / "any.name"
     _write(path, [1, 10, 20])
-    db = sqlite3.connect(path)
-    assert dict(db.execute("select key, value from meta"))["format"] == "qgcli-history"
-    rows = db.execute("select stats.step, layers.path, clip_low, dy_norm, scale_min from stats "
-                      "join layers on layers.id = stats.layer_id order by step, path").fetchall()
+    with closing(sqlite3.connect(path)) as db:
+        assert dict(db.execute("select key, value from meta"))["format"] == "qgcli-history"
+        rows = db.execute("select stats.step, layers.path, clip_low, dy_norm, scale_min from stats "
+                          "join layers on layers.id = stats.layer_id order by step, path").fetchall()
+        columns = [c[1] for c in db.execute("pragma table_info(stats)")]
     assert rows[0] == (1, "layer0", 0.1, 1.0, None)  # NaN is stored as NULL
     assert len(rows) == 9
-    assert [c[1] for c in db.execute("pragma table_info(stats)")] == ["step", "layer_id", *NAMES]
+    assert columns == ["step", "layer_id", *NAMES]
 
 
 def test_read_back(tmp_path):
@@ -46,7 +48,8 @@ def test_read_back(tmp_path):
 
 def test_recognised_by_content(tmp_path):
     other = tmp_path / "plain.sqlite"
-    sqlite3.connect(other).execute("create table meta(key, value)")
+    with closing(sqlite3.connect(other)) as db:
+        db.execute("create table meta(key, value)")
     text = tmp_path / "history.qgh"
     text.write_text("not a database")
     assert not is_history(other) and not is_history(text) and not is_history(tmp_path / "missing")
@@ -94,6 +97,6 @@ def test_sigkill_keeps_every_completed_sample(tmp_path):
         h = read_history(path)
         assert h.steps[:done] == list(range(1, done + 1))  # every sample the writer reported, maybe one more
         assert len(h.steps) in (done, done + 1)
-        db = sqlite3.connect(path)
-        counts = db.execute("select step, count(*), min(dy_norm - layer_id) from stats group by step").fetchall()
+        with closing(sqlite3.connect(path)) as db:
+            counts = db.execute("select step, count(*), min(dy_norm - layer_id) from stats group by step").fetchall()
         assert counts == [(s, 100, float(s)) for s in h.steps]  # whole samples only

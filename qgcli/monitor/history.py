@@ -158,11 +158,12 @@ def is_history(path):
 def _connect(path):
     """Read-only where the file allows it; a writer that died leaves its uncommitted sample to be rolled back,
     which needs write access to the folder (then a normal connection)."""
+    db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
     try:
-        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
         db.execute("SELECT 1 FROM sqlite_master").fetchall()
         return db
     except sqlite3.Error:
+        db.close()  # an unclosed connection is a ResourceWarning (an error under pytest on Python 3.13)
         return sqlite3.connect(path)
 
 
