@@ -5,16 +5,20 @@ HDF5 2.0: ``H5HG__cache_heap_deserialize``).  h5py holds the GIL throughout, so 
 and SIGTERM cannot stop the process.  Called through ctypes, which releases the GIL, the same read can
 run on a worker thread while the main thread waits with a time limit and still answers signals.
 
-HDF5 is not thread-safe: once a read is stuck, no HDF5 call may follow (even closing a file could crash
-or hang).  Under the CLI the process then ends at once with its one-line error; a library caller gets a
-FileFormatError and should not use h5py again in that process.
+HDF5 is not thread-safe: the worker holds h5py's lock while it reads (see :func:`_run`), and once a read is
+stuck no HDF5 call may follow.  Under the CLI the process then ends at once with its one-line error; a library
+caller gets a FileFormatError, and its next h5py call in that process waits for ever.
 """
+import contextlib
 import ctypes
+import gc
 import os
 import queue
 import sys
 import threading
 import time
+
+from h5py._objects import phil
 
 from qgcli.errors import FileFormatError
 from qgcli.ops.blocked import name_this_thread
@@ -57,17 +61,19 @@ def read_string_attributes(attrs, filename):
     memtype.set_size(h5py.h5t.VARIABLE)
     memtype.set_cset(h5py.h5t.CSET_UTF8)
     pointers = [ctypes.c_char_p() for _ in todo]
-    current = [None]  # the attribute being read, for the message
+    # the names, for the message, read here: while the worker reads, it holds h5py's lock (see _run)
+    names = {i: attrs[i].name.decode("utf-8", "replace") for i in todo}
+    current = [None]  # the attribute being read
 
     def read_all():
         statuses = []
         for i, pointer in zip(todo, pointers):
-            current[0] = attrs[i]
+            current[0] = i
             statuses.append(lib.H5Aread(attrs[i].id, memtype.id, ctypes.byref(pointer)))
         return statuses
 
     def describe():
-        name = current[0].name.decode("utf-8", "replace") if current[0] is not None else "?"
+        name = names.get(current[0], "?")
         return f"{filename}: HDF5 did not return from reading attribute {name!r} within {SECONDS:g} s (a damaged file?)"
 
     statuses = _run(read_all, describe)
@@ -77,14 +83,44 @@ def read_string_attributes(attrs, filename):
             out[i] = ValueError("HDF5 could not read the value") if status < 0 else \
                 (pointer.value or b"").decode("utf-8", "replace")
     finally:
-        for pointer, status in zip(pointers, statuses):
-            if status >= 0:
-                lib.H5free_memory(pointer)
+        with phil:  # an HDF5 call too, past h5py's lock
+            for pointer, status in zip(pointers, statuses):
+                if status >= 0:
+                    lib.H5free_memory(pointer)
     return out
 
 
 def _run(call, describe):
-    """``call()`` on the worker thread; its result, or the end of the command if it does not return."""
+    """``call()`` on the worker thread; its result, or the end of the command if it does not return.
+
+    The worker calls HDF5 through ctypes, past h5py's lock (``phil``), and HDF5 keeps one global API context: a
+    second HDF5 call meanwhile (h5py on another thread, or an h5py object freed by the garbage collector on
+    this one) interleaves with it, and HDF5 fails later in an unrelated call (seen: "ring type mismatch
+    occurred for cache entry" in a write_direct_chunk, the likeliest cause of a CI failure on h5py 3.11).  So
+    the worker holds ``phil`` while it reads, and this
+    thread pauses the collector while it waits.  After a read that never returns the lock stays taken: an h5py
+    call from then on waits for ever, where it used to run beside the spinning read (a library caller's
+    ``inspect`` of tests/fuzz_regressions/h5_vlen_attribute_read_hangs.h5 crashed the process)."""
+    def locked():
+        with phil:
+            return call()
+
+    with _collector_paused():
+        return _wait(locked, describe)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _wait(call, describe):
     requests = _requests()
     done = queue.Queue(1)
     requests.put((call, done))
