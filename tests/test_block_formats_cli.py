@@ -424,3 +424,39 @@ def test_verify_reproduces_block_format_references(cli, tmp_path):
     assert r.exit_code != 0
     statuses = {row["path"]: row["status"] for row in json.loads(r.stdout)["layers"]}
     assert statuses["mx"] == "differs"
+
+
+# --- compare-semantics --with tf,torch,onnx ------------------------------------------------------------------------
+
+def test_compare_semantics_with_onnx_counts_ties_and_ranges(cli, tmp_path):
+    """A grid of scale 1/16 (exact) and inputs on every half step: TF rounds half up, PyTorch and ONNX half to
+    even, so TF differs from both on every other element (tie) and PyTorch equals ONNX; narrow range: ONNX's
+    uint8 keeps 0 where the others clamp to 1."""
+    x = (np.arange(-100, 100) * 0.0625 + 0.03125).astype(np.float32)
+    b = _bundle(tmp_path / "b.h5", inputs=x, min=np.float32(-8), max=np.float32(7.9375))
+    r = cli("compare-semantics", b, "--with", "tf,torch,onnx", "--json", "-o", tmp_path / "c.npz")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    pairs = {(p["a"], p["b"]): p for p in doc["pairs"]}
+    assert pairs[("tf", "torch")]["differ"] == 100 and pairs[("tf", "torch")]["reasons"] == {"tie": 100}
+    assert pairs[("tf", "onnx")]["reasons"] == {"tie": 100}
+    assert pairs[("torch", "onnx")]["differ"] == 0
+    assert doc["frameworks"]["onnx"]["grid_of"] == "tf" and doc["frameworks"]["onnx"]["dtype"] == "uint8"
+    assert doc["frameworks"]["tf"]["max_abs_error_steps_inside"] == 0.5  # a tie is half a step from either
+    got = np.load(tmp_path / "c.npz")
+    v = np.arange(-100, 100) + 128.5  # exact x / scale + zero point
+    assert np.array_equal(got["q_tf"], np.floor(v + 0.5).astype(np.int64))  # half up
+    assert np.array_equal(got["q_onnx"], np.rint(v).astype(np.int64))  # half to even
+    r = cli("compare-semantics", b, "--with", "torch,onnx", "--narrow-range", "--json")
+    doc = json.loads(r.stdout)
+    assert doc["frameworks"]["onnx"]["grid_of"] == "torch"
+    assert set(doc["pairs"][0]["reasons"]) <= {"range"}
+
+
+@pytest.mark.parametrize("args,says", [(["--with", "tf,mx"], "tf, torch, onnx"), (["--with", "tf"], "two or more"),
+                                       (["--with", "tf,onnx", "--num-bits", "3"], "4-, 8- and 16-bit")])
+def test_compare_semantics_with_refusals(cli, tmp_path, args, says):
+    b = _bundle(tmp_path / "b.h5", inputs=np.ones(4, np.float32), min=np.float32(-1), max=np.float32(1))
+    r = cli("compare-semantics", b, *args, "-o", tmp_path / "c.npz")
+    assert r.exit_code == 2 and "--with" in r.stderr and says in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "c.npz").exists()
