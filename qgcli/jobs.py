@@ -138,6 +138,24 @@ class TorchaoOptions(NamedTuple):
         return {k: v for k, v in self._asdict().items() if v is not None}
 
 
+class BlockFormatOptions(NamedTuple):
+    """The block formats' options (--semantics mx / nvfp4 / onnx; --dtype and --axis are shared); None: not
+    given."""
+
+    mx_format: Optional[str] = None
+    block_size: Optional[int] = None
+    scale_mode: Optional[str] = None
+    per_tensor_scale: Optional[bool] = None  # --no-per-tensor-scale: False
+    saturate: Optional[bool] = None  # --no-saturate: False
+
+    OPTIONS = {"mx_format": "--mx-format", "block_size": "--block-size", "scale_mode": "--scale-mode",
+               "per_tensor_scale": "--no-per-tensor-scale", "saturate": "--no-saturate"}
+
+    def given(self):
+        """``{option name: value}`` of the options given."""
+        return {self.OPTIONS[k]: v for k, v in self._asdict().items() if v is not None}
+
+
 class EstimatorOptions(NamedTuple):
     """--estimator (text, None: the framework's STE) and --grad-factor."""
 
@@ -159,6 +177,7 @@ class FakeQuantOptions(NamedTuple):
     output: OutputOptions
     qdq: Optional[QdqAttributes] = None
     torchao: TorchaoOptions = TorchaoOptions()
+    formats: BlockFormatOptions = BlockFormatOptions()
 
 
 class FakeQuantJob(NamedTuple):
@@ -180,6 +199,7 @@ class FakeQuantJob(NamedTuple):
     estimator: Any = None  # a qgcli.ops.estimators.Estimator, or None for the framework's STE
     grad_factor: Any = None  # LSQ's g: a float, "auto" or None
     torchao: Any = None  # torchao: a qgcli.ops.torchao_semantics config
+    formats: Optional[Mapping[str, Any]] = None  # mx / nvfp4 / onnx: the op's attributes, resolved
 
     @property
     def large_operands(self):

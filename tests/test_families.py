@@ -61,7 +61,7 @@ def test_an_unknown_op_lists_every_family_s_ops_in_registry_order():
         "unknown op 'NoSuchOp' (known: FakeQuantWithMinMaxVarsPerChannel, FakeQuantWithMinMaxVars, "
         "FakeQuantWithMinMaxArgs, fake_quantize_per_tensor_affine, fake_quantize_per_channel_affine, QuantizeV2, "
         "FusedBatchNorm, FusedBatchNormV2, FusedBatchNormV3, torchao.IntxFakeQuantizer, "
-        "torchao.Float8FakeQuantizer)")
+        "torchao.Float8FakeQuantizer, mx, nvfp4, QuantizeLinear)")
 
 
 @pytest.mark.parametrize("op, entry", [

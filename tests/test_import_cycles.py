@@ -217,7 +217,8 @@ def test_the_base_imports_no_qgcli_module_above_it():
 
 
 #: The family names (qgcli.families.registry.FAMILIES), as they were spelled before the registry.
-FAMILY_NAMES = {"tf", "estimator", "torch", "quantize-dequantize", "batch-norm", "torchao", "quantize-and-dequantize"}
+FAMILY_NAMES = {"tf", "estimator", "torch", "quantize-dequantize", "batch-norm", "torchao", "quantize-and-dequantize",
+                "mx", "nvfp4", "onnx"}
 FAMILY_CONSTANTS = {"TF", "ESTIMATOR", "TORCH", "QUANTIZE_DEQUANTIZE", "QUANTIZE_AND_DEQUANTIZE", "BATCH_NORM",
                     "TORCHAO"}
 

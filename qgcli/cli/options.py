@@ -19,7 +19,11 @@ QDQ_VARIANTS = ("quantize-and-dequantize-v4", "quantize-and-dequantize-v3", "qua
 DTYPES = ("quint8", "qint8", "quint16", "qint16", "qint32")
 MODES = ("MIN_COMBINED", "MIN_FIRST", "SCALED")
 ROUND_MODES = ("HALF_AWAY_FROM_ZERO", "HALF_TO_EVEN", "HALF_UP")  # HALF_UP: quantize-and-dequantize-v*
-SEMANTICS = ("tf", "torch", "torchao")
+SEMANTICS = ("tf", "torch", "torchao", "mx", "nvfp4", "onnx")
+#: ONNX QuantizeLinear's output types (--semantics onnx), accepted by the same --dtype option
+ONNX_DTYPES = ("uint8", "int8", "uint16", "int16", "uint4", "int4", "float8e4m3fn", "float8e5m2", "float4e2m1")
+MX_FORMATS = ("mxfp8-e4m3", "mxfp8-e5m2", "mxfp6-e2m3", "mxfp6-e3m2", "mxfp4", "mxint8")
+MX_SCALE_MODES = ("floor", "rceil", "ceil", "even")
 #: torchao's quantized dtypes (--semantics torchao), accepted by the same --dtype option as QuantizeV2's
 TORCHAO_DTYPES = tuple(f"int{b}" for b in range(1, 9)) + tuple(f"uint{b}" for b in range(1, 9)) + (
     "float8_e4m3fn", "float8_e5m2")
@@ -168,9 +172,11 @@ def quantize_options(f):
     only = " (--variant quantize-dequantize)"
     return option_group(
         "quantize", _quantize_attributes,
-        click.option("--dtype", type=_Choice(DTYPES + TORCHAO_DTYPES, str.lower), default=None,
+        click.option("--dtype", type=_Choice(tuple(dict.fromkeys(DTYPES + TORCHAO_DTYPES + ONNX_DTYPES)), str.lower),
+                     default=None,
                      help="Quantized type [default: quint8, the notebook's]" + only + "; with --semantics torchao "
-                          "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2."),
+                          "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2; with --semantics onnx "
+                          "QuantizeLinear's output type [default: uint8]: " + ", ".join(ONNX_DTYPES) + "."),
         click.option("--mode", type=_Choice(MODES, str.upper), default=None,
                      help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
         click.option("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
@@ -194,7 +200,10 @@ def refuse_quantize_options(quantize):
 _SEMANTICS_HELP = {
     "semantics": "Whose fake-quant: tf (TensorFlow's nudged min/max grid, the default), torch (PyTorch's "
                  "fake_quantize_per_{tensor,channel}_affine on --scale/--zero-point) or torchao (torchao's QAT "
-                 "IntxFakeQuantizer/Float8FakeQuantizer, qparams from the data: --dtype, --granularity ...).",
+                 "IntxFakeQuantizer/Float8FakeQuantizer, qparams from the data: --dtype, --granularity ...), mx (OCP "
+                 "microscaling, torchao's to_mx: --mx-format, --block-size, --scale-mode), nvfp4 (torchao's NVFP4Tensor: "
+                 "--no-per-tensor-scale) or onnx (QuantizeLinear + DequantizeLinear on x, y_scale, y_zero_point: --dtype, "
+                 "--axis, --block-size, --no-saturate).",
     "scale": "PyTorch scale (--semantics torch): a scalar (per tensor) or one per channel.",
     "zero_point": "PyTorch zero point (--semantics torch): like scale; an integer dtype (or an integral literal) "
                   "uses the integer kernels, a float one PyTorch's float-zero-point kernels.",
@@ -274,6 +283,32 @@ def torchao_options(f):
     )(f)
 
 
+def _block_format_options(**values):
+    from qgcli.jobs import BlockFormatOptions
+
+    return BlockFormatOptions(**values)
+
+
+def block_format_options(f):
+    """The block formats' options (--semantics mx / nvfp4 / onnx), as ``formats``."""
+    return option_group(
+        "formats", _block_format_options,
+        click.option("--mx-format", type=_Choice(MX_FORMATS, str.lower), default=None,
+                     help="OCP MX element format (--semantics mx) [default: mxfp8-e4m3]."),
+        click.option("--block-size", type=click.IntRange(min=1), default=None,
+                     help="Elements per block along --axis: --semantics mx [default: 32, must divide the axis]; "
+                          "--semantics onnx blocked QuantizeLinear [default: 0, none; a partial last block "
+                          "allowed]. NVFP4 blocks are always 16."),
+        click.option("--scale-mode", type=_Choice(MX_SCALE_MODES, str.lower), default=None,
+                     help="MX scale rule, torchao's ScaleCalculationMode (--semantics mx) [default: floor, the "
+                          "OCP spec's; torchao's QAT config uses rceil]."),
+        click.option("--no-per-tensor-scale", "per_tensor_scale", flag_value=False, default=None,
+                     help="NVFP4 without the FP32 per-tensor scale (--semantics nvfp4)."),
+        click.option("--no-saturate", "saturate", flag_value=False, default=None,
+                     help="float8 QuantizeLinear with saturate=0 (--semantics onnx, float8 --dtype)."),
+    )(f)
+
+
 def _estimator_options(estimator=None, grad_factor=None):
     from qgcli.jobs import EstimatorOptions
 
@@ -286,7 +321,8 @@ def estimator_options(f):
         "estimator", _estimator_options,
         click.option("--estimator", metavar="NAME[:PARAMS]", default=None,
                      help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
-                          "lsq, pact, ewgs:DELTA. See docs/estimators.md for the formulas."),
+                          "lsq, pact, ewgs:DELTA; --semantics mx/nvfp4/onnx: ste (the identity, default) or "
+                          "masked-ste (onnx integer types). See docs/estimators.md for the formulas."),
         click.option("--grad-factor", type=GradFactor(), default=None,
                      help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
                           "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
@@ -401,9 +437,11 @@ def output_options(*, plot=False):
 
 #: Options a run file's groups answer themselves (their op names the variant, the semantics, the operands).
 _RUN_FILE_REFUSED = {"variant": "--variant", "semantics": "--semantics", "scale": "--scale",
-                     "zero_point": "--zero-point", "plot": "--plot"}
+                     "zero_point": "--zero-point", "plot": "--plot", "mx_format": "--mx-format",
+                     "block_size": "--block-size", "scale_mode": "--scale-mode",
+                     "per_tensor_scale": "--no-per-tensor-scale", "saturate": "--no-saturate"}
 _OPERAND_PARAMS = ("gradients", "inputs", "min_", "max_", "y_backprop", "x_", "scale", "reserve_space_1",
-                   "reserve_space_2", "reserve_space_3")
+                   "reserve_space_2", "reserve_space_3", "y_scale", "y_zero_point")
 
 
 def skip_invalid_option(f):

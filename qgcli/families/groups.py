@@ -107,8 +107,9 @@ def problem(layer, command):
     if "variance_kind" in a and a["variance_kind"] not in _VARIANCE_KINDS:
         return f"attribute variance_kind={a['variance_kind']!r} is not one of {', '.join(_VARIANCE_KINDS)}"
     shapes = {k: v[0] for k, v in layer.datasets.items()}
-    if "gradients" in shapes and command == "fakequant-grad" and shapes["gradients"] != shapes["inputs"]:
-        return f"gradients shape {list(shapes['gradients'])} differs from inputs shape {list(shapes['inputs'])}"
+    data = "inputs" if "inputs" in shapes else "x"  # ONNX QuantizeLinear's groups may name it x
+    if "gradients" in shapes and command == "fakequant-grad" and data in shapes and shapes["gradients"] != shapes[data]:
+        return f"gradients shape {list(shapes['gradients'])} differs from {data} shape {list(shapes[data])}"
     if hasattr(fam, "group_problem"):
         return fam.group_problem(layer, shapes)
     return None

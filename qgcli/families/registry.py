@@ -33,6 +33,9 @@ FAMILIES = {
     "batch-norm": "qgcli.families.batch_norm",  # FusedBatchNormGrad V1/V2/V3
     "torchao": "qgcli.families.torchao",  # torchao's QAT fake quantizers
     "quantize-and-dequantize": "qgcli.families.qdq",  # TensorFlow's QuantizeAndDequantizeV2/V3/V4
+    "mx": "qgcli.families.mx",  # OCP microscaling (torchao's to_mx)
+    "nvfp4": "qgcli.families.nvfp4",  # NVFP4 (torchao's NVFP4Tensor)
+    "onnx": "qgcli.families.onnx_quantize",  # ONNX QuantizeLinear + DequantizeLinear
 }
 
 

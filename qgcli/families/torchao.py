@@ -109,7 +109,8 @@ def claims(o):
 
 
 def refuse_options_outside(o):
-    refuse_outside(o.torchao, o.quantize.dtype)
+    # --semantics onnx takes int8/uint8 too (QuantizeLinear's types): its family checks its own --dtype
+    refuse_outside(o.torchao, None if o.semantics.semantics == "onnx" else o.quantize.dtype)
 
 
 def mode(job):

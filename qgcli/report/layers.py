@@ -129,7 +129,8 @@ def _family_row(layer, operands, options, percentiles, device):
 
     from qgcli.storage.operands import to_device
 
-    inputs = operands.get("inputs")
+    # ONNX QuantizeLinear groups may name their tensor x
+    inputs = operands.get("x") if not operands.has("inputs") and operands.has("x") else operands.get("inputs")
     gradients = operands.get("gradients", required=False)
     num_bits = int(_attr(layer, options, "num_bits", 8))
     narrow_range = bool(_attr(layer, options, "narrow_range", False))

@@ -124,11 +124,94 @@ def _render_wrote(console, s):
         print_items(console, f"wrote {', '.join(s['written'])} to {escape(s['output'])}")
 
 
+def _frameworks(text):
+    """The --with list (None: the TensorFlow-vs-PyTorch report)."""
+    if text is None:
+        return None
+    from qgcli.ops.cross_semantics import FRAMEWORKS
+
+    chosen = [t.strip().lower() for t in text.split(",") if t.strip()]
+    bad = [t for t in chosen if t not in FRAMEWORKS]
+    if bad or len(chosen) < 2 or len(set(chosen)) != len(chosen):
+        raise click.BadParameter(f"{text!r}: name two or more of {', '.join(FRAMEWORKS)}, each once",
+                                 param_hint="'--with'")
+    return None if chosen == ["tf", "torch"] else tuple(chosen)
+
+
+_REASON_WHY = {
+    "nonfinite": "NaN/Inf input: TF propagates NaN, the others give a grid edge",
+    "grid": "the scales or zero points differ",
+    "range": "outside the other's integer range (narrow range, or ONNX's type)",
+    "tie": "x/scale exactly on a half step: TF rounds half up, PyTorch and ONNX half to even",
+    "zero point": "TF adds the zero point before rounding ((x - nudged_min) in float32), the others after",
+    "arithmetic": "x * (1/scale) (PyTorch) against x / scale (ONNX), each rounded to float32",
+}
+
+
+def _compare_integers(operands, x, mn, mx, chosen, num_bits, narrow_range, axis, first, output, force, as_json,
+                      quiet):
+    """compare-semantics --with: the integers of each framework (qgcli.ops.cross_semantics)."""
+    from qgcli.errors import QgcliError
+    from qgcli.ops.cross_semantics import compare
+    from qgcli.storage.outputs import write_outputs
+
+    try:
+        doc, arrays = compare(x, mn, mx, frameworks=chosen, num_bits=num_bits, narrow_range=narrow_range, axis=axis,
+                              first=first)
+    except QgcliError as exc:
+        if exc.operand == "--with":
+            raise click.BadParameter(str(exc).split(": ", 1)[-1], param_hint="'--with'") from None
+        raise
+    doc = {"command": "compare-semantics", "with": list(chosen), **doc, "output": output}
+    if output is not None:
+        doc["written"] = list(arrays)
+        write_outputs(arrays, output, operands=operands, force=force, attrs={
+            "op": "compare-semantics", "with": ",".join(chosen), "num_bits": num_bits, "narrow_range": narrow_range,
+            "reason_codes": ", ".join(f"{i}={r}" for i, r in enumerate(
+                ("nonfinite", "grid", "range", "tie", "zero point", "arithmetic")))})
+    if as_json or output == "-":
+        emit(json_safe(doc), as_json=as_json, quiet=quiet, render=_render_integers, output=output)
+        return
+    from qgcli.report.summaries import stderr_console, stdout_console
+    from qgcli.report.text import printable_doc
+
+    shown = printable_doc(json_safe(doc))
+    _render_integers(stdout_console(), shown)
+    if not quiet:
+        _render_wrote(stderr_console(), shown)
+
+
+def _render_integers(console, s):
+    from rich.markup import escape
+
+    from qgcli.report.tables import print_items
+
+    names = {"tf": "TensorFlow", "torch": "PyTorch", "onnx": "ONNX QuantizeLinear"}
+    print_items(console, f"[bold]{' vs '.join(names[f] for f in s['with'])}[/] on "
+                f"{counted(s['elements'], 'element', thousands=True)}, {s['num_bits']} bits")
+    for f, d in s["frameworks"].items():
+        scale = d["scale"] if not isinstance(d["scale"], list) else f"{len(d['scale'])} channels"
+        grid = f" (the grid of {d['grid_of']}, {d['dtype']})" if f == "onnx" else ""
+        err = d["max_abs_error_steps_inside"]
+        print_items(console, escape(f"{f}: scale {scale if isinstance(scale, str) else f'{scale:.7g}'}, zero point "
+                                    f"{d['zero_point'] if not isinstance(d['zero_point'], list) else '...'}, integers "
+                                    f"[{d['quant_min']}, {d['quant_max']}]{grid}; error inside the range up to "
+                                    f"{'-' if err is None else f'{err:.4g}'} steps"))
+    for p in s["pairs"]:
+        print_items(console, escape(f"{p['a']} vs {p['b']}: integers differ at "
+                                    f"{counted(p['differ'], 'element', thousands=True)} ({percent(p['share'])}), by "
+                                    f"at most {p['max_integer_difference']}"
+                                    + (f"; first {', '.join(map(str, p['first'][:5]))}" if p["first"] else "")))
+        for reason, count in p["reasons"].items():
+            print_items(console, f"  {count:,} {reason}: {escape(_REASON_WHY[reason])}")
+
+
 _COMPARE_EPILOG = """\b
 Examples:
   qgcli compare-semantics samples/notebook.h5 --num-bits 2
   qgcli compare-semantics samples/per_channel.h5 --json | jq .mask
   qgcli compare-semantics --inputs x.npy --min 0.1 --max 5 -o diff.h5
+  qgcli compare-semantics samples/notebook.h5 --with tf,torch,onnx --json
 """
 
 
@@ -144,6 +227,9 @@ Examples:
 @click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")
 @click.option("--narrow-range", is_flag=True, help="Use the grid [1, 2^num_bits - 1] (both frameworks).")
 @click.option("--axis", type=int, default=None, help="Channel axis for per-channel min/max (default -1, TF's).")
+@click.option("--with", "frameworks", metavar="FW,FW[,...]", default=None,
+              help="Compare these on the integers they give: tf, torch, onnx (QuantizeLinear with the grid of the "
+                   "first of tf/torch named, the deployed kernel). Default: tf,torch (the full report below).")
 @click.option("--first", type=click.IntRange(0, 1000), default=10, show_default=True,
               help="How many differing indices to list.")
 @click.option("-o", "--output", "output", metavar="OUT", default=None,
@@ -151,7 +237,8 @@ Examples:
                    "backprops_wrt_input_tf/_torch with gradients).")
 @click.option("--force", is_flag=True, help="Replace an existing output file.")
 @report_options
-def compare_semantics(operands, num_bits, narrow_range, axis, first, output, force, as_json, quiet, device):
+def compare_semantics(operands, num_bits, narrow_range, axis, frameworks, first, output, force, as_json, quiet,
+                      device):
     """Run one tensor through TensorFlow's FakeQuantWithMinMaxVars(PerChannel) and PyTorch's
     fake_quantize_per_{tensor,channel}_affine, each deriving its grid from MIN/MAX as it would (TF
     nudges the range; PyTorch's MinMaxObserver widens it to 0 and rounds the zero point half to even),
@@ -173,6 +260,10 @@ def compare_semantics(operands, num_bits, narrow_range, axis, first, output, for
 
         if axis is not None and np.ndim(mn) != 1:
             raise click.BadParameter("only applies to per-channel (1-d) min/max", param_hint="'--axis'")
+        chosen = _frameworks(frameworks)
+        if chosen is not None:
+            return _compare_integers(operands, x, mn, mx, chosen, num_bits, narrow_range, axis, first, output, force,
+                                     as_json, quiet)
         xp, (g, x) = to_device([g, x], device)
         result = compare_with_tensorflow(x, mn, mx, num_bits=num_bits, narrow_range=narrow_range, axis=axis,
                                          gradients=g)

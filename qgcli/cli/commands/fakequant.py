@@ -10,6 +10,7 @@ module level.
 import click
 
 from qgcli.cli.options import (
+    block_format_options,
     bundle_argument,
     estimator_options,
     fake_quant_attribute_options,
@@ -30,19 +31,24 @@ _QDQ_SPECS = (
     spec_option("input", "QuantizeAndDequantize's 'input' (--variant quantize-and-dequantize-v*; --inputs too)."),
     spec_option("input_min", "QuantizeAndDequantize's 'input_min': a scalar, or one per slice with --axis."),
     spec_option("input_max", "QuantizeAndDequantize's 'input_max': like input_min."),
+    spec_option("x", "ONNX QuantizeLinear's 'x' (--semantics onnx; --inputs too)."),
+    spec_option("y_scale", "ONNX QuantizeLinear's 'y_scale' (--semantics onnx): one value, one per --axis slice, "
+                           "or blocked (x's rank, --block-size)."),
+    spec_option("y_zero_point", "ONNX QuantizeLinear's 'y_zero_point' (--semantics onnx), shaped like y_scale "
+                                "[default: 0]."),
 )
 
 
 def build_job(command, *, with_gradients, operands, attributes, quantize, semantics, estimator, output, qdq=None,
-              torchao=None):
+              torchao=None, formats=None):
     """The job the options describe: the family they choose builds it, every option checked against it
     (:func:`qgcli.families.registry.job_from_options`)."""
     from qgcli.families import registry
-    from qgcli.jobs import FakeQuantOptions, TorchaoOptions
+    from qgcli.jobs import BlockFormatOptions, FakeQuantOptions, TorchaoOptions
 
     return registry.job_from_options(FakeQuantOptions(
         command, with_gradients, operands, attributes, quantize, semantics, estimator, output, qdq,
-        torchao or TorchaoOptions()))
+        torchao or TorchaoOptions(), formats or BlockFormatOptions()))
 
 
 def _no_estimator():
@@ -79,6 +85,8 @@ Examples:
   qgcli fakequant --inputs x.npy --min -6 --max 6 -o out.npz
   qgcli fakequant act.h5 --inputs act.h5:layer1/x --min -1,-2,-3 --max 1,2,3 -o out/
   qgcli fakequant samples/notebook.h5 --variant quantize-dequantize --dtype quint8 -o qdq.h5
+  qgcli fakequant w.h5 --semantics mx --mx-format mxfp4 --scale-mode rceil -o mx.h5
+  qgcli fakequant --inputs x.npy --semantics onnx --y-scale 0.02 --dtype int8 -o q.npz
 """
 
 _FQG_EPILOG = """\b
@@ -103,16 +111,19 @@ Examples:
 @qdq_options
 @semantics_options
 @torchao_options
+@block_format_options
 @output_options()
 @skip_invalid_option
-def fakequant(operands, attributes, quantize, qdq, semantics, torchao, output, skip_invalid):
+def fakequant(operands, attributes, quantize, qdq, semantics, torchao, formats, output, skip_invalid):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel} as TensorFlow 2.21 does, bit for bit.
 
     Operands come from BUNDLE (an .h5/.npz whose datasets are named inputs, min, max) or from the
     options, which override the bundle. Writes the output 'outputs'. With --semantics torch: PyTorch's
     fake_quantize_per_{tensor,channel}_affine on the operands inputs, scale, zero_point. With
     --variant quantize-dequantize: the notebook's tf.quantize + tf.dequantize (QuantizeV2 + Dequantize, --dtype,
-    --mode, --round-mode), writing outputs, quantized, output_min, output_max.
+    --mode, --round-mode), writing outputs, quantized, output_min, output_max. With --semantics mx / nvfp4 / onnx:
+    the block formats (torchao's to_mx, NVFP4Tensor, ONNX QuantizeLinear + DequantizeLinear; see
+    docs/formats-mx-nvfp4-onnx.md), writing outputs, the scales and the quantized codes.
     BUNDLE may be a run file (groups with an 'op' attribute, see docs/whole-models.md, or
     run.h5:GROUP): every fake-quant group runs, outputs at the same group paths.
     """
@@ -120,7 +131,8 @@ def fakequant(operands, attributes, quantize, qdq, semantics, torchao, output, s
     if job is not None:
         return _run_file(job)
     run(build_job("fakequant", with_gradients=False, operands=operands, attributes=attributes, quantize=quantize,
-                  semantics=semantics, estimator=_no_estimator(), output=output, qdq=qdq, torchao=torchao))
+                  semantics=semantics, estimator=_no_estimator(), output=output, qdq=qdq, torchao=torchao,
+                  formats=formats))
 
 
 @click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="TF fake-quant gradients (STE masks, min/max sums).")
@@ -137,10 +149,12 @@ def fakequant(operands, attributes, quantize, qdq, semantics, torchao, output, s
 @qdq_options
 @semantics_options
 @torchao_options
+@block_format_options
 @estimator_options
 @output_options(plot=True)
 @skip_invalid_option
-def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, estimator, output, skip_invalid):
+def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, formats, estimator, output,
+                   skip_invalid):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
@@ -149,6 +163,7 @@ def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, esti
     for lsq, backprop_wrt_alpha for pact); --semantics torch runs PyTorch's op (lsq: its learnable op).
     --variant quantize-dequantize: the estimator over QuantizeV2's adjusted range [output_min, output_max] of
     the notebook's round trip (its custom gradient 0.9 * dy is --estimator scaled:0.9).
+    --semantics mx / nvfp4 / onnx: the identity STE of their QAT (--estimator masked-ste: onnx integer types).
     BUNDLE may be a run file (see docs/whole-models.md): every fake-quant group runs.
     """
     job = run_file_job("fakequant-grad", operands, output, skip_invalid=skip_invalid, estimator=estimator)
@@ -156,4 +171,4 @@ def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, esti
         return _run_file(job)
     run(build_job("fakequant-grad", with_gradients=True, operands=operands, attributes=attributes,
                   quantize=quantize, semantics=semantics, estimator=estimator, output=output, qdq=qdq,
-                  torchao=torchao))
+                  torchao=torchao, formats=formats))

@@ -1,0 +1,269 @@
+"""What the block-format families share (:mod:`qgcli.families.mx`, :mod:`qgcli.families.nvfp4`,
+:mod:`qgcli.families.onnx_quantize`): their options, refused where another family runs; the gradient estimators
+(``ste``, the identity, and ``masked-ste``); small-float codes written as their bytes; the per-block analysis
+(elements flushed to zero, saturated scales, dynamic range in bits, SQNR) and the summary on stderr.
+"""
+from qgcli.errors import OptionError
+
+#: --semantics -> the block-format options it takes
+OPTIONS_OF = {"mx": ("--mx-format", "--block-size", "--scale-mode"), "nvfp4": ("--no-per-tensor-scale",),
+              "onnx": ("--block-size", "--no-saturate")}
+#: --estimator names of these families: ste and identity are the same identity STE
+ESTIMATORS = ("ste", "identity", "masked-ste")
+WORST_BLOCKS = 5  # worst blocks (lowest SQNR) in the summary
+
+
+def refuse_format_options(o, own):
+    """Each block-format option given that ``--semantics`` (``own``: this family's) does not take."""
+    semantics = o.semantics.semantics
+    for option in o.formats.given():
+        takers = [s for s, opts in OPTIONS_OF.items() if option in opts]
+        if semantics not in takers and own in takers and own == takers[0]:
+            raise OptionError(f"only applies to --semantics {' / '.join(takers)}", param_hint=f"'{option}'")
+
+
+def refuse_other_families(o, semantics, *, operands_allowed, dtype=False, axis=True):
+    """The other families' options, refused for ``--semantics`` ``semantics``."""
+    for option, value in o.semantics.torch_given().items():
+        if value is not None:
+            raise OptionError(f"only applies to --semantics torch; not to --semantics {semantics}",
+                              param_hint=f"'{option}'")
+    for field, value in o.torchao.given().items():
+        from qgcli.families.torchao import OPTION_NAMES
+
+        raise OptionError("only applies to --semantics torchao", param_hint=f"'{OPTION_NAMES[field]}'")
+    if o.attributes.variant is not None:
+        raise OptionError(f"chooses a TensorFlow op; it does not apply to --semantics {semantics}",
+                          param_hint="'--variant'")
+    for option, value in (("--num-bits", o.attributes.num_bits_given), ("--narrow-range", o.attributes.narrow_range),
+                          ("--axis", not axis and o.attributes.axis is not None)):
+        if value:
+            raise OptionError(f"does not apply to --semantics {semantics}", param_hint=f"'{option}'")
+    for option in o.quantize.given():
+        if option == "--dtype" and dtype:
+            continue
+        raise OptionError(f"does not apply to --semantics {semantics}", param_hint=f"'{option}'")
+    if o.qdq is not None:
+        for option, value in (("--signed-input", o.qdq.signed_input), ("--range-given", o.qdq.range_given)):
+            if value is not None:
+                raise OptionError(f"does not apply to --semantics {semantics}", param_hint=f"'{option}'")
+    for name, spec in o.operands.specs:
+        if spec is not None and name not in operands_allowed:
+            raise OptionError(f"is not an operand of --semantics {semantics} ({', '.join(operands_allowed)})",
+                              param_hint=f"'--{name.replace('_', '-')}'")
+    if o.output.plot:
+        raise OptionError(f"draws TensorFlow's STE only; 'qgcli plot hist/channels' draw --semantics {semantics} "
+                          "tensors per block", param_hint="'--plot'")
+    if o.estimator.grad_factor is not None:
+        raise OptionError("only applies to --estimator lsq", param_hint="'--grad-factor'")
+
+
+def estimator_name(o, *, masked_ok, why_not=""):
+    """The estimator text of the fakequant-grad options: ``ste`` (default; ``identity`` is the same) or
+    ``masked-ste`` (where ``masked_ok``)."""
+    text = o.estimator.estimator
+    if text is None:
+        return "ste"
+    name = str(text).strip().lower()
+    if name not in ESTIMATORS:
+        raise OptionError(f"{text!r}: --semantics {o.semantics.semantics} takes ste (the identity, the default) "
+                          "or masked-ste", param_hint="'--estimator'")
+    if name == "masked-ste" and not masked_ok:
+        raise OptionError(f"masked-ste is for the integer types{why_not}", param_hint="'--estimator'")
+    return "ste" if name == "identity" else name
+
+
+def run_file_estimator(run, masked_ok):
+    """A run file's --estimator for a block-format group: None/ste/identity only (masked-ste: one bundle)."""
+    from qgcli.errors import QgcliError
+
+    est = run.estimator
+    if est is None or est.name in ("ste", "identity"):
+        return "ste"
+    raise QgcliError(f"--estimator {est.text} does not apply to a {run.command} block-format group (the "
+                     "identity STE; masked-ste runs on one bundle)")
+
+
+def float32_operand(value, name):
+    """An operand as float32 (bfloat16 and float16 values exactly), or an OperandError."""
+    import numpy as np
+
+    from qgcli.errors import OperandError
+
+    a = np.asarray(value) if not hasattr(value, "dtype") else value
+    if getattr(a.dtype, "kind", "f") not in "fV" and a.dtype.name != "bfloat16":
+        raise OperandError(f"dtype {a.dtype} is not a floating type", operand=name)
+    return a
+
+
+def as_bytes(arrays, attrs):
+    """Small-float arrays (ml_dtypes float8 / float4) as their uint8 bytes, the type in ``attrs``
+    (``<name>_dtype``): every storage format keeps uint8, none keeps ml_dtypes' types."""
+    import numpy as np
+
+    out = {}
+    for name, a in arrays.items():
+        dt = getattr(a, "dtype", None)
+        if dt is not None and dt.itemsize == 1 and dt.kind == "V" or (dt is not None and dt.name.startswith("float")
+                                                                      and dt.itemsize == 1):
+            attrs[f"{name}_dtype"] = dt.name
+            a = np.asarray(a).view(np.uint8)
+        out[name] = a
+    return out
+
+
+# --- the per-block analysis ------------------------------------------------------------------------------------
+
+def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=None):
+    """Per block of ``block_size`` along ``axis`` (``x`` the inputs, ``y`` the dequantized outputs): dict of
+    per-block arrays (float64) and the totals.
+
+    - ``flushed``: share of the block's nonzero finite inputs that come back 0;
+    - ``dynamic_range_bits``: log2 max|x| - log2 of the smallest nonzero |x| (NaN for an all-zero block);
+    - ``sqnr_db``: 10 log10(sum x^2 / sum (y - x)^2) over the finite elements (inf when exact);
+    - ``saturated``: the per-block booleans given (the block's scale at its clamp), else None.
+    """
+    import numpy as np
+
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+    ax = axis % x.ndim if x.ndim else 0
+    if x.ndim:
+        x = np.moveaxis(x, ax, -1)
+        y = np.moveaxis(y, ax, -1)
+    xb = x.reshape(-1, block_size).astype(np.float64)
+    yb = y.reshape(-1, block_size).astype(np.float64)
+    fin = np.isfinite(xb) & np.isfinite(yb)
+    ax_ = np.where(np.isfinite(xb), np.abs(xb), 0.0)
+    nonzero = fin & (ax_ > 0)
+    flushed_n = (nonzero & (yb == 0)).sum(axis=1)
+    nz = nonzero.sum(axis=1)
+    with np.errstate(all="ignore"):
+        amax = ax_.max(axis=1) if xb.size else np.zeros(0)
+        amin = np.where(nonzero, ax_, np.inf).min(axis=1) if xb.size else np.zeros(0)
+        dyn = np.where(nz > 0, np.log2(amax) - np.log2(amin), np.nan)
+        sig = np.where(fin, xb, 0.0) ** 2
+        err = np.where(fin, yb - xb, 0.0) ** 2
+        sig_b, err_b = sig.sum(axis=1), err.sum(axis=1)
+        sqnr = np.where(err_b > 0, 10 * np.log10(sig_b / err_b), np.inf)
+        total_sqnr = float(10 * np.log10(sig_b.sum() / err_b.sum())) if err_b.sum() > 0 else float("inf")
+    n_blocks = xb.shape[0]
+    stats = {"blocks": n_blocks, "block_size": int(block_size),
+             "flushed": float(flushed_n.sum() / nz.sum()) if nz.sum() else 0.0,
+             "sqnr_db": total_sqnr,
+             "nan_outputs": int(np.isnan(yb).sum()),
+             "dynamic_range_bits_max": float(np.nanmax(dyn)) if np.isfinite(dyn).any() else None,
+             "dynamic_range_bits_median": float(np.nanmedian(dyn)) if np.isfinite(dyn).any() else None}
+    if saturated is not None:
+        sat = np.asarray(saturated).reshape(-1)
+        stats["saturated_scale_blocks"] = float(sat.mean()) if sat.size else 0.0
+    per_block = {"flushed": np.divide(flushed_n, nz, out=np.zeros(n_blocks), where=nz > 0),
+                 "dynamic_range_bits": dyn, "sqnr_db": sqnr,
+                 "saturated": None if saturated is None else np.asarray(saturated).reshape(-1)}
+    shape = scale_shape if scale_shape is not None else (x.shape[:-1] + (x.shape[-1] // block_size,) if x.ndim
+                                                         else ())
+    order = np.lexsort((np.arange(n_blocks), -per_block["flushed"], sqnr))  # lowest SQNR first
+    stats["worst_blocks"] = [block_row(per_block, int(i), shape, ax if x.ndim else None) for i in
+                             order[:WORST_BLOCKS] if np.isfinite(sqnr[i]) or per_block["flushed"][i] > 0]
+    return stats, per_block, shape
+
+
+def block_row(per_block, i, shape, axis):
+    """One block's statistics as a JSON-safe dict (``index``: its place in the scales' shape, block axis last
+    before it was moved back)."""
+    import numpy as np
+
+    index = [int(v) for v in np.unravel_index(i, shape)] if shape else []
+    if axis is not None and index:
+        index.insert(axis, index.pop())  # the block axis back in its place
+    sat = per_block["saturated"]
+    dyn = float(per_block["dynamic_range_bits"][i])
+    return {"block": i, "index": index, "flushed": float(per_block["flushed"][i]),
+            "dynamic_range_bits": dyn if np.isfinite(dyn) else None,
+            "sqnr_db": float(per_block["sqnr_db"][i]), "saturated": None if sat is None else bool(sat[i])}
+
+
+# --- the summary -------------------------------------------------------------------------------------------------
+
+def summary(job, op, attrs, operands_described, outputs, stats, notes):
+    from qgcli.report.summaries import describe_arrays, json_safe
+
+    return json_safe({"command": job.command, "op": op, "semantics": job.formats["semantics"],
+                      "attributes": attrs, "inputs": operands_described, "statistics": stats,
+                      "outputs": describe_arrays(outputs), "output": job.output.destination, "notes": notes})
+
+
+def render(console, s):
+    """The fakequant / fakequant-grad summary of a block format, on stderr."""
+    from qgcli.report.summaries import percent, render_closing_lines
+    from qgcli.report.tables import print_items
+    from qgcli.report.text import counted, markup, printable_doc
+
+    s = printable_doc(s)
+    fields = " ".join(f"{k}={v}" for k, v in s["attributes"].items() if v is not None)
+    print_items(console, f"[bold]{markup(s['op'])}[/] {markup(fields)}", soft_wrap=True)
+    st = s["statistics"]
+    sqnr = st.get("sqnr_db")
+    line = (f"{counted(st['blocks'], 'block')} of {st['block_size']}: flushed to zero {percent(st['flushed'])} of "
+            f"the nonzero inputs, SQNR {'exact' if sqnr is None and not st.get('nan_outputs') else sqnr if sqnr is None else f'{sqnr:.2f} dB'}")
+    if st.get("saturated_scale_blocks") is not None:
+        line += f"; scale saturated in {percent(st['saturated_scale_blocks'])} of the blocks"
+    if st.get("clipped") is not None:
+        line += f"; clipped {percent(st['clipped'])}"
+    print_items(console, line, soft_wrap=True)
+    if st.get("dynamic_range_bits_max") is not None:
+        print_items(console, f"block dynamic range (log2 max|x| - log2 min nonzero |x|): median "
+                             f"{st['dynamic_range_bits_median']:.1f} bits, largest {st['dynamic_range_bits_max']:.1f}")
+    worst = [r for r in st.get("worst_blocks", []) if r["sqnr_db"] is not None]
+    if worst:
+        shown = ", ".join(f"{tuple(r['index'])} {r['sqnr_db']:.1f} dB" for r in worst)
+        print_items(console, f"worst blocks (SQNR): {shown}", soft_wrap=True)
+    if "gradient" in st:
+        g = st["gradient"]
+        print_items(console, f"gradient: {g['estimator']}; passed unchanged {percent(g['unchanged'])}, zeroed "
+                             f"{percent(g['zeroed'])}")
+    render_closing_lines(console, s)
+
+
+# --- qgcli report's row of a run-file group ------------------------------------------------------------------------
+
+def saturated_elements(x, y, limit):
+    """Elements whose dequantized magnitude sits at the format's largest value (``limit``, broadcast against ``y``:
+    F times the block's scale) while the input lies beyond it: clipped, as the fake-quant families count it."""
+    import numpy as np
+
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    with np.errstate(all="ignore"):
+        return np.isfinite(x) & np.isfinite(y) & (np.abs(y) == np.asarray(limit, np.float64)) & (np.abs(x) > np.abs(y))
+
+
+def report_row(x, y, clipped, gradients, block_size, axis, passed=None):
+    """``qgcli report``'s row (:data:`qgcli.report.layers.LAYER_KEYS`) of a block-format group: channels are the
+    blocks, clipped the saturated elements (below: negative), SQNR over the tensor, the worst block the one of
+    lowest SQNR; ``passed``: the estimator's mask (None: the identity STE passes every element)."""
+    import numpy as np
+
+    x64 = np.asarray(x, np.float64)
+    n = x64.size
+    below = clipped & (x64 < 0)
+    row = {"clipped_below": float(below.sum()) / n if n else 0.0,
+           "clipped_above": float((clipped & ~below).sum()) / n if n else 0.0}
+    row["clipped"] = row["clipped_below"] + row["clipped_above"]
+    stats, per_block, shape = block_statistics(x, y, block_size, axis=axis)
+    row["channels"] = stats["blocks"]
+    row["sqnr_db"] = stats["sqnr_db"] if np.isfinite(stats["sqnr_db"]) else None
+    if stats["blocks"] > 1:
+        worst = int(np.lexsort((np.arange(stats["blocks"]), per_block["sqnr_db"]))[0])
+        cb = np.moveaxis(np.asarray(clipped), axis % x64.ndim, -1).reshape(-1, block_size) if x64.ndim else \
+            np.asarray(clipped).reshape(1, -1)
+        row.update(worst_channel=worst, worst_channel_clipped=float(cb[worst].mean()))
+    if gradients is not None:
+        mag = np.abs(np.asarray(gradients, np.float64))
+        mag = np.where(np.isfinite(mag), mag, 0.0)
+        total = float(mag.sum())
+        blocked = 0.0 if passed is None else float(np.where(passed, 0.0, mag).sum())
+        row["gradient_blocked"] = blocked / total if total else 0.0
+        if "worst_channel" in row:
+            row["worst_channel_gradient_blocked"] = 0.0 if passed is None else None
+    return row

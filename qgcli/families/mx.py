@@ -1,0 +1,198 @@
+"""OCP Microscaling fake quant (``--semantics mx``): torchao 0.18's ``to_mx`` then its dequantization, bit for
+bit (the math is :mod:`qgcli.ops.mx`; the formulas, sources and where torchao and the spec differ are in
+docs/formats-mx-nvfp4-onnx.md).
+
+Operand ``inputs`` (and ``gradients``); outputs ``outputs`` (float32), ``scales`` (the E8M0 codes, uint8, the
+block axis divided by the block size) and ``quantized`` (the element codes; float8 written as its bytes, the
+type in the ``quantized_dtype`` attribute).  The gradient is the identity (torchao's MX QAT).  Run-file groups:
+``op = "mx"`` with the attributes ``format``, ``block_size``, ``axis``, ``scale_mode``.
+"""
+from qgcli.errors import OptionError
+from qgcli.families import block_formats as bf
+from qgcli.families.registry import FAKE_QUANT
+from qgcli.jobs import Result
+
+NAME, KIND = "mx", FAKE_QUANT
+LITERAL_OK = ()
+RUN_FILE_OPS = {"mx": None}
+GROUP_OPERANDS = {None: (("inputs",), ("gradients",))}
+VERIFY_BITWISE = ("outputs", "scales", "quantized", "backprops_wrt_input")
+DEFAULTS = {"format": "mxfp8-e4m3", "block_size": 32, "axis": -1, "scale_mode": "floor"}
+
+
+def claims(o):
+    return o.semantics.semantics == "mx"
+
+
+def refuse_options_outside(o):
+    bf.refuse_format_options(o, "mx")
+
+
+def mode(job):
+    return "--semantics mx"
+
+
+def _check(formats, shape=None):
+    """The attributes checked (format, scale mode; the block size against the axis when the shape is known)."""
+    from qgcli.errors import OperandError
+    from qgcli.ops import mx as ops
+
+    if formats["format"] not in ops.FORMATS:
+        raise OperandError(f"{formats['format']!r} is not one of {', '.join(ops.FORMATS)}", operand="format")
+    if formats["scale_mode"] not in ops.SCALE_MODES:
+        raise OperandError(f"{formats['scale_mode']!r} is not one of {', '.join(ops.SCALE_MODES)}",
+                           operand="scale_mode")
+    if int(formats["block_size"]) < 1:
+        raise OperandError(f"{formats['block_size']} is not a positive block size", operand="block_size")
+    if shape is not None:
+        ops.check_blocks(shape, int(formats["axis"]), int(formats["block_size"]))
+
+
+def job_from_options(o):
+    from qgcli.jobs import FakeQuantJob, OperandSpecs
+
+    bf.refuse_other_families(o, "mx", operands_allowed=("inputs", "gradients"))
+    f = o.formats
+    formats = {"semantics": "mx", "format": f.mx_format or DEFAULTS["format"],
+               "block_size": DEFAULTS["block_size"] if f.block_size is None else int(f.block_size),
+               "axis": -1 if o.attributes.axis is None else int(o.attributes.axis),
+               "scale_mode": f.scale_mode or DEFAULTS["scale_mode"], "estimator": None}
+    if o.with_gradients:
+        formats["estimator"] = bf.estimator_name(o, masked_ok=False, why_not=" (--semantics onnx); torchao's MX "
+                                                 "QAT backward is the identity")
+    elif o.estimator.estimator is not None:
+        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
+    specs = dict(inputs=o.operands.get("inputs"))
+    if o.with_gradients:
+        specs["gradients"] = o.operands.get("gradients")
+    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
+                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
+                        axis=formats["axis"], formats=formats)
+
+
+# --- run files -----------------------------------------------------------------------------------------------
+
+def _group_formats(attrs):
+    from qgcli.families.groups import plain
+
+    a = {k: plain(v) for k, v in attrs.items()}
+    return {"semantics": "mx", "format": str(a.get("format", DEFAULTS["format"])).lower(),
+            "block_size": int(a.get("block_size", DEFAULTS["block_size"])), "axis": int(a.get("axis", -1)),
+            "scale_mode": str(a.get("scale_mode", DEFAULTS["scale_mode"])).lower(), "estimator": "ste"}
+
+
+def attribute_problem(attrs):
+    from qgcli.errors import QgcliError
+
+    try:
+        _check(_group_formats(attrs))
+    except (QgcliError, ValueError, TypeError) as exc:
+        return f"attribute {exc}"
+    return None
+
+
+def group_problem(layer, shapes):
+    from qgcli.errors import QgcliError
+
+    try:
+        _check(_group_formats(layer.attrs), shapes["inputs"])
+    except QgcliError as exc:
+        return str(exc)
+    return None
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    from qgcli.errors import QgcliError
+    from qgcli.families.groups import OVERRIDABLE
+    from qgcli.jobs import FakeQuantJob
+
+    for name in pick.given:
+        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to an mx group (its attributes say the "
+                         "format)")
+    formats = _group_formats(layer.attrs)
+    formats["estimator"] = bf.run_file_estimator(run, False) if run.with_gradients else None
+    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
+                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+
+
+# --- computing -------------------------------------------------------------------------------------------------
+
+def attributes(formats):
+    return {k: formats[k] for k in ("format", "block_size", "axis", "scale_mode")}
+
+
+def forward(inputs, formats):
+    """:func:`qgcli.ops.mx.mx_fake_quantize` with the job's attributes."""
+    from qgcli.ops import mx as ops
+
+    return ops.mx_fake_quantize(inputs, format=formats["format"], block_size=int(formats["block_size"]),
+                                axis=int(formats["axis"]), scale_mode=formats["scale_mode"])
+
+
+def saturated_scales(codes, formats):
+    """Blocks whose E8M0 code sits at a clamp: 0 (2^-127, every value halved or flushed) or 254/255."""
+    import numpy as np
+
+    c = np.asarray(codes)
+    return (c == 0) | (c >= 254)
+
+
+def compute(job, operands):
+    import numpy as np
+
+    from qgcli.report.summaries import describe_arrays
+
+    f = job.formats
+    inputs = bf.float32_operand(operands.get("inputs"), "inputs")
+    gradients = operands.get("gradients") if job.with_gradients else None
+    _check(f, tuple(np.shape(inputs)))
+    res = forward(inputs, f) if not job.with_gradients or job.output.shows_summary else None
+    attrs = {"op": "mx", "semantics": "mx", **attributes(f)}
+    notes = []
+    if job.with_gradients:
+        from qgcli.ops import mx as ops
+
+        dx = ops.mx_fake_quantize_gradient(gradients, inputs, format=f["format"], block_size=int(f["block_size"]),
+                                           axis=int(f["axis"]), scale_mode=f["scale_mode"])
+        out = {"backprops_wrt_input": dx}
+        attrs["estimator"] = "ste"
+        notes.append("gradient: the identity (torchao's MX QAT backward multiplies grad_output by the dequantized "
+                     "tensors: no mask, no scale path)")
+    else:
+        out = bf.as_bytes({"outputs": res.outputs, "scales": res.scales, "quantized": res.quantized}, attrs)
+    if str(getattr(inputs, "dtype", "")) not in ("float32", "bfloat16"):
+        notes.append(f"inputs is {inputs.dtype}; computed on its float32 values (torchao takes float32 or bfloat16)")
+    stats = {}
+    if job.output.shows_summary:
+        stats, _, _ = bf.block_statistics(inputs, res.outputs, int(f["block_size"]), axis=int(f["axis"]),
+                                          saturated=saturated_scales(res.scales, f),
+                                          scale_shape=None)
+        if job.with_gradients:
+            g = np.asarray(gradients, np.float32)
+            stats["gradient"] = {"estimator": "ste (identity)", "unchanged": float((dx == g).mean()) if g.size else 1.0,
+                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+        if stats.get("saturated_scale_blocks"):
+            notes.append("a saturated scale: E8M0 code 0 (torchao quantizes with 2^-126 and dequantizes with "
+                         "2^-127: the block comes back halved) or 254/255 (Inf/NaN inputs)")
+    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
+    return Result(out, attrs, bf.summary(job, f"MX {f['format']}", attributes(f), described, out, stats, notes))
+
+
+render = bf.render
+
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of an mx group: blocks as channels, saturated elements as clipped, SQNR."""
+    import numpy as np
+
+    from qgcli.ops import mx as ops
+
+    f = _group_formats(layer.attrs)
+    x = bf.float32_operand(inputs, "inputs")
+    _check(f, tuple(np.shape(x)))
+    res = forward(x, f)
+    axis, bs = f["axis"] % max(1, np.ndim(x)), int(f["block_size"])
+    scale = np.exp2(np.repeat(res.scales.astype(np.float64), bs, axis=axis) - 127)
+    clipped = bf.saturated_elements(x, res.outputs, ops.FORMATS[f["format"]].max_pos * scale)
+    return {"num_bits": {"fp8": 8, "fpx": 6 if "fp6" in f["format"] else 4, "int8": 8}[ops.FORMATS[f["format"]].kind],
+            **bf.report_row(x, res.outputs, clipped, gradients, bs, axis)}

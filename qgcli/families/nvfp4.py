@@ -1,0 +1,181 @@
+"""NVFP4 fake quant (``--semantics nvfp4``): torchao 0.18's ``NVFP4Tensor.to_nvfp4(...).dequantize(float32)``,
+bit for bit (the math is :mod:`qgcli.ops.nvfp4`; formulas and sources in docs/formats-mx-nvfp4-onnx.md).
+
+Blocks of 16 along ``--axis`` (default -1), E4M3 block scales and, unless ``--no-per-tensor-scale``, the FP32
+per-tensor scale ``max|x| / 2688``.  Operand ``inputs`` (and ``gradients``); outputs ``outputs``,
+``block_scales`` (float8 e4m3fn, written as its bytes with ``block_scales_dtype``), ``tensor_scale`` and
+``quantized`` (uint8 fp4 codes, one per element).  Where torchao's per-tensor scale turns the tensor into NaN
+(all zero, a NaN or Inf) qgcli does the same and says so in a note.  The gradient is the identity (torchao's
+NVFP4 QAT).  Run-file groups: ``op = "nvfp4"`` with ``axis`` and ``per_tensor_scale``.
+"""
+from qgcli.errors import OptionError
+from qgcli.families import block_formats as bf
+from qgcli.families.registry import FAKE_QUANT
+from qgcli.jobs import Result
+
+NAME, KIND = "nvfp4", FAKE_QUANT
+LITERAL_OK = ()
+RUN_FILE_OPS = {"nvfp4": None}
+GROUP_OPERANDS = {None: (("inputs",), ("gradients",))}
+VERIFY_BITWISE = ("outputs", "block_scales", "tensor_scale", "quantized", "backprops_wrt_input")
+BLOCK_SIZE = 16
+
+
+def claims(o):
+    return o.semantics.semantics == "nvfp4"
+
+
+def refuse_options_outside(o):
+    bf.refuse_format_options(o, "nvfp4")
+
+
+def mode(job):
+    return "--semantics nvfp4"
+
+
+def job_from_options(o):
+    from qgcli.jobs import FakeQuantJob, OperandSpecs
+
+    bf.refuse_other_families(o, "nvfp4", operands_allowed=("inputs", "gradients"))
+    formats = {"semantics": "nvfp4", "block_size": BLOCK_SIZE,
+               "axis": -1 if o.attributes.axis is None else int(o.attributes.axis),
+               "per_tensor_scale": o.formats.per_tensor_scale is not False, "estimator": None}
+    if o.with_gradients:
+        formats["estimator"] = bf.estimator_name(o, masked_ok=False, why_not=" (--semantics onnx); torchao's NVFP4 "
+                                                 "QAT backward is the identity")
+    elif o.estimator.estimator is not None:
+        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
+    specs = dict(inputs=o.operands.get("inputs"))
+    if o.with_gradients:
+        specs["gradients"] = o.operands.get("gradients")
+    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
+                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
+                        axis=formats["axis"], formats=formats)
+
+
+# --- run files -----------------------------------------------------------------------------------------------
+
+def _group_formats(attrs):
+    from qgcli.families.groups import is_bool, plain
+
+    a = {k: plain(v) for k, v in attrs.items()}
+    pts = a.get("per_tensor_scale", True)
+    if not is_bool(pts):
+        raise ValueError(f"per_tensor_scale={pts!r} is not a boolean")
+    return {"semantics": "nvfp4", "block_size": BLOCK_SIZE, "axis": int(a.get("axis", -1)),
+            "per_tensor_scale": bool(pts), "estimator": "ste"}
+
+
+def attribute_problem(attrs):
+    try:
+        _group_formats(attrs)
+    except (ValueError, TypeError) as exc:
+        return f"attribute {exc}"
+    return None
+
+
+def group_problem(layer, shapes):
+    from qgcli.errors import QgcliError
+    from qgcli.ops.mx import check_blocks
+
+    try:
+        check_blocks(shapes["inputs"], _group_formats(layer.attrs)["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    except QgcliError as exc:
+        return str(exc)
+    return None
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    from qgcli.errors import QgcliError
+    from qgcli.families.groups import OVERRIDABLE
+    from qgcli.jobs import FakeQuantJob
+
+    for name in pick.given:
+        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to an nvfp4 group (its attributes say it)")
+    formats = _group_formats(layer.attrs)
+    formats["estimator"] = bf.run_file_estimator(run, False) if run.with_gradients else None
+    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
+                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+
+
+# --- computing -------------------------------------------------------------------------------------------------
+
+def attributes(formats):
+    return {"block_size": BLOCK_SIZE, "axis": formats["axis"], "per_tensor_scale": formats["per_tensor_scale"]}
+
+
+def forward(inputs, formats):
+    """:func:`qgcli.ops.nvfp4.nvfp4_fake_quantize` with the job's attributes, and the note of its warning
+    (torchao's NaN outputs), or None."""
+    import warnings
+
+    from qgcli.ops import nvfp4 as ops
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"])
+    notes = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return res, notes
+
+
+def saturated_scales(block_scales):
+    """Blocks whose E4M3 scale sits at its clamp: 2^-6 (the smallest, code 0x08) or 448 (0x7E)."""
+    import numpy as np
+
+    c = np.asarray(block_scales).view(np.uint8) & 0x7F
+    return (c == 0x08) | (c == 0x7E)
+
+
+def compute(job, operands):
+    import numpy as np
+
+    from qgcli.ops import nvfp4 as ops
+    from qgcli.ops.mx import check_blocks
+    from qgcli.report.summaries import describe_arrays
+
+    f = job.formats
+    inputs = bf.float32_operand(operands.get("inputs"), "inputs")
+    gradients = operands.get("gradients") if job.with_gradients else None
+    check_blocks(tuple(np.shape(inputs)), f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    attrs = {"op": "nvfp4", "semantics": "nvfp4", **attributes(f)}
+    res, notes = (forward(inputs, f) if not job.with_gradients or job.output.shows_summary else (None, []))
+    if job.with_gradients:
+        dx = ops.nvfp4_fake_quantize_gradient(gradients, inputs, per_tensor_scale=f["per_tensor_scale"],
+                                              axis=f["axis"])
+        out = {"backprops_wrt_input": dx}
+        attrs["estimator"] = "ste"
+        notes.append("gradient: the identity (torchao's NVFP4 QAT backward multiplies grad_output by the "
+                     "dequantized tensors)")
+    else:
+        parts = {"outputs": res.outputs, "block_scales": res.block_scales}
+        if res.tensor_scale is not None:
+            parts["tensor_scale"] = np.asarray(res.tensor_scale, np.float32)
+        parts["quantized"] = res.quantized
+        out = bf.as_bytes(parts, attrs)
+    stats = {}
+    if job.output.shows_summary:
+        stats, _, _ = bf.block_statistics(inputs, res.outputs, BLOCK_SIZE, axis=f["axis"],
+                                          saturated=saturated_scales(res.block_scales))
+        if res.tensor_scale is not None:
+            stats["tensor_scale"] = float(res.tensor_scale)
+        if job.with_gradients:
+            g = np.asarray(gradients, np.float32)
+            stats["gradient"] = {"estimator": "ste (identity)", "unchanged": float((dx == g).mean()) if g.size else 1.0,
+                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
+    return Result(out, attrs, bf.summary(job, "NVFP4", attributes(f), described, out, stats, notes))
+
+
+render = bf.render
+
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of an nvfp4 group: blocks as channels, elements at fp4's 6 beyond it as clipped."""
+    import numpy as np
+
+    f = _group_formats(layer.attrs)
+    x = bf.float32_operand(inputs, "inputs")
+    res, _ = forward(x, f)
+    clipped = ((np.asarray(res.quantized) & 7) == 7) & (np.abs(np.asarray(x, np.float64)) >
+                                                        np.abs(np.asarray(res.outputs, np.float64)))
+    return {"num_bits": 4, **bf.report_row(x, res.outputs, clipped, gradients, BLOCK_SIZE, f["axis"])}

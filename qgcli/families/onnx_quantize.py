@@ -1,0 +1,272 @@
+"""ONNX ``QuantizeLinear`` then ``DequantizeLinear`` (``--semantics onnx``, opset 21 and later), bit for bit with
+``onnx.reference.ReferenceEvaluator`` (the math is :mod:`qgcli.ops.onnx_quantize`; where onnxruntime differs
+is in docs/formats-mx-nvfp4-onnx.md).
+
+Operands ``x`` (``inputs`` accepted too), ``y_scale``, ``y_zero_point`` (optional) and ``gradients``; attributes
+``--dtype`` (default uint8, or the zero point's type when one is given, as ONNX takes the output type from it),
+``--axis`` (default 1), ``--block-size`` (default 0), ``--no-saturate`` (float8).  Outputs ``outputs``
+(float32) and ``quantized`` (the narrowest NumPy type; float8/float4 written as their bytes, the type in the
+``quantized_dtype`` attribute).  Gradient: ``--estimator ste`` (default, the identity: ModelOpt
+``pass_through_bwd=True``, torchao) or ``masked-ste`` (integer types: +0 where ``round(x / y_scale) + y_zero_point``
+falls outside ``[qmin, qmax]``: ModelOpt ``pass_through_bwd=False``, onnxruntime training's FakeQuant mask).
+Run-file groups: ``op = "QuantizeLinear"`` with ``dtype``, ``axis``, ``block_size``, ``saturate``.
+"""
+from qgcli.errors import OptionError
+from qgcli.families import block_formats as bf
+from qgcli.families.registry import FAKE_QUANT
+from qgcli.jobs import Result
+
+NAME, KIND = "onnx", FAKE_QUANT
+LITERAL_OK = ("y_scale", "y_zero_point")
+RUN_FILE_OPS = {"QuantizeLinear": None}
+GROUP_OPERANDS = {None: (("y_scale",), ("x", "inputs", "y_zero_point", "gradients"))}
+VERIFY_BITWISE = ("outputs", "quantized", "backprops_wrt_input")
+OPERANDS = ("x", "inputs", "y_scale", "y_zero_point", "gradients")
+#: the zero point's stored type -> the dtype ONNX takes from it when --dtype is not given
+_FROM_ZERO_POINT = {"uint8": "uint8", "int8": "int8", "uint16": "uint16", "int16": "int16",
+                    "float8_e4m3fn": "float8e4m3fn", "float8_e5m2": "float8e5m2", "float4_e2m1fn": "float4e2m1"}
+
+
+def claims(o):
+    return o.semantics.semantics == "onnx"
+
+
+def refuse_options_outside(o):
+    bf.refuse_format_options(o, "onnx")
+    for name in ("x", "y_scale", "y_zero_point"):
+        if o.operands.get(name) is not None:
+            raise OptionError("is ONNX QuantizeLinear's operand; it only applies to --semantics onnx",
+                              param_hint=f"'--{name.replace('_', '-')}'")
+
+
+def mode(job):
+    return "--semantics onnx"
+
+
+def job_from_options(o):
+    from qgcli.jobs import FakeQuantJob, OperandSpecs
+    from qgcli.ops.onnx_quantize import DTYPES, INTEGER_TYPES
+
+    bf.refuse_other_families(o, "onnx", operands_allowed=OPERANDS, dtype=True)
+    dtype = o.quantize.dtype
+    if dtype is not None and dtype not in DTYPES:
+        raise OptionError(f"{dtype} is not a QuantizeLinear type ({', '.join(DTYPES)})", param_hint="'--dtype'")
+    if o.operands.get("x") is not None and o.operands.get("inputs") is not None:
+        raise OptionError("is QuantizeLinear's x given twice (--x and --inputs)", param_hint="'--inputs'")
+    formats = {"semantics": "onnx", "dtype": dtype, "axis": 1 if o.attributes.axis is None else int(o.attributes.axis),
+               "block_size": 0 if o.formats.block_size is None else int(o.formats.block_size),
+               "saturate": o.formats.saturate is not False, "estimator": None}
+    if not formats["saturate"] and dtype is not None and dtype not in ("float8e4m3fn", "float8e5m2"):
+        raise OptionError(f"applies to the float8 types (saturate is theirs), not --dtype {dtype}",
+                          param_hint="'--no-saturate'")
+    if o.with_gradients:
+        formats["estimator"] = bf.estimator_name(o, masked_ok=dtype is None or dtype in INTEGER_TYPES,
+                                                 why_not=f", not --dtype {dtype}")
+    elif o.estimator.estimator is not None:
+        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
+    given = o.operands.as_dict()
+    specs = {"x": given.get("x") if given.get("x") is not None else given.get("inputs"),
+             "y_scale": given.get("y_scale"), "y_zero_point": given.get("y_zero_point")}
+    if o.with_gradients:
+        specs["gradients"] = given.get("gradients")
+    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
+                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
+                        axis=formats["axis"], formats=formats)
+
+
+# --- run files -----------------------------------------------------------------------------------------------
+
+def _group_formats(attrs):
+    from qgcli.families.groups import is_bool, is_int, plain
+    from qgcli.ops.onnx_quantize import DTYPES
+
+    a = {k: plain(v) for k, v in attrs.items()}
+    dtype = a.get("dtype")
+    if dtype is not None and str(dtype).lower().replace("_", "") not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    for name in ("axis", "block_size"):
+        if name in a and not is_int(a[name]):
+            raise ValueError(f"{name}={a[name]!r} is not an integer")
+    if "saturate" in a and not is_bool(a["saturate"]):
+        raise ValueError(f"saturate={a['saturate']!r} is not a boolean")
+    return {"semantics": "onnx", "dtype": None if dtype is None else str(dtype).lower().replace("_", ""),
+            "axis": int(a.get("axis", 1)), "block_size": int(a.get("block_size", 0)),
+            "saturate": bool(a.get("saturate", True)), "estimator": "ste"}
+
+
+def attribute_problem(attrs):
+    try:
+        _group_formats(attrs)
+    except (ValueError, TypeError) as exc:
+        return f"attribute {exc}"
+    return None
+
+
+def group_problem(layer, shapes):
+    if "x" not in shapes and "inputs" not in shapes:
+        return "missing operand x (or inputs)"
+    return None
+
+
+def job_from_group(run, layer, operand_specs, output, pick):
+    from qgcli.errors import QgcliError
+    from qgcli.families.groups import OVERRIDABLE
+    from qgcli.jobs import FakeQuantJob
+
+    for name in pick.given:
+        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to a QuantizeLinear group (its attributes "
+                         "say it)")
+    formats = _group_formats(layer.attrs)
+    formats["estimator"] = bf.run_file_estimator(run, True) if run.with_gradients else None
+    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
+                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+
+
+# --- computing -------------------------------------------------------------------------------------------------
+
+def load(operands, formats):
+    """``(x, y_scale, y_zero_point, dtype, note)``: the operands, and the dtype (ONNX's rule: the zero point's
+    type when no --dtype was given, else uint8)."""
+    import numpy as np
+
+    from qgcli.errors import OperandError
+
+    x = operands.get("x") if operands.has("x") else operands.get("inputs", required=False)
+    if x is None:
+        raise OperandError("is missing: give --x (or --inputs), or a bundle dataset named x or inputs", operand="x")
+    y_scale = operands.get("y_scale")
+    zp = operands.get("y_zero_point", required=False)
+    dtype, note = formats["dtype"], None
+    if dtype is None:
+        if zp is not None and getattr(np.asarray(zp).dtype, "name", "") in _FROM_ZERO_POINT:
+            dtype = _FROM_ZERO_POINT[np.asarray(zp).dtype.name]
+            note = f"dtype {dtype}: the zero point's type (ONNX takes the output type from y_zero_point)"
+        else:
+            dtype = "uint8"
+    x = np.asarray(x)
+    if x.dtype != np.float32 and x.dtype.kind == "f":
+        raise OperandError(f"dtype {x.dtype}: qgcli's QuantizeLinear takes float32 x (ONNX computes float16 and "
+                           "bfloat16 inputs in their own precision)", operand="x")
+    return x, y_scale, zp, dtype, note
+
+
+def attributes(formats, dtype):
+    a = {"dtype": dtype, "axis": formats["axis"], "block_size": formats["block_size"]}
+    if dtype in ("float8e4m3fn", "float8e5m2"):
+        a["saturate"] = formats["saturate"]
+    return a
+
+
+def compute(job, operands):
+    import numpy as np
+
+    from qgcli.errors import OperandError
+    from qgcli.ops import onnx_quantize as ops
+    from qgcli.report.summaries import describe_arrays
+
+    f = job.formats
+    x, y_scale, zp, dtype, note = load(operands, f)
+    gradients = operands.get("gradients") if job.with_gradients else None
+    if not f["saturate"] and dtype not in ("float8e4m3fn", "float8e5m2"):
+        raise OperandError(f"saturate=0 applies to the float8 types, not {dtype}", operand="saturate")
+    if f["estimator"] == "masked-ste" and dtype not in ops.INTEGER_TYPES:
+        raise OperandError(f"masked-ste is for the integer types, not {dtype}", operand="estimator")
+    kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
+    notes = [note] if note else []
+    attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype)}
+    res = (ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
+           if not job.with_gradients or job.output.shows_summary else None)
+    if job.with_gradients:
+        est = f["estimator"]
+        dx = ops.onnx_fake_quantize_gradient(gradients, x, y_scale, zp, saturate=f["saturate"],
+                                             estimator="masked" if est == "masked-ste" else "ste", **kw)
+        out = {"backprops_wrt_input": dx}
+        attrs["estimator"] = est
+        notes.append("gradient: the identity (ModelOpt pass_through_bwd=True, torchao)" if est == "ste" else
+                     "gradient: masked-ste, +0 where round(x / y_scale) + y_zero_point is outside [qmin, qmax] "
+                     "(ModelOpt pass_through_bwd=False, onnxruntime training's FakeQuant)")
+    else:
+        out = bf.as_bytes({"outputs": res.outputs, "quantized": res.quantized}, attrs)
+    stats = {}
+    if job.output.shows_summary:
+        stats = _statistics(x, res, y_scale, zp, dtype, f)
+        if job.with_gradients:
+            g = np.asarray(gradients, np.float32)
+            stats["gradient"] = {"estimator": f["estimator"], "unchanged": float((dx == g).mean()) if g.size else 1.0,
+                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+        if dtype in ops.INTEGER_TYPES and np.isnan(x).any():
+            notes.append("NaN inputs quantize to qmin (onnxruntime's saturation; the reference's cast is undefined "
+                         "there)")
+    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("x", x)) if v is not None})
+    return Result(out, attrs, bf.summary(job, "QuantizeLinear + DequantizeLinear", attributes(f, dtype), described,
+                                         out, stats, notes))
+
+
+def _statistics(x, res, y_scale, zp, dtype, f):
+    """Blocked quantization with whole blocks: per block; otherwise the tensor as one block.  ``clipped``: the
+    share of elements at a saturated code (integer types: qmin or qmax; float types: the largest finite
+    magnitude or beyond)."""
+    import numpy as np
+
+    from qgcli.ops import onnx_quantize as ops
+
+    shape = np.shape(x)
+    bs = f["block_size"]
+    blocked = bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0
+    if blocked:
+        stats, _, _ = bf.block_statistics(x, res.outputs, bs, axis=f["axis"])
+    else:
+        stats, _, _ = bf.block_statistics(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)),
+                                          max(1, int(np.size(x))))
+        stats["blocks"], stats["block_size"] = 1, int(np.size(x))
+        stats.pop("worst_blocks", None)
+    if dtype in ops.INTEGER_TYPES:
+        _, lo, hi = ops.INTEGER_TYPES[dtype]
+        q = np.asarray(res.quantized).astype(np.int64)
+        at_edge = (q == lo) | (q == hi)
+        stats["clipped"] = float(at_edge.mean()) if q.size else 0.0
+    else:
+        fmax = ops.FLOAT_TYPES[dtype][1]
+        y = np.asarray(res.outputs)
+        stats["clipped"] = float((np.abs(np.asarray(res.quantized).astype(np.float32)) >= fmax).mean()) \
+            if y.size else 0.0
+    return stats
+
+
+render = bf.render
+
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of a QuantizeLinear group: clipped at qmin / qmax (integer types) or at the largest
+    finite value (float types); the blocks of blocked quantization as channels (else the tensor as one);
+    gradient blocked: none under the identity STE."""
+    import numpy as np
+
+    from qgcli.ops import onnx_quantize as ops
+
+    f = _group_formats(layer.attrs)
+    x, y_scale, zp, dtype, _ = load(operands, f)
+    res = ops.onnx_fake_quantize(x, y_scale, zp, dtype=dtype, axis=f["axis"], block_size=f["block_size"],
+                                 saturate=f["saturate"])
+    x64 = np.asarray(x, np.float64)
+    y64 = np.asarray(res.outputs, np.float64)
+    if dtype in ops.INTEGER_TYPES:
+        _, lo, hi = ops.INTEGER_TYPES[dtype]
+        q = np.asarray(res.quantized).astype(np.int64)
+        with np.errstate(invalid="ignore"):
+            clipped = ((q == lo) & (x64 < y64)) | ((q == hi) & (x64 > y64))
+        bits = {"uint8": 8, "int8": 8, "uint16": 16, "int16": 16, "uint4": 4, "int4": 4}[dtype]
+    else:
+        fmax = ops.FLOAT_TYPES[dtype][1]
+        qf = np.abs(np.asarray(res.quantized).astype(np.float32))
+        with np.errstate(invalid="ignore"):
+            clipped = (qf == fmax) & (np.abs(x64) > np.abs(y64))
+        bits = 4 if dtype == "float4e2m1" else 8
+    shape = np.shape(x)
+    bs = f["block_size"]
+    if bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0:
+        row = bf.report_row(x, res.outputs, clipped, gradients, bs, f["axis"])
+    else:
+        row = bf.report_row(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)), np.reshape(clipped, (1, -1)),
+                            gradients, max(1, int(np.size(x))), -1)
+    return {"num_bits": bits, **row}
