@@ -236,24 +236,22 @@ def _summary(job, where, layers, ran, other, skipped):
 
 def render_run(console, s):
     """The rich rendering of a run-file summary (stderr)."""
-    from rich.table import Table
-
     from qgcli.report.summaries import percent
+    from qgcli.report.tables import Col, print_items, print_table
+    from qgcli.report.text import printable
 
     text = _markup()
-    console.print(f"[bold]{s['command']}[/] over {text(s['run_file'])}: {s['ran']} of {s['groups']} groups ran; "
-                  f"{s['skipped_other_kind']} of the other kind skipped, {s['skipped_invalid']} invalid skipped",
-                  soft_wrap=True)
-    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
+    print_items(console, f"[bold]{s['command']}[/] over {text(s['run_file'])}: {s['ran']} of {s['groups']} groups "
+                f"ran; {s['skipped_other_kind']} of the other kind skipped, {s['skipped_invalid']} invalid skipped")
     batch_norm = s["command"] == "bn-grad"
-    columns = ("group", "op", "shape") + (("|x_backprop|", "|scale_backprop|") if batch_norm else
-                                          ("clip<", "clip>", "blocked"))
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("group", "op") else "right")
+    cols = (Col("group", "left", priority=0, shorten=True), Col("op", "left", priority=2), Col("shape", priority=2))
+    cols += ((Col("|x_backprop|", priority=0), Col("|scale_backprop|", priority=1)) if batch_norm else
+             (Col("clip<", priority=1), Col("clip>", priority=1), Col("blocked", priority=0)))
+    rows = []
     for layer in s["layers"][:TABLE_ROWS]:
         inputs = layer.get("inputs", {})
         shape = (inputs.get("x") or inputs.get("inputs") or {}).get("shape")
-        row = [text(layer["path"]), text(layer["op"] or ""), "x".join(str(d) for d in shape) if shape else "-"]
+        row = [printable(layer["path"]), printable(layer["op"] or ""), "x".join(str(d) for d in shape) if shape else "-"]
         if batch_norm:
             n = layer.get("norms", {})
             row += [_num(n.get("x_backprop")), _num(n.get("scale_backprop"))]
@@ -261,8 +259,8 @@ def render_run(console, s):
             st = layer.get("statistics") or {}
             row += [_share(st.get("clipped_below"), percent), _share(st.get("clipped_above"), percent),
                     _share(st.get("gradient_blocked"), percent)]
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    print_table(console, cols, rows, legend=False, hint="--json for all", whole="--json")
     if len(s["layers"]) > TABLE_ROWS:
         console.print(f"... {counted(len(s['layers']) - TABLE_ROWS, 'more group')} (--json for all)")
     for item in s["invalid"]:

@@ -34,6 +34,52 @@ class Col:
     help: str = ""
     priority: int = 1
     prefix: bool = False  # the first column: its name heads each record in block form ("ch 3")
+    #: a column of ``/``-separated paths (layer names): on a terminal too narrow for them, shortened from the
+    #: middle (``step_000100/…/conv1/act_quant``) rather than left out, never to two equal texts
+    shorten: bool = False
+
+
+ELLIPSIS = "…"
+#: A path column is not shortened below this many cells (or its widest cell, if narrower) to keep columns of
+#: priority 2 and more: those are dropped first.
+PATH_FLOOR = 32
+
+
+def shorten_middle(text, budget):
+    """``text`` (a ``/``-separated path) in at most ``budget`` cells, the middle left out: whole segments
+    where they fit (the first, and as many of the last as fit: the last names the layer), else characters
+    from the middle of the text. ``text`` itself when it fits."""
+    if len(text) <= budget:
+        return text
+    parts = text.split("/")
+    best = None
+    for tail in range(1, len(parts)):
+        for head in range(1, len(parts) - tail):
+            candidate = "/".join(parts[:head]) + "/" + ELLIPSIS + "/" + "/".join(parts[-tail:])
+            if len(candidate) <= budget and (best is None or len(candidate) > len(best)):
+                best = candidate
+    if best is not None:
+        return best
+    keep = max(budget - 1, 2)
+    tail = max(1, (2 * keep) // 3)
+    return text[:keep - tail] + ELLIPSIS + text[-tail:]
+
+
+def shorten_paths(texts, budget):
+    """Each text shortened to ``budget`` (:func:`shorten_middle`), never two different texts to the same
+    one: those that would collide get more room, up to their whole text."""
+    out = {t: shorten_middle(t, budget) for t in set(texts)}
+    room = budget
+    while True:
+        seen = {}
+        for t, s in out.items():
+            seen.setdefault(s, []).append(t)
+        clashes = [t for ts in seen.values() if len(ts) > 1 for t in ts]
+        if not clashes:
+            return [out[t] for t in texts]
+        room += 4
+        for t in clashes:
+            out[t] = shorten_middle(t, room)
 
 
 def plain(console):
@@ -79,13 +125,14 @@ def _text(cell):
 
 
 def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, title=None, legend=True,
-                hint="--wide or --columns", choice=False, choice_others=()):
+                hint="--wide or --columns", choice=False, choice_others=(), whole="--wide"):
     """Print ``rows`` (lists of cells, one per column of ``cols``) as a table that fits ``console``.
 
     ``wide``: every column; ``columns``: the column names to show, in that order (see :func:`parse_columns`);
     ``choice``: apply the command's ``--wide`` / ``--columns`` (:func:`qgcli.cli.options.table_options`) to this table
     (``choice_others``: the names of its other table's columns, see :func:`parse_columns`);
-    ``styles``: a rich style per row (or None); ``title``: a line printed above.  The first column is the
+    ``styles``: a rich style per row (or None); ``title``: a line printed above; ``hint``: how to get the
+    columns left out, ``whole``: the paths shortened (:attr:`Col.shorten`).  The first column is the
     record's label (``ch 3``, a tensor's name) and is always shown.  Returns the names of the columns shown.
     """
     from rich.text import Text
@@ -120,16 +167,44 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
         shown = list(range(len(cols)))
         chosen = wide
     width = console.width
-    dropped = []
+    dropped, shortened = [], False
     if not is_plain and not chosen:
-        # Drop the least important columns (the rightmost first among equals) until the table fits.
+        # Drop the least important columns (the rightmost first among equals) until the table fits; a path
+        # column is shortened from the middle (to PATH_FLOOR at least) before a column of priority 1 goes, and
+        # to whatever room is left when the essential columns alone do not fit.
+        paths = [i for i in shown if cols[i].shorten]
+        full_rows = [list(r) for r in rows]
+
+        def shorten(floor):
+            nonlocal shortened
+            if not paths or total(shown) <= width:
+                return
+            others = sum(widths[i] for i in shown if i not in paths) + GAP * (len(shown) - 1)
+            budget = (width - others) // len(paths)
+            if budget < min(floor, *(widths[i] for i in paths)):
+                return
+            for i in paths:
+                texts = shorten_paths([r[i].plain for r in rows], budget)
+                for r, t in zip(rows, texts):
+                    if t != r[i].plain:
+                        r[i] = Text(t, style=r[i].style)
+                        shortened = True
+                widths[i] = max([len(cols[i].name)] + [r[i].cell_len for r in rows])
+
         order = sorted((i for i in shown if cols[i].priority > 0), key=lambda i: (-cols[i].priority, -i))
         for i in order:
             if total(shown) <= width:
                 break
+            if cols[i].priority <= 1:
+                shorten(PATH_FLOOR)
+                if total(shown) <= width:
+                    break
             shown.remove(i)
             dropped.append(i)
+        shorten(12)
     blocks = not is_plain and total(shown) > width
+    if blocks and shortened:  # one record per block has room for whole paths
+        rows, shortened = full_rows, False
     if title:
         console.print(_text(title), style="bold", soft_wrap=True)
     if blocks:
@@ -145,6 +220,10 @@ def print_table(console, cols, rows, *, wide=False, columns=None, styles=None, t
     if dropped:
         names = " ".join(cols[i].name for i in sorted(dropped))
         print_items(console, f"[dim]not shown to fit {width} columns: {_escape(names)} ({hint})[/]")
+    if shortened and not blocks:
+        names = " ".join(cols[i].name for i in shown if cols[i].shorten)
+        print_items(console, f"[dim]{_escape(names)}: {ELLIPSIS} marks a path's middle, left out to fit "
+                             f"({whole} for whole paths)[/]")
     if legend:
         helps = {}  # help text -> the shown columns it explains ("clip< clip>: values below/above ...")
         for i in shown:

@@ -164,14 +164,17 @@ def _report_cols():
         from qgcli.report.tables import Col
 
         _REPORT_COLS = (
-            Col("ch", priority=0, prefix=True), Col("data", help="the channel's finite data range", priority=3),
-            Col("range", priority=1), Col("nudged", priority=0),
+            # ranked by what a reader needs to judge the range and a new one: the data, the nudged range (the
+            # range asked for is nearly equal to it, and goes first), what clips, the SQNR now and with the
+            # suggested range
+            Col("ch", priority=0, prefix=True), Col("data", help="the channel's finite data range", priority=1),
+            Col("range", priority=4), Col("nudged", priority=0),
             Col("clip<", help="values below/above the nudged range", priority=1),
             Col("clip>", help="values below/above the nudged range", priority=1),
             Col("blocked", help="gradient mass the STE mask zeroes", priority=0),
             Col("d/dmin", help="backprop_wrt_min/max", priority=4), Col("d/dmax", help="backprop_wrt_min/max", priority=4),
             Col("SQNR", help="dB", priority=1), Col("suggested", help="the suggested range [P(100-p), P(p)]", priority=2),
-            Col("p", help="its percentile", priority=3), Col("SQNR'", help=_PRIMED, priority=2),
+            Col("p", help="its percentile", priority=3), Col("SQNR'", help=_PRIMED, priority=1),
             Col("blocked'", help=_PRIMED, priority=3),
         )
     return _REPORT_COLS
@@ -554,11 +557,11 @@ def _layer_cols():
 
         # Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.report.tables).
         _LAYER_COLS = (
-            Col("layer", justify="left", priority=0), Col("op", justify="left", priority=3),
-            Col("shape", priority=3), Col("bits", priority=2), Col("clip<", priority=1), Col("clip>", priority=1),
+            Col("layer", justify="left", priority=0, shorten=True), Col("op", justify="left", priority=3),
+            Col("shape", priority=3), Col("bits", priority=3), Col("clip<", priority=1), Col("clip>", priority=1),
             Col("blocked", help="gradient mass the mask zeroes (TensorFlow's STE, PyTorch's mask for PyTorch "
                                 "groups); no grad: an all-zero upstream gradient", priority=0),
-            Col("SQNR", help="dB", priority=1), Col("SQNR'", help=_PRIMED, priority=2),
+            Col("SQNR", help="dB", priority=1), Col("SQNR'", help=_PRIMED, priority=1),
             Col("worst ch", help="the channel losing most", priority=2),
         )
     return _LAYER_COLS

@@ -6,7 +6,7 @@ a reduction beyond ``--rtol``), 2 for bad usage or a file that is no run file.
 """
 import click
 
-from qgcli.cli.options import fail_on_option, gate, json_option, scheduler_option
+from qgcli.cli.options import fail_on_option, gate, json_option, scheduler_option, table_options
 from qgcli.report.summaries import dump_json, number, stdout_console
 
 _EXAMPLE = """\b
@@ -28,6 +28,7 @@ Examples:
 @click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
 @fail_on_option("verify")
 @scheduler_option()
+@table_options
 def verify(run, rtol, top, as_json, html, force, fail_on, scheduler):
     """Recompute every layer of run file RUN with qgcli and compare with the framework's own results.
 
@@ -71,25 +72,41 @@ def _held_to(row, rtol):
     return worst["rule"]
 
 
-def _render(console, s, top):
-    from rich.table import Table
+_COLS = None
 
+
+def _cols():
+    """verify's columns, ranked by what a reader needs at 80 columns: the layer (shortened from the middle
+    when it must be), its status, the count and the rule it was held to; the op and the output go first."""
+    global _COLS
+    if _COLS is None:
+        from qgcli.report.tables import Col
+
+        _COLS = (Col("layer", "left", priority=0, shorten=True), Col("op", "left", priority=2),
+                 Col("status", "left", priority=0), Col("max ulps", priority=1),
+                 Col("held to", "left", help="the rule the output with the most ulps was held to", priority=1),
+                 Col("rel", help="largest difference relative to the largest reference value", priority=1),
+                 Col("worst output", "left", priority=3))
+    return _COLS
+
+
+def _render(console, s, top):
+    from rich.text import Text
+
+    from qgcli.report.tables import print_items, print_table
     from qgcli.report.text import counted, markup, printable_doc
 
     s = printable_doc(s)
-    console.print(f"[bold]verify[/] {markup(s['run_file'])}: {s['passed']} of {s['verified']} layers pass "
-                  f"({s['identical']} bit-identical), {s['failed']} fail; rtol {s['rtol']:g}"
-                  + (f"; {counted(s['no_reference'], 'group')} without a reference" if s["no_reference"] else ""),
-                  soft_wrap=True)
-    table = Table(show_edge=False, box=None, pad_edge=False, header_style="bold")
-    for col in ("layer", "op", "status", "max ulps", "held to", "rel", "worst output"):
-        table.add_column(col, justify="left" if col in ("layer", "op", "status", "held to", "worst output") else "right")
-    rows = [r for r in s["layers"] if r["status"] != "no-reference"]
-    for r in rows[:top] if top else rows:
+    print_items(console, f"[bold]verify[/] {markup(s['run_file'])}: {s['passed']} of {s['verified']} layers pass "
+                f"({s['identical']} bit-identical), {s['failed']} fail; rtol {s['rtol']:g}"
+                + (f"; {counted(s['no_reference'], 'group')} without a reference" if s["no_reference"] else ""))
+    rows = []
+    all_rows = [r for r in s["layers"] if r["status"] != "no-reference"]
+    for r in all_rows[:top] if top else all_rows:
         worst = max(((name, c) for name, c in r["outputs"].items() if c.get("compared", True)),
                     key=lambda item: (item[1].get("rel") or 0.0), default=(None, None))[0] if r["rel"] else None
         status = r["status"]
         colour = {"identical": "green", "within-rtol": "green", "differs": "red", "failed": "red"}[status]
-        table.add_row(markup(r["path"]), markup(r["op"] or ""), f"[{colour}]{status}[/]", number(r["max_ulps"]),
-                      _held_to(r, s["rtol"]), number(r["rel"], 3), markup(r["error"] or worst or ""))
-    console.print(table)
+        rows.append([r["path"], r["op"] or "", Text(status, style=colour), number(r["max_ulps"]),
+                     _held_to(r, s["rtol"]), number(r["rel"], 3), r["error"] or worst or ""])
+    print_table(console, _cols(), rows, choice=True, legend=False)
