@@ -29,6 +29,12 @@ def _golden(group):
 MX, NVFP4, ONNX = _golden("mx"), _golden("nvfp4"), _golden("onnx")
 
 
+def load_npz(path):
+    """Every array of an .npz, the file closed (an open NpzFile left to the collector is a ResourceWarning)."""
+    with np.load(path) as f:
+        return {name: f[name] for name in f.files}
+
+
 def same_bits(got, want, exempt=None):
     """Bit for bit; floats: NaN matches NaN, -0 differs from +0; ``exempt`` elements are not compared."""
     got, want = np.asarray(got), np.asarray(want)
@@ -36,10 +42,14 @@ def same_bits(got, want, exempt=None):
     if exempt is not None:
         got, want = np.where(exempt, 0, got).astype(got.dtype), np.where(exempt, 0, want).astype(want.dtype)
     if got.dtype.kind == "f" or want.dtype.kind == "f":
-        got, want = got.astype(np.float32), want.astype(np.float32)
+        # 1-d float32 before the view: NumPy 1.24 widens np.where on 0-d operands, and cannot view a 0-d array
+        got, want = got.astype(np.float32).reshape(-1), want.astype(np.float32).reshape(-1)
         nan = np.isnan(got)
-        return bool(np.array_equal(nan, np.isnan(want)) and np.array_equal(
-            np.where(nan, 0, got).view(np.uint32), np.where(nan, 0, want).view(np.uint32)))
+
+        def bits(a):
+            return np.where(nan, np.float32(0), a).astype(np.float32).view(np.uint32)
+
+        return bool(np.array_equal(nan, np.isnan(want)) and np.array_equal(bits(got), bits(want)))
     return bool(np.array_equal(got.astype(np.int64), want.astype(np.int64)))
 
 
@@ -213,7 +223,7 @@ def test_mx_defaults_are_e4m3_floor_32_last_axis(cli, tmp_path):
     b = _bundle(tmp_path / "b.h5", inputs=data["inputs"])
     r = cli("fakequant", b, "--semantics", "mx", "-o", tmp_path / "o.npz")
     assert r.exit_code == 0, r.output
-    got = np.load(tmp_path / "o.npz")
+    got = load_npz(tmp_path / "o.npz")
     assert same_bits(got["outputs"], data["outputs"])
 
 
@@ -275,7 +285,7 @@ def test_onnx_operands_from_options_and_zero_point_type(cli, tmp_path):
     r = cli("fakequant", "--semantics", "onnx", "--inputs", tmp_path / "x.npy", "--y-scale", "0.5",
             "--y-zero-point", tmp_path / "zp.npy", "-o", tmp_path / "o.npz", "--json")
     assert r.exit_code == 0, r.output
-    got = np.load(tmp_path / "o.npz")
+    got = load_npz(tmp_path / "o.npz")
     assert got["quantized"].dtype == np.int8
     assert got["quantized"].tolist() == [[-8, -3, -2, -2, -0, 127]]  # round half to even: 0.5 -> 0, 1.5 -> 2
     assert got["outputs"].tolist() == [[-3.0, -0.5, 0.0, 0.0, 1.0, 64.5]]
@@ -289,12 +299,12 @@ def test_onnx_masked_ste_zeroes_exactly_the_saturated(cli, tmp_path):
     r = cli("fakequant-grad", b, "--semantics", "onnx", "--dtype", "int4", "--estimator", "masked-ste",
             "-o", tmp_path / "m.npz")
     assert r.exit_code == 0, r.output
-    dx = np.load(tmp_path / "m.npz")["backprops_wrt_input"]
+    dx = load_npz(tmp_path / "m.npz")["backprops_wrt_input"]
     assert dx.tolist() == [2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0]  # round(7.2) = 7 passes, 200 and NaN do not
     assert not np.signbit(dx[5:]).any()  # +0
     r = cli("fakequant-grad", b, "--semantics", "onnx", "--dtype", "int4", "-o", tmp_path / "s.npz")
     assert r.exit_code == 0, r.output
-    assert np.load(tmp_path / "s.npz")["backprops_wrt_input"].tolist() == g.tolist()  # ste: the identity
+    assert load_npz(tmp_path / "s.npz")["backprops_wrt_input"].tolist() == g.tolist()  # ste: the identity
 
 
 @pytest.mark.parametrize("semantics,extra", [("mx", ["--mx-format", "mxfp4", "--block-size", "4"]), ("nvfp4", [])])
@@ -304,7 +314,7 @@ def test_mx_nvfp4_gradient_is_the_identity(cli, tmp_path, semantics, extra):
     b = _bundle(tmp_path / "b.h5", inputs=x, gradients=g)
     r = cli("fakequant-grad", b, "--semantics", semantics, *extra, "-o", tmp_path / "g.npz", "--json")
     assert r.exit_code == 0, r.output
-    assert np.array_equal(np.load(tmp_path / "g.npz")["backprops_wrt_input"], g)
+    assert np.array_equal(load_npz(tmp_path / "g.npz")["backprops_wrt_input"], g)
     assert json.loads(r.stdout)["statistics"]["gradient"]["unchanged"] == 1.0
 
 
@@ -443,7 +453,7 @@ def test_compare_semantics_with_onnx_counts_ties_and_ranges(cli, tmp_path):
     assert pairs[("torch", "onnx")]["differ"] == 0
     assert doc["frameworks"]["onnx"]["grid_of"] == "tf" and doc["frameworks"]["onnx"]["dtype"] == "uint8"
     assert doc["frameworks"]["tf"]["max_abs_error_steps_inside"] == 0.5  # a tie is half a step from either
-    got = np.load(tmp_path / "c.npz")
+    got = load_npz(tmp_path / "c.npz")
     v = np.arange(-100, 100) + 128.5  # exact x / scale + zero point
     assert np.array_equal(got["q_tf"], np.floor(v + 0.5).astype(np.int64))  # half up
     assert np.array_equal(got["q_onnx"], np.rint(v).astype(np.int64))  # half to even
