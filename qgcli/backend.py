@@ -4,6 +4,8 @@ CuPy is imported only when a GPU is asked for or a CuPy array is passed in.
 """
 import sys
 
+import numpy
+
 from qgcli.errors import DeviceError
 
 
@@ -12,7 +14,6 @@ def array_module(*arrays):
     cupy = sys.modules.get("cupy")
     if cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays):
         return cupy
-    import numpy
 
     return numpy
 
@@ -45,6 +46,5 @@ def to_numpy(a):
     """A NumPy array from a NumPy or CuPy array (or scalar)."""
     if hasattr(a, "get") and type(a).__module__.startswith("cupy"):
         return a.get()
-    import numpy
 
     return numpy.asarray(a)

@@ -15,9 +15,14 @@ a hidden temporary file renamed into place at its first commit.  An exception (o
 the earlier steps as they were; appending costs the step's own bytes (no copy of the file).
 """
 import fnmatch
+import hashlib
 import os
 import re
 import threading
+
+import numpy as np
+
+from qgcli import __version__
 
 REFERENCE = "reference"
 DIGEST = "sha256"
@@ -59,10 +64,6 @@ def clean_path(name):
 
 def digest(array):
     """The SHA-256 of ``array``'s C-order bytes (what a digest dataset holds), as 32 ``uint8``."""
-    import hashlib
-
-    import numpy as np
-
     a = np.ascontiguousarray(array)
     return np.frombuffer(hashlib.sha256(memoryview(a).cast("B")).digest(), dtype=np.uint8)
 
@@ -246,8 +247,6 @@ class RunFileWriter:
     def open_group(self, name, op, attrs=None):
         """Start one op group (``name`` made unique) of the current step; its arrays are written with
         :meth:`Group.put` as they come (a forward part now, the gradients in the backward pass)."""
-        import numpy as np
-
         if self._closed:
             raise RuntimeError("the run file is already written")
         clean = {"op": op}
@@ -275,8 +274,6 @@ class RunFileWriter:
                 del self._staging[staged]
 
     def _dataset(self, parent, key, value):
-        import numpy as np
-
         value = np.asarray(value)
         options = self.compression if value.size >= _COMPRESS_MIN else {}
         parent.create_dataset(key, data=value, **options)
@@ -299,7 +296,6 @@ class RunFileWriter:
                 for name in list(staging):
                     f.move(f"{_STAGING}/{name}", name)
                 del f[_STAGING]
-            from qgcli import __version__
 
             f.attrs["qgcli_capture_version"] = __version__
             if self.description and "description" not in f.attrs:
@@ -384,8 +380,6 @@ class Group:
     def put_reference(self, reference, *, digest=()):
         """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256);
         returns the digests (name -> 32 ``uint8``)."""
-        import numpy as np
-
         w = self.writer
         if not w.references:
             return {}
@@ -420,6 +414,4 @@ class Group:
 
 
 def _digest_of(value):
-    import numpy as np
-
     return digest(np.asarray(value))

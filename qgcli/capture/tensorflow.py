@@ -46,8 +46,11 @@ is traced with the taps only when its first trace happens inside a capture block
 rebuilds ``model.fit``'s train function for that); a graph traced before runs without them.
 """
 import contextlib
+import inspect
 
-from qgcli.capture.runfile_writer import RunFileWriter
+import numpy as np
+
+from qgcli.capture.runfile_writer import digest, RunFileWriter
 from qgcli.capture.steps import StepCapture
 
 _FAKE_QUANT = {
@@ -206,8 +209,6 @@ def _name(tf, given, leaf):
 
 
 def _bind(original, args, kwargs):
-    import inspect
-
     bound = inspect.signature(original).bind(*args, **kwargs)
     bound.apply_defaults()
     return bound.arguments
@@ -258,8 +259,6 @@ def _group(site):
 
 def _forward(site, write):
     """A forward callback: open the site's group in the capture recording now and let ``write(group)`` fill it."""
-    import numpy as np
-
     def callback(*arrays):
         cap = _recording()
         if cap is None or not cap.writer.wants(site.name, weight=site.weight):
@@ -275,8 +274,6 @@ def _forward(site, write):
 
 
 def _backward(site, write):
-    import numpy as np
-
     def callback(*arrays):
         cap, group = _group(site)
         if group is not None and cap.writer.backward:
@@ -360,14 +357,10 @@ def _fake_quant_wrapper(tf, op, original):
 
 
 def _digest(array):
-    from qgcli.capture.runfile_writer import digest
-
     return bytes(digest(array))
 
 
 def _batch_norm_wrapper(tf, original):
-    import numpy as np
-
     def wrapper(*args, **kwargs):
         a = _bind(original, args, kwargs)
         name = _name(tf, a.get("name"), "batch_norm")

@@ -40,9 +40,14 @@ the module's own forward output and the gradients of the module's own kernel rep
 results for exactly the stored operands.
 """
 import contextlib
+import sys
+
+import numpy as np
 
 from qgcli.capture.runfile_writer import RunFileWriter, digest
 from qgcli.capture.steps import StepCapture
+from qgcli.errors import QgcliError
+from qgcli.ops import torchao_semantics as ts
 
 #: torch.ao results that verify compares bit for bit: stored as digests (the tensors are the step's, once).
 _DIGESTED = ("outputs", "backprops_wrt_input")
@@ -172,8 +177,6 @@ def _node_path(node):
 def _torchao_type():
     """torchao's quantizer base class, when the user's code imported torchao (else no module can be one:
     importing it here would cost seconds, and its log lines, for every torch.ao capture)."""
-    import sys
-
     if "torchao" not in sys.modules:
         return None
     try:
@@ -221,7 +224,6 @@ def _is_weight(name, x, torch):
 
 
 def _fake_quant_hook(torch, cap, name, fx_sites):
-    import numpy as np
     from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
     from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
 
@@ -289,8 +291,6 @@ def _fake_quant_hook(torch, cap, name, fx_sites):
 
 def _backward_fake_quant(torch, group, s, dy):
     """The upstream gradient, and the module's own kernel's gradients on the stored operands."""
-    import numpy as np
-
     x = torch.from_numpy(group.get("inputs"))
     replayed, grads = _replay_fake_quant(torch, s, x, dy)
     if not np.array_equal(digest(_numpy(replayed)), s["outputs"]):
@@ -336,8 +336,6 @@ def _replay_fake_quant(torch, s, x, dy):
 
 
 def _batch_norm_hook(torch, cap, name):
-    import numpy as np
-
     def hook(module, args, output):
         if not cap.active:
             return
@@ -408,9 +406,6 @@ def _torchao_config(module, x):
     from torchao.quantization.granularity import PerAxis, PerGroup, PerRow, PerTensor, PerToken
     from torchao.quantization.qat.fake_quantizer import Float8FakeQuantizer, IntxFakeQuantizer
 
-    from qgcli.errors import QgcliError
-    from qgcli.ops import torchao_semantics as ts
-
     c = module.config
     gran = c.granularity
     if not isinstance(module, (Float8FakeQuantizer, IntxFakeQuantizer)):
@@ -442,8 +437,6 @@ def _torchao_config(module, x):
 
 
 def _torchao_hook(torch, cap, name):
-    from qgcli.errors import QgcliError
-
     def hook(module, args, output):
         if not cap.active:
             return

@@ -21,11 +21,16 @@ Three kinds of work use it, all with the same client, task keys, error handling 
 Another kind of cluster (Ray, say) is one module with a class of :class:`Cluster`'s methods and one line in
 :func:`qgcli.execution.dispatch.cluster`.  Nothing of Dask is imported unless ``--scheduler`` is given.
 """
+import logging
 import os
 import re
 import time
 
-from qgcli.errors import OptionError, RuntimeFailure
+from qgcli.backend import to_numpy
+from qgcli.errors import OptionError, QgcliError, RuntimeFailure
+from qgcli.execution import runfile as rf
+from qgcli.execution.runfile import execute_run
+from qgcli.jobs import Result
 
 _LOCAL = re.compile(r"^local(?::(\d+))?$")
 #: How long the client waits for a scheduler to answer.
@@ -111,13 +116,10 @@ class Cluster:
 def connect(scheduler):
     """``(client, cluster or None)``: a Client of the scheduler at ``scheduler``, or of a LocalCluster of N
     worker processes started for this command (``local`` / ``local:N``; N defaults to the CPU count, at most 4)."""
-    from qgcli.errors import QgcliError
-
     try:
         import distributed
     except ImportError:
         raise QgcliError("needs Dask: pip install 'qgcli[dask]'", operand="--scheduler") from None
-    import logging
 
     local = _LOCAL.match(scheduler.strip())
     if local:
@@ -179,8 +181,6 @@ def _on_layer(function, path, args, layer):
 def execute_on_cluster(job, cluster, *, runner_for):
     """Run a :class:`qgcli.jobs.RunFileJob` with its groups on ``cluster`` (a :class:`Cluster`, not yet
     entered); returns the run-file summary with a ``cluster`` entry (scheduler address, workers, tasks)."""
-    from qgcli.execution.runfile import execute_run
-
     if job.output.memory_limit is not None:
         raise OptionError("each group is computed whole on one worker under --scheduler; drop "
                           "--memory-limit (the workers' own memory limits apply)", param_hint="'--memory-limit'")
@@ -238,9 +238,6 @@ class GroupTasks:
     def result(self, layer):
         """The group's Result (outputs as NumPy arrays, no figure); a group the runner refused raises the
         runner's message as a QgcliError (the run-file executor reports it as for a local run)."""
-        from qgcli.errors import QgcliError
-        from qgcli.jobs import Result
-
         future = self._futures.pop(layer.path, None)
         if future is None:
             self._pending = [l for l in self._pending if l.path != layer.path]
@@ -263,8 +260,6 @@ def compute_group(job, path, layer, runner_for):
 
     Returns ``{"outputs", "attrs", "summary"}`` (NumPy arrays), or ``{"error": text}`` when the runner
     refuses the group (the text the local run-file executor would show)."""
-    from qgcli.backend import to_numpy
-    from qgcli.execution import runfile as rf
     from qgcli.storage import io
 
     rf._TOOLS.setdefault("runner_for", runner_for)

@@ -5,14 +5,18 @@ its family (:mod:`qgcli.families`) and writes what the runner gives back with th
 same way in every place: ``--compression`` for every .h5 output, ``--plot`` where the runner draws one, and a
 ``--memory-limit`` below the inputs either honoured (blocks) or refused, never ignored.
 """
+import os
+
 from qgcli.errors import OptionError
+from qgcli.execution import memory
+from qgcli.execution.cluster import Cluster
+from qgcli.families import registry
 from qgcli.jobs import RunFileJob
+from qgcli.storage.operands import Operands
 
 
 def runner_for(job):
     """The module of the job's family (:mod:`qgcli.families.registry`)."""
-    from qgcli.families import registry
-
     return registry.of(job)
 
 
@@ -24,9 +28,6 @@ def execute(job):
     HDF5 tensors over the memory limit streamed in blocks (:mod:`qgcli.execution.blocks`); else in memory
     (:mod:`qgcli.execution.memory`, which also holds the rule that decides).
     """
-    from qgcli.execution import memory
-    from qgcli.storage.operands import Operands
-
     job = with_default_scheduler(job)
     scheduler = job.output.scheduler
     if isinstance(job, RunFileJob):  # every group of a run file (qgcli.execution.runfile)
@@ -77,16 +78,12 @@ def execute(job):
 def cluster(address):
     """The cluster at a ``--scheduler`` address (:class:`qgcli.execution.cluster.Cluster`, not yet entered):
     Dask's.  Another kind of cluster is one module with the same methods and one line here."""
-    from qgcli.execution.cluster import Cluster
-
     return Cluster(address)
 
 
 def default_scheduler():
     """Dask's own ``DASK_SCHEDULER_ADDRESS`` setting: the scheduler of the work that can run on a cluster (run
     files, Zarr tensors in blocks, ``report`` and ``verify`` of run files) when ``--scheduler`` is absent."""
-    import os
-
     return os.environ.get("DASK_SCHEDULER_ADDRESS") or None
 
 

@@ -7,9 +7,14 @@ its storage allow, else it is refused: an explicit limit is never ignored.  The 
 run-file executor (which decides from the shapes discovery found, before opening a dataset) and the Zarr
 block planner all ask this module.
 """
+import os
 import re
+import shutil
 
-from qgcli.errors import QgcliError
+import numpy as np
+
+from qgcli.errors import OperandError, OutputError, QgcliError
+from qgcli.storage.outputs import check_figure_output, save_checked, write_outputs
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -49,8 +54,6 @@ def shapes_fit(datasets, names, budget):
     """Whether the large operands ``names``, by their shapes and dtypes as a run file's discovery found them
     (``datasets``: name -> (shape, dtype)), fit ``budget`` by :func:`need`; None when one is not known there
     (then the memory plan decides from the opened datasets)."""
-    import numpy as np
-
     tensors = []
     for name in names:
         if name not in datasets:
@@ -71,10 +74,6 @@ def plan(job, operands, *, streams, mode=None):
     A job that cannot stream (``mode`` says why: its family, or the GPU) is refused when an explicit
     ``--memory-limit`` is below what its HDF5 inputs need; without the option it works in memory as always.
     """
-    import os
-    import shutil
-
-    from qgcli.errors import OperandError, OutputError
     from qgcli.storage import io
 
     limit, output = job.output.memory_limit, job.output.destination
@@ -117,8 +116,6 @@ def _size(n):
 
 def run_in_memory(runner, job, operands):
     """Load, compute, write the outputs (and the figure); returns the summary."""
-    from qgcli.storage.outputs import check_figure_output, save_checked, write_outputs
-
     out = job.output
     result = runner.compute(job, operands)
     if out.plot:  # refuse a bad figure path before any output is written

@@ -9,8 +9,17 @@ folder per group, ``-`` an npz on stdout.  Nothing is written unless every group
 """
 import os
 
-from qgcli.errors import OptionError, QgcliError, UsageProblem
-from qgcli.report.text import counted
+from qgcli.backend import to_numpy
+from qgcli.errors import OptionError, OutputError, QgcliError, UsageProblem
+from qgcli.execution import blocks, memory
+from qgcli.families import groups, registry
+from qgcli.families.groups import OVERRIDABLE
+from qgcli.report.summaries import json_safe, percent
+from qgcli.report.tables import Col, print_items, print_table
+from qgcli.report.text import counted, printable
+from qgcli.signals import raise_pending
+from qgcli.storage import runfile
+from qgcli.storage.operands import Operands
 
 
 def execute_run(job, *, runner_for, memory_plan, remote=None):
@@ -23,11 +32,7 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     (:mod:`qgcli.execution.cluster`) computes the groups elsewhere: ``remote.start(job, path, layers)`` before
     any is written, then ``remote.result(layer)`` gives each group's Result in place of ``runner.compute``;
     everything else (checks, writing) stays here."""
-    from qgcli.families import groups, registry
-    from qgcli.storage import runfile
-
     _TOOLS.update(runner_for=runner_for, memory_plan=memory_plan, remote=remote)
-    from qgcli.errors import QgcliError
 
     path, group, container = runfile.open_target(job.target, operand="BUNDLE",
                                                  not_a_run_file=f"{job.target} is not an HDF5 run file")
@@ -69,9 +74,6 @@ def refusal(where, bad, total):
 
 def _prepared(job, container, path, layer):
     """``(group job, runner, operands, overrides)`` of one layer."""
-    from qgcli.storage.operands import Operands
-    from qgcli.families import groups
-
     specs = groups.operand_specs(layer)  # literal operands a group carries as attributes
     group_job, overrides = groups.job_from_group(job, layer, specs, job.output)
     runner = _TOOLS["runner_for"](group_job)
@@ -96,8 +98,6 @@ def _errors():
 def _each(job, container, path, layers, skipped):
     """Yield ``(layer, group job, runner, operands, overrides)``; a layer that fails to build goes to
     ``skipped`` with --skip-invalid, else stops the run."""
-    from qgcli.errors import QgcliError
-
     for layer in layers:
         try:
             yield (layer, *_prepared(job, container, path, layer))
@@ -110,8 +110,6 @@ def _each(job, container, path, layers, skipped):
 
 def _compute(job, layer, group_job, runner, operands, skipped):
     """The runner's Result for one group, or None when it failed and --skip-invalid lets the run go on."""
-    from qgcli.errors import QgcliError
-
     remote = _TOOLS.get("remote")
     try:
         return runner.compute(group_job, operands) if remote is None else remote.result(layer)
@@ -126,10 +124,6 @@ def _compute(job, layer, group_job, runner, operands, skipped):
 def _run_and_write(job, container, path, layers):
     """Compute every layer and write its outputs through the target format's group sink
     (:mod:`qgcli.storage.formats`); returns (ran: list of dicts, skipped layers)."""
-    from qgcli.backend import to_numpy
-    from qgcli.execution import blocks
-    from qgcli.signals import raise_pending
-
     out = job.output
     fmt = _check_destination(out.destination, path, out.force)
     memory_plan = _TOOLS["memory_plan"]
@@ -167,7 +161,6 @@ def _run_and_write(job, container, path, layers):
 def _check_destination(dest, source, force):
     """The output's format (:mod:`qgcli.storage.formats`), once the target is checked."""
     from qgcli.storage import formats, io
-    from qgcli.errors import OutputError
 
     fmt = formats.get(io.check_output(dest, inputs=[source], force=force))
     if not hasattr(fmt, "group_sink"):  # .npy: one array per file
@@ -196,8 +189,6 @@ def _fits(layer, group_job, budgets):
     """Whether the group's large operands, by the shapes discovery found, fit the memory budget
     (:func:`qgcli.execution.memory.shapes_fit`): then the memory plan is None without opening a dataset.
     False means "ask the memory plan" (which decides, and checks, as for a single bundle)."""
-    from qgcli.execution import memory
-
     limit = group_job.output.memory_limit
     if limit not in budgets:
         budgets[limit] = memory.parse_memory_limit(limit)
@@ -205,9 +196,6 @@ def _fits(layer, group_job, budgets):
 
 
 def _summary(job, where, layers, ran, other, skipped):
-    from qgcli.families.groups import OVERRIDABLE
-    from qgcli.report.summaries import json_safe
-
     overrides = {}
     for r in ran:
         for name, change in r["overrides"].items():
@@ -236,10 +224,6 @@ def _summary(job, where, layers, ran, other, skipped):
 
 def render_run(console, s):
     """The rich rendering of a run-file summary (stderr)."""
-    from qgcli.report.summaries import percent
-    from qgcli.report.tables import Col, print_items, print_table
-    from qgcli.report.text import printable
-
     text = _markup()
     print_items(console, f"[bold]{s['command']}[/] over {text(s['run_file'])}: {s['ran']} of {s['groups']} groups "
                 f"ran; {s['skipped_other_kind']} of the other kind skipped, {s['skipped_invalid']} invalid skipped")

@@ -3,10 +3,17 @@
 The statistics convention (what reserve_space_2 holds: the variance or cuDNN's inverse std, or found out
 from x with ``auto``), the dtype rules of each version and the summary with per-channel norms.
 """
+import numpy as np
+
+from qgcli.backend import to_numpy
 from qgcli.errors import OptionError
 
 from qgcli.families.registry import BATCH_NORM
-from qgcli.jobs import Result
+from qgcli.jobs import BatchNormJob, Result
+from qgcli.ops import batch_norm as bn
+from qgcli.ops.batch_norm import channel_norms, placeholder_outputs, VERSIONS
+from qgcli.ops.out_array import can_take
+from qgcli.report.tables import Col, print_items, print_table
 from qgcli.storage.operands import to_device
 from qgcli.report.summaries import describe_arrays, json_safe
 
@@ -66,12 +73,6 @@ def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, versio
     """Detect the convention if asked, run the op; returns (outputs, convention dict).  ``overwrite``:
     ``raw["y_backprop"]`` is this job's own array, read by nothing afterwards, so x_backprop may take its
     buffer."""
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-    from qgcli.ops import batch_norm as bn
-    from qgcli.ops.out_array import can_take
-
     bn.batch_norm_grad_version(version, x_dtype=getattr(raw["x"], "dtype", None), data_format=data_format,
                                y_backprop_dtype=getattr(raw["y_backprop"], "dtype", None))
     convention = {"kind": None, "variance_kind": variance_kind}
@@ -112,10 +113,6 @@ def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, versio
 def build_summary(op, attrs, operands, raw, outputs, convention, notes, output, *, with_norms=True):
     """The summary; without ``with_norms`` (nobody will see it) x_backprop is not read again: no norms, and
     its non-finite values are not counted."""
-    import numpy as np
-
-    from qgcli.ops.batch_norm import channel_norms
-
     dx, norms = outputs["x_backprop"], None
     if with_norms:
         norms = channel_norms(dx, attrs["data_format"]) if dx.size else np.zeros(outputs["scale_backprop"].shape)
@@ -168,7 +165,6 @@ def compute(job, operands):
     outputs, convention = run_bn_grad(raw, epsilon=job.epsilon, data_format=data_format, is_training=job.is_training,
                                       variance_kind=job.variance_kind, version=job.version, device=job.output.device,
                                       overwrite=True)
-    from qgcli.ops.batch_norm import VERSIONS, placeholder_outputs
 
     op = VERSIONS[job.version].op
     attrs = {"op": op, "epsilon": job.epsilon, "data_format": data_format, "is_training": job.is_training,
@@ -185,8 +181,6 @@ def compute(job, operands):
 
 def dtype_of(ds):
     """The dtype of an unread HDF5 dataset or Zarr array, bfloat16 where qgcli's tag says so."""
-    import numpy as np
-
     from qgcli.storage import io
 
     if io.tagged_bfloat16(ds):
@@ -201,8 +195,6 @@ def block_setup(job, operands, datasets):
     datasets or Zarr arrays, unread): the block algorithm (``blocks``: two passes), ``data_format``, the
     per-channel operands ``small_in`` (read), the op's parameters, ``attrs``, ``op``, the large ``output``'s
     name, the ``extra_outputs`` (V3's placeholders) and what the summary lacks (``not_computed``)."""
-    from qgcli.ops import batch_norm as bn
-
     if job.variance_kind == "auto":
         raise OptionError("is not available when x is streamed from disk; name the convention "
                                  "(variance or inv-std) or raise --memory-limit", param_hint="'--variance-kind auto'")
@@ -224,8 +216,6 @@ def block_setup(job, operands, datasets):
 
 def block_summary(job, operands, datasets, setup, small, notes):
     """The summary of bn-grad computed block by block (:func:`block_setup`; ``small``: the per-channel outputs)."""
-    import numpy as np
-
     x_ds, op, attrs = datasets["x"], setup["op"], setup["attrs"]
     channels = len(small["scale_backprop"])
     outputs = {"x_backprop": {"shape": list(x_ds.shape), "dtype": str(dtype_of(x_ds))},
@@ -265,8 +255,6 @@ def group_problem(layer, shapes):
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    from qgcli.jobs import BatchNormJob
-
     version = pick("version", layer.variant or "v3")
     return BatchNormJob(operand_specs, output, epsilon=float(pick("epsilon", 1e-4)),
                         data_format=pick("data_format", None), is_training=bool(pick("is_training", True)),
@@ -280,8 +268,6 @@ def mode(job):
 
 def render(console, s):
     from rich.markup import escape
-
-    from qgcli.report.tables import Col, print_items, print_table
 
     a = s["attributes"]
     x = s["inputs"].get("x", {})

@@ -3,7 +3,13 @@
 (``ste``, the identity, and ``masked-ste``); small-float codes written as their bytes; the per-block analysis
 (elements flushed to zero, saturated scales, dynamic range in bits, SQNR) and the summary on stderr.
 """
-from qgcli.errors import OptionError
+import numpy as np
+
+from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.families.torchao import OPTION_NAMES
+from qgcli.report.summaries import describe_arrays, json_safe, percent, render_closing_lines
+from qgcli.report.tables import print_items
+from qgcli.report.text import counted, markup, printable_doc
 
 #: --semantics -> the block-format options it takes
 OPTIONS_OF = {"mx": ("--mx-format", "--block-size", "--scale-mode"), "nvfp4": ("--no-per-tensor-scale",),
@@ -29,7 +35,6 @@ def refuse_other_families(o, semantics, *, operands_allowed, dtype=False, axis=T
             raise OptionError(f"only applies to --semantics torch; not to --semantics {semantics}",
                               param_hint=f"'{option}'")
     for field, value in o.torchao.given().items():
-        from qgcli.families.torchao import OPTION_NAMES
 
         raise OptionError("only applies to --semantics torchao", param_hint=f"'{OPTION_NAMES[field]}'")
     if o.attributes.variant is not None:
@@ -75,8 +80,6 @@ def estimator_name(o, *, masked_ok, why_not=""):
 
 def run_file_estimator(run, masked_ok):
     """A run file's --estimator for a block-format group: None/ste/identity only (masked-ste: one bundle)."""
-    from qgcli.errors import QgcliError
-
     est = run.estimator
     if est is None or est.name in ("ste", "identity"):
         return "ste"
@@ -86,10 +89,6 @@ def run_file_estimator(run, masked_ok):
 
 def float32_operand(value, name):
     """An operand as float32 (bfloat16 and float16 values exactly), or an OperandError."""
-    import numpy as np
-
-    from qgcli.errors import OperandError
-
     a = np.asarray(value) if not hasattr(value, "dtype") else value
     if getattr(a.dtype, "kind", "f") not in "fV" and a.dtype.name != "bfloat16":
         raise OperandError(f"dtype {a.dtype} is not a floating type", operand=name)
@@ -99,8 +98,6 @@ def float32_operand(value, name):
 def as_bytes(arrays, attrs):
     """Small-float arrays (ml_dtypes float8 / float4) as their uint8 bytes, the type in ``attrs``
     (``<name>_dtype``): every storage format keeps uint8, none keeps ml_dtypes' types."""
-    import numpy as np
-
     out = {}
     for name, a in arrays.items():
         dt = getattr(a, "dtype", None)
@@ -123,8 +120,6 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
     - ``sqnr_db``: 10 log10(sum x^2 / sum (y - x)^2) over the finite elements (inf when exact);
     - ``saturated``: the per-block booleans given (the block's scale at its clamp), else None.
     """
-    import numpy as np
-
     x = np.asarray(x, np.float32)
     y = np.asarray(y, np.float32)
     ax = axis % x.ndim if x.ndim else 0
@@ -171,8 +166,6 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
 def block_row(per_block, i, shape, axis):
     """One block's statistics as a JSON-safe dict (``index``: its place in the scales' shape, block axis last
     before it was moved back)."""
-    import numpy as np
-
     index = [int(v) for v in np.unravel_index(i, shape)] if shape else []
     if axis is not None and index:
         index.insert(axis, index.pop())  # the block axis back in its place
@@ -186,8 +179,6 @@ def block_row(per_block, i, shape, axis):
 # --- the summary -------------------------------------------------------------------------------------------------
 
 def summary(job, op, attrs, operands_described, outputs, stats, notes):
-    from qgcli.report.summaries import describe_arrays, json_safe
-
     return json_safe({"command": job.command, "op": op, "semantics": job.formats["semantics"],
                       "attributes": attrs, "inputs": operands_described, "statistics": stats,
                       "outputs": describe_arrays(outputs), "output": job.output.destination, "notes": notes})
@@ -195,10 +186,6 @@ def summary(job, op, attrs, operands_described, outputs, stats, notes):
 
 def render(console, s):
     """The fakequant / fakequant-grad summary of a block format, on stderr."""
-    from qgcli.report.summaries import percent, render_closing_lines
-    from qgcli.report.tables import print_items
-    from qgcli.report.text import counted, markup, printable_doc
-
     s = printable_doc(s)
     fields = " ".join(f"{k}={v}" for k, v in s["attributes"].items() if v is not None)
     print_items(console, f"[bold]{markup(s['op'])}[/] {markup(fields)}", soft_wrap=True)
@@ -230,8 +217,6 @@ def render(console, s):
 def saturated_elements(x, y, limit):
     """Elements whose dequantized magnitude sits at the format's largest value (``limit``, broadcast against ``y``:
     F times the block's scale) while the input lies beyond it: clipped, as the fake-quant families count it."""
-    import numpy as np
-
     x = np.asarray(x, np.float64)
     y = np.asarray(y, np.float64)
     with np.errstate(all="ignore"):
@@ -242,8 +227,6 @@ def report_row(x, y, clipped, gradients, block_size, axis, passed=None):
     """``qgcli report``'s row (:data:`qgcli.report.layers.LAYER_KEYS`) of a block-format group: channels are the
     blocks, clipped the saturated elements (below: negative), SQNR over the tensor, the worst block the one of
     lowest SQNR; ``passed``: the estimator's mask (None: the identity STE passes every element)."""
-    import numpy as np
-
     x64 = np.asarray(x, np.float64)
     n = x64.size
     below = clipped & (x64 < 0)

@@ -1,5 +1,6 @@
 """Option checks that several fake-quant families share when they build a job from the commands' options."""
 from qgcli.errors import OptionError
+from qgcli.ops.estimators import parse_estimator as parse
 
 #: ``--variant`` of TensorFlow's QuantizeV2 + Dequantize round trip (:mod:`qgcli.families.quantize_v2`).
 QD_VARIANT = "quantize-dequantize"
@@ -10,7 +11,6 @@ def parse_estimator(estimator):
     (The estimators' module, 6 ms, is imported only where one is named.)"""
     if estimator.estimator is None:
         return None
-    from qgcli.ops.estimators import parse_estimator as parse
 
     return parse(estimator.estimator)
 

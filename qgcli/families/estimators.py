@@ -9,9 +9,13 @@ from qgcli.errors import OptionError
 from qgcli.families import tf_fake_quant
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
+from qgcli.ops import estimators
+from qgcli.ops.analysis import blocked_by, clip_statistics
+from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
+from qgcli.report.tables import print_items
 from qgcli.storage.operands import to_device
 from qgcli.families.tf_fake_quant import TF_OPS, build_summary, load_fake_quant_operands
-from qgcli.report.summaries import json_safe
+from qgcli.report.summaries import json_safe, percent
 
 #: Its jobs are built by TensorFlow's family (:mod:`qgcli.families.tf_fake_quant`) when --estimator names
 #: an estimator; a run file's groups are TensorFlow's ops.
@@ -20,10 +24,6 @@ LITERAL_OK = ("min", "max")
 
 
 def compute(job, operands):
-    from qgcli.ops import estimators
-    from qgcli.ops.analysis import blocked_by, clip_statistics
-    from qgcli.ops.fake_quant import _args_grid, as_float32, nudge
-
     est, grad_factor, axis = job.estimator, job.grad_factor, job.axis
     num_bits, narrow_range = job.num_bits, job.narrow_range
     gradients, inputs, mn, mx, variant = load_fake_quant_operands(operands, job.variant, with_gradients=True)
@@ -66,9 +66,6 @@ def mode(job):
 
 
 def render(console, s):
-    from qgcli.report.summaries import percent
-    from qgcli.report.tables import print_items
-
     tf_fake_quant.render(console, s)
     est_ = s["estimator"]
     extra = f", grad_factor {est_['grad_factor']:.7g}" if "grad_factor" in est_ else ""

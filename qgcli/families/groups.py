@@ -7,7 +7,13 @@ dataset shapes and attributes alone, nothing read (:func:`validate`), and become
 (:func:`job_from_group`): the group's attributes, except where an option was typed on the command line.
 The layout is documented in docs/whole-models.md.
 """
+import math
+
+import numpy as np
+
 from qgcli.families import registry
+from qgcli.jobs import OperandSpecs
+from qgcli.storage import runfile
 
 #: Command-line options that may override a group's attributes when typed: job field -> option.
 OVERRIDABLE = {
@@ -41,15 +47,11 @@ def classify(layer):
 
 def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     """The layers of an open h5py File (:func:`qgcli.storage.runfile.discover`), each with its family."""
-    from qgcli.storage import runfile
-
     return [classify(layer) for layer in runfile.discover(handle, group, label=label, operand=operand)]
 
 
 def layer(path, attrs, datasets):
     """The classified Layer of one group (:func:`qgcli.storage.runfile.layer`), None when it is no layer."""
-    from qgcli.storage import runfile
-
     found = runfile.layer(path, attrs, datasets)
     return None if found is None else classify(found)
 
@@ -63,8 +65,6 @@ def literal_specs(layer):
 
 def operand_specs(layer):
     """:class:`qgcli.jobs.OperandSpecs` of a group's literal operands."""
-    from qgcli.jobs import OperandSpecs
-
     return OperandSpecs(None, tuple(literal_specs(layer).items()))
 
 
@@ -123,22 +123,14 @@ def size(shape):
 
 
 def is_int(v):
-    import numpy as np
-
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def is_bool(v):
-    import numpy as np
-
     return isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and int(v) in (0, 1))
 
 
 def is_real(v):
-    import math
-
-    import numpy as np
-
     return (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
             and math.isfinite(float(v)))
 
@@ -147,8 +139,6 @@ def is_real(v):
 
 def plain(v):
     """An attribute as a Python value (NumPy scalars unwrapped)."""
-    import numpy as np
-
     if isinstance(v, np.generic):
         return v.item()
     return v

@@ -7,10 +7,15 @@ block axis divided by the block size) and ``quantized`` (the element codes; floa
 type in the ``quantized_dtype`` attribute).  The gradient is the identity (torchao's MX QAT).  Run-file groups:
 ``op = "mx"`` with the attributes ``format``, ``block_size``, ``axis``, ``scale_mode``.
 """
-from qgcli.errors import OptionError
+import numpy as np
+
+from qgcli.errors import OperandError, OptionError, QgcliError
 from qgcli.families import block_formats as bf
+from qgcli.families.groups import OVERRIDABLE, plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
+from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.ops import mx as ops
+from qgcli.report.summaries import describe_arrays
 
 NAME, KIND = "mx", FAKE_QUANT
 LITERAL_OK = ()
@@ -34,9 +39,6 @@ def mode(job):
 
 def _check(formats, shape=None):
     """The attributes checked (format, scale mode; the block size against the axis when the shape is known)."""
-    from qgcli.errors import OperandError
-    from qgcli.ops import mx as ops
-
     if formats["format"] not in ops.FORMATS:
         raise OperandError(f"{formats['format']!r} is not one of {', '.join(ops.FORMATS)}", operand="format")
     if formats["scale_mode"] not in ops.SCALE_MODES:
@@ -49,8 +51,6 @@ def _check(formats, shape=None):
 
 
 def job_from_options(o):
-    from qgcli.jobs import FakeQuantJob, OperandSpecs
-
     bf.refuse_other_families(o, "mx", operands_allowed=("inputs", "gradients"))
     f = o.formats
     formats = {"semantics": "mx", "format": f.mx_format or DEFAULTS["format"],
@@ -73,8 +73,6 @@ def job_from_options(o):
 # --- run files -----------------------------------------------------------------------------------------------
 
 def _group_formats(attrs):
-    from qgcli.families.groups import plain
-
     a = {k: plain(v) for k, v in attrs.items()}
     return {"semantics": "mx", "format": str(a.get("format", DEFAULTS["format"])).lower(),
             "block_size": int(a.get("block_size", DEFAULTS["block_size"])), "axis": int(a.get("axis", -1)),
@@ -82,8 +80,6 @@ def _group_formats(attrs):
 
 
 def attribute_problem(attrs):
-    from qgcli.errors import QgcliError
-
     try:
         _check(_group_formats(attrs))
     except (QgcliError, ValueError, TypeError) as exc:
@@ -92,8 +88,6 @@ def attribute_problem(attrs):
 
 
 def group_problem(layer, shapes):
-    from qgcli.errors import QgcliError
-
     try:
         _check(_group_formats(layer.attrs), shapes["inputs"])
     except QgcliError as exc:
@@ -102,10 +96,6 @@ def group_problem(layer, shapes):
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    from qgcli.errors import QgcliError
-    from qgcli.families.groups import OVERRIDABLE
-    from qgcli.jobs import FakeQuantJob
-
     for name in pick.given:
         raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to an mx group (its attributes say the "
                          "format)")
@@ -123,25 +113,17 @@ def attributes(formats):
 
 def forward(inputs, formats):
     """:func:`qgcli.ops.mx.mx_fake_quantize` with the job's attributes."""
-    from qgcli.ops import mx as ops
-
     return ops.mx_fake_quantize(inputs, format=formats["format"], block_size=int(formats["block_size"]),
                                 axis=int(formats["axis"]), scale_mode=formats["scale_mode"])
 
 
 def saturated_scales(codes, formats):
     """Blocks whose E8M0 code sits at a clamp: 0 (2^-127, every value halved or flushed) or 254/255."""
-    import numpy as np
-
     c = np.asarray(codes)
     return (c == 0) | (c >= 254)
 
 
 def compute(job, operands):
-    import numpy as np
-
-    from qgcli.report.summaries import describe_arrays
-
     f = job.formats
     inputs = bf.float32_operand(operands.get("inputs"), "inputs")
     gradients = operands.get("gradients") if job.with_gradients else None
@@ -183,10 +165,6 @@ render = bf.render
 
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
     """``qgcli report``'s row of an mx group: blocks as channels, saturated elements as clipped, SQNR."""
-    import numpy as np
-
-    from qgcli.ops import mx as ops
-
     f = _group_formats(layer.attrs)
     x = bf.float32_operand(inputs, "inputs")
     _check(f, tuple(np.shape(x)))

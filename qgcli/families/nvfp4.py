@@ -8,10 +8,18 @@ per-tensor scale ``max|x| / 2688``.  Operand ``inputs`` (and ``gradients``); out
 (all zero, a NaN or Inf) qgcli does the same and says so in a note.  The gradient is the identity (torchao's
 NVFP4 QAT).  Run-file groups: ``op = "nvfp4"`` with ``axis`` and ``per_tensor_scale``.
 """
-from qgcli.errors import OptionError
+import warnings
+
+import numpy as np
+
+from qgcli.errors import OptionError, QgcliError
 from qgcli.families import block_formats as bf
+from qgcli.families.groups import is_bool, OVERRIDABLE, plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
+from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.ops import nvfp4 as ops
+from qgcli.ops.mx import check_blocks
+from qgcli.report.summaries import describe_arrays
 
 NAME, KIND = "nvfp4", FAKE_QUANT
 LITERAL_OK = ()
@@ -34,8 +42,6 @@ def mode(job):
 
 
 def job_from_options(o):
-    from qgcli.jobs import FakeQuantJob, OperandSpecs
-
     bf.refuse_other_families(o, "nvfp4", operands_allowed=("inputs", "gradients"))
     formats = {"semantics": "nvfp4", "block_size": BLOCK_SIZE,
                "axis": -1 if o.attributes.axis is None else int(o.attributes.axis),
@@ -56,8 +62,6 @@ def job_from_options(o):
 # --- run files -----------------------------------------------------------------------------------------------
 
 def _group_formats(attrs):
-    from qgcli.families.groups import is_bool, plain
-
     a = {k: plain(v) for k, v in attrs.items()}
     pts = a.get("per_tensor_scale", True)
     if not is_bool(pts):
@@ -75,9 +79,6 @@ def attribute_problem(attrs):
 
 
 def group_problem(layer, shapes):
-    from qgcli.errors import QgcliError
-    from qgcli.ops.mx import check_blocks
-
     try:
         check_blocks(shapes["inputs"], _group_formats(layer.attrs)["axis"], BLOCK_SIZE, what="NVFP4 block size")
     except QgcliError as exc:
@@ -86,10 +87,6 @@ def group_problem(layer, shapes):
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    from qgcli.errors import QgcliError
-    from qgcli.families.groups import OVERRIDABLE
-    from qgcli.jobs import FakeQuantJob
-
     for name in pick.given:
         raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to an nvfp4 group (its attributes say it)")
     formats = _group_formats(layer.attrs)
@@ -107,10 +104,6 @@ def attributes(formats):
 def forward(inputs, formats):
     """:func:`qgcli.ops.nvfp4.nvfp4_fake_quantize` with the job's attributes, and the note of its warning
     (torchao's NaN outputs), or None."""
-    import warnings
-
-    from qgcli.ops import nvfp4 as ops
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"])
@@ -120,19 +113,11 @@ def forward(inputs, formats):
 
 def saturated_scales(block_scales):
     """Blocks whose E4M3 scale sits at its clamp: 2^-6 (the smallest, code 0x08) or 448 (0x7E)."""
-    import numpy as np
-
     c = np.asarray(block_scales).view(np.uint8) & 0x7F
     return (c == 0x08) | (c == 0x7E)
 
 
 def compute(job, operands):
-    import numpy as np
-
-    from qgcli.ops import nvfp4 as ops
-    from qgcli.ops.mx import check_blocks
-    from qgcli.report.summaries import describe_arrays
-
     f = job.formats
     inputs = bf.float32_operand(operands.get("inputs"), "inputs")
     gradients = operands.get("gradients") if job.with_gradients else None
@@ -171,8 +156,6 @@ render = bf.render
 
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
     """``qgcli report``'s row of an nvfp4 group: blocks as channels, elements at fp4's 6 beyond it as clipped."""
-    import numpy as np
-
     f = _group_formats(layer.attrs)
     x = bf.float32_operand(inputs, "inputs")
     res, _ = forward(x, f)

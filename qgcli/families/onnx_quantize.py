@@ -11,10 +11,16 @@ Operands ``x`` (``inputs`` accepted too), ``y_scale``, ``y_zero_point`` (optiona
 falls outside ``[qmin, qmax]``: ModelOpt ``pass_through_bwd=False``, onnxruntime training's FakeQuant mask).
 Run-file groups: ``op = "QuantizeLinear"`` with ``dtype``, ``axis``, ``block_size``, ``saturate``.
 """
-from qgcli.errors import OptionError
+import numpy as np
+
+from qgcli.errors import OperandError, OptionError, QgcliError
 from qgcli.families import block_formats as bf
+from qgcli.families.groups import is_bool, is_int, OVERRIDABLE, plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
+from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.ops import onnx_quantize as ops
+from qgcli.ops.onnx_quantize import DTYPES, INTEGER_TYPES
+from qgcli.report.summaries import describe_arrays
 
 NAME, KIND = "onnx", FAKE_QUANT
 LITERAL_OK = ("y_scale", "y_zero_point")
@@ -44,9 +50,6 @@ def mode(job):
 
 
 def job_from_options(o):
-    from qgcli.jobs import FakeQuantJob, OperandSpecs
-    from qgcli.ops.onnx_quantize import DTYPES, INTEGER_TYPES
-
     bf.refuse_other_families(o, "onnx", operands_allowed=OPERANDS, dtype=True)
     dtype = o.quantize.dtype
     if dtype is not None and dtype not in DTYPES:
@@ -77,9 +80,6 @@ def job_from_options(o):
 # --- run files -----------------------------------------------------------------------------------------------
 
 def _group_formats(attrs):
-    from qgcli.families.groups import is_bool, is_int, plain
-    from qgcli.ops.onnx_quantize import DTYPES
-
     a = {k: plain(v) for k, v in attrs.items()}
     dtype = a.get("dtype")
     if dtype is not None and str(dtype).lower().replace("_", "") not in DTYPES:
@@ -109,10 +109,6 @@ def group_problem(layer, shapes):
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    from qgcli.errors import QgcliError
-    from qgcli.families.groups import OVERRIDABLE
-    from qgcli.jobs import FakeQuantJob
-
     for name in pick.given:
         raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to a QuantizeLinear group (its attributes "
                          "say it)")
@@ -127,10 +123,6 @@ def job_from_group(run, layer, operand_specs, output, pick):
 def load(operands, formats):
     """``(x, y_scale, y_zero_point, dtype, note)``: the operands, and the dtype (ONNX's rule: the zero point's
     type when no --dtype was given, else uint8)."""
-    import numpy as np
-
-    from qgcli.errors import OperandError
-
     x = operands.get("x") if operands.has("x") else operands.get("inputs", required=False)
     if x is None:
         raise OperandError("is missing: give --x (or --inputs), or a bundle dataset named x or inputs", operand="x")
@@ -158,12 +150,6 @@ def attributes(formats, dtype):
 
 
 def compute(job, operands):
-    import numpy as np
-
-    from qgcli.errors import OperandError
-    from qgcli.ops import onnx_quantize as ops
-    from qgcli.report.summaries import describe_arrays
-
     f = job.formats
     x, y_scale, zp, dtype, note = load(operands, f)
     gradients = operands.get("gradients") if job.with_gradients else None
@@ -206,10 +192,6 @@ def _statistics(x, res, y_scale, zp, dtype, f):
     """Blocked quantization with whole blocks: per block; otherwise the tensor as one block.  ``clipped``: the
     share of elements at a saturated code (integer types: qmin or qmax; float types: the largest finite
     magnitude or beyond)."""
-    import numpy as np
-
-    from qgcli.ops import onnx_quantize as ops
-
     shape = np.shape(x)
     bs = f["block_size"]
     blocked = bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0
@@ -240,10 +222,6 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     """``qgcli report``'s row of a QuantizeLinear group: clipped at qmin / qmax (integer types) or at the largest
     finite value (float types); the blocks of blocked quantization as channels (else the tensor as one);
     gradient blocked: none under the identity STE."""
-    import numpy as np
-
-    from qgcli.ops import onnx_quantize as ops
-
     f = _group_formats(layer.attrs)
     x, y_scale, zp, dtype, _ = load(operands, f)
     res = ops.onnx_fake_quantize(x, y_scale, zp, dtype=dtype, axis=f["axis"], block_size=f["block_size"],

@@ -6,11 +6,17 @@ Operands under TF's names ``input``, ``input_min``, ``input_max`` (``inputs``/``
 (V4Grad; V2/V3 register a pass-through gradient in TF: ``input_backprop = gradients`` only).  Another
 ``--estimator`` runs on this grid, masking on the given ``[input_min, input_max]`` as V4Grad does.
 """
+import numpy as np
+
+from qgcli.backend import to_numpy
 from qgcli.errors import OptionError
 
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
-from qgcli.storage.operands import to_device
+from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.ops import quantize_and_dequantize as ops
+from qgcli.ops.estimators import Quantized
+from qgcli.ops.subnormals import flush_subnormals
+from qgcli.storage.operands import Operands, to_device
 from qgcli.report.summaries import describe_arrays, json_safe, render_closing_lines
 
 NAME, KIND = "quantize-and-dequantize", FAKE_QUANT
@@ -43,8 +49,6 @@ def mode(job):
 
 def job_from_options(o):
     """The FakeQuantJob of this family, options checked (called by the fakequant commands)."""
-    from qgcli.jobs import FakeQuantJob, OperandSpecs
-
     command, with_gradients, operands, attributes = o.command, o.with_gradients, o.operands, o.attributes
     quantize, semantics, estimator, output, qdq = o.quantize, o.semantics, o.estimator, o.output, o.qdq
     variant = attributes.variant
@@ -64,7 +68,6 @@ def job_from_options(o):
                                  param_hint="'--round-mode'")
     range_given = qdq.range_given if qdq is not None and qdq.range_given is not None else version == "v3"
     signed = qdq.signed_input if qdq is not None and qdq.signed_input is not None else True
-    from qgcli.ops import quantize_and_dequantize as ops
 
     try:
         ops.check_attributes(signed_input=signed, num_bits=attributes.num_bits, round_mode=round_mode, version=version)
@@ -113,10 +116,6 @@ def attributes(job):
 
 
 def compute(job, operands):
-    import numpy as np
-
-    from qgcli.ops import quantize_and_dequantize as ops
-
     attrs = attributes(job)
     version = job.variant.rsplit("-", 1)[1]
     x_raw = _get(operands, "input")
@@ -178,12 +177,6 @@ def compute(job, operands):
 
 def _view(x, out, grid, mn, mx, axis, xp):
     """The estimators' :class:`Quantized` view of this grid, masking on the given range as V4Grad does."""
-    import numpy as np
-
-    from qgcli.ops import quantize_and_dequantize as ops
-    from qgcli.ops.estimators import Quantized
-    from qgcli.ops.subnormals import flush_subnormals
-
     lo = np.asarray(mn, np.float32)
     hi = np.asarray(mx, np.float32)
     last = (lambda a: a) if axis is None else (lambda a: xp.moveaxis(a, axis, -1))  # noqa: E731
@@ -200,10 +193,6 @@ def _view(x, out, grid, mn, mx, axis, xp):
 
 
 def build_summary(job, op, attrs, operands, x, g, grid, mn, mx, outputs, notes, xp):
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-
     n = int(x.size)
     xh = np.asarray(to_numpy(x))
     lo = grid.lo if job.axis is None else grid.lo.reshape((-1,) + (1,) * (x.ndim - job.axis - 1))
@@ -275,11 +264,6 @@ def nudge_doc(bundle, min_, max_, *, num_bits, narrow_range, variant, signed_inp
     ``--min``/``--max`` (or the bundle's ``input_min``/``input_max``, else ``min``/``max``) are the given range;
     the caller closes ``operands``.
     """
-    import numpy as np
-
-    from qgcli.storage.operands import Operands
-    from qgcli.ops import quantize_and_dequantize as ops
-
     signed = True if signed_input is None else bool(signed_input)
     version = variant.rsplit("-", 1)[1]
     operands = Operands(bundle, {"input_min": min_, "input_max": max_}, literal_ok=("input_min", "input_max"))
@@ -323,8 +307,6 @@ def plot_operands(operands, variant, qdq, quantize, axis, channel):
 
 def load_operands(operands, variant, qdq, round_mode, axis, channel=None, why_range="V4Grad masks on it"):
     """``(input, input_min, input_max, attrs)`` for plots and ``qgcli report`` (see :func:`plot_operands`)."""
-    import numpy as np
-
     version = variant.rsplit("-", 1)[1]
     round_mode = round_mode or "HALF_TO_EVEN"
     if round_mode not in ("HALF_TO_EVEN", "HALF_UP") or (version == "v3" and round_mode != "HALF_TO_EVEN"):
@@ -351,8 +333,6 @@ def load_operands(operands, variant, qdq, round_mode, axis, channel=None, why_ra
 
 def report_notes(variant, report):
     """What ``qgcli report`` says about this grid beside the table (the columns keep FakeQuant's names)."""
-    import numpy as np
-
     notes = ["columns for QuantizeAndDequantize: 'nudged' is the grid's ends [lo, hi] (clip< clip>: outside them), "
              "'range' the range the grid was built from, scale its step; d/dmin d/dmax are V4Grad's zeros"]
     if variant != "quantize-and-dequantize-v4":

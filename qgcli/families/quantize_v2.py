@@ -6,13 +6,20 @@ of ``--dtype``), ``output_min`` and ``output_max``; the gradient is an estimator
 ``[output_min, output_max]`` (default: the clipped straight-through estimator; the notebook's ``0.9 * dy``
 is ``--estimator scaled:0.9``).
 """
+import numpy as np
+
+from qgcli.backend import to_numpy
 from qgcli.errors import OptionError
 
-from qgcli.families.common import QD_VARIANT as VARIANT
+from qgcli.families.common import check_grad_factor, parse_estimator, QD_VARIANT as VARIANT
+from qgcli.families.groups import fake_quant_basics
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
+from qgcli.jobs import FakeQuantJob, QuantizeAttributes, Result
+from qgcli.ops import quantize as q
+from qgcli.ops.estimators import apply_estimator, lsq_grad_factor
+from qgcli.report.tables import Col, print_items, print_table
 from qgcli.storage.operands import to_device
-from qgcli.report.summaries import describe_arrays, json_safe
+from qgcli.report.summaries import describe_arrays, fmt_value as _fmt, json_safe, percent, render_closing_lines
 from qgcli.report.text import counted
 
 NAME, KIND = "quantize-dequantize", FAKE_QUANT
@@ -32,8 +39,6 @@ def attributes(job):
 
 
 def compute(job, operands):
-    import numpy as np
-
     with_gradients, axis, est = job.with_gradients, job.axis, job.estimator
     attrs = attributes(job)
     gradients = operands.get("gradients") if with_gradients else None
@@ -62,9 +67,6 @@ def compute(job, operands):
 
 
 def _compute(command, operands, gradients, inputs, mn, mx, attrs, axis, est, grad_factor, xp, output):
-    from qgcli.ops import quantize as q
-    from qgcli.ops.estimators import apply_estimator, lsq_grad_factor
-
     kw = dict(dtype=attrs["dtype"], mode=attrs["mode"], round_mode=attrs["round_mode"],
               narrow_range=attrs["narrow_range"], axis=axis, ensure_minimum_range=attrs["ensure_minimum_range"])
     details = None
@@ -94,11 +96,6 @@ def _compute(command, operands, gradients, inputs, mn, mx, attrs, axis, est, gra
 
 def build_summary(command, operands, raw, x, gradients, result, attrs, axis, outputs, output, xp):
     """The summary dict (JSON-safe): attributes, ranges, clipped shares, gradient mass blocked, notes."""
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-    from qgcli.ops import quantize as q
-
     mn, mx = q._slice_ranges(raw["min"], raw["max"], x.shape, q._normalise_axis(axis, x.ndim))
     grid = q.round_trip_grid(mn, mx, dtype=attrs["dtype"], mode=attrs["mode"], round_mode=attrs["round_mode"],
                              narrow_range=attrs["narrow_range"], ensure_minimum_range=attrs["ensure_minimum_range"])
@@ -163,9 +160,6 @@ def claims(o):
 
 
 def job_from_options(o):
-    from qgcli.families.common import check_grad_factor, parse_estimator
-    from qgcli.jobs import FakeQuantJob
-
     semantics, attributes, estimator = o.semantics, o.attributes, o.estimator
     refused = {"--semantics": semantics.semantics, **semantics.torch_given()}
     for option, value in refused.items():
@@ -189,9 +183,6 @@ def job_from_options(o):
 
 def job_from_group(run, layer, operand_specs, output, pick):
     """QuantizeV2's attributes (a group from TensorFlow names its dtype ``T``); the STE is the default."""
-    from qgcli.families.groups import fake_quant_basics
-    from qgcli.jobs import FakeQuantJob, QuantizeAttributes
-
     common, narrow_range, axis = fake_quant_basics(run, operand_specs, output, pick)
     a = layer.attrs
     if "dtype" not in a and "T" in a:
@@ -216,9 +207,6 @@ def mode(job):
 
 def render(console, s):
     from rich.markup import escape
-
-    from qgcli.report.summaries import fmt_value as _fmt, percent, render_closing_lines
-    from qgcli.report.tables import Col, print_items, print_table
 
     a, r, stats = s["attributes"], s["range"], s["statistics"]
     shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())

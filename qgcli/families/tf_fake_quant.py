@@ -4,13 +4,22 @@ The operand rules of each op family (:func:`load_fake_quant_operands`, also used
 ``report``), the op call (:func:`run_fake_quant`) and the summary (grid, clipped shares, gradient mass the
 STE mask blocks).  In blocks (:func:`block_setup`), the summary gives the grid but no clipping statistics.
 """
-from qgcli.errors import OptionError
+import numpy as np
 
+from qgcli import ops
+from qgcli.errors import OperandError, OptionError
+
+from qgcli.families.common import check_grad_factor, parse_estimator, refuse_quantize_options
+from qgcli.families.groups import fake_quant_basics
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
-from qgcli.ops.fake_quant import infer_variant
+from qgcli.jobs import FakeQuantJob, Result
+from qgcli.ops import fake_quant as fq
+from qgcli.ops.analysis import clip_statistics, grid_summary
+from qgcli.ops.fake_quant import _args_grid, _prepare_per_channel, _prepare_per_tensor, infer_variant
+from qgcli.ops.out_array import can_take
+from qgcli.report.tables import Col, print_items, print_table
 from qgcli.storage.operands import to_device
-from qgcli.report.summaries import describe_arrays, json_safe
+from qgcli.report.summaries import describe_arrays, fmt_value as _fmt, json_safe, percent, render_closing_lines
 
 NAME, KIND = "tf", FAKE_QUANT
 #: TensorFlow's grid with another gradient estimator: the family of :mod:`qgcli.families.estimators`, whose
@@ -34,8 +43,6 @@ GROUP_OPERANDS = {"per-channel": _RANGE, "vars": _RANGE, "args": (("inputs",), (
 
 def load_fake_quant_operands(operands, variant, *, with_gradients):
     """Raw arrays (gradients, inputs, min, max) and the variant, by TF's rules for each op family."""
-    import numpy as np
-
     gradients = operands.get("gradients") if with_gradients else None
     inputs = operands.get("inputs")
     need_range = variant != "args"
@@ -66,10 +73,6 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
     take its buffer (no second tensor-sized array to allocate and fault in); the statistics, which need the
     gradients, are taken before the op.
     """
-    from qgcli import ops
-    from qgcli.ops import fake_quant as fq
-    from qgcli.ops.analysis import clip_statistics
-    from qgcli.ops.out_array import can_take
 
     attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
     x = fq.as_float32(inputs, "inputs", xp)
@@ -114,8 +117,6 @@ def range_warnings(grid):
     0 by half a grid step at most (rounding the zero point), and more, by up to the whole range, only when 0
     lies outside it (the zero point clamps and the range shifts onto 0); the note names the ranges asked for
     and run.  The grid alone: no data read."""
-    import numpy as np
-
     flat = lambda a: np.atleast_1d(np.asarray(a, np.float64))  # noqa: E731
     lo, hi, nlo, nhi = (flat(getattr(grid, k)) for k in ("min", "max", "nudged_min", "nudged_max"))
     used = ~flat(grid.passthrough).astype(bool)
@@ -145,8 +146,6 @@ def nan_warnings(stats):
 
 
 def build_summary(command, op, variant, operands, raw, outputs, grid, stats, attrs, output):
-    from qgcli.ops.analysis import grid_summary
-
     notes = []
     for name, value in raw.items():
         dtype = getattr(value, "dtype", None)
@@ -206,11 +205,6 @@ def block_setup(job, operands, datasets):
     ``kind`` of the min/max sums ("flat", "chip", or None for Args), ``gradient``, ``divide``, ``grid``,
     ``attrs``, ``op``, the large ``output``'s name and what the summary lacks (``not_computed``); channels on
     the last axis, float inputs (the operands are checked here)."""
-    import numpy as np
-
-    from qgcli.errors import OperandError
-    from qgcli.ops.fake_quant import _args_grid, _prepare_per_channel, _prepare_per_tensor
-
     with_gradients, num_bits, narrow_range, axis = job.with_gradients, job.num_bits, job.narrow_range, job.axis
     x_ds = datasets["inputs"]
     g_ds = datasets.get("gradients")
@@ -253,10 +247,6 @@ def big_output(job, variant):
 
 def block_summary(job, operands, datasets, setup, small, notes):
     """The summary of a job computed block by block (:func:`block_setup`; ``small``: the per-channel outputs)."""
-    import numpy as np
-
-    from qgcli.ops.analysis import grid_summary
-
     x_ds = datasets["inputs"]
     outputs = {big_output(job, setup["variant"]): {"shape": list(x_ds.shape), "dtype": "float32"}}
     outputs.update({k: {"shape": list(np.shape(v)), "dtype": "float32"} for k, v in small.items()})
@@ -279,8 +269,6 @@ def claims(o):
 def common_fields(o):
     """``(estimator, job fields)`` that TensorFlow's and PyTorch's fake-quant jobs share, QuantizeV2's
     options refused first."""
-    from qgcli.families.common import parse_estimator, refuse_quantize_options
-
     refuse_quantize_options(o.quantize)
     est = parse_estimator(o.estimator)
     a = o.attributes
@@ -291,9 +279,6 @@ def common_fields(o):
 
 def job_from_options(o):
     """TensorFlow's op with its STE, or (--estimator) :mod:`qgcli.families.estimators`' job on its grid."""
-    from qgcli.families.common import check_grad_factor
-    from qgcli.jobs import FakeQuantJob
-
     est, common = common_fields(o)
     for option, value in o.semantics.torch_given().items():
         if value is not None:
@@ -338,9 +323,6 @@ def group_problem(layer, shapes):
 
 def job_from_group(run, layer, operand_specs, output, pick):
     """The group's op with the STE, or the run's --estimator on its grid; --axis concerns per-channel groups."""
-    from qgcli.families.groups import fake_quant_basics
-    from qgcli.jobs import FakeQuantJob
-
     common, narrow_range, axis = fake_quant_basics(run, operand_specs, output, pick)
     est = run.estimator
     family = NAME if est is None or est.name == "ste" else ESTIMATOR
@@ -362,9 +344,6 @@ def mode(job):
 
 def render(console, s):
     from rich.markup import escape
-
-    from qgcli.report.summaries import fmt_value as _fmt, percent, render_closing_lines
-    from qgcli.report.tables import Col, print_items, print_table
 
     stats, grid = s["statistics"], s["grid"]
     shapes = ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in s["inputs"].items())

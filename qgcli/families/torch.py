@@ -4,11 +4,21 @@ gradients, LSQ's learnable ops and the other estimators on PyTorch's grid (scale
 :func:`torch_layout` and :func:`zero_point_from_literal` are PyTorch's operand rules, also used by
 ``qgcli plot estimators --semantics torch``.
 """
-from qgcli.errors import OptionError
+import math
+
+import numpy as np
+
+from qgcli.errors import OperandError, OptionError
+from qgcli.families.common import check_grad_factor
+from qgcli.families.groups import fake_quant_basics, size
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
+from qgcli.families.tf_fake_quant import common_fields, TF_OPS
+from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.ops import estimators, fake_quant, torch_semantics, torch_semantics as ts
+from qgcli.ops.analysis import sqnr_db
+from qgcli.report.tables import print_items
 from qgcli.storage.operands import to_device
-from qgcli.report.summaries import describe_arrays, json_safe
+from qgcli.report.summaries import describe_arrays, json_safe, percent, render_closing_lines
 
 NAME, KIND = "torch", FAKE_QUANT
 LITERAL_OK = ("scale", "zero_point")
@@ -20,8 +30,6 @@ GROUP_OPERANDS = {None: (("inputs", "scale", "zero_point"), ("gradients",))}
 def torch_layout(scale_shape, inputs_shape, axis):
     """``(axis or None, note)``: per tensor for a 0-d scale (or one value without --axis), else the channel
     axis: ``--axis`` when given, otherwise the one axis of ``inputs`` whose length equals the scale's."""
-    from qgcli.errors import OperandError
-
     if len(scale_shape) == 0:
         return None, ("--axis ignored: a scalar scale is per tensor" if axis is not None else None)
     if len(scale_shape) != 1:
@@ -46,8 +54,6 @@ def torch_layout(scale_shape, inputs_shape, axis):
 
 def zero_point_from_literal(text, value):
     """An integral literal zero point (``--zero-point 128``) is an int32, as PyTorch's observers give it."""
-    import numpy as np
-
     from qgcli.storage import io
 
     if text is None or io.parse_spec(text, allow_literal=True).literal is None:
@@ -64,12 +70,6 @@ def _torch_op_name(per_channel, learnable):
 
 
 def compute(job, operands):
-    import math
-
-    import numpy as np
-
-    from qgcli.ops import estimators, torch_semantics as ts
-
     with_gradients, quant_min, quant_max, grad_factor = job.with_gradients, job.quant_min, job.quant_max, job.grad_factor
     est = job.estimator or estimators.parse_estimator("ste")
     learnable = est.name == "lsq"
@@ -155,8 +155,6 @@ def compute(job, operands):
 
 def _view_statistics(view, gradients, xp):
     """Clipped shares (on the semantics' own masks) and the gradient mass the mask blocks."""
-    import numpy as np
-
     n = int(view.inputs.size)
     stats = {"elements": n,
              "clipped_below": float(view.below.sum()) / n if n else 0.0,
@@ -176,16 +174,10 @@ def _view_statistics(view, gradients, xp):
 
 def claims(o):
     """--semantics torch (a --variant of TensorFlow's fake-quant ops is refused by :func:`job_from_options`)."""
-    from qgcli.families.tf_fake_quant import TF_OPS
-
     return o.semantics.semantics == "torch" and (o.attributes.variant is None or o.attributes.variant in TF_OPS)
 
 
 def job_from_options(o):
-    from qgcli.families.common import check_grad_factor
-    from qgcli.families.tf_fake_quant import common_fields
-    from qgcli.jobs import FakeQuantJob, OperandSpecs
-
     est, common = common_fields(o)
     operands, attributes, semantics = o.operands, o.attributes, o.semantics
     check_grad_factor(o.estimator, est)
@@ -200,7 +192,6 @@ def job_from_options(o):
     if o.output.plot:
         raise OptionError("draws TensorFlow's STE only; use 'qgcli plot estimators --semantics torch'",
                           param_hint="'--plot'")
-    from qgcli.ops import fake_quant, torch_semantics
 
     default_min, default_max = fake_quant.quant_range(attributes.num_bits, attributes.narrow_range)
     quant_min, quant_max = torch_semantics.check_quant_range(
@@ -214,8 +205,6 @@ def job_from_options(o):
 
 
 def group_problem(layer, shapes):
-    from qgcli.families.groups import size
-
     if shapes["scale"] != shapes["zero_point"] and (len(shapes["scale"]) > 1 or len(shapes["zero_point"]) > 1
                                                     or size(shapes["scale"]) != size(shapes["zero_point"])):
         return f"zero_point shape {list(shapes['zero_point'])} differs from scale shape {list(shapes['scale'])}"
@@ -225,10 +214,6 @@ def group_problem(layer, shapes):
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    from qgcli.families.groups import fake_quant_basics
-    from qgcli.jobs import FakeQuantJob
-    from qgcli.ops import fake_quant, torch_semantics
-
     common, narrow_range, axis = fake_quant_basics(run, operand_specs, output, pick)
     num_bits = int(pick("num_bits", 8))
     lo, hi = fake_quant.quant_range(num_bits, narrow_range)
@@ -244,9 +229,6 @@ def mode(job):
 # --- the summary on stderr ------------------------------------------------------------------------------
 
 def render(console, s):
-    from qgcli.report.summaries import percent, render_closing_lines
-    from qgcli.report.tables import print_items
-
     grid = s["grid"]
     scale, zp = grid["scale"], grid["zero_point"]
     if isinstance(scale, list):
@@ -275,11 +257,6 @@ def render(console, s):
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
     """``qgcli report``'s row of a run-file group: PyTorch's own masks and forward error (no suggested range:
     PyTorch's observers pick the grid); ``attr(name, default)``: an attribute, or the option typed for it."""
-    import numpy as np
-
-    from qgcli.ops import fake_quant, torch_semantics as ts
-    from qgcli.ops.analysis import sqnr_db
-
     lo, hi = fake_quant.quant_range(num_bits, narrow_range)
     quant_min, quant_max = ts.check_quant_range(int(attr("quant_min", lo)),
                                                 int(attr("quant_max", hi)))
@@ -316,8 +293,6 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
 def summation_bound(g, a, name, dy):
     """``qgcli verify``: float32's worst-case error of the reduction ``name`` (LSQ's scale / zero-point
     gradient) over the terms of group ``g`` (attributes ``a``; ``dy``: |gradients| in float64)."""
-    import numpy as np
-
     x = np.asarray(g["inputs"][()], dtype=np.float64)
     scale = np.asarray(g["scale"][()], dtype=np.float64)
     zp = np.asarray(g["zero_point"][()], dtype=np.float64)

@@ -3,11 +3,24 @@ with dynamic qparams, their full autograd input gradient, and the split of that 
 straight-through part, the scale path and torch's rounding (per tensor in the summary, per block in
 ``qgcli report --semantics torchao``).  The math is :mod:`qgcli.ops.torchao_semantics`.
 """
-from qgcli.errors import OptionError
+import csv
+import sys
+
+import numpy as np
+
+from qgcli import __version__
+from qgcli.backend import to_numpy
+from qgcli.errors import OptionError, QgcliError
+from qgcli.families.groups import OVERRIDABLE
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import Result
-from qgcli.report.summaries import describe_arrays, json_safe
-from qgcli.report.text import counted
+from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.ops import torchao_semantics as ts
+from qgcli.ops.analysis import sqnr_db
+from qgcli.ops.torchao_semantics import block_statistics, FLOAT8_DTYPES, INT_DTYPES, IntxFakeQuantizeConfig
+from qgcli.report.summaries import describe_arrays, json_safe, number, percent
+from qgcli.report.tables import print_items, print_table
+from qgcli.report.text import counted, markup, printable_doc
+from qgcli.storage.operands import Operands, to_device
 
 NAME, KIND = "torchao", FAKE_QUANT
 LITERAL_OK = ()
@@ -35,7 +48,6 @@ def refuse_outside(torchao, quantize_dtype):
         raise OptionError("only applies to --semantics torchao", param_hint=f"'{OPTION_NAMES[field]}'")
     if quantize_dtype is None:
         return  # (torchao's dtype lists not imported: most commands give no --dtype)
-    from qgcli.ops.torchao_semantics import FLOAT8_DTYPES, INT_DTYPES
 
     if quantize_dtype in INT_DTYPES + FLOAT8_DTYPES:
         raise OptionError(f"{quantize_dtype} is a torchao dtype: it only applies to --semantics torchao",
@@ -44,9 +56,6 @@ def refuse_outside(torchao, quantize_dtype):
 
 def build_config(dtype, torchao):
     """The torchao config the options describe; OptionErrors for what torchao (or qgcli) refuses."""
-    from qgcli.errors import QgcliError
-    from qgcli.ops import torchao_semantics as ts
-
     if dtype is None:
         raise OptionError("--semantics torchao needs the quantized dtype: int1..int8, uint1..uint8, "
                                  "float8_e4m3fn or float8_e5m2", param_hint="'--dtype'")
@@ -80,11 +89,6 @@ def config_from_attributes(attrs):
     """The config a run-file group's attributes describe (``op`` ``torchao.IntxFakeQuantizer`` /
     ``torchao.Float8FakeQuantizer`` and torchao's config fields, as :mod:`qgcli.capture.torch` and
     ``fakequant --semantics torchao`` write them); a QgcliError naming the attribute qgcli refuses."""
-    import numpy as np
-
-    from qgcli.errors import QgcliError
-    from qgcli.ops import torchao_semantics as ts
-
     a = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
     a = {k: None if isinstance(v, str) and v == "none" else v for k, v in a.items()}  # None is written "none"
     if a.get("op") == "torchao.Float8FakeQuantizer":
@@ -128,10 +132,6 @@ def attribute_problem(attrs):
 
 def job_from_group(run, layer, operand_specs, output, pick):
     """A torchao group runs its own config: the options of the other families do not apply to it."""
-    from qgcli.errors import QgcliError
-    from qgcli.families.groups import OVERRIDABLE
-    from qgcli.jobs import FakeQuantJob
-
     for name in pick.given:
         raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to a torchao group (its config is the "
                          "group's attributes)")
@@ -143,8 +143,6 @@ def job_from_group(run, layer, operand_specs, output, pick):
 
 def job_from_options(o):
     """A :class:`qgcli.jobs.FakeQuantJob` of the torchao family, every other family's option refused."""
-    from qgcli.jobs import FakeQuantJob, OperandSpecs
-
     command, with_gradients, operands, attributes = o.command, o.with_gradients, o.operands, o.attributes
     quantize, semantics, estimator, output, torchao = o.quantize, o.semantics, o.estimator, o.output, o.torchao
 
@@ -195,10 +193,6 @@ def _load(job, operands, with_gradients):
 
 def _stored(res):
     """scale / zero_point as written: their precision's NumPy dtype (bfloat16 values as float32)."""
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-
     c = res.config
     out = {}
     scale = to_numpy(res.scale)
@@ -211,10 +205,6 @@ def _stored(res):
 
 
 def compute(job, operands):
-    from qgcli.backend import to_numpy
-    from qgcli.storage.operands import to_device
-    from qgcli.ops import torchao_semantics as ts
-
     config = job.torchao
     inputs, gradients, notes = _load(job, operands, job.with_gradients)
     xp, (gradients, inputs) = to_device([gradients, inputs], job.output.device)
@@ -238,8 +228,6 @@ def compute(job, operands):
 
 
 def _notes(res, stats):
-    from qgcli.ops.torchao_semantics import IntxFakeQuantizeConfig
-
     notes = []
     c = res.config
     if stats.get("nonfinite_scale_blocks"):
@@ -268,11 +256,6 @@ def _notes(res, stats):
 
 def statistics(res, gradients, xp):
     """Clipped share, non-finite scales and, with gradients, the split of the input gradient's mass."""
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-    from qgcli.ops.torchao_semantics import block_statistics
-
     nb, length = res.blocks
     n = nb * length
     b = block_statistics(res, xp)
@@ -304,11 +287,6 @@ def block_rows(res, gradients, xp, b=None):
     """One dict per block: its index (in torchao's scale shape), scale, zero point, data range, clipped share
     and, with gradients, the straight-through / scale-path / rounding shares of its gradient mass and the
     |dy| mass its mask blocks."""
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-    from qgcli.ops.torchao_semantics import block_statistics
-
     b = b or block_statistics(res, xp)
     nb, length = res.blocks
     scale = to_numpy(res.scale).reshape(-1).astype(np.float64)
@@ -342,9 +320,6 @@ def block_rows(res, gradients, xp, b=None):
 
 def render(console, s):
     """The fakequant / fakequant-grad summary on stderr."""
-    from qgcli.report.summaries import percent
-    from qgcli.report.text import markup, printable_doc
-
     s = printable_doc(s)
     a, blocks, st = s["attributes"], s["blocks"], s["statistics"]
     fields = " ".join(f"{k}={v}" for k, v in a.items() if v is not None)
@@ -378,10 +353,6 @@ ROW_KEYS = ("block", "index", "scale", "zero_point", "clipped", "straight_throug
 def report_doc(operands_specs, config, *, threshold, sort, top, device):
     """The per-block report (a JSON-safe dict): rows worst first (largest scale-path share, then most
     clipped; without gradients most clipped), the split over the whole tensor, a verdict."""
-    from qgcli import __version__
-    from qgcli.storage.operands import Operands, to_device
-    from qgcli.ops import torchao_semantics as ts
-
     operands = Operands.of(operands_specs, literal_ok=())
     try:
         inputs = operands.get("inputs")
@@ -442,10 +413,6 @@ def _report_cols():
 
 
 def render_report(console, doc, limit):
-    from qgcli.report.summaries import number
-    from qgcli.report.tables import print_items, print_table
-    from qgcli.report.text import markup, printable_doc
-
     doc = printable_doc(doc)
     fields = " ".join(f"{k}={v}" for k, v in doc["attributes"].items() if v is not None)
     print_items(console, f"[bold]{markup(doc['op'])}[/] {markup(fields)}")
@@ -469,9 +436,6 @@ def render_report(console, doc, limit):
 
 
 def write_report_csv(doc):
-    import csv
-    import sys
-
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow(ROW_KEYS)
     for r in doc["rows"]:
@@ -487,13 +451,6 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     shares, the gradient mass its mask blocks, and the split of the input gradient (straight-through / scale
     path / rounding, as ``report --semantics torchao`` gives it over one tensor); worst channel: the block
     whose mask blocks most of its gradient."""
-    import numpy as np
-
-    from qgcli.backend import to_numpy
-    from qgcli.storage.operands import to_device
-    from qgcli.ops import torchao_semantics as ts
-    from qgcli.ops.analysis import sqnr_db
-
     config = config_from_attributes(layer.attrs)
     xp, (g, x) = to_device([gradients, inputs], device)
     res = ts.fake_quantize(x, config, g)

@@ -10,6 +10,7 @@ intended (oscillation, observer_default, fake_quant_disabled).
 Not findings, by design: an input quantizer whose inputs need no gradient (it never gets one), the zero point
 of a symmetric quantizer (reset to 0 every call).
 """
+from qgcli.monitor.history import is_history, read_history
 from qgcli.monitor.runfile_checks import STE_TOLERANCE
 from qgcli.monitor.trends import OSCILLATION_SHARE, conditions, gradient_missing, rows_of
 
@@ -51,8 +52,6 @@ def _finding(kind, layer, step, evidence):
 
 def diagnose(path):
     """The doctor's document for history or run file ``path``."""
-    from qgcli.monitor.history import is_history, read_history
-
     if is_history(path):
         findings = history_findings(read_history(path))
         kind = "history"

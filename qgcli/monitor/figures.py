@@ -5,6 +5,8 @@ curves of the worst layers (the largest blocked share at any sample) for blocked
 gradient norm.  Events (:mod:`qgcli.monitor.trends`) are marked x on the heat map they belong to.
 """
 
+import numpy as np
+
 HEATMAPS = (("blocked", "blocked gradient share"), ("clip", "clipped share"),
             ("oscillating", "oscillating weights share"))
 #: the events each heat map marks (x)
@@ -14,8 +16,6 @@ MARKS = {"blocked": ("blocked_jump", "gradient_zero"), "clip": ("clipping_jump",
 
 
 def _matrix(doc, name):
-    import numpy as np
-
     steps = doc["steps"]
     column = {s: i for i, s in enumerate(steps)}
     m = np.full((len(doc["layers"]), len(steps)), np.nan)
@@ -33,7 +33,6 @@ def _matrix(doc, name):
 
 def trend_figure(doc, *, worst=4, width=10.0, height=None, title=None):
     """The figure of a ``trend`` document (:func:`qgcli.monitor.trends.trend`)."""
-    import numpy as np
     from matplotlib.figure import Figure
 
     layers, steps = doc["layers"], doc["steps"]

@@ -26,6 +26,8 @@ import os
 import sqlite3
 import time
 
+from qgcli.errors import FileFormatError, OutputError
+
 FORMAT = "qgcli-history"
 SCHEMA_VERSION = 1
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -65,8 +67,6 @@ class HistoryWriter:
     """Appends samples to history ``path`` (created, or refused when it exists unless ``overwrite``)."""
 
     def __init__(self, path, *, meta=None, overwrite=False, durable=False):
-        from qgcli.errors import OutputError
-
         path = os.fspath(path)
         if os.path.exists(path):
             if not overwrite:
@@ -187,8 +187,6 @@ class History:
 
 def read_history(path):
     """The :class:`History` in file ``path``; a :class:`qgcli.errors.FileFormatError` when it is not one."""
-    from qgcli.errors import FileFormatError
-
     if not is_history(path):
         raise FileFormatError(f"{path}: not a qgcli history (an SQLite file with a qgcli meta table)")
     db = _connect(path)

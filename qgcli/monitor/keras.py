@@ -24,7 +24,9 @@ their last integer codes, last move direction and oscillation frequency in varia
 Not monitored: batch norms (use qgcli.capture for one step), Keras 3.
 """
 import contextlib
+import inspect
 
+from qgcli.errors import UsageProblem
 from qgcli.monitor.history import HistoryWriter
 
 _OPS = ("fake_quant_with_min_max_vars", "fake_quant_with_min_max_vars_per_channel", "fake_quant_with_min_max_args")
@@ -44,8 +46,6 @@ class _Watch:
     """What one monitor shares between its wrapped ops, the step counter and the history."""
 
     def __init__(self, path, every, momentum, threshold, overwrite, durable):
-        from qgcli.errors import UsageProblem
-
         tf = self.tf = _tf()
         if int(every) < 1:
             raise UsageProblem(f"every must be at least 1, not {every}")
@@ -133,8 +133,6 @@ class _Watch:
         return out
 
     def _wrapper(self, attr, original):
-        import inspect
-
         tf = self.tf
         signature = inspect.signature(original)
 

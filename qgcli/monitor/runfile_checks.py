@@ -9,6 +9,12 @@ also flows through data-dependent scales).  Batch-norm groups: ``nan`` and ``no_
 """
 import re
 
+import numpy as np
+
+from qgcli import ops
+from qgcli.families import groups, registry
+from qgcli.storage import runfile
+
 #: relative L1 difference of the input gradient against the STE's above which the estimator is broken
 STE_TOLERANCE = 1e-3
 _STEP = re.compile(r"^step_(\d+)(?:/|$)")
@@ -16,9 +22,6 @@ _STEP = re.compile(r"^step_(\d+)(?:/|$)")
 
 def run_file_findings(target):
     """``[(kind, layer, step, evidence)]`` of run file ``target`` (``run.h5`` or ``run.h5:group``)."""
-    from qgcli.families import groups
-    from qgcli.storage import runfile
-
     path, group, container = runfile.open_target(
         target, operand="RUN_OR_HISTORY",
         not_a_run_file=f"{target}: doctor takes a history (qgcli.monitor) or a run file (.h5, or file.h5:group)")
@@ -41,17 +44,12 @@ def run_file_findings(target):
 
 def _read(g, name):
     import h5py
-    import numpy as np
 
     node = g.get(name)
     return np.asarray(node[()]) if isinstance(node, h5py.Dataset) else None
 
 
 def _checks(layer, g):
-    import numpy as np
-
-    from qgcli.families import registry
-
     out = {}
     if layer.kind == registry.BATCH_NORM:
         x, dy = _read(g, "x"), _read(g, "y_backprop")
@@ -90,10 +88,6 @@ def _checks(layer, g):
 
 def _ste_input_gradient(layer, g, x, dy):
     """The straight-through estimator's input gradient for this group, None where it is not defined here."""
-    import numpy as np
-
-    from qgcli import ops
-
     if x is None or dy is None or x.dtype != np.float32:
         return None
     a = layer.attrs

@@ -25,8 +25,9 @@ Under ``torch.distributed`` every rank must run the monitor; the statistics are 
 shares and norms, sums of counts, the smallest minimum and the largest maximum) and only rank 0 writes.
 """
 import contextlib
-import time
+import sys
 
+from qgcli.errors import UsageProblem
 from qgcli.monitor.history import HistoryWriter
 
 #: statistic -> how ranks combine it (others: the mean)
@@ -77,7 +78,6 @@ class Monitor:
 
     def __init__(self, model, path, *, every=10, optimizer=None, momentum=0.01, threshold=0.02, overwrite=False,
                  durable=False):
-        from qgcli.errors import UsageProblem
 
         torch = self._t = _torch()
         if int(every) < 1:
@@ -123,8 +123,6 @@ class Monitor:
 
     def step(self):
         """End the current step (call it after ``optimizer.step()`` when no ``optimizer=`` was given)."""
-        from qgcli.errors import UsageProblem
-
         if self.optimizer is not None:
             raise UsageProblem("this monitor counts steps by its optimizer's step hook: do not call step()")
         self._end_step()
@@ -396,8 +394,6 @@ def _combine(per_rank):
 # --- finding the layers and their quantization parameters ---------------------------------------------------
 
 def _torchao_base():
-    import sys
-
     if "torchao" not in sys.modules:  # a model with torchao quantizers imported it already
         return None
     try:

@@ -5,7 +5,8 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import QgcliError
-from qgcli.ops import native
+from qgcli.ops import fake_quant as fq, native
+from qgcli.ops.blocked import _map, _row_ranges, _table
 from qgcli.ops.fake_quant import _masks, nudge
 
 
@@ -59,8 +60,6 @@ _LANES = 64
 
 def _native_clip_statistics(lib, x2, g2, grid):
     """(counts [3, depth], mass [2, depth]) with the compiled kernel, row blocks on the thread pool."""
-    from qgcli.ops.blocked import _table
-
     lo, hi = grid.mask_bounds()
     bounds = (lo, hi, grid.passthrough.astype(np.float32))
     rows, depth = x2.shape
@@ -76,8 +75,6 @@ def _native_clip_statistics(lib, x2, g2, grid):
 
 def _native_clip_matrix(lib, x2, g2, bounds):
     """``qg_clip_stats`` over row blocks of ``x2`` (and ``g2``) on the thread pool; sums in block order."""
-    from qgcli.ops.blocked import _map, _row_ranges
-
     address = native.address
     rows, depth = x2.shape
     x_at, bounds_at = address(x2, np.float32), address(bounds, np.float32)
@@ -297,8 +294,6 @@ def _row_blocks(rows, depth):
 
 def _report_ops(variant, num_bits, narrow_range):
     """The TF forward op of ``variant`` on a [rows, channels] block, and the grid builder for a range."""
-    from qgcli.ops import fake_quant as fq
-
     attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
     if variant == "per-channel":
         def forward(xb, lo, hi):
@@ -364,8 +359,6 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
     >>> r.row(0)["clipped_below"], r.row(1)["clipped_above"], r.row(0)["nudged_min"]
     (0.5, 0.5, -2.0)
     """
-    from qgcli.backend import to_numpy
-    from qgcli.ops import fake_quant as fq
 
     step = on_step or (lambda text: None)
     xp = array_module(inputs, gradients)

@@ -25,6 +25,8 @@ rounded to float32, on either side of a half step).
 import numpy as np
 
 from qgcli.errors import OperandError
+from qgcli.ops import onnx_quantize
+from qgcli.ops.torch_semantics import compare_with_tensorflow
 
 FRAMEWORKS = ("tf", "torch", "onnx")
 REASONS = ("nonfinite", "grid", "range", "tie", "zero point", "arithmetic")
@@ -49,9 +51,6 @@ def codes(inputs, min, max, *, frameworks=("tf", "torch", "onnx"), num_bits=8, n
     >>> c["tf"]["q"].tolist(), c["torch"]["q"].tolist(), c["onnx"]["q"].tolist()
     ([8, 10, 1], [8, 10, 1], [8, 10, 1])
     """
-    from qgcli.ops import onnx_quantize
-    from qgcli.ops.torch_semantics import compare_with_tensorflow
-
     bad = [f for f in frameworks if f not in FRAMEWORKS]
     if bad or not frameworks:
         raise OperandError(f"{','.join(bad) or 'nothing'}: choose from {', '.join(FRAMEWORKS)}", operand="--with")

@@ -15,6 +15,8 @@ arithmetic is verified even on machines without a GPU.
 """
 import numpy as np
 
+from qgcli.ops import reduction
+
 DEVICE_SOURCE = r"""
 #define QG_TINY 1.17549435e-38f
 
@@ -213,8 +215,6 @@ def quantize(x2, grid, divide, flush, launch=None):
 
 def backprops(g2, x2, grid, *, reduce, kind, launch=None):
     """``(dx, dmin, dmax)`` (or ``dx``) for ``g2``/``x2`` ([rows, depth] float32 on the device) on ``grid``."""
-    from qgcli.ops import reduction
-
     launch = launch or CupyLauncher()
     xp = launch.xp
     rows, depth = x2.shape

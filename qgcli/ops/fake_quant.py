@@ -23,7 +23,7 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
-from qgcli.ops import native
+from qgcli.ops import cuda, native
 from qgcli.ops.out_array import check_out, deliver
 from qgcli.ops.subnormals import TINY as _TINY, flush_subnormals
 
@@ -257,7 +257,6 @@ def _quantize(x, grid, divide, xp):
         params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
         passthrough = grid.passthrough if grid.passthrough.any() else None
         return blocked.quantize(x2, (*params, passthrough), divide, grid.needs_flush()).reshape(x.shape)
-    from qgcli.ops import cuda
 
     return cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape)
 

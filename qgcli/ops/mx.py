@@ -81,7 +81,7 @@ import numpy as np
 
 from qgcli.backend import array_module
 from qgcli.errors import OperandError
-from qgcli.ops import _small_floats as sf
+from qgcli.ops import _small_floats as sf, blocked, native
 
 _F32 = np.float32
 SCALE_MODES = ("floor", "rceil", "ceil", "even")
@@ -295,8 +295,6 @@ def _chunked(xb, fmt, scale_mode):
     """:func:`_quantize_blocks` over cache-sized runs of blocks, on the thread pool (NumPy), each run in one
     call of the compiled kernels where they are built (the same bits; a run with a NaN block is redone in
     NumPy, whose bit tricks give its NaN codes)."""
-    from qgcli.ops import blocked, native
-
     nb, bs = xb.shape
     q = np.empty(xb.shape, _q_dtype(fmt))
     code = np.empty((nb, 1), np.uint8)

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from qgcli.errors import OperandError
-from qgcli.ops import _small_floats as sf
+from qgcli.ops import _small_floats as sf, blocked, native
 from qgcli.ops import mx
 from qgcli.ops.mx import _fp4_pack_roundtrip, _inputs, check_blocks
 
@@ -87,8 +87,6 @@ def pack_fp4(codes, axis=-1):
 
 
 def _tensor_scale(x, xp):
-    from qgcli.ops import native
-
     lib = native.for_arrays(xp, x) if x.size else None
     with np.errstate(invalid="ignore"):
         if lib is not None:  # one pass, no |x| temporary: max |x| on the bits (the same value, NaN aside)
@@ -168,8 +166,6 @@ def _chunked(xb, t, inv_t):
     """:func:`_quantize_blocks` over cache-sized runs of blocks on the thread pool (NumPy), each run in one
     call of the compiled kernels where they are built and the per-tensor scale is usable (the same bits; a
     run with a NaN block or an infinite reciprocal scale is redone in NumPy)."""
-    from qgcli.ops import blocked, native
-
     nb = xb.shape[0]
     q = np.empty(xb.shape, np.uint8)
     s8 = np.empty((nb, 1), np.uint8)

@@ -50,6 +50,7 @@ import numpy as np
 
 from qgcli.backend import array_module
 from qgcli.errors import OperandError
+from qgcli.ops import blocked
 
 _F32 = np.float32
 #: dtype -> (NumPy storage type, qmin, qmax) for the integer types
@@ -237,8 +238,6 @@ def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, 
 
 def _chunked(xa, d, sb, zb, saturate):
     """:func:`onnx_fake_quantize` over runs of leading rows on the thread pool (NumPy): the same operations."""
-    from qgcli.ops import blocked
-
     n = xa.shape[0]
     rows = max(1, CHUNK_ELEMENTS // max(1, xa.size // n))
 

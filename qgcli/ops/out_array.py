@@ -7,6 +7,8 @@ second tensor-sized array is allocated (the CLI does this with the arrays it rea
 """
 import numpy as np
 
+from qgcli.errors import OperandError
+
 
 def check_out(out, xp, *, shape, dtype, reused, reused_name, others):
     """``out`` checked (None stays None): writeable, C order, ``shape`` and ``dtype``, on the device of ``xp``;
@@ -45,6 +47,4 @@ def address(a):
 
 
 def _error(message):
-    from qgcli.errors import OperandError
-
     return OperandError(message, operand="out")

@@ -39,6 +39,8 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
+from qgcli.ops.blocked import _map, BLOCK_ELEMENTS
+from qgcli.ops.estimators import Quantized
 from qgcli.ops.fake_quant import _quiet, as_float32, flush_subnormals
 
 _F32 = np.float32
@@ -403,8 +405,6 @@ def _quantize_elements(v, qt, mode, round_mode, lo, hi, scale, offset, flush, pa
 def _blocked(elements, x, body, out_dtype, *, per_tensor, xp):
     """Run ``elements(block, packet_body)`` over ``x``: in cache-sized blocks on a thread pool for large
     per-tensor NumPy work (results are identical: every operation is element-wise), else in one go."""
-    from qgcli.ops.blocked import BLOCK_ELEMENTS, _map
-
     if x.ndim == 0:  # the element kernels work in place on arrays of rank >= 1
         return elements(x.reshape(1), body).reshape(())
     if xp is not np or not per_tensor or x.size <= 2 * BLOCK_ELEMENTS:
@@ -700,7 +700,6 @@ def quantize_dequantize_view(inputs, min_range, max_range, *, dtype="quint8", mo
     ``apply_estimator("scaled:0.9", dy, view)`` is the notebook's custom gradient ``0.9 * dy``.  ``result`` is
     the :class:`QuantizeDequantizeResult`.
     """
-    from qgcli.ops.estimators import Quantized
 
     xp = array_module(inputs)
     x = as_float32(inputs, "inputs", xp)

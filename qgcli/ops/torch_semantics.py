@@ -44,6 +44,8 @@ import numpy as np
 
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError
+from qgcli.ops import fake_quant as fq
+from qgcli.ops.estimators import Quantized
 from qgcli.ops.fake_quant import _normalise_axis, _quiet, as_float32
 
 _F32 = np.float32
@@ -439,8 +441,6 @@ def quantized_view(inputs, scale, zero_point, quant_min, quant_max, *, axis=None
     view).  ``learnable`` follows the learnable op's backward (float zero point rounded as it rounds it);
     otherwise the plain op (integer or float zero point).
     """
-    from qgcli.ops.estimators import Quantized
-
     xp, x, _ = _inputs(inputs)
     quant_min, quant_max = check_quant_range(quant_min, quant_max)
     per_channel = axis is not None
@@ -551,7 +551,6 @@ def compare_with_tensorflow(inputs, min, max, *, num_bits=8, narrow_range=False,
     :data:`MASK_REASONS`), and with ``gradients`` ``backprops_wrt_input_tf`` / ``_torch``; plus
     ``"grids"``: TF's grid, PyTorch's ``(scale, zero_point)`` and the per-channel reasons they differ.
     """
-    from qgcli.ops import fake_quant as fq
 
     xp = array_module(inputs)
     x = as_float32(inputs, "inputs", xp)

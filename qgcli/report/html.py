@@ -11,6 +11,10 @@ import base64
 import html
 import io
 import json
+import sys
+
+from qgcli.report.summaries import json_safe
+from qgcli.storage.outputs import check_figure_output
 
 #: What a table column shows: (document key, header, format: "text", "pct", "num", "int", "shape").
 LAYER_COLUMNS = (("path", "layer", "text"), ("op", "op", "text"), ("family", "family", "text"),
@@ -156,10 +160,7 @@ def page(doc, *, figures=(), details=None, title=None):
 def write(path, text, *, force=False, inputs=()):
     """Write the page atomically to ``path`` (checked as a figure is: ``force`` to replace, never an input), or
     to stdout for ``-``."""
-    import sys
-
     from qgcli.storage.io import atomic_write
-    from qgcli.storage.outputs import check_figure_output
 
     check_figure_output(path, inputs=list(inputs), force=force, option="--html", format="html")
     if path == "-":
@@ -277,8 +278,6 @@ def _sort_value(value, kind):
 
 
 def _json_safe(value):
-    from qgcli.report.summaries import json_safe
-
     return json_safe(value)
 
 

@@ -2,6 +2,14 @@
 and its per-channel table (the rows ``qgcli report --layer`` gives), kept small enough for hundreds of layers.
 """
 
+import numpy as np
+
+from qgcli.errors import QgcliError
+from qgcli.families.tf_fake_quant import load_fake_quant_operands
+from qgcli.ops.analysis import channel_report
+from qgcli.report.html import CHANNEL_COLUMNS
+from qgcli.report.layers import layer_operands
+
 #: Bins of each layer's input histogram, and the channels kept per layer (worst first).
 BINS = 48
 CHANNELS = 64
@@ -10,8 +18,6 @@ CHANNELS = 64
 def layer_details(targets, rows, *, options=(), percentiles, channels=CHANNELS):
     """``{row path: details}`` for the report ``rows`` of run files ``targets`` (one target per file, as
     :func:`qgcli.report.layers.report_layers` takes them); a layer whose operands cannot be read gets a note."""
-    from qgcli.errors import QgcliError
-
     details = {}
     several = len(targets) > 1
     for row in rows:
@@ -24,20 +30,12 @@ def layer_details(targets, rows, *, options=(), percentiles, channels=CHANNELS):
 
 
 def _details(target, path, row, options, percentiles, channels):
-    import numpy as np
-
-    from qgcli.errors import QgcliError
-    from qgcli.report.html import CHANNEL_COLUMNS
-    from qgcli.report.layers import layer_operands
-
     try:  # TensorFlow's fake-quant groups: the per-channel analysis of ``report --layer``
         operands, attributes = layer_operands(target, path, options)
     except QgcliError:
         return {"hist": _histogram(_inputs(target, path), None),
                 "note": f"{row.get('op')}: the histogram of its inputs; per-channel rows are given for "
                         "TensorFlow's fake-quant groups"}
-    from qgcli.families.tf_fake_quant import load_fake_quant_operands
-    from qgcli.ops.analysis import channel_report
 
     try:
         _, x, mn, mx, variant = load_fake_quant_operands(operands, attributes.variant, with_gradients=False)
@@ -76,8 +74,6 @@ def _inputs(target, path):
 
 
 def _histogram(values, rng):
-    import numpy as np
-
     x = np.asarray(values, np.float64).ravel()
     x = x[np.isfinite(x)]
     if not x.size:

@@ -8,9 +8,25 @@ possibly threaded process) when there are enough, and names each file after its 
 :func:`qgcli.storage.paths.group_file_paths` (``index.json`` beside them when a name had to change).  The figures
 go to a hidden staging folder first, so ``DIR`` gets every figure or none.
 """
+import multiprocessing
 import os
+import shutil
+import signal
+import sys
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from qgcli.errors import FileFormatError, OutputError, QgcliError
+from qgcli.families import groups, registry
+from qgcli.families.tf_fake_quant import load_fake_quant_operands
+from qgcli.report.layers import _attr
+from qgcli.signals import raise_pending
+from qgcli.storage import runfile
+from qgcli.storage.figures import save_figure
+from qgcli.storage.operands import Operands
+from qgcli.storage.paths import group_file_paths
 
 #: Plots that draw one layer, and the layers they take.
 KINDS = ("staircase", "ste", "hist", "channels")
@@ -44,10 +60,6 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
     ``options``: attribute options typed on the command line (they override the groups' attributes);
     ``layer``: only the group of that path (relative to ``target``), an error when it cannot be drawn."""
     from qgcli.storage import io
-    from qgcli.storage import runfile
-    from qgcli.errors import FileFormatError, QgcliError
-    from qgcli.families import groups
-    from qgcli.report.layers import _attr
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
@@ -89,8 +101,6 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
 
 
 def _why_not(layer, kind):
-    from qgcli.families import registry
-
     if layer.error is not None:
         return layer.error
     if not getattr(registry.of(layer), "CHANNEL_ANALYSIS", False):
@@ -119,8 +129,6 @@ def draw(task):
     """The Figure of one :class:`LayerFigure` (exactly what ``qgcli plot KIND`` draws for the group as one
     bundle, with its gradients where the plot draws them); its title names the group unless one was given."""
     from qgcli.report import plots
-    from qgcli.storage.operands import Operands
-    from qgcli.families.tf_fake_quant import load_fake_quant_operands
 
     container = _container(task.file)
     operands = Operands.in_group(container, task.file, task.path, dict(task.literals), literal_ok=("min", "max"))
@@ -154,8 +162,6 @@ def draw(task):
 
 def _draw_to(task, target, dpi, fmt):
     """Worker: draw ``task`` and save it to ``target``; its summary (plain data, so it crosses processes)."""
-    from qgcli.storage.figures import save_figure
-
     fig = draw(task)
     save_figure(fig, target, dpi=dpi, format=fmt)
     w, h = (float(v) for v in fig.get_size_inches())
@@ -163,8 +169,6 @@ def _draw_to(task, target, dpi, fmt):
 
 
 def _worker_init():
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent answers Ctrl-C and ends the workers
     _IN_WORKER.append(True)
 
@@ -183,12 +187,8 @@ def workers(n, jobs=None):
 def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, on_done=None):
     """Draw every task into ``directory`` (one file per group, named by :func:`qgcli.storage.paths.group_file_paths`);
     returns ``(summaries in task order, index.json path or None, workers used)``."""
-    import shutil
-
     from qgcli.storage import atomic
     from qgcli.storage import directory as directory_format
-    from qgcli.errors import OutputError
-    from qgcli.storage.paths import group_file_paths
 
     layout = group_file_paths([t.path for t in tasks], suffix="." + fmt)
     directory = os.path.abspath(directory.rstrip("/") or directory)
@@ -227,8 +227,6 @@ def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, o
 
 def _named(task, call):
     """``call()``; a QgcliError from it names the group."""
-    from qgcli.errors import QgcliError
-
     try:
         return call()
     except QgcliError as exc:
@@ -241,8 +239,6 @@ class _main_module_hidden:
     ``python -c``, whose "script" cannot be found)."""
 
     def __enter__(self):
-        import sys
-
         self.main = sys.modules.get("__main__")
         self.saved = {k: self.main.__dict__[k] for k in ("__spec__", "__file__") if k in self.main.__dict__}
         for key in self.saved:
@@ -254,8 +250,6 @@ class _main_module_hidden:
 
 
 def _draw_all(tasks, targets, dpi, fmt, n, on_done):
-    from qgcli.signals import raise_pending
-
     if n == 0:
         out = []
         for task, target in zip(tasks, targets):
@@ -264,9 +258,6 @@ def _draw_all(tasks, targets, dpi, fmt, n, on_done):
             if on_done is not None:
                 on_done(task)
         return out
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from concurrent.futures.process import BrokenProcessPool
 
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(method),

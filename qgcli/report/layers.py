@@ -6,7 +6,20 @@ mask for PyTorch groups), the SQNR, the suggested percentile range and its SQNR,
 per-channel op, from :func:`qgcli.ops.analysis.channel_report` exactly as ``qgcli report`` gives them for
 one bundle.  Groups under a first-level group named like ``step_000300`` are one layer at several steps.
 """
+import difflib
 import re
+
+import numpy as np
+
+from qgcli import __version__
+from qgcli.errors import QgcliError
+from qgcli.families import groups, registry
+from qgcli.families.groups import literal_specs, plain
+from qgcli.families.tf_fake_quant import load_fake_quant_operands, TF_OPS
+from qgcli.jobs import FakeQuantAttributes
+from qgcli.ops.analysis import channel_report
+from qgcli.storage import runfile
+from qgcli.storage.operands import GroupView, Operands, to_device
 
 #: Keys of one layer row, in the order JSON and CSV give them.
 LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "channels", "clipped_below",
@@ -32,9 +45,6 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
     """Rows (dicts of :data:`LAYER_KEYS`) for every fake-quant group of ``targets`` (``run.h5`` or
     ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied.
     ``cluster``: an entered :class:`qgcli.execution.cluster.Cluster` that computes the rows on its workers."""
-    from qgcli.families import groups, registry
-    from qgcli.storage import runfile
-
     rows, skipped = [], []
     for target in targets:
         path, group, container = runfile.open_target(target, operand="BUNDLE",
@@ -79,10 +89,6 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
 
 def layer_row(container, handle, path, layer, options, percentiles, device):
     """The report row of one layer of the open run file, or ``{"error": reason}`` (the layer is skipped)."""
-    from qgcli.errors import QgcliError
-    from qgcli.families.groups import literal_specs
-    from qgcli.storage.operands import Operands
-
     operands = Operands.in_group(container, path, layer.path, literal_specs(layer), literal_ok=("min", "max"),
                                  known=layer.datasets)
     try:
@@ -94,8 +100,6 @@ def layer_row(container, handle, path, layer, options, percentiles, device):
 
 
 def _attr(layer, options, name, default):
-    from qgcli.families.groups import plain
-
     if name in options:
         return options[name]
     return plain(layer.attrs[name]) if name in layer.attrs else default
@@ -116,8 +120,6 @@ def _row(layer, operands, options, percentiles, device):
 def upstream_gradient(gradients):
     """``"absent"`` (no gradients in the group), ``"zero"`` (every value 0: nothing reached the layer, e.g. a
     quantizer downstream clips everything) or ``"present"``."""
-    import numpy as np
-
     if gradients is None:
         return "absent"
     g = np.asarray(gradients)
@@ -125,25 +127,18 @@ def upstream_gradient(gradients):
 
 
 def _family_row(layer, operands, options, percentiles, device):
-    import numpy as np
-
-    from qgcli.storage.operands import to_device
-
     # ONNX QuantizeLinear groups may name their tensor x
     inputs = operands.get("x") if not operands.has("inputs") and operands.has("x") else operands.get("inputs")
     gradients = operands.get("gradients", required=False)
     num_bits = int(_attr(layer, options, "num_bits", 8))
     narrow_range = bool(_attr(layer, options, "narrow_range", False))
     row = {"op": layer.op, "family": layer.family, "shape": list(np.shape(inputs)), "num_bits": num_bits}
-    from qgcli.families import registry
 
     report_row = getattr(registry.of(layer), "report_row", None)
     if report_row is not None:  # the family's own quantizer (PyTorch's, torchao's)
         return {**row, **report_row(layer, operands, inputs, gradients, lambda name, default: _attr(
             layer, options, name, default), num_bits, narrow_range, device)}
     # TensorFlow's fake-quant groups: its grid's per-channel analysis
-    from qgcli.ops.analysis import channel_report
-    from qgcli.families.tf_fake_quant import TF_OPS, load_fake_quant_operands
 
     _, _, mn, mx, variant = load_fake_quant_operands(operands, layer.variant, with_gradients=False)
     axis = int(_attr(layer, options, "axis", -1)) if variant == "per-channel" else -1
@@ -204,10 +199,6 @@ def latest_per_layer(rows):
 def _no_such_layer(handle, file, full):
     """The message for a ``--layer`` that names nothing in the run file: the closest layer paths (a typo,
     most often), else the first layers, so that the user sees what to type."""
-    import difflib
-
-    from qgcli.storage import runfile
-
     paths = [l.path for l in runfile.discover(handle, label=file) if l.op is not None]
     close = difflib.get_close_matches(full, paths, n=5, cutoff=0.6)
     if close:
@@ -220,11 +211,6 @@ def layer_operands(target, path, options):
     """``(Operands, FakeQuantAttributes)`` of one TF fake-quant group of a run file (``report --layer``):
     the group's datasets, its attributes unless typed on the command line."""
     from qgcli.storage import io
-    from qgcli.storage import runfile
-    from qgcli.errors import QgcliError
-    from qgcli.families import groups, registry
-    from qgcli.jobs import FakeQuantAttributes
-    from qgcli.storage.operands import GroupView, Operands
 
     file, group = runfile.split_target(target)
     full = "/".join(p for p in ((group or ""), path.strip("/")) if p)
@@ -265,8 +251,6 @@ def run_file_document(targets, *, options=(), percentiles=DEFAULT_PERCENTILES, t
 def layers_document(targets, rows, skipped, *, threshold, percentiles, top=None, cluster=None):
     """The ``report --json`` document of run files ``targets`` from :func:`report_layers`' ``rows`` and
     ``skipped``: the rows worst first and flagged above ``threshold``, the trends, the verdict."""
-    from qgcli import __version__
-
     rows = worst_first(rows)
     for row in rows:
         metric = row["gradient_blocked"] if row["gradient_blocked"] is not None else row["clipped"]

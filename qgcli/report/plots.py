@@ -16,15 +16,19 @@ the CLI prints.  Artists that tests and users may want to find carry a ``gid`` (
 >>> fig.qgcli_summary["points"], fig.qgcli_summary["grid"]["nudged_min"]
 (201, -8.0)
 """
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from qgcli import ops
 from qgcli.backend import array_module, to_numpy
 from qgcli.errors import OperandError, QgcliError
-from qgcli.ops.fake_quant import infer_variant
+from qgcli.ops import estimators as est, torch_semantics as ts
+from qgcli.ops.analysis import clip_statistics, grid_summary
+from qgcli.ops.fake_quant import as_float32, Grid, infer_variant
 from qgcli.storage.figures import figure_format, save_figure  # noqa: F401 (written by storage; documented here)
 from qgcli.report.text import counted
 
@@ -86,9 +90,6 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
     >>> d.outputs.tolist(), d.mask.tolist()
     ([-8.0, 0.0, 4.0], [0.0, 1.0, 0.0])
     """
-    from qgcli import ops
-    from qgcli.ops.fake_quant import as_float32
-
     xp = array_module(inputs, gradients)
     x = as_float32(inputs, "inputs", xp)
     g = None if gradients is None else as_float32(gradients, "gradients", xp)
@@ -187,8 +188,6 @@ def grid_levels(grid):
 
 def channel_grid(grid, k):
     """The per-tensor grid of channel ``k`` of a per-channel ``grid``."""
-    from dataclasses import fields, replace
-
     return replace(grid, **{f.name: np.asarray(np.asarray(getattr(grid, f.name))[k])
                             for f in fields(grid) if isinstance(getattr(grid, f.name), np.ndarray)})
 
@@ -306,8 +305,6 @@ def _title(view, what):
 
 
 def _grid_dict(grid):
-    from qgcli.ops.analysis import grid_summary
-
     if grid is not None and hasattr(grid, "summary"):
         return grid.summary()
     return None if grid is None else grid_summary(grid)
@@ -387,9 +384,6 @@ def _exact_staircase(view, xs, ys):
     edge sampled to the float32 ulp on both sides, joined with vertical edges only where its value changes.
     None for other grids, or if the op so evaluated disagrees with the data's outputs ``ys`` at ``xs`` (so
     what is drawn is the op's function, or nothing)."""
-    from qgcli import ops
-    from qgcli.ops.fake_quant import Grid
-
     grid, variant = view.grid, view.data.variant
     finite = np.isfinite(xs)
     if not isinstance(grid, Grid) or variant not in TF_OPS or not finite.any():
@@ -608,7 +602,6 @@ def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=N
     >>> fig.qgcli_summary["clipped_below"], fig.qgcli_summary["clipped_above"]
     (0.25, 0.25)
     """
-    from qgcli.ops.analysis import clip_statistics
 
     view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel)
     data = view.data
@@ -709,8 +702,6 @@ def _pad_ylim(ax, *arrays):
 
 def _wrapped(fig, text, fontsize):
     """``text`` with each line wrapped to the figure's width (DejaVu Sans: about 0.5 em per character)."""
-    import textwrap
-
     chars = max(20, int(fig.get_figwidth() * 72 / (0.52 * fontsize)))
     return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
@@ -741,9 +732,6 @@ def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False
     >>> fig.qgcli_summary["clipped_below"], fig.qgcli_summary["clipped_above"]
     ([0.5, 0.0], [0.0, 0.5])
     """
-    from qgcli import ops
-    from qgcli.ops.analysis import clip_statistics
-    from qgcli.ops.fake_quant import as_float32
 
     if np.ndim(to_numpy(min)) != 1:
         raise OperandError(f"plot channels needs one min/max per channel (a vector), got shape "
@@ -858,8 +846,6 @@ _EST_STYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 def _estimator_view(inputs, min, max, *, semantics, scale, zero_point, quant_min, quant_max, num_bits, narrow_range,
                     variant, axis, learnable=False, quantize=None):
     """The :class:`qgcli.ops.estimators.Quantized` view of ``inputs`` under TF's or PyTorch's semantics."""
-    from qgcli.ops import estimators as est
-    from qgcli.ops import torch_semantics as ts
 
     if variant == "quantize-dequantize":  # the round trip, over QuantizeV2's adjusted range
         from qgcli.ops.quantize import quantize_dequantize_view
@@ -912,7 +898,6 @@ def estimators(inputs, min=None, max=None, *, gradients=None, names=DEFAULT_ESTI
     >>> [line.get_ydata().tolist() for line in fig.axes[1].get_lines() if line.get_gid().startswith("estimator:")]
     [[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
     """
-    from qgcli.ops import estimators as est
 
     parsed = [est.parse_estimator(n) if isinstance(n, str) else n for n in names]
     if not parsed:

@@ -9,6 +9,10 @@ histogram of the layers' blocked shares (``distribution/gradient_blocked``).
 """
 import re
 
+import numpy as np
+
+from qgcli.errors import OutputError
+
 #: The per-layer statistics written, row key -> tag family.
 STATISTICS = (("gradient_blocked", "gradient_blocked"), ("clipped", "clipped"), ("sqnr_db", "sqnr_db"))
 WORST = 5
@@ -25,8 +29,6 @@ def step_number(step):
 def write_report(logdir, doc):
     """Write the event file of a run-file ``report`` document (its ``layers`` rows) under ``logdir``; returns
     the number of scalars written."""
-    import numpy as np
-
     writer = _writer(logdir)
     written = 0
     try:
@@ -58,8 +60,6 @@ def write_report(logdir, doc):
 
 
 def _writer(logdir):
-    from qgcli.errors import OutputError
-
     try:
         from tensorboardX import SummaryWriter
     except ImportError:

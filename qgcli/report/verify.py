@@ -22,6 +22,19 @@ torchao groups (``torchao.IntxFakeQuantizer`` / ``torchao.Float8FakeQuantizer``)
 (the float8 gradient's scale path sums each block, in an order torch picks).
 """
 
+import hashlib
+
+import numpy as np
+
+from qgcli.backend import to_numpy
+from qgcli.errors import QgcliError
+from qgcli.execution.dispatch import runner_for
+from qgcli.families import groups, registry
+from qgcli.jobs import OutputOptions, RunFileJob
+from qgcli.report.summaries import json_safe
+from qgcli.storage import runfile
+from qgcli.storage.operands import Operands
+
 #: Fake-quant outputs computed element by element: bit-identical or failed (``backprops``: the input gradient
 #: of FakeQuantWithMinMaxArgs, under TensorFlow's name).
 ELEMENTWISE = ("outputs", "backprops_wrt_input", "backprops")
@@ -34,18 +47,12 @@ class Digest:
     attributes of a 32-byte dataset, as :mod:`qgcli.capture` writes bit-for-bit results): equal or not."""
 
     def __init__(self, dataset):
-        import numpy as np
-
         self.sha256 = bytes(np.asarray(dataset[()], dtype=np.uint8))
         self.shape = tuple(int(n) for n in dataset.attrs["shape"])
         self.dtype = np.dtype(str(dataset.attrs["dtype"]))
 
 
 def _compare_digest(ours, theirs):
-    import hashlib
-
-    import numpy as np
-
     out = {"shape": list(theirs.shape), "dtype": str(theirs.dtype), "identical": False, "max_ulps": None,
            "max_abs": None, "rel": None, "largest": None, "mismatches": None, "digest": "sha256"}
     a = np.asarray(ours)
@@ -62,8 +69,6 @@ def _compare_digest(ours, theirs):
 
 def compare(ours, theirs):
     """Differences between qgcli's array ``ours`` and the reference ``theirs`` (a JSON-safe dict)."""
-    import numpy as np
-
     if isinstance(theirs, Digest):
         return _compare_digest(ours, theirs)
     a, b = np.asarray(ours), np.asarray(theirs)
@@ -110,8 +115,6 @@ def compare(ours, theirs):
 def _ordered(i):
     """Float bit patterns (a signed-integer view) as int64 in the order of the floats they encode: sign and
     magnitude become one number line, -0.0 and +0.0 both 0, neighbouring floats one apart."""
-    import numpy as np
-
     width = np.dtype(i.dtype).itemsize * 8
     wide = i.astype(np.int64)
     if width == 64:  # the magnitude of a negative int64 view: the pattern with its sign bit cleared
@@ -125,11 +128,6 @@ def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
     ``differs``, ``failed``, ``no-reference``), ``passed``, ``max_ulps``, ``rel`` and per-output ``outputs``.
     ``scheduler``: verify the layers on that Dask cluster (:class:`qgcli.execution.cluster.Cluster`; the summary
     then has ``cluster``)."""
-    from qgcli.storage import runfile
-    from qgcli.errors import QgcliError
-    from qgcli.families import groups
-    from qgcli.report.summaries import json_safe
-
     path, group, container = runfile.open_target(
         target, operand="RUN", not_a_run_file=f"{target}: verify takes a run file (.h5, or file.h5:group)")
     rows = []
@@ -166,7 +164,6 @@ def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
 
 def _reference_of(handle, layer):
     import h5py
-    import numpy as np
 
     g = handle[layer.path] if layer.path != "/" else handle
     ref = g.get(REFERENCE)
@@ -177,8 +174,6 @@ def _reference_of(handle, layer):
 
 
 def _verify_layer(container, handle, path, layer, rtol):
-    from qgcli.families import registry
-
     row = {"path": layer.path, "op": layer.op, "kind": layer.kind, "shape": None, "status": "no-reference",
            "passed": True, "max_ulps": None, "rel": None, "outputs": {}, "error": None}
     shape = layer.datasets.get("inputs") or layer.datasets.get("x")
@@ -248,10 +243,6 @@ def _verify_layer(container, handle, path, layer, rtol):
 
 def _summation_bound(handle, layer, name):
     """float32's worst-case error of fake-quant reduction ``name`` over this group's terms (see the module)."""
-    import numpy as np
-
-    from qgcli.families import registry
-
     g = handle[layer.path]
     if "gradients" not in g or "inputs" not in g:
         return None
@@ -263,8 +254,6 @@ def _summation_bound(handle, layer, name):
 
 def _within(ours, theirs, bound):
     """Every element of ``ours`` within its ``bound`` of ``theirs`` (NaN where both are NaN)."""
-    import numpy as np
-
     a, b = np.asarray(ours, np.float64).reshape(np.shape(theirs)), np.asarray(theirs, np.float64)
     both_nan = np.isnan(a) & np.isnan(b)
     return bool(np.all(both_nan | (np.abs(a - b) <= bound)))
@@ -280,8 +269,6 @@ def _batch_norm_bound(handle, layer, name, shape):
     gradients that cancels to about zero (a batch norm after a quantizer) is then judged against what its terms
     allow, not against its own small value.
     """
-    import numpy as np
-
     g = handle[layer.path]
     if not all(k in g for k in ("y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2")):
         return None
@@ -329,8 +316,6 @@ def _failed(row, message):
 
 
 def _validate(layer, command):
-    from qgcli.families import groups
-
     saved = layer.error
     problem = groups.problem(layer, command)
     layer.error = saved
@@ -339,12 +324,6 @@ def _validate(layer, command):
 
 def _run(container, path, layer, command):
     """qgcli's outputs of ``layer`` under ``command`` (NumPy arrays by output name)."""
-    from qgcli.backend import to_numpy
-    from qgcli.execution.dispatch import runner_for
-    from qgcli.families import groups
-    from qgcli.jobs import OutputOptions, RunFileJob
-    from qgcli.storage.operands import Operands
-
     estimator, grad_factor = None, None
     if layer.attrs.get("estimator") == "lsq" and command == "fakequant-grad":
         from qgcli.ops.estimators import parse_estimator

@@ -1,7 +1,10 @@
 """Writing a figure: atomically (temporary file + rename) or to a binary stream, in the format its file name
 asks for (.png, .svg, .pdf), with the same bytes for the same figure.  matplotlib is imported only to write.
 """
+import io
 import os
+
+import numpy as np
 
 from qgcli.errors import OutputError
 
@@ -26,8 +29,6 @@ def save_figure(fig, path, dpi=100, *, format=None):
     gives the same bytes.  The pixel size of a PNG is the figure size times ``dpi``, rounded to whole
     pixels (see :func:`_whole_pixel_inches`).
     """
-    import io
-
     import matplotlib
 
     from qgcli.storage.io import atomic_write
@@ -70,8 +71,6 @@ def _whole_pixel_inches(inches, dpi):
     >>> 8.2 * 100, _whole_pixel_inches(8.2, 100) * 100
     (819.9999999999999, 820.0000000000001)
     """
-    import numpy as np
-
     pixels = round(float(inches) * dpi)
     snapped = pixels / dpi
     while snapped * dpi < pixels:

@@ -4,7 +4,11 @@
 HDF5 datasets for streaming); :func:`to_device` moves arrays to the job's device.  Nothing heavy is imported
 at module level.
 """
-from qgcli.errors import OptionError
+import numpy as np
+
+from qgcli.backend import get_xp
+from qgcli.errors import FileFormatError, OperandError, OptionError
+from qgcli.signals import deferred
 
 
 class Operands:
@@ -57,8 +61,6 @@ class Operands:
 
     @staticmethod
     def _error(operand, message):
-        from qgcli.errors import OperandError
-
         return OperandError(message, operand=operand)
 
     def input_paths(self):
@@ -67,7 +69,6 @@ class Operands:
 
     def dataset(self, name):
         """The unread h5py Dataset behind operand ``name``, or None when it is not in an HDF5 file."""
-        from qgcli.errors import FileFormatError
         from qgcli.storage import formats
 
         try:
@@ -106,8 +107,6 @@ class Operands:
 
     def get(self, name, *, required=True):
         """The raw array for operand ``name`` (None when absent and not required)."""
-        from qgcli.errors import FileFormatError
-
         try:
             if name in self._specs:
                 spec = self._specs[name]
@@ -165,8 +164,6 @@ class GroupView:
         return node
 
     def has(self, name):
-        from qgcli.errors import FileFormatError
-
         if name in self._known:
             return True
         try:
@@ -176,8 +173,6 @@ class GroupView:
             return not isinstance(exc, self._h5.NoSuchObject)
 
     def read(self, name):
-        from qgcli.signals import deferred
-
         with deferred():
             array = self._read_known(name) if name in self._known else None
             return array if array is not None else self._h5.read_dataset_node(self.dataset(name), name, self._label)
@@ -186,8 +181,6 @@ class GroupView:
         """A small plain dataset that discovery found, looked up as the checked read looks it up and read in
         one low-level call; None where the checked read must decide.  (Opened with h5g/h5d.open from the file
         instead, 30% faster, HDF5 kept ~11 KB more per group until the file closed: 220 MB at 20,000 groups.)"""
-        import numpy as np
-
         shape, dtype = self._known[name]
         try:
             return self._h5.read_plain_dataset(self._resolve(name).id, shape, np.dtype(dtype))
@@ -206,7 +199,5 @@ class GroupView:
 
 
 def to_device(arrays, device):
-    from qgcli.backend import get_xp
-
     xp = get_xp(device)
     return xp, [None if a is None else xp.asarray(a) for a in arrays]

@@ -6,7 +6,10 @@ input is never overwritten.  Nothing heavy is imported at module level.
 import os
 import sys
 
-from qgcli.errors import RuntimeFailure
+from qgcli.backend import to_numpy
+from qgcli.errors import OutputError, RuntimeFailure
+from qgcli.storage.figures import save_figure
+from qgcli.storage.targets import same_file
 
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -14,7 +17,6 @@ FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 def write_outputs(outputs, dest, *, operands, force, attrs, compression=None):
     """Check the target, then write every output (NumPy arrays) atomically."""
     from qgcli.storage import io, provenance
-    from qgcli.backend import to_numpy
 
     io.check_output(dest, inputs=operands.input_paths(), force=force, names=list(outputs))
     attrs = provenance.attributes(attrs)
@@ -30,9 +32,6 @@ def check_figure_output(dest, *, inputs=(), force=False, option="--output", form
     """Refuse a figure path that has no .png/.svg/.pdf suffix (unless ``format`` names one), is an input,
     exists without ``force``, is a directory or lies in a missing or read-only directory (the rules of
     ``qgcli.storage.targets.check_file``); ``-`` (stdout) is refused when stdout is a terminal."""
-    from qgcli.errors import OutputError
-    from qgcli.storage.targets import same_file
-
     if not dest:
         raise OutputError("a figure needs a file name ending in .png, .svg or .pdf, or - for stdout", operand=option)
     if dest == "-":
@@ -61,8 +60,6 @@ def check_figure_output(dest, *, inputs=(), force=False, option="--output", form
 def save_checked(fig, dest, dpi, format=None):
     """Save ``fig`` (checked path, or ``-``: stdout, PNG unless ``format`` says otherwise) atomically; a
     failing disk is a runtime error (exit 1)."""
-    from qgcli.storage.figures import save_figure
-
     if dest == "-":
         from qgcli.signals import raise_pending
 

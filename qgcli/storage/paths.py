@@ -37,6 +37,8 @@ import os
 import unicodedata
 from collections.abc import Mapping
 
+from qgcli import __version__
+
 MAX_COMPONENT_BYTES = 255
 INDEX_NAME = "index.json"
 INDEX_SCHEMA = 1
@@ -140,8 +142,6 @@ class FileLayout(Mapping):
 
     def index(self):
         """The index document: every exact name with its relative path, and the collisions."""
-        from qgcli import __version__
-
         return {"schema": INDEX_SCHEMA, "qgcli_version": __version__, "suffix": self.suffix,
                 "files": [{"name": n, "path": p} for n, p in self._paths.items()], "collisions": self.collisions}
 

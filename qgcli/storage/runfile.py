@@ -6,8 +6,15 @@ one group of it) with their op, attributes and datasets' shapes and dtypes.  Whi
 from running and its job are the families' (:mod:`qgcli.families.groups`).  The layout is documented in
 docs/whole-models.md.
 """
+import os
 from dataclasses import dataclass, field
 from typing import Optional
+
+from qgcli.errors import FileFormatError, QgcliError
+from qgcli.signals import deferred
+from qgcli.storage.checks import reason
+from qgcli.storage.dtypes import dtype_name
+from qgcli.storage.hdf5 import walk as h5walk
 
 #: Datasets that make a group without ``op`` a layer (read as today's bundle).
 _MARKERS = ("inputs", "x", "y_backprop")
@@ -50,7 +57,6 @@ def open_target(target, *, operand, not_a_run_file):
     """``(path, group, container)`` of a run-file target (``run.h5`` or ``run.h5:group``), the container open;
     a QgcliError naming ``operand`` (``not_a_run_file`` when the target is no .h5 file)."""
     from qgcli.storage import io
-    from qgcli.errors import FileFormatError, QgcliError
 
     where = split_target(target)
     if where is None:
@@ -71,12 +77,10 @@ def is_run_file(text):
     path, group = target
     if group is not None:
         return True
-    import os
 
     if not os.path.isfile(path):
         return False
     from qgcli.storage import io
-    from qgcli.errors import FileFormatError, QgcliError
 
     try:
         with io.Container.open(path) as container:
@@ -95,9 +99,6 @@ def is_run_file(text):
 def _has_layer(root, label):
     """Whether some group below ``root`` is a layer: a walk over the groups (datasets unopened) that ends at
     the first one with an ``op`` attribute or a marker dataset."""
-    from qgcli.storage.hdf5 import walk as h5walk
-    from qgcli.signals import deferred
-
     found = []
 
     def layer(node):
@@ -147,12 +148,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     1.2 GB): running a layer opens its group again, and reads the small datasets found here in one call each."""
     import h5py
 
-    from qgcli.storage.hdf5 import walk as h5walk
     from qgcli.storage import h5
-    from qgcli.storage.checks import reason
-    from qgcli.errors import FileFormatError
-    from qgcli.signals import deferred
-    from qgcli.storage.dtypes import dtype_name
 
     label = label or handle.filename
     top = handle
@@ -220,7 +216,6 @@ def _attributes_of(groups):
     """Each group's attributes as read (one guarded round trip for their strings), group by group where the
     batch fails, with the error in place of the attributes of a group that cannot be read."""
     from qgcli.storage import h5, io
-    from qgcli.errors import FileFormatError
 
     try:
         return h5.read_attributes_many(groups)

@@ -18,7 +18,8 @@ import shutil
 import numpy as np
 
 from qgcli.errors import FileFormatError, OutputError
-from qgcli.storage import atomic
+from qgcli.signals import raise_pending
+from qgcli.storage import atomic, provenance
 from qgcli.storage.checks import check_memory
 
 SUFFIX = ".zarr"
@@ -339,8 +340,6 @@ class _Stage:
             self.tmp_root = _fsspec(self.path)[1]
 
     def commit(self):
-        from qgcli.signals import raise_pending
-
         raise_pending()
         if self.local is None:
             if self.fs.exists(self.root):
@@ -445,8 +444,6 @@ class ZarrFormat:
         save(dest, arrays, attrs=attrs, compression=compression)
 
     def group_sink(self, dest, *, compression=None):
-        from qgcli.storage import provenance
-
         return _group_sink(dest, compression=compression, provenance=provenance.attributes)
 
 

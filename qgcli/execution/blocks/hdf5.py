@@ -8,9 +8,14 @@ the tensor's size.  The math is the block driver's (:mod:`qgcli.execution.blocks
 """
 import numpy as np
 
+from qgcli.errors import RuntimeFailure
 from qgcli.execution.blocks import leaves as leaf_reduction
 from qgcli.execution.blocks import two_pass
+from qgcli.ops import blocked
+from qgcli.ops.blocked import submit
+from qgcli.report.progress import Progress
 from qgcli.signals import raise_pending
+from qgcli.storage.hdf5 import chunks as h5_chunks, contiguous as h5_contiguous
 from qgcli.storage.io import tagged_bfloat16
 
 _F32 = np.float32
@@ -28,8 +33,6 @@ class _Output:
     so the block is a multiple of the chunk's first extent, chosen together with the chunk shape."""
 
     def __init__(self, out, name, shape, dtype, attrs, compression, *, step, budget, copies, work_itemsize):
-        from qgcli.storage.hdf5 import chunks as h5_chunks
-
         shape = tuple(shape)
         chunks = None
         if compression and shape and int(np.prod(shape)):
@@ -75,8 +78,6 @@ class _Reader:
     h5py reads when asked."""
 
     def __init__(self, ds, step, *, buffers=1):
-        from qgcli.storage.hdf5 import contiguous as h5_contiguous
-
         self.ds, self.rows = ds, ds.shape[0]
         self.where = h5_contiguous.extent(ds) if ds.size else None
         self.what = f"dataset {ds.name!r}"  # the thread reading ahead must not call HDF5 (not thread-safe)
@@ -109,8 +110,6 @@ class _Reader:
         return buf
 
     def _read_ahead(self, start, stop):
-        from qgcli.ops.blocked import submit
-
         buf = self.buffers[0]
         future, = submit(lambda _: self._read(start, stop, buf), [None], pool="qgcli-read")
         self.ahead = (start, stop, future)
@@ -198,8 +197,6 @@ def _flush_rows(output, pending, written, per_item, *, final):
 
 def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compression, budget, progress=None):
     """Stream a fake-quant forward from an HDF5 dataset into ``out['outputs']``."""
-    from qgcli.ops import blocked
-
     shape = tuple(inputs.shape)
     depth = shape[-1] if per_channel else 1
     params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
@@ -293,9 +290,7 @@ def write_streamed(output, operands, force, attrs, compute, *, quiet, total_byte
     ``compute`` returns the small outputs (name -> array) to store beside the streamed ones, compressed as
     in memory (every dataset with elements).
     """
-    from qgcli.errors import RuntimeFailure
     from qgcli.storage import atomic, h5, io, provenance
-    from qgcli.report.progress import Progress
 
     io.check_output(output, inputs=operands.input_paths(), force=force)
     attrs = provenance.attributes(attrs)

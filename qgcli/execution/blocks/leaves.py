@@ -14,11 +14,11 @@ import bisect
 
 import numpy as np
 
+from qgcli.ops import blocked, reduction
+
 
 def plan(rows, kind):
     """The reduction plan of ``rows`` rows, or None where the op has no min/max sums (``kind`` None)."""
-    from qgcli.ops import reduction
-
     return None if kind is None else reduction.plan(rows, kind=kind)
 
 
@@ -26,8 +26,6 @@ def gradient_rows(g, x, bounds, leaves=(), *, split=0, out=None):
     """``(dx, (below, above) leaf sums or None)`` of rows ``g``, ``x``: the first ``split`` rows finish a leaf
     summed elsewhere (no sums), ``leaves`` (absolute ``(row, length)``) start at row ``split``.  ``out`` may be
     ``g`` (the backprops overwrite it) when ``split`` is 0."""
-    from qgcli.ops import blocked
-
     if not leaves:
         return blocked.backprop_rows(g, x, *bounds, out=out)[0], None
     if not split:
@@ -41,8 +39,6 @@ def gradient_rows(g, x, bounds, leaves=(), *, split=0, out=None):
 def finish(plan, sums, passthrough, kind):
     """``{"backprop_wrt_min", "backprop_wrt_max"}`` from the blocks' leaf sums (``(below, above)`` pairs, in
     plan order), added along the plan."""
-    from qgcli.ops import blocked
-
     below = np.concatenate([s[0] for s in sums])
     above = np.concatenate([s[1] for s in sums])
     dmin, dmax = blocked.finish_sums(plan, below, above, passthrough)

@@ -9,19 +9,18 @@ in-memory op's (:mod:`qgcli.ops.batch_norm`).  Blocks computed independently (Za
 """
 import numpy as np
 
+from qgcli.families.batch_norm import dtype_of as family_dtype
+from qgcli.ops import batch_norm as bn
+
 
 def dtype_of(ds):
     """The dtype of an unread HDF5 dataset or Zarr array, bfloat16 where qgcli's tag says so."""
-    from qgcli.families.batch_norm import dtype_of as family_dtype
-
     return family_dtype(ds)
 
 
 def checked(y_backprop, x, small_in, *, epsilon, data_format, variance_kind):
     """:class:`qgcli.ops.batch_norm.BlockOperands` of unread ``x`` and ``y_backprop`` and the per-channel
     operands ``small_in`` (read), checked as the in-memory op checks them."""
-    from qgcli.ops import batch_norm as bn
-
     return bn.block_operands(y_backprop, x, small_in["scale"], small_in["reserve_space_1"],
                              small_in["reserve_space_2"], epsilon=epsilon, data_format=data_format,
                              variance_kind=variance_kind, dtypes={"x": dtype_of(x), "y_backprop": dtype_of(y_backprop)})
@@ -35,15 +34,11 @@ def output_dtype(x):
 
 def as_acb(channels_first, *blocks):
     """Each block viewed as [A, C, B] (:func:`qgcli.ops.batch_norm.acb_shape`)."""
-    from qgcli.ops import batch_norm as bn
-
     return [b.reshape(bn.acb_shape(b.shape, channels_first)) for b in blocks]
 
 
 def sums(dy3, x3, mean):
     """``[2, channels]`` float64: ``sum(dy)`` and ``sum(dy * (x - mean))`` of one block or unit ([A, C, B])."""
-    from qgcli.ops import batch_norm as bn
-
     with np.errstate(all="ignore"):
         return np.stack(bn.channel_sums(dy3, x3, mean, dy3.shape, np))
 
@@ -56,23 +51,17 @@ def add(total, part):
 
 def coefficients(total, n, operands, *, is_training, variance_kind):
     """The coefficients of ``x_backprop`` from the whole tensor's sums ``total`` over ``n`` values per channel."""
-    from qgcli.ops import batch_norm as bn
-
     return bn.gradient_coefficients(total[0], total[1], n, operands.scale, operands.mean, operands.var,
                                     operands.epsilon, is_training, variance_kind)
 
 
 def values_per_channel(shape, channels_first):
-    from qgcli.ops import batch_norm as bn
-
     acb = bn.acb_shape(shape, channels_first)
     return acb[0] * acb[2]
 
 
 def x_backprop(dy, x, dx, coefs, channels_first):
     """Write one block's ``x_backprop`` into ``dx`` (which may be ``dy``: each part of dy is read first)."""
-    from qgcli.ops import batch_norm as bn
-
     acb = bn.acb_shape(dy.shape, channels_first)
     with np.errstate(all="ignore"):
         bn.x_backprop_blocks(dy.reshape(acb), x.reshape(acb), dx.reshape(acb), acb, coefs, np)

@@ -22,9 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qgcli.errors import FileFormatError, OperandError, OptionError, OutputError
+from qgcli.execution import memory
 from qgcli.execution.blocks import leaves as leaf_reduction
 from qgcli.execution.blocks import two_pass
+from qgcli.ops import batch_norm as bn, blocked
 from qgcli.report.text import counted
+from qgcli.signals import raise_pending
 
 _F32 = np.float32
 
@@ -88,8 +92,6 @@ class Block:
 def compute_block(work, block):
     """One block, on a worker or here: reads its rows from the input stores, writes its chunk of the output,
     returns ``{"sums": (below, above) leaf sums or None, "seconds": {"read", "compute", "write"}}``."""
-    from qgcli.ops import blocked
-
     started = time.perf_counter()
     per_item = int(np.prod(work.shape[1:], dtype=np.int64)) // max(work.depth, 1)
     i0, i1 = block.items
@@ -171,7 +173,6 @@ def _a_per_item(shape, channels_first):
 
 
 def _read(arrays, name, i0, i1):
-    from qgcli.ops import batch_norm as bn
     from qgcli.storage.zarr_store import as_tagged
 
     node = arrays[name]
@@ -213,8 +214,6 @@ def dx_block(work, block):
 
 def _two_pass_run(setup, arrays, x, items):
     """As :func:`_leaf_run`, for bn-grad: pass 1 sums the units, pass 2 writes x_backprop."""
-    from qgcli.ops import batch_norm as bn
-
     checked = two_pass.checked(arrays["y_backprop"], x, setup["small_in"], epsilon=setup["epsilon"],
                                data_format=setup["data_format"], variance_kind=setup["variance_kind"])
     shape, channels_first = tuple(x.shape), checked.channels_first
@@ -294,8 +293,6 @@ def plan_for(job, operands, runner, locations):
     """A :class:`BlockRun` when the job's large operands, all Zarr arrays (``locations``:
     :func:`qgcli.storage.zarr_store.locations`), must be computed in blocks (``--scheduler``, or more than the
     memory budget by :mod:`qgcli.execution.memory`'s rule); None otherwise (the job runs as before)."""
-    from qgcli.errors import FileFormatError, OperandError, OptionError
-    from qgcli.execution import memory
     from qgcli.storage import zarr_store
 
     budget = memory.parse_memory_limit(job.output.memory_limit)
@@ -326,7 +323,6 @@ def plan_for(job, operands, runner, locations):
 
 def check_destination(job, operands):
     """Refuse what a run in blocks cannot write (a figure, any output but a Zarr store) before any work."""
-    from qgcli.errors import OptionError, OutputError
     from qgcli.storage import io
     from qgcli.storage import zarr_store
 
@@ -349,8 +345,6 @@ def timing(results, items, elapsed):
 
 def here(function, work, blocks):
     """``function(work, block)`` for each block, one after another in this process."""
-    from qgcli.signals import raise_pending
-
     results = []
     for block in blocks:
         raise_pending()

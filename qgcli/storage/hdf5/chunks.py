@@ -18,6 +18,9 @@ from collections import deque
 
 import numpy as np
 
+from qgcli.ops.blocked import abandon, submit
+from qgcli.signals import raise_pending
+
 GZIP_LEVEL = 4  # h5py's default for compression="gzip"
 CHUNK_BYTES = 1 << 20  # the largest chunk h5py guesses, and HDF5's default chunk cache: a chunk read is cached
 _GROUP_BYTES = 8 << 20  # raw bytes of chunks compressed per group
@@ -87,7 +90,6 @@ class ChunkWriter:
         block = np.asarray(block, dtype=ds.dtype)  # any strides: each chunk is copied out on its own
         if start % chunks[0] or (len(block) % chunks[0] and start + len(block) != ds.shape[0]):
             raise ValueError(f"items {start}:{start + len(block)} cut through chunks of {chunks[0]} items")
-        from qgcli.ops.blocked import submit
 
         chunk_bytes = int(np.prod(chunks)) * block.itemsize
         per_group = max(1, _GROUP_BYTES // chunk_bytes)
@@ -127,16 +129,12 @@ class ChunkWriter:
             raise
 
     def _abandon(self):
-        from qgcli.ops.blocked import abandon
-
         abandon([f for _, _, futures in self._flight for f in futures])
         self._flight.clear()
         self._free = deque(range(_RING))
 
     def _retire(self):
         """Wait for the oldest group and write its chunks; a signal deferred meanwhile stops the run here."""
-        from qgcli.signals import raise_pending
-
         slot, positions, futures = self._flight[0]
         for at, future in zip(positions, futures):
             mask, data = future.result()

@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from qgcli.errors import FileFormatError
+from qgcli.ops.blocked import _map
 
 #: Below this many bytes h5py's single call costs less than handing pieces to the pool.
 MIN_BYTES = 16 << 20
@@ -51,8 +52,6 @@ def read_bytes(where, start, data, what):
 def read(node, what):
     """What ``node[()]`` gives for an h5py Dataset, read on the pool; None where h5py must read it.
     ``what`` names the dataset in the error for a file that ends inside the data."""
-    from qgcli.ops.blocked import _map
-
     nbytes = int(node.size or 0) * node.dtype.itemsize
     where = extent(node) if nbytes >= MIN_BYTES else None
     if where is None:
