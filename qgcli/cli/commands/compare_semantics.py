@@ -152,7 +152,7 @@ def _compare_integers(operands, x, mn, mx, chosen, num_bits, narrow_range, axis,
                       quiet):
     """compare-semantics --with: the integers of each framework (qgcli.ops.cross_semantics)."""
     from qgcli.errors import QgcliError
-    from qgcli.ops.cross_semantics import compare
+    from qgcli.ops.cross_semantics import REASONS, compare
     from qgcli.storage.outputs import write_outputs
 
     try:
@@ -167,18 +167,8 @@ def _compare_integers(operands, x, mn, mx, chosen, num_bits, narrow_range, axis,
         doc["written"] = list(arrays)
         write_outputs(arrays, output, operands=operands, force=force, attrs={
             "op": "compare-semantics", "with": ",".join(chosen), "num_bits": num_bits, "narrow_range": narrow_range,
-            "reason_codes": ", ".join(f"{i}={r}" for i, r in enumerate(
-                ("nonfinite", "grid", "range", "tie", "zero point", "arithmetic")))})
-    if as_json or output == "-":
-        emit(json_safe(doc), as_json=as_json, quiet=quiet, render=_render_integers, output=output)
-        return
-    from qgcli.report.summaries import stderr_console, stdout_console
-    from qgcli.report.text import printable_doc
-
-    shown = printable_doc(json_safe(doc))
-    _render_integers(stdout_console(), shown)
-    if not quiet:
-        _render_wrote(stderr_console(), shown)
+            "reason_codes": ", ".join(f"{i}={r}" for i, r in enumerate(REASONS))})
+    _show(doc, _render_integers, as_json=as_json, quiet=quiet, output=output)
 
 
 def _render_integers(console, s):
@@ -277,14 +267,18 @@ def compare_semantics(operands, num_bits, narrow_range, axis, frameworks, first,
                 "mask_reason_codes": ", ".join(f"{k}={v}" for k, v in MASK_REASONS.items())})
     finally:
         operands.close()
-    # The report is the result: stdout (stderr when -o - puts the data on stdout); "wrote" is a note: stderr.
+    _show(doc, _render_compare, as_json=as_json, quiet=quiet, output=output)
+
+
+def _show(doc, render, *, as_json, quiet, output):
+    """The report is the result: stdout (stderr when -o - puts the data on stdout); "wrote" is a note: stderr."""
     if as_json or output == "-":
-        emit(json_safe(doc), as_json=as_json, quiet=quiet, render=_render_compare, output=output)
+        emit(json_safe(doc), as_json=as_json, quiet=quiet, render=render, output=output)
         return
     from qgcli.report.summaries import stderr_console, stdout_console
     from qgcli.report.text import printable_doc
 
     shown = printable_doc(json_safe(doc))
-    _render_compare(stdout_console(), shown)
+    render(stdout_console(), shown)
     if not quiet:
         _render_wrote(stderr_console(), shown)
