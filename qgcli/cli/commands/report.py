@@ -26,7 +26,7 @@ from qgcli.cli.options import (
 )
 from qgcli.report.summaries import dump_json, number, stdout_console
 from qgcli.report.text import counted
-from qgcli.cli.options import fail_on_option, gate, table_options
+from qgcli.cli.options import fail_on_option, gate, refuse_conditions, table_options
 
 REPORT_SCHEMA = 1
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
@@ -303,7 +303,7 @@ Examples:
 @click.option("--tensorboard", "tensorboard", metavar="LOGDIR", default=None,
               help="Run files: also write TensorBoard event files under LOGDIR (scalars per layer and statistic at "
                    "the file's step numbers, aggregate curves; pip install 'qgcli[tensorboard]').")
-@fail_on_option("report")
+@fail_on_option("report", also="trend")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
@@ -334,6 +334,10 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     if as_json and as_csv:
         raise click.UsageError("--json and --csv both want stdout; pick one")
     operands, bundles = operands
+    if len(bundles) == 1 and _is_history(bundles[0]):  # a history from qgcli.monitor: its table, as trend shows it
+        return _report_history(bundles[0], operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv,
+                               html, force, tensorboard, fail_on, quiet)
+    refuse_conditions(fail_on)
     if attributes.variant not in QDQ_VARIANTS:
         for option, value in (("--signed-input", qdq[0].signed_input), ("--range-given", qdq[0].range_given),
                               ("--round-mode", qdq[1])):
@@ -437,6 +441,40 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     else:
         render_report(stdout_console(), doc, limited)
     gate(doc, fail_on)
+
+
+def _is_history(bundle):
+    import os
+
+    from qgcli.monitor.history import is_history
+
+    return bundle != "-" and os.path.isfile(bundle) and is_history(bundle)
+
+
+def _report_history(history, operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv, html, force,
+                    tensorboard, fail_on, quiet):
+    """``report HISTORY``: the history's per-layer table, events, page and events files (``qgcli trend``)."""
+    from qgcli.cli.history_view import show_history
+
+    given_options = [name for name, value in (("--layer", layer), ("--scheduler", scheduler),
+                                              ("--dtype", dtype), ("--csv", as_csv)) if value]
+    given_options += [f"--{name.replace('_', '-')}" for name in ("gradients", "inputs", "min", "max")
+                      if operands.get(name) is not None]
+    if semantics != "tf" or torchao.given():
+        given_options.append("--semantics")
+    if given_options:
+        raise click.BadParameter(f"does not apply to a history ({history} was written by qgcli.monitor)",
+                                 param_hint=f"'{given_options[0]}'")
+    if getattr(fail_on, "text", None):  # the conditions a history offers (trend's)
+        from qgcli.errors import OptionError
+        from qgcli.report.gates import parse
+
+        try:
+            fail_on = parse(fail_on.text, "trend")
+        except OptionError as exc:
+            raise click.BadParameter(exc.message.replace("of trend", "of a history"), param_hint="'--fail-on'") from None
+    show_history(history, as_json=as_json, html=html, force=force, tensorboard=tensorboard, fail_on=fail_on,
+                 quiet=quiet)
 
 
 def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
