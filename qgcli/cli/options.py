@@ -585,13 +585,28 @@ def typed_overrides():
     return {name: ctx.params[name] for name in OVERRIDABLE if name in ctx.params and given(name)}
 
 
-def run_file_job(command, operands, output, *, skip_invalid=False, estimator=None, all_outputs=False):
+def ranges_option(f):
+    """``--ranges FILE.h5``: a run file's range parameters replaced by the ones ``report --ranges-out`` wrote."""
+    return click.option("--ranges", "ranges", metavar="FILE.h5", default=None, type=click.Path(dir_okay=False),
+                        help="Run files: replace each group's range (min/max, scale/zero_point) by the one at the "
+                             "same group path of FILE.h5, written by report RUN --ranges-out FILE.h5.")(f)
+
+
+def run_file_job(command, operands, output, *, skip_invalid=False, estimator=None, all_outputs=False, ranges=None):
     """A :class:`qgcli.jobs.RunFileJob` when BUNDLE is a run file (``run.h5`` whose groups hold the operands,
     or ``run.h5:group``), else None (a single bundle).  Options typed on the command line override the
     groups' attributes; those left at their defaults do not."""
     bundle = run_file_target(operands)
     if bundle is None:
+        if ranges is not None:
+            raise click.BadParameter("replaces the ranges of a run file's groups; give a run file as BUNDLE (or "
+                                     "--min/--max for one tensor)", param_hint="'--ranges'")
         return None
+    replaced = ()
+    if ranges is not None:
+        from qgcli.report.ranges_out import read_specs
+
+        replaced = read_specs(ranges)
     explicit = tuple(typed_overrides().items())
     est, grad_factor = None, None
     if estimator is not None:
@@ -603,7 +618,7 @@ def run_file_job(command, operands, output, *, skip_invalid=False, estimator=Non
             raise click.BadParameter("only applies to --estimator lsq", param_hint="'--grad-factor'")
     from qgcli.jobs import RunFileJob
 
-    return RunFileJob(command, bundle, output, explicit, est, grad_factor, all_outputs, skip_invalid)
+    return RunFileJob(command, bundle, output, explicit, est, grad_factor, all_outputs, skip_invalid, ranges=replaced)
 
 
 def table_options(f):

@@ -162,3 +162,28 @@ def write(dest, written, skipped, *, source, method):
                     g.create_dataset(name, data=array)
 
     atomic_write(dest, save)
+
+
+def read_specs(path, *, option="--ranges"):
+    """``((group path, ((operand, SPEC), ...)), ...)`` of a ranges file: each group's parameters as operand
+    specs (``FILE:GROUP/min``) that replace the run file's (``fakequant-grad RUN --ranges FILE``)."""
+    import h5py
+
+    from qgcli.errors import FileFormatError, OperandError
+
+    try:
+        f = h5py.File(path, "r")
+    except (OSError, ValueError) as exc:
+        raise OperandError(f"cannot read {path}: {exc}", operand=option) from None
+    with f:
+        if f.attrs.get("format") != FORMAT:
+            raise FileFormatError(f"{path} is not a ranges file (report RUN --ranges-out writes one)", operand=option)
+        out = []
+
+        def visit(name, obj):
+            if isinstance(obj, h5py.Group) and "op" in obj.attrs:
+                names = [n for n in ("min", "max", "scale", "zero_point") if n in obj]
+                out.append((name, tuple((n, f"{path}:{name}/{n}") for n in names)))
+
+        f.visititems(visit)
+    return tuple(out)
