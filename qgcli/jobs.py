@@ -241,6 +241,9 @@ class RunFileJob(NamedTuple):
     all_outputs: bool = False
     skip_invalid: bool = False
     family: str = "run-file"
+    #: ``fakequant-grad --ranges``: ``((group path, ((operand, SPEC), ...)), ...)``, the range parameters that
+    #: replace a group's own (qgcli.report.ranges_out.read_specs)
+    ranges: Tuple[Tuple[str, Tuple[Tuple[str, str], ...]], ...] = ()
 
     @property
     def with_gradients(self):

@@ -149,8 +149,7 @@ def test_page_is_self_contained_and_escapes_names(tmp_path):
     assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
 
 
-def test_a_page_of_500_layers_stays_small(tmp_path):
-    """Hundreds of layers: a few KB each (the figures are drawn when opened, from compact data)."""
+def _big_run(tmp_path):
     import numpy as np
     import h5py
 
@@ -166,5 +165,46 @@ def test_a_page_of_500_layers_stays_small(tmp_path):
     page = tmp_path / "big.html"
     r = _cli("report", str(run), "--html", str(page), "-q")
     assert r.exit_code == 0, r.output
-    size = page.stat().st_size
+    return page
+
+
+@pytest.fixture(scope="module")
+def big_page(tmp_path_factory):
+    return _big_run(tmp_path_factory.mktemp("big"))
+
+
+def test_a_page_of_500_layers_stays_small(big_page):
+    """Hundreds of layers: a few KB each (the figures are drawn when opened, from compact data)."""
+    size = big_page.stat().st_size
     assert size < 500 * 4096, size
+
+
+def test_a_page_of_500_layers_opens_within_2_s(big_page, browser):
+    """Chromium's own clock, from navigation start to the end of the load event (script run, table laid out)."""
+    browser.get_log("browser")
+    browser.get(big_page.as_uri())
+    took = browser.execute_script("var t = performance.getEntriesByType('navigation')[0]; return t.loadEventEnd;")
+    assert 0 < took < 2000, took
+    assert len(browser.find_elements("css selector", "#qg-table tbody tr")) == 500
+    last = browser.find_elements("css selector", "details[data-layer]")[-1]
+    browser.execute_script("arguments[0].open = true;", last)
+    assert _drawn(last, "svg rect")  # the last layer's details drawn on demand
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_history_page_in_chromium(tmp_path, browser):
+    import history_samples
+
+    history = history_samples.write(tmp_path / "run.qgh")
+    page = tmp_path / "trend.html"
+    assert _cli("trend", history, "--html", str(page)).exit_code == 0
+    browser.get_log("browser")
+    browser.get(page.as_uri())
+    assert browser.find_element("id", "verdict").text == "3 events in 2 of 3 layers over 4 samples (steps 1..30)"
+    assert _column(browser, 1)[0] == "conv2.act"  # the most blocked first
+    box = browser.find_element("css selector", "details[data-layer='conv2.act']")
+    box.find_element("tag name", "summary").click()
+    rows = _drawn(box, "table tbody tr")
+    assert [r.find_elements("tag name", "td")[0].text for r in rows] == ["1", "10", "20", "30"]
+    assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []
+    assert [u for u in _requests(browser) if not u.startswith(("file:", "data:"))] == []

@@ -158,7 +158,7 @@ LAYERS = [
     ("capture", ["qgcli.capture"]),
     ("monitor", ["qgcli.monitor"]),
     ("whole-model reports", ["qgcli.report.verify", "qgcli.report.layers", "qgcli.report.layer_figures",
-                             "qgcli.report.layer_details"]),
+                             "qgcli.report.layer_details", "qgcli.report.ranges_out"]),
     ("execution", ["qgcli.execution"]),
     ("families", ["qgcli.families"]),
     ("presentation", ["qgcli.report"]),

@@ -81,7 +81,7 @@ def test_tf_function_loop_and_a_range_made_negative(tmp_path):
 
     ranges = [v for v in model.get_layer("quant_dense").weights if "post_activation_m" in v.name]
     assert len(ranges) == 2, [v.name for v in model.get_layer("quant_dense").weights]
-    with monitor(tmp_path / "h", every=3) as mon:
+    with monitor(tmp_path / "h", every=3, tensorboard=tmp_path / "tb") as mon:
         for i in range(6):
             if i == 4:  # before step 5: the dense layer's output range turned inside out (min > max)
                 low, high = sorted(ranges, key=lambda v: v.name.endswith("max"))
@@ -94,3 +94,12 @@ def test_tf_function_loop_and_a_range_made_negative(tmp_path):
     assert h.steps == [1, 3, 6]
     findings = [f for f in _doctor(tmp_path / "h") if f["kind"] == "range_collapse"]
     assert [(f["layer"], f["step"]) for f in findings] == [("sequential/quant_dense/MovingAvgQuantize", 6)], findings
+    # the events written live (tensorboard=): each layer's samples, as the history holds them
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    pytest.importorskip("tensorboardX")
+    acc = accumulator.EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    s = h.series(weight_layer := [la["path"] for la in h.layers if la["role"] == "weight"][0])
+    got = acc.Scalars(f"scale_median/{weight_layer}")
+    assert [e.step for e in got] == [1, 3, 6] and [e.value for e in got] == pytest.approx(s["scale_median"], rel=1e-6)
+    assert [e.value for e in acc.Scalars("aggregate/share_with_events")][-1] > 0  # min > max at step 6

@@ -344,3 +344,39 @@ def test_doctor_on_a_run_file(tmp_path):
         ("observer_default", "conv2/activation_post_process", 7)]
     result = CliRunner().invoke(main, ["doctor", str(tmp_path / "nothing.txt")])
     assert result.exit_code == 2
+
+
+def test_live_tensorboard_events_equal_trends(tmp_path):
+    """monitor(..., tensorboard=LOGDIR) writes each sample as it is taken: the same scalars `trend --tensorboard`
+    writes from the finished history, read back with TensorBoard's EventAccumulator."""
+    pytest.importorskip("tensorboardX")
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+    def plant(step, model):
+        if step == 6:
+            _clip_everything(model.conv2.activation_post_process)
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    live = tmp_path / "live"
+    with monitor(model, tmp_path / "h", every=4, optimizer=opt, tensorboard=live):
+        for step, (x, y) in enumerate(_data(9), start=1):
+            plant(step, model)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if step == 4:  # written as it goes: a reader sees steps 1 and 4 before the run ends
+                acc = accumulator.EventAccumulator(str(live))
+                acc.Reload()
+                assert [e.step for e in acc.Scalars("aggregate/worst_5_gradient_blocked")] == [1, 4]
+    result = CliRunner().invoke(main, ["trend", str(tmp_path / "h"), "--tensorboard", str(tmp_path / "after"), "--json"])
+    assert result.exit_code == 0, result.output
+
+    def scalars(logdir):
+        acc = accumulator.EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    got, want = scalars(live), scalars(tmp_path / "after")
+    assert got == want and "gradient_blocked/conv2.activation_post_process" in got
+    assert [v for _, v in got["aggregate/share_with_events"]][-1] > 0  # the clipping layer's jump at step 8

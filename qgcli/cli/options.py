@@ -336,13 +336,15 @@ def json_option(help="Print a machine-readable summary on stdout."):
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
-def fail_on_option(command):
+def fail_on_option(command, also=None):
     """``--fail-on CONDITION,...``: exit 3 after printing when a condition holds (:mod:`qgcli.report.gates`);
-    parsed when the command line is, so that a bad condition stops before any work."""
-    from qgcli.report.gates import GATES
+    parsed when the command line is, so that a bad condition stops before any work.  ``also``: the gate of
+    another input the command takes (``report`` of a history: ``trend``), whose conditions pass the parse and are
+    refused (:func:`refuse_conditions`) once the input is known not to be one."""
+    from qgcli.report.gates import GATES, names
 
-    _, stats, named = GATES[command]
-    examples = ", ".join(list(named) + [f"{name}>N" for name in stats])
+    _, stats, _ = GATES[command]
+    examples = ", ".join(names(command) + [f"{name}>N" for name in stats])
     shares = [name for name, (_, share) in stats.items() if share]
     if shares:
         examples += f" (shares in %, e.g. {shares[0]}>10%)"
@@ -352,13 +354,34 @@ def fail_on_option(command):
         from qgcli.report.gates import parse as parse_conditions
 
         try:
-            return parse_conditions(value, command)
+            return Conditions(parse_conditions(value, command), text=value)
         except OptionError as exc:
-            raise click.BadParameter(exc.message) from None
+            if also is None:
+                raise click.BadParameter(exc.message) from None
+            try:  # a condition of the other kind of input the command takes: checked when the input is known
+                parse_conditions(value, also)
+            except OptionError:
+                raise click.BadParameter(exc.message) from None
+            return Conditions([], text=value, error=exc.message)
 
     return click.option("--fail-on", "fail_on", metavar="CONDITION,...", default=None, callback=parse,
                         help=f"Exit with code 3 (after printing) when a condition holds: {examples}; "
                              "for CI jobs.")
+
+
+class Conditions(list):
+    """The parsed ``--fail-on`` conditions, with the ``text`` they came from (``report HISTORY`` parses it again
+    as ``trend`` does)."""
+
+    def __init__(self, conditions, text=None, error=None):
+        super().__init__(conditions)
+        self.text, self.error = text, error
+
+
+def refuse_conditions(conditions):
+    """Stop (exit 2) when ``--fail-on`` named conditions only the command's other input offers."""
+    if getattr(conditions, "error", None):
+        raise click.BadParameter(conditions.error, param_hint="'--fail-on'")
 
 
 def gate(doc, conditions):
@@ -562,13 +585,28 @@ def typed_overrides():
     return {name: ctx.params[name] for name in OVERRIDABLE if name in ctx.params and given(name)}
 
 
-def run_file_job(command, operands, output, *, skip_invalid=False, estimator=None, all_outputs=False):
+def ranges_option(f):
+    """``--ranges FILE.h5``: a run file's range parameters replaced by the ones ``report --ranges-out`` wrote."""
+    return click.option("--ranges", "ranges", metavar="FILE.h5", default=None, type=click.Path(dir_okay=False),
+                        help="Run files: replace each group's range (min/max, scale/zero_point) by the one at the "
+                             "same group path of FILE.h5, written by report RUN --ranges-out FILE.h5.")(f)
+
+
+def run_file_job(command, operands, output, *, skip_invalid=False, estimator=None, all_outputs=False, ranges=None):
     """A :class:`qgcli.jobs.RunFileJob` when BUNDLE is a run file (``run.h5`` whose groups hold the operands,
     or ``run.h5:group``), else None (a single bundle).  Options typed on the command line override the
     groups' attributes; those left at their defaults do not."""
     bundle = run_file_target(operands)
     if bundle is None:
+        if ranges is not None:
+            raise click.BadParameter("replaces the ranges of a run file's groups; give a run file as BUNDLE (or "
+                                     "--min/--max for one tensor)", param_hint="'--ranges'")
         return None
+    replaced = ()
+    if ranges is not None:
+        from qgcli.report.ranges_out import read_specs
+
+        replaced = read_specs(ranges)
     explicit = tuple(typed_overrides().items())
     est, grad_factor = None, None
     if estimator is not None:
@@ -580,7 +618,7 @@ def run_file_job(command, operands, output, *, skip_invalid=False, estimator=Non
             raise click.BadParameter("only applies to --estimator lsq", param_hint="'--grad-factor'")
     from qgcli.jobs import RunFileJob
 
-    return RunFileJob(command, bundle, output, explicit, est, grad_factor, all_outputs, skip_invalid)
+    return RunFileJob(command, bundle, output, explicit, est, grad_factor, all_outputs, skip_invalid, ranges=replaced)
 
 
 def table_options(f):

@@ -75,6 +75,9 @@ def refusal(where, bad, total):
 def _prepared(job, container, path, layer):
     """``(group job, runner, operands, overrides)`` of one layer."""
     specs = groups.operand_specs(layer)  # literal operands a group carries as attributes
+    replaced = dict(job.ranges).get(layer.path) if getattr(job, "ranges", ()) else None
+    if replaced:  # --ranges: the group's range parameters from the ranges file
+        specs = specs.__class__(specs.bundle, tuple({**specs.as_dict(), **dict(replaced)}.items()))
     group_job, overrides = groups.job_from_group(job, layer, specs, job.output)
     runner = _TOOLS["runner_for"](group_job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK,

@@ -28,6 +28,7 @@ import inspect
 
 from qgcli.errors import UsageProblem
 from qgcli.monitor.history import HistoryWriter
+from qgcli.monitor.tensorboard import LiveEvents
 
 _OPS = ("fake_quant_with_min_max_vars", "fake_quant_with_min_max_vars_per_channel", "fake_quant_with_min_max_args")
 
@@ -45,7 +46,7 @@ def _tf():
 class _Watch:
     """What one monitor shares between its wrapped ops, the step counter and the history."""
 
-    def __init__(self, path, every, momentum, threshold, overwrite, durable):
+    def __init__(self, path, every, momentum, threshold, overwrite, durable, tensorboard=None):
         tf = self.tf = _tf()
         if int(every) < 1:
             raise UsageProblem(f"every must be at least 1, not {every}")
@@ -60,6 +61,13 @@ class _Watch:
         self.writer = HistoryWriter(path, overwrite=overwrite, durable=durable, meta={
             "framework": "tensorflow", "tensorflow_version": tf.__version__, "every": self.every,
             "momentum": self.momentum, "threshold": self.threshold, "optimizer": False, "world_size": 1})
+        self.events = None
+        if tensorboard is not None:
+            try:
+                self.events = LiveEvents(tensorboard)
+            except BaseException:
+                self.writer.close()
+                raise
         self.ids = {}
 
     # --- steps ------------------------------------------------------------------------------------------
@@ -77,6 +85,8 @@ class _Watch:
                 self.ids[name] = lid
                 rows[lid] = stats
             self.writer.add_sample(step, rows)
+            if self.events is not None:
+                self.events.add_sample(step, dict(self.pending))
         self.pending = {}
         self.sampling.assign(self.is_sample(step + 1))
         if self.tf.executing_eagerly():
@@ -103,6 +113,8 @@ class _Watch:
     def close(self):
         self.uninstall()
         self.writer.close()
+        if self.events is not None:
+            self.events.close()
 
     def _name(self, given):
         tf = self.tf
@@ -304,10 +316,11 @@ def _forward_stats(tf, x, y, lo, hi, g):
 
 
 @contextlib.contextmanager
-def monitor(path, *, every=10, momentum=0.01, threshold=0.02, overwrite=False, durable=False):
+def monitor(path, *, every=10, momentum=0.01, threshold=0.02, overwrite=False, durable=False, tensorboard=None):
     """Watch every fake-quant call traced or run inside the block; yields an object whose ``step()`` ends a
-    step (call it after each training step, in Python)."""
-    watch = _Watch(path, every, momentum, threshold, overwrite, durable)
+    step (call it after each training step, in Python).  ``tensorboard``: a folder where each sample is also
+    written as TensorBoard events as it is taken (qgcli.monitor.tensorboard)."""
+    watch = _Watch(path, every, momentum, threshold, overwrite, durable, tensorboard)
     watch.install()
     try:
         yield _Loop(watch)
@@ -328,13 +341,14 @@ class _Loop:
         self._watch.end_step()
 
 
-def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, durable=False):
-    """A tf_keras callback for ``model.fit``: every ``every`` steps into history ``path``."""
+def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, durable=False, tensorboard=None):
+    """A tf_keras callback for ``model.fit``: every ``every`` steps into history ``path`` (and as TensorBoard
+    events into folder ``tensorboard``, when given)."""
     tf = _tf()
 
     class _Callback(tf.keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            self.watch = _Watch(path, every, momentum, threshold, overwrite, durable)
+            self.watch = _Watch(path, every, momentum, threshold, overwrite, durable, tensorboard)
             self.watch.install()
             self.model.make_train_function(force=True)  # traced again, with the monitor's ops
 

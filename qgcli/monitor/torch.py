@@ -29,6 +29,7 @@ import sys
 
 from qgcli.errors import UsageProblem
 from qgcli.monitor.history import HistoryWriter
+from qgcli.monitor.tensorboard import LiveEvents
 
 #: statistic -> how ranks combine it (others: the mean)
 _REDUCE = {"scale_min": min, "zero_point_min": min, "range_min": min, "scale_max": max, "zero_point_max": max,
@@ -48,11 +49,13 @@ def _torch():
 
 @contextlib.contextmanager
 def monitor(model, path, *, every=10, optimizer=None, momentum=0.01, threshold=0.02, overwrite=False,
-            durable=False):
+            durable=False, tensorboard=None):
     """Record ``model``'s quantizers and batch norms every ``every`` steps into history ``path``; yields a
-    :class:`Monitor`.  The hooks are removed and the history closed when the block ends."""
+    :class:`Monitor`.  The hooks are removed and the history closed when the block ends.  ``tensorboard``: a
+    folder where each sample is also written as TensorBoard events as it is taken (qgcli.monitor.tensorboard;
+    pip install 'qgcli[tensorboard]')."""
     mon = Monitor(model, path, every=every, optimizer=optimizer, momentum=momentum, threshold=threshold,
-                  overwrite=overwrite, durable=durable)
+                  overwrite=overwrite, durable=durable, tensorboard=tensorboard)
     try:
         yield mon
     finally:
@@ -77,7 +80,7 @@ class Monitor:
     optimizer counts them."""
 
     def __init__(self, model, path, *, every=10, optimizer=None, momentum=0.01, threshold=0.02, overwrite=False,
-                 durable=False):
+                 durable=False, tensorboard=None):
 
         torch = self._t = _torch()
         if int(every) < 1:
@@ -104,12 +107,18 @@ class Monitor:
                 self._handles.append(m.register_forward_hook(self._fq_hook(layer)))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self._end_step()))
-        self._writer = None
+        self._writer = self._events = None
         if self.rank == 0:
-            self._writer = HistoryWriter(path, overwrite=overwrite, durable=durable, meta={
-                "framework": "torch", "torch_version": torch.__version__, "every": self.every,
-                "momentum": self.momentum, "threshold": self.threshold, "optimizer": optimizer is not None,
-                "world_size": self.world})
+            try:
+                self._writer = HistoryWriter(path, overwrite=overwrite, durable=durable, meta={
+                    "framework": "torch", "torch_version": torch.__version__, "every": self.every,
+                    "momentum": self.momentum, "threshold": self.threshold, "optimizer": optimizer is not None,
+                    "world_size": self.world})
+                if tensorboard is not None:
+                    self._events = LiveEvents(tensorboard)
+            except BaseException:
+                self.close()  # no hook left behind, the history closed
+                raise
 
     # --- steps ------------------------------------------------------------------------------------------
 
@@ -140,6 +149,9 @@ class Monitor:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
     # --- hooks ------------------------------------------------------------------------------------------
 
@@ -356,6 +368,9 @@ class Monitor:
                                                   info)
             out[layer.lid] = flat[layer.path]
         self._writer.add_sample(step, out, ranks=self.world)
+        if self._events is not None:
+            self._events.add_sample(step, {layer.path: flat[layer.path] for layer in self._layers
+                                           if layer.path in flat})
 
 
 def _once(tensor, fn):

@@ -8,6 +8,7 @@ from qgcli.errors import QgcliError
 from qgcli.ops import fake_quant as fq, native
 from qgcli.ops.blocked import _map, _row_ranges, _table
 from qgcli.ops.fake_quant import _masks, nudge
+from qgcli.ops.ranges import candidates as range_candidates
 
 
 def _share(count, total):
@@ -317,7 +318,7 @@ def _report_ops(variant, num_bits, narrow_range):
 
 
 def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range=False, variant=None, axis=-1,
-                   percentiles=DEFAULT_PERCENTILES, on_step=None, qdq=None):
+                   percentiles=DEFAULT_PERCENTILES, on_step=None, qdq=None, range_method="percentile"):
     """Per-channel (or per-tensor) report of a fake-quant grid on ``inputs`` and the gradient's fate.
 
     For each channel (each entry of ``min``/``max`` along ``axis`` for the per-channel op; the whole tensor
@@ -329,7 +330,8 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
 
     The suggested range is searched among ``[P(100 - p), P(p)]`` for each ``p`` in ``percentiles`` (finite
     values of the channel; widened to include 0, as TensorFlow's grid always holds 0) and is the one with
-    the best SQNR under the same op; ties go to the earlier percentile.
+    the best SQNR under the same op; ties go to the earlier percentile.  ``range_method`` ``mse`` searches
+    ``alpha * [min, max]`` instead, ``kl`` takes TensorRT's entropy-calibrated range (:mod:`qgcli.ops.ranges`).
 
     Parameters
     ----------
@@ -482,13 +484,11 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
     ordered = xp.sort(xp.where(xp.isfinite(x2), x2, xp.nan), axis=0) if rows else x2
     signal = to_numpy(signal_c)
     candidates = []
-    for p in percentiles:
-        step(f"suggested range: percentile {p:g}")
-        lo = to_numpy(column_percentiles(ordered, counts, 100.0 - p, xp)) if rows else np.full(depth, np.nan)
-        hi = to_numpy(column_percentiles(ordered, counts, p, xp)) if rows else np.full(depth, np.nan)
-        # TensorFlow's grid always holds 0; a range beside 0 would be shifted onto it by the nudge anyway.
-        lo = np.where(np.isnan(lo), 0.0, np.minimum(lo, 0.0)).astype(np.float32)
-        hi = np.where(np.isnan(hi), 0.0, np.maximum(hi, 0.0)).astype(np.float32)
+    ranges = range_candidates(range_method, ordered, counts, percentiles,
+                              lambda o, c, q: to_numpy(column_percentiles(o, c, q, xp)), num_bits)
+    for n, (lo, hi) in enumerate(ranges):
+        step(f"suggested range: percentile {percentiles[n]:g}" if range_method == "percentile" else
+             f"suggested range: {range_method} candidate {n + 1} of {len(ranges)}")
         if variant == "args" and not lo[0] < hi[0]:
             candidates.append((lo, hi, np.full(depth, np.nan)))
             continue
@@ -507,7 +507,8 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
     sug_lo = np.array([candidates[b][0][c] for c, b in zip(pick, best)], np.float32) if candidates else None
     sug_hi = np.array([candidates[b][1][c] for c, b in zip(pick, best)], np.float32) if candidates else None
     sug_err = np.array([candidates[b][2][c] for c, b in zip(pick, best)], np.float64) if candidates else None
-    sug_p = np.array([percentiles[b] for b in best], np.float64) if candidates else None
+    sug_p = (np.array([percentiles[b] if range_method == "percentile" else np.nan for b in best], np.float64)
+             if candidates else None)
     suggested_grid = None
     s_below = s_above = s_blocked = None
     if candidates and usable.all():

@@ -15,6 +15,7 @@ import operator
 import re
 
 from qgcli.errors import OptionError
+from qgcli.report.history_table import last_samples
 
 #: The exit code of a command whose --fail-on condition holds.
 EXIT_CODE = 3
@@ -25,6 +26,24 @@ _COMPARISON = re.compile(r"^\s*([a-z_-]+?)\s*(>=|<=|>|<)\s*(-?[0-9.]+(?:e-?[0-9]
 
 def _rows(key):
     return lambda doc: doc.get(key) or []
+
+
+#: The finding kinds of ``doctor`` and the event kinds of ``trend`` (qgcli.monitor.doctor, qgcli.monitor.trends),
+#: each a condition of its own (``--fail-on no_gradient,nan``; ``-`` and ``_`` alike).
+DOCTOR_KINDS = ("ste_broken", "no_gradient", "range_collapse", "range_not_learning", "nan", "oscillation",
+                "observer_default", "fake_quant_disabled")
+TREND_KINDS = ("blocked_jump", "clipping_jump", "scale_negative", "min_gt_max", "range_collapse", "gradient_zero",
+               "oscillation", "nan", "fake_quant_disabled")
+
+
+def _kinds(kinds, no_gradient):
+    """A condition per kind, under both spellings, and ``no-gradient`` for the kind that means it."""
+    named = {}
+    for kind in kinds:
+        test = (lambda r, kind=kind: r.get("kind") == kind)
+        named[kind] = named[kind.replace("_", "-")] = test
+    named["no-gradient"] = named[no_gradient]
+    return named
 
 
 #: command -> (the rows of its document, {statistic name: (row key or accessor, is a share)}, {named condition: test})
@@ -40,14 +59,23 @@ GATES = {
                 "differs": lambda r: r.get("status") == "differs"}),
     "doctor": (_rows("findings"), {},
                {"any": lambda r: True, "warning": lambda r: r.get("severity") in ("warning", "error"),
-                "error": lambda r: r.get("severity") == "error"}),
-    "trend": (_rows("events"), {}, {"any": lambda r: True}),
+                "error": lambda r: r.get("severity") == "error", **_kinds(DOCTOR_KINDS, "no_gradient")}),
+    # trend: its events (by kind), and the statistics of each layer at its last sample
+    "trend": (lambda doc: (doc.get("events") or []) + last_samples(doc),
+              {"blocked": ("blocked", True), "clipped": ("clipped", True), "sqnr": ("sqnr_db", False)},
+              {"any": lambda r: "kind" in r, **_kinds(TREND_KINDS, "gradient_zero")}),
     # diff: the statistics are the changes (blocked>5%: blocked rose by more than 5 points; sqnr<-3: fell by 3 dB)
     "diff": (_rows("rows"), {"blocked": (lambda r: r["change"]["gradient_blocked"], True),
                              "clipped": (lambda r: r["change"]["clipped"], True),
                              "sqnr": (lambda r: r["change"]["sqnr_db"], False)},
              {"any": lambda r: r.get("score", 0) > 0}),
 }
+
+
+def names(command):
+    """The named conditions of ``command`` as its help lists them (a kind once, in its ``_`` spelling)."""
+    named = GATES[command][2]
+    return [n for n in named if not ("-" in n and n.replace("-", "_") in named)]
 
 
 def parse(text, command, *, option="--fail-on"):
@@ -65,7 +93,7 @@ def parse(text, command, *, option="--fail-on"):
             continue
         m = _COMPARISON.match(part)
         if m is None or m.group(1) not in stats:
-            choices = sorted(named) + [f"{name}>N" for name in sorted(stats)]
+            choices = sorted(names(command)) + [f"{name}>N" for name in sorted(stats)]
             raise OptionError(f"{part!r} is not a condition of {command}; use {', '.join(choices)}", param_hint=f"'{option}'")
         name, op, number, percent = m.groups()
         key, share = stats[name]

@@ -1,4 +1,4 @@
-"""One self-contained HTML page of a ``report``, ``verify`` or ``doctor`` document (``--html FILE``).
+"""One self-contained HTML page of a ``report``, ``verify``, ``doctor`` or ``trend`` document (``--html FILE``).
 
 The page is built from the same document that ``--json`` prints: the verdict first, then the table (sortable by
 any column, filtered by name, worst first as the command ranks it), the figures inline (PNG data URIs), and for
@@ -13,6 +13,7 @@ import io
 import json
 import sys
 
+from qgcli.report.history_table import last_samples, step_rows
 from qgcli.report.summaries import json_safe
 from qgcli.storage.outputs import check_figure_output
 
@@ -30,6 +31,13 @@ CHANNEL_COLUMNS = (("channel", "ch", "int"), ("data_min", "data min", "num"), ("
                    ("suggested_sqnr_db", "SQNR' dB", "num"))
 VERIFY_COLUMNS = (("path", "layer", "text"), ("op", "op", "text"), ("status", "status", "text"),
                   ("max_ulps", "max ulps", "int"), ("rel", "rel", "num"), ("error", "error", "text"))
+TREND_COLUMNS = (("path", "layer", "text"), ("role", "role", "text"), ("step", "step", "int"),
+                 ("blocked", "blocked", "pct"), ("clipped", "clipped", "pct"), ("sqnr_db", "SQNR dB", "num"),
+                 ("dy_norm", "dy norm", "num"), ("scale_median", "scale", "num"), ("oscillating", "oscillating", "pct"),
+                 ("events", "events", "int"))
+STEP_COLUMNS = (("step", "step", "int"), ("blocked", "blocked", "pct"), ("clip_low", "clip<", "pct"),
+                ("clip_high", "clip>", "pct"), ("sqnr_db", "SQNR dB", "num"), ("dy_norm", "dy norm", "num"),
+                ("scale_median", "scale", "num"), ("oscillating", "oscillating", "pct"))
 FINDING_COLUMNS = (("severity", "severity", "text"), ("kind", "kind", "text"), ("layer", "layer", "text"),
                    ("step", "step", "int"), ("evidence", "evidence", "text"), ("advice", "advice", "text"))
 
@@ -147,6 +155,8 @@ def page(doc, *, figures=(), details=None, title=None):
         parts.append(_table(rows, columns, flagged, with_details=details is not None))
     if details is not None:
         parts.append(_details_sections(rows or [], details))
+    if doc.get("command") == "trend":
+        parts.append(_events(doc.get("events") or []))
     for note in doc.get("notes") or ():
         parts.append(f'<p class="note">{_e(note)}</p>')
     csp = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
@@ -187,6 +197,13 @@ def _verdict(doc):
         ok = bool(doc.get("ok"))
         return (f"{doc.get('passed', 0)} of {doc.get('verified', 0)} layers pass, {doc.get('failed', 0)} fail"
                 f" ({doc.get('groups', 0)} groups)", ok)
+    if command == "trend":
+        events = doc.get("events") or []
+        layers = len({e["layer"] for e in events})
+        steps = doc.get("steps") or []
+        return (f"{len(events)} {'event' if len(events) == 1 else 'events'} in {layers} of "
+                f"{len(doc.get('layers') or [])} layers over {len(steps)} samples"
+                + (f" (steps {steps[0]}..{steps[-1]})" if steps else ""), not events)
     if command == "doctor":
         findings = doc.get("findings") or []
         errors = sum(f.get("severity") == "error" for f in findings)
@@ -201,6 +218,8 @@ def _table_of(doc):
         return doc.get("layers") or [], VERIFY_COLUMNS, lambda r: not r.get("passed", True)
     if doc.get("command") == "doctor":
         return doc.get("findings") or [], FINDING_COLUMNS, lambda r: r.get("severity") == "error"
+    if doc.get("command") == "trend":
+        return last_samples(doc), TREND_COLUMNS, lambda r: bool(r.get("events"))
     if "layers" in doc:
         return doc["layers"], LAYER_COLUMNS, lambda r: bool(r.get("flagged"))
     if "rows" in doc:
@@ -243,6 +262,20 @@ def _details_sections(rows, details):
     data = json.dumps(_json_safe(known), separators=(",", ":")).replace("</", "<\\/")
     return (f'<h2>Layers</h2>{"".join(sections)}'
             f'<script type="application/json" id="qg-details">{data}</script>')
+
+
+def history_details(doc):
+    """``{layer path: details}`` of a ``trend`` document: each layer's samples, a row per step."""
+    columns = [list(c) for c in STEP_COLUMNS]
+    return {layer["path"]: {"channels": step_rows(layer), "columns": columns,
+                            "note": f"{layer.get('role') or 'layer'} {layer['path']}: every sample, in step order"}
+            for layer in doc.get("layers") or ()}
+
+
+def _events(events):
+    items = "".join(f"<li>step {_e(e['step'])}: <b>{_e(e['layer'])}</b>: {_e(e['kind'])}: {_e(e['message'])}</li>"
+                    for e in events)
+    return f"<h2>Events</h2><ul class=\"events\">{items}</ul>" if events else "<h2>Events</h2><p>none</p>"
 
 
 def _figure(fig, caption):

@@ -41,7 +41,8 @@ def split_step(path):
     return None, path
 
 
-def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=None, cluster=None):
+def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=None, cluster=None,
+                  range_method="percentile"):
     """Rows (dicts of :data:`LAYER_KEYS`) for every fake-quant group of ``targets`` (``run.h5`` or
     ``run.h5:group``), the groups skipped (``{"path", "op", "reason"}``) and the overrides applied.
     ``cluster``: an entered :class:`qgcli.execution.cluster.Cluster` that computes the rows on its workers."""
@@ -67,10 +68,11 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
                 for name, layer in todo:
                     if on_layer is not None:
                         on_layer(name)
-                    results.append(layer_row(container, None, path, layer, dict(options), percentiles, device))
+                    results.append(layer_row(container, None, path, layer, dict(options), percentiles, device,
+                                             range_method))
             else:
                 results = cluster.map_layers(layer_row, path, [layer for _, layer in todo], dict(options),
-                                             percentiles, device)
+                                             percentiles, device, range_method)
             computed = iter(results)
             for name, layer, reason in order:  # in discovery order, as the layers were found
                 row = {"error": reason} if reason is not None else next(computed)
@@ -87,12 +89,12 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
     return rows, skipped
 
 
-def layer_row(container, handle, path, layer, options, percentiles, device):
+def layer_row(container, handle, path, layer, options, percentiles, device, range_method="percentile"):
     """The report row of one layer of the open run file, or ``{"error": reason}`` (the layer is skipped)."""
     operands = Operands.in_group(container, path, layer.path, literal_specs(layer), literal_ok=("min", "max"),
                                  known=layer.datasets)
     try:
-        return _row(layer, operands, options, percentiles, device)
+        return _row(layer, operands, options, percentiles, device, range_method)
     except (QgcliError, ValueError) as exc:
         return {"error": str(exc)}
     finally:
@@ -105,10 +107,10 @@ def _attr(layer, options, name, default):
     return plain(layer.attrs[name]) if name in layer.attrs else default
 
 
-def _row(layer, operands, options, percentiles, device):
+def _row(layer, operands, options, percentiles, device, range_method="percentile"):
     """The layer's row; ``upstream_gradient`` says whether a gradient reached it, and where none did (all zero)
     its blocked shares are None: a share of no gradient mass means nothing."""
-    row = _family_row(layer, operands, options, percentiles, device)
+    row = _family_row(layer, operands, options, percentiles, device, range_method)
     row["upstream_gradient"] = upstream_gradient(operands.get("gradients", required=False))
     if row["upstream_gradient"] != "present":
         row["gradient_blocked"] = None
@@ -126,7 +128,7 @@ def upstream_gradient(gradients):
     return "present" if bool(np.any(g != 0)) else "zero"
 
 
-def _family_row(layer, operands, options, percentiles, device):
+def _family_row(layer, operands, options, percentiles, device, range_method="percentile"):
     # ONNX QuantizeLinear groups may name their tensor x
     inputs = operands.get("x") if not operands.has("inputs") and operands.has("x") else operands.get("inputs")
     gradients = operands.get("gradients", required=False)
@@ -144,7 +146,7 @@ def _family_row(layer, operands, options, percentiles, device):
     axis = int(_attr(layer, options, "axis", -1)) if variant == "per-channel" else -1
     xp, (g, x) = to_device([gradients, inputs], device)
     report = channel_report(x, mn, mx, g, num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis,
-                            percentiles=percentiles)
+                            percentiles=percentiles, range_method=range_method)
     t = report.total
     row.update(op=layer.op or TF_OPS[variant], channels=report.channels, clipped_below=t["clipped_below"],
                clipped_above=t["clipped_above"], clipped=t["clipped"], gradient_blocked=t["gradient_blocked"],
@@ -242,9 +244,11 @@ def layer_operands(target, path, options):
 LAYERS_SCHEMA = 1
 
 
-def run_file_document(targets, *, options=(), percentiles=DEFAULT_PERCENTILES, threshold=0.05, device="cpu"):
+def run_file_document(targets, *, options=(), percentiles=DEFAULT_PERCENTILES, threshold=0.05, device="cpu",
+                      range_method="percentile"):
     """``qgcli report RUN --json``'s document of run files ``targets``, computed here (no cluster, no progress)."""
-    rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device)
+    rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
+                                  range_method=range_method)
     return layers_document(targets, rows, skipped, threshold=threshold, percentiles=percentiles)
 
 

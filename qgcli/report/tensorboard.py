@@ -5,7 +5,9 @@ Scalars per layer under one tag family per statistic (``gradient_blocked/<layer>
 ``sqnr_db/<layer>``), at the run file's step numbers (``step_000300`` is step 300; a file without steps is
 step 0); a few aggregate curves that stay readable with hundreds of layers (``aggregate/worst_5_gradient_blocked``,
 the mean of the five worst layers, ``aggregate/share_flagged``, ``aggregate/median_sqnr_db``); and per step a
-histogram of the layers' blocked shares (``distribution/gradient_blocked``).
+histogram of the layers' blocked shares (``distribution/gradient_blocked``).  A history (``trend HISTORY
+--tensorboard``, or a monitor's ``tensorboard=LOGDIR`` while it trains) is written sample by sample by
+:class:`SampleEvents`.
 """
 import re
 
@@ -57,6 +59,48 @@ def write_report(logdir, doc):
     finally:
         writer.close()
     return written
+
+
+#: A history's per-layer statistics written (``trend --tensorboard``, the monitor's ``tensorboard=``): the name in
+#: a sample's row (``clipped``: clip_low + clip_high) -> tag family.
+HISTORY_STATISTICS = (("blocked", "gradient_blocked"), ("clipped", "clipped"), ("sqnr_db", "sqnr_db"),
+                      ("dy_norm", "upstream_gradient_norm"), ("scale_median", "scale_median"),
+                      ("oscillating", "oscillating"))
+
+
+class SampleEvents:
+    """The event file of a history, one sample at a time (so that a monitor writes it live and ``trend
+    --tensorboard`` writes the same from the finished history): per layer a scalar per statistic of
+    :data:`HISTORY_STATISTICS`; per sample ``aggregate/worst_5_gradient_blocked``, ``aggregate/share_with_events``
+    (the share of the sampled layers where an event's condition holds, qgcli.monitor.trends) and a histogram of
+    the layers' blocked shares."""
+
+    def __init__(self, logdir):
+        self._writer = _writer(logdir)
+
+    def add_sample(self, step, rows, with_events=()):
+        """``rows``: ``{layer path: {statistic: value}}`` (clip_low and clip_high give ``clipped``);
+        ``with_events``: the paths where an event's condition holds."""
+        w = self._writer
+        blocked = []
+        for path, stats in rows.items():
+            low, high = stats.get("clip_low"), stats.get("clip_high")
+            values = dict(stats, clipped=None if low is None and high is None else (low or 0.0) + (high or 0.0))
+            for key, family in HISTORY_STATISTICS:
+                if values.get(key) is not None:
+                    w.add_scalar(f"{family}/{path}", float(values[key]), step)
+            if values.get("blocked") is not None:
+                blocked.append(float(values["blocked"]))
+        if blocked:
+            blocked.sort(reverse=True)
+            w.add_scalar(f"aggregate/worst_{WORST}_gradient_blocked", float(np.mean(blocked[:WORST])), step)
+            w.add_histogram("distribution/gradient_blocked", np.asarray(blocked, np.float64), step)
+        if rows:
+            w.add_scalar("aggregate/share_with_events", len(set(with_events) & set(rows)) / len(rows), step)
+        w.flush()  # a TensorBoard watching the folder sees each sample as it is written
+
+    def close(self):
+        self._writer.close()
 
 
 def _writer(logdir):

@@ -2,28 +2,30 @@
 
 One finding per layer and kind (``ste_broken``, ``no_gradient``, ``range_collapse``, ``range_not_learning``,
 ``nan``: errors; ``oscillation``, ``observer_default``, ``fake_quant_disabled``: warnings), each with the step
-where first seen, the evidence and what to do.  ``--fail-on`` makes findings of that severity (or worse) exit 3.
+where first seen, the evidence and what to do.  ``--fail-on error`` (``warning``: any finding; or a kind,
+``no_gradient,nan``) exits 3 after printing, naming the findings on stderr (qgcli.report.gates).
 """
 import click
 
-from qgcli.cli.options import json_option
+from qgcli.cli.options import fail_on_option, gate, json_option
 
 _EXAMPLE = """\b
 Examples:
   qgcli doctor run.qgh                     # a history from qgcli.monitor: every check
   qgcli doctor run.h5 --json               # a run file from qgcli.capture: the checks one step allows
   qgcli doctor run.qgh --fail-on error     # exit 3 when an error is found (CI)
+  qgcli doctor run.qgh --html doctor.html  # the findings as a page
 """
-
-FAIL_EXIT = 3
-
 
 @click.command(epilog=_EXAMPLE, short_help="Gradient-path findings of a history or a run file; --fail-on for CI.")
 @click.argument("target", metavar="RUN_OR_HISTORY", type=click.Path(dir_okay=False))
-@click.option("--fail-on", type=click.Choice(["warning", "error"]), default=None,
-              help="Exit 3 when a finding of this severity (warning: any finding) is found.")
+@fail_on_option("doctor")
 @json_option()
-def doctor(target, fail_on, as_json):
+@click.option("--html", "html", metavar="FILE", default=None,
+              help="Also write one self-contained HTML page: the findings in a sortable table, with their "
+                   "evidence and advice (no network needed to open it).")
+@click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
+def doctor(target, fail_on, as_json, html, force):
     """Check the gradient path of a monitored run (a history) or of one captured step (a run file).
 
     A history (written by qgcli.monitor, recognised by content) gets every check; a run file (qgcli.capture)
@@ -35,7 +37,15 @@ def doctor(target, fail_on, as_json):
 
     from qgcli.monitor.trends import printable as one_line
 
+    if html is not None:
+        from qgcli.storage.outputs import check_figure_output
+
+        check_figure_output(html, inputs=[target], force=force, option="--html", format="html")  # before the work
     doc = {"command": "doctor", **diagnose(target)}
+    if html is not None:
+        from qgcli.report import html as pages
+
+        pages.write(html, pages.page(doc), force=force, inputs=[target])
     findings = doc["findings"]
     if as_json:
         dump_json(doc)
@@ -48,6 +58,4 @@ def doctor(target, fail_on, as_json):
             for label in ("evidence", "advice"):
                 click.echo(textwrap.fill(one_line(f"{label}: {f[label]}"), 80, initial_indent="  ",
                                          subsequent_indent="    "))
-    levels = {"warning": ("warning", "error"), "error": ("error",)}
-    if fail_on and any(f["severity"] in levels[fail_on] for f in findings):
-        raise click.exceptions.Exit(FAIL_EXIT)
+    gate(doc, fail_on)

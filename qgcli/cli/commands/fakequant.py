@@ -18,6 +18,7 @@ from qgcli.cli.options import (
     output_options,
     qdq_options,
     quantize_options,
+    ranges_option,
     run_file_job,
     semantics_options,
     skip_invalid_option,
@@ -153,8 +154,9 @@ def fakequant(operands, attributes, quantize, qdq, semantics, torchao, formats, 
 @estimator_options
 @output_options(plot=True)
 @skip_invalid_option
+@ranges_option
 def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, formats, estimator, output,
-                   skip_invalid):
+                   skip_invalid, ranges):
     """Run FakeQuantWithMinMax{Args,Vars,VarsPerChannel}Gradient as TensorFlow 2.21 does.
 
     Writes backprops_wrt_input, backprop_wrt_min, backprop_wrt_max (Args: backprops). The summary
@@ -166,7 +168,8 @@ def fakequant_grad(operands, attributes, quantize, qdq, semantics, torchao, form
     --semantics mx / nvfp4 / onnx: the identity STE of their QAT (--estimator masked-ste: onnx integer types).
     BUNDLE may be a run file (see docs/whole-models.md): every fake-quant group runs.
     """
-    job = run_file_job("fakequant-grad", operands, output, skip_invalid=skip_invalid, estimator=estimator)
+    job = run_file_job("fakequant-grad", operands, output, skip_invalid=skip_invalid, estimator=estimator,
+                       ranges=ranges)
     if job is not None:
         return _run_file(job)
     run(build_job("fakequant-grad", with_gradients=True, operands=operands, attributes=attributes,

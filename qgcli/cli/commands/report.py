@@ -26,7 +26,7 @@ from qgcli.cli.options import (
 )
 from qgcli.report.summaries import dump_json, number, stdout_console
 from qgcli.report.text import counted
-from qgcli.cli.options import fail_on_option, gate, table_options
+from qgcli.cli.options import fail_on_option, gate, refuse_conditions, table_options
 
 REPORT_SCHEMA = 1
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
@@ -299,11 +299,19 @@ Examples:
 @click.option("--html", "html", metavar="FILE", default=None,
               help="Also write one self-contained HTML page: the verdict, the sortable table, the figures and "
                    "each layer's details (no network needed to open it).")
-@click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
+@click.option("--force", is_flag=True, help="Replace an existing --html or --ranges-out FILE.")
+@click.option("--range-method", "range_method", type=click.Choice(["percentile", "mse", "kl"]), default="percentile",
+              show_default=True,
+              help="How the suggested range is found: percentile (the best of --percentiles), mse (alpha*[min,max] "
+                   "with the least quantization error), kl (TensorRT's entropy calibration); see "
+                   "docs/inspect-report.md.")
+@click.option("--ranges-out", "ranges_out", metavar="FILE.h5", default=None,
+              help="Run files: write each quantizer's suggested range at its group path, in its own parameters "
+                   "(TensorFlow min/max, PyTorch scale/zero_point), for fakequant-grad RUN --ranges FILE.h5.")
 @click.option("--tensorboard", "tensorboard", metavar="LOGDIR", default=None,
               help="Run files: also write TensorBoard event files under LOGDIR (scalars per layer and statistic at "
                    "the file's step numbers, aggregate curves; pip install 'qgcli[tensorboard]').")
-@fail_on_option("report")
+@fail_on_option("report", also="trend")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
@@ -317,8 +325,8 @@ Examples:
 @torchao_options
 @hdf5_bound_options
 @scheduler_option()
-def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, html, force, tensorboard,
-           fail_on, quiet, device, layer, semantics, dtype, torchao, scheduler):
+def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, html, force, range_method,
+           ranges_out, tensorboard, fail_on, quiet, device, layer, semantics, dtype, torchao, scheduler):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -334,6 +342,13 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     if as_json and as_csv:
         raise click.UsageError("--json and --csv both want stdout; pick one")
     operands, bundles = operands
+    if len(bundles) == 1 and _is_history(bundles[0]):  # a history from qgcli.monitor: its table, as trend shows it
+        if ranges_out is not None or range_method != "percentile":
+            raise click.BadParameter("applies to quantizers' data (a run file or a bundle), not a history",
+                                     param_hint="'--ranges-out'" if ranges_out is not None else "'--range-method'")
+        return _report_history(bundles[0], operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv,
+                               html, force, tensorboard, fail_on, quiet)
+    refuse_conditions(fail_on)
     if attributes.variant not in QDQ_VARIANTS:
         for option, value in (("--signed-input", qdq[0].signed_input), ("--range-given", qdq[0].range_given),
                               ("--round-mode", qdq[1])):
@@ -345,6 +360,9 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
     if semantics == "torchao" or dtype is not None or torchao.given():
         run_file_target(operands)  # a run file's torchao groups carry their config: refuses these options
+        if ranges_out is not None or range_method != "percentile":
+            raise click.BadParameter("does not apply to --semantics torchao (torchao's quantizer picks its scale)",
+                                     param_hint="'--ranges-out'" if ranges_out is not None else "'--range-method'")
         return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
                                as_json, as_csv, quiet, device, layer)
     if len(bundles) > 1:  # several run files: each a step (or its step groups)
@@ -353,14 +371,21 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             if target is None:
                 raise click.BadParameter(f"{bundle} is not a run file; several BUNDLEs must each be one",
                                          param_hint="'BUNDLE'")
-        if layer is not None:
-            raise click.BadParameter("takes one run file as BUNDLE", param_hint="'--layer'")
+        for option, value in (("--layer", layer), ("--ranges-out", ranges_out)):
+            if value is not None:
+                raise click.BadParameter("takes one run file as BUNDLE", param_hint=f"'{option}'")
         return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard)
+                              device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard,
+                              range_method=range_method)
     target = run_file_target(operands)
     if target is not None and layer is None:
         return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
-                              device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard)
+                              device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard,
+                              range_method=range_method, ranges_out=ranges_out)
+    if ranges_out is not None:
+        refuse_missing_bundle(operands.bundle)
+        raise click.BadParameter("writes the ranges of a run file's quantizers at their group paths; for one "
+                                 "tensor, --json gives suggested_min/suggested_max", param_hint="'--ranges-out'")
     if scheduler is not None:
         raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
@@ -409,6 +434,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
 
         result = channel_report(x_dev, mn, mx, g_dev, num_bits=num_bits, narrow_range=narrow_range,
                                 variant=variant, axis=-1 if axis is None else axis, percentiles=percentiles,
+                                range_method=range_method,
                                 on_step=on_step, **({"qdq": qdq_attrs} if qdq_attrs is not None else {}))
     attrs = {"num_bits": num_bits, "narrow_range": narrow_range,
              "axis": (-1 if axis is None else axis) if variant in ("per-channel", *QDQ_VARIANTS) else None,
@@ -437,6 +463,40 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     else:
         render_report(stdout_console(), doc, limited)
     gate(doc, fail_on)
+
+
+def _is_history(bundle):
+    import os
+
+    from qgcli.monitor.history import is_history
+
+    return bundle != "-" and os.path.isfile(bundle) and is_history(bundle)
+
+
+def _report_history(history, operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv, html, force,
+                    tensorboard, fail_on, quiet):
+    """``report HISTORY``: the history's per-layer table, events, page and events files (``qgcli trend``)."""
+    from qgcli.cli.history_view import show_history
+
+    given_options = [name for name, value in (("--layer", layer), ("--scheduler", scheduler),
+                                              ("--dtype", dtype), ("--csv", as_csv)) if value]
+    given_options += [f"--{name.replace('_', '-')}" for name in ("gradients", "inputs", "min", "max")
+                      if operands.get(name) is not None]
+    if semantics != "tf" or torchao.given():
+        given_options.append("--semantics")
+    if given_options:
+        raise click.BadParameter(f"does not apply to a history ({history} was written by qgcli.monitor)",
+                                 param_hint=f"'{given_options[0]}'")
+    if getattr(fail_on, "text", None):  # the conditions a history offers (trend's)
+        from qgcli.errors import OptionError
+        from qgcli.report.gates import parse
+
+        try:
+            fail_on = parse(fail_on.text, "trend")
+        except OptionError as exc:
+            raise click.BadParameter(exc.message.replace("of trend", "of a history"), param_hint="'--fail-on'") from None
+    show_history(history, as_json=as_json, html=html, force=force, tensorboard=tensorboard, fail_on=fail_on,
+                 quiet=quiet)
 
 
 def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
@@ -475,7 +535,7 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
 
 
 def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None,
-                   html=(None, False), fail_on=(), tensorboard=None):
+                   html=(None, False), fail_on=(), tensorboard=None, range_method="percentile", ranges_out=None):
     import contextlib
 
     from qgcli.report.layers import LAYER_KEYS, layers_document, report_layers
@@ -484,6 +544,12 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
     from qgcli.execution.dispatch import cluster as cluster_at, default_scheduler
 
     scheduler = scheduler or default_scheduler()
+    if ranges_out is not None:  # checked before the work, as every output is
+        from qgcli.storage.outputs import check_figure_output
+        from qgcli.storage.runfile import split_target
+
+        check_figure_output(ranges_out, inputs=[split_target(targets[0])[0]], force=html[1], option="--ranges-out",
+                            format="hdf5")
     cluster = None
     with contextlib.ExitStack() as stack:
         if scheduler is not None:  # the layers' rows computed on a Dask cluster (qgcli.execution.cluster)
@@ -491,12 +557,14 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
         with Progress("reading layers", total=None, quiet=quiet) as progress:
             rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
                                           on_layer=lambda name: progress.update(description=f"layer {name}"),
-                                          cluster=cluster)
+                                          cluster=cluster, range_method=range_method)
         described = cluster.describe() if cluster is not None else None
     doc = layers_document(targets, rows, skipped, threshold=threshold, percentiles=percentiles, top=top,
                           cluster=described)
     if html[0] is not None:
         _write_layers_html(html, doc, targets, options, percentiles, quiet)
+    if ranges_out is not None:
+        _write_ranges(ranges_out, targets[0], options, percentiles, range_method, quiet)
     if tensorboard is not None:
         from qgcli.report.tensorboard import write_report
 
@@ -521,6 +589,20 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
     else:
         _render_layers(stdout_console(), doc, top)
     gate(doc, fail_on)
+
+
+def _write_ranges(dest, target, options, percentiles, method, quiet):
+    from qgcli.report import ranges_out
+    from qgcli.report.progress import Progress
+
+    with Progress("suggested ranges", total=None, quiet=quiet):
+        written, skipped = ranges_out.suggested_ranges(target, options=options, percentiles=percentiles,
+                                                       method=method)
+    ranges_out.write(dest, written, skipped, source=target, method=method)
+    if not quiet:
+        click.echo(f"wrote the {method} ranges of {counted(len(written), 'quantizer')} to {dest}"
+                   + (f" ({counted(len(skipped), 'group')} without range parameters skipped)" if skipped else ""),
+                   err=True)
 
 
 def _write_html(dest, force, doc, *, inputs, figures=(), details=None):
