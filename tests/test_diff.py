@@ -156,3 +156,51 @@ def test_two_histories_written_by_the_torch_monitor(tmp_path):
     assert any(r["change"]["dy_norm"] for r in doc["rows"])  # the runs differ: the gradients' norms changed
     scores = [r["score"] for r in doc["rows"]]
     assert scores == sorted(scores, reverse=True)
+
+
+# --- report A --baseline B: the same comparison in the report's JSON (the page: tests/test_html_report.py) ---
+
+def _narrowed(tmp_path):
+    """samples/run.h5 with one activation range narrowed (more clipping, more gradient blocked)."""
+    b = tmp_path / "b.h5"
+    shutil.copy(os.path.join(SAMPLES, "run.h5"), b)
+    with h5py.File(b, "r+") as f:
+        g = f["step_000200/backbone/conv1/act_quant"]
+        g["min"][()], g["max"][()] = np.float32(-0.2), np.float32(0.2)
+    return str(b)
+
+
+def test_report_with_a_baseline_has_the_diff_in_its_json(tmp_path):
+    a, b = os.path.join(SAMPLES, "run.h5"), _narrowed(tmp_path)
+    r = _cli("report", b, "--baseline", a, "--json", "-q")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    expected = json.loads(_cli("diff", a, b, "--json").stdout)
+    assert doc["baseline"]["file"] == a and doc["baseline"]["rows"] == expected["rows"]
+    assert doc["baseline"]["verdict"] == expected["verdict"] and "command" not in doc["baseline"]
+    assert doc["layers"] == json.loads(_cli("report", b, "--json", "-q").stdout)["layers"]  # the report unchanged
+    text = _cli("report", b, "--baseline", a, "-q").stdout.splitlines()
+    assert text[-1] == f"Against the baseline {a}: {expected['verdict']}"
+
+
+def test_report_of_a_history_with_a_baseline(tmp_path):
+    a = _history(tmp_path / "a.qgh")
+    b = _history(tmp_path / "b.qgh", worse=2.0, steps=(1, 10, 20, 30, 40))
+    doc = json.loads(_cli("report", b, "--baseline", a, "--json").stdout)
+    expected = json.loads(_cli("diff", a, b, "--json").stdout)
+    assert doc["baseline"]["step"] == 30 and doc["baseline"]["rows"] == expected["rows"]
+    assert doc["command"] == "trend" and len(doc["steps"]) == 5
+    lines = _cli("report", b, "--baseline", a).stdout.splitlines()
+    assert lines[-1].startswith(f"Against the baseline {a} at step 30: Verdict: 3 of 3 rows worse")
+
+
+def test_a_baseline_of_another_kind_is_refused_before_any_output(tmp_path):
+    h, run = _history(tmp_path / "h.qgh"), os.path.join(SAMPLES, "run.h5")
+    page = tmp_path / "p.html"
+    for args, said in (((run, "--baseline", h), f"{h} is a history and the report is of a run file"),
+                       ((h, "--baseline", run), f"{run} is not a history and the report is of a history"),
+                       ((run, "--baseline", str(tmp_path / "none.h5")), "no such file"),
+                       ((os.path.join(SAMPLES, "per_channel.h5"), "--baseline", run), "qgcli diff A B")):
+        r = _cli("report", *args, "--html", str(page))
+        assert r.exit_code == 2 and said in r.output and r.output.count("\n") == 1, r.output
+        assert "--baseline" in r.output and not page.exists()

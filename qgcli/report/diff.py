@@ -5,8 +5,9 @@ a bundle's ``rows``), matched by layer path (channel index for a bundle).  Two h
 both sides are ``qgcli trend --json`` documents, each layer taken at one step, the last step both histories
 sampled (or a step given; the last sample of each when they share none), matched by layer path
 (:func:`diff_histories`).  Per row: each statistic on both sides and its change; "worse" is more gradient mass
-blocked, more clipped, a lower SQNR, more oscillating weights, an upstream gradient lost.  Rows only one side has
-are listed apart.
+blocked, more clipped, a lower SQNR, more oscillating weights, an upstream gradient lost; a row's score adds it
+up: the blocked, clipped and oscillating shares' rises in percent points, the SQNRs' falls in dB / 10, and 100
+for an upstream gradient lost (minus as much for what got better).  Rows only one side has are listed apart.
 
 >>> a = {"layers": [{"path": "x", "gradient_blocked": 0.1, "clipped": 0.1, "sqnr_db": 30.0}]}
 >>> b = {"layers": [{"path": "x", "gradient_blocked": 0.3, "clipped": 0.2, "sqnr_db": 20.0}]}
@@ -25,6 +26,8 @@ STATISTICS = (("gradient_blocked", +1), ("clipped", +1), ("clipped_below", +1), 
 HISTORY_STATISTICS = (("gradient_blocked", +1), ("clipped", +1), ("clipped_below", +1), ("clipped_above", +1),
                       ("sqnr_db", -1), ("oscillating", +1), ("dy_norm", 0), ("dx_norm", 0), ("scale_median", 0),
                       ("range_min", 0), ("range_max", 0), ("events", 0))
+#: The statistics a row's score adds up (the clipped shares below and above are judged, and in ``clipped``).
+SCORED = ("gradient_blocked", "clipped", "sqnr_db", "suggested_sqnr_db", "oscillating")
 #: Changes smaller than these are no change: a tenth of a percent of a share, a hundredth of a dB.
 SAME = {"gradient_blocked": 1e-3, "clipped": 1e-3, "clipped_below": 1e-3, "clipped_above": 1e-3,
         "sqnr_db": 1e-2, "suggested_sqnr_db": 1e-2, "oscillating": 1e-3}
@@ -108,7 +111,7 @@ def compare(ra, rb, statistics):
             delta = y[name] - x[name] if isinstance(x[name], int) and isinstance(y[name], int) else \
                 round(float(y[name]) - float(x[name]), 12)
             change[name] = delta
-            if sign and abs(delta) >= SAME[name]:
+            if name in SCORED and abs(delta) >= SAME[name]:
                 # worse-ness in comparable units: shares in percent points, SQNR in dB / 10
                 score += sign * delta * (0.1 if name.endswith("sqnr_db") else 100.0)
         gradient = [x.get("upstream_gradient"), y.get("upstream_gradient")]
@@ -125,6 +128,12 @@ def compare(ra, rb, statistics):
     return {"command": "diff", "rows": rows, "worse": worse, "better": better,
             "unchanged": len(rows) - worse - better, "only_in_a": only_a, "only_in_b": only_b,
             "verdict": _verdict(rows, worse, better, only_a, only_b)}
+
+
+def baseline_section(file, doc):
+    """The ``baseline`` section a report gets from ``report ... --baseline FILE``: the diff document of FILE
+    against the report (``file``, then the diff's keys but ``command``)."""
+    return {"file": file, **{k: v for k, v in doc.items() if k != "command"}}
 
 
 def lost_gradient(row):
