@@ -146,10 +146,10 @@ def test_two_histories_written_by_the_torch_monitor(tmp_path):
     pytest.importorskip("torch")
     from test_monitor_torch import _net, _train
 
-    _train(_net(), str(tmp_path / "a.qgh"), steps=8, every=4)
-    _train(_net(), str(tmp_path / "b.qgh"), steps=8, every=4, lr=1.0)
+    _train(_net(), str(tmp_path / "a.qgh"), steps=4, every=2)
+    _train(_net(), str(tmp_path / "b.qgh"), steps=4, every=2, lr=1.0)
     doc = json.loads(_cli("diff", str(tmp_path / "a.qgh"), str(tmp_path / "b.qgh"), "--json").stdout)
-    assert doc["step"] == 8 and len(doc["rows"]) >= 4 and not doc["only_in_a"] and not doc["only_in_b"]
+    assert doc["step"] == 4 and len(doc["rows"]) >= 4 and not doc["only_in_a"] and not doc["only_in_b"]
     weights = [r for r in doc["rows"] if r["path"].endswith("weight_fake_quant")]
     assert weights and all(r["a"]["range_max"] is not None and r["change"]["scale_median"] is not None
                            for r in weights)

@@ -15,6 +15,7 @@ for an upstream gradient lost (minus as much for what got better).  Rows only on
 >>> d["rows"][0]["change"]["gradient_blocked"], d["rows"][0]["change"]["sqnr_db"], d["worse"]
 (0.2, -10.0, 1)
 """
+from qgcli.errors import OptionError
 from qgcli.report.history_table import last_samples
 
 #: The statistics compared, and the sign of "worse" (+1: a rise is worse; -1: a fall is worse; 0: shown, not
@@ -85,8 +86,6 @@ def diff_histories(a, b, step=None):
     step both sampled; when they share none, each history's last sample).  The document says the step compared
     (``step``; ``null`` with ``steps``, one per side, when none is shared).  A ``step`` not in both is a
     :class:`qgcli.errors.OptionError`."""
-    from qgcli.errors import OptionError
-
     common = sorted(set(a.get("steps") or ()) & set(b.get("steps") or ()))
     if step is not None and step not in common:
         raise OptionError(f"step {step} is not sampled by both histories (common steps: "
