@@ -1,5 +1,6 @@
 #!/bin/sh
 # Regenerate the figures of docs/plots.md from samples/ with qgcli itself (run from the repository root).
+# The screenshots (the HTML report, TensorBoard): python docs/make_screenshots.py
 set -e
 qgcli plot staircase samples/notebook.h5 --num-bits 2 -o docs/notebook_staircase.png --force -q
 qgcli plot ste samples/notebook.h5 --num-bits 2 -o docs/notebook_ste.png --force -q

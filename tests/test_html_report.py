@@ -208,3 +208,65 @@ def test_history_page_in_chromium(tmp_path, browser):
     assert [r.find_elements("tag name", "td")[0].text for r in rows] == ["1", "10", "20", "30"]
     assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []
     assert [u for u in _requests(browser) if not u.startswith(("file:", "data:"))] == []
+
+
+def _cells(driver, index):
+    return [td for td in driver.find_elements("css selector", f"#qg-table tbody tr td:nth-child({index})")]
+
+
+def test_run_file_page_with_a_baseline_in_chromium(tmp_path, browser):
+    """report B --baseline A --html: the comparison's verdict, the layers worst change first, each change beside
+    its value (red when worse), the score column sortable; the same numbers as the JSON's baseline section."""
+    import h5py
+    import numpy as np
+
+    a, b = os.path.join(SAMPLES, "run.h5"), tmp_path / "b.h5"
+    shutil.copy(a, b)
+    with h5py.File(b, "r+") as f:  # B narrows one activation range: more clipped, more gradient blocked
+        g = f["step_000200/backbone/conv1/act_quant"]
+        g["min"][()], g["max"][()] = np.float32(-0.2), np.float32(0.2)
+    doc = json.loads(_cli("report", str(b), "--baseline", a, "--json", "-q").stdout)
+    page = tmp_path / "b.html"
+    assert _cli("report", str(b), "--baseline", a, "--html", str(page), "-q").exit_code == 0
+    browser.get_log("browser"), browser.get_log("performance")
+    browser.get(page.as_uri())
+    assert browser.find_element("id", "baseline").text == f"Against the baseline {a}: {doc['baseline']['verdict']}"
+    names = [h.text for h in browser.find_elements("css selector", "#qg-table thead th")]
+    assert names[:3] == ["layer", "Δ worse", "op"]
+    worst = doc["baseline"]["rows"][0]
+    assert _column(browser, 1)[0] == worst["paths"][1] == "step_000200/backbone/conv1/act_quant"
+    blocked = _cells(browser, names.index("blocked") + 1)
+    marks = blocked[0].find_elements("css selector", "span.d.worse")
+    assert [m.text for m in marks] == [f"{100 * worst['change']['gradient_blocked']:+.1f}"]
+    assert blocked[0].text.startswith(f"{100 * worst['b']['gradient_blocked']:.1f}%")
+    assert all(not c.find_elements("css selector", "span.d") for c in blocked[1:])  # the others did not change
+    sqnr = _cells(browser, names.index("SQNR dB") + 1)[0]
+    assert sqnr.find_element("css selector", "span.d.worse").text == f"{worst['change']['sqnr_db']:+.1f}"
+    scores = _column(browser, 2)
+    assert scores[0] == f"{worst['score']:+.1f}" and scores[1:] == ["0"] * 7
+    header = browser.find_elements("css selector", "#qg-table thead th")[names.index("blocked")]
+    header.click()  # sorting by a value still works with the changes beside the values
+    values = [float(v.split("%")[0]) for v in _column(browser, names.index("blocked") + 1)]
+    assert values == sorted(values, reverse=True)
+    assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []
+    assert [u for u in _requests(browser) if not u.startswith(("file:", "data:"))] == []
+
+
+def test_history_page_with_a_baseline_in_chromium(tmp_path, browser):
+    import history_samples
+
+    a = history_samples.write(tmp_path / "a.qgh")
+    b = history_samples.write(tmp_path / "b.qgh", worse=2.0, steps=(1, 10, 20, 30, 40))
+    doc = json.loads(_cli("report", b, "--baseline", a, "--json").stdout)
+    page = tmp_path / "b.html"
+    assert _cli("report", b, "--baseline", a, "--html", str(page)).exit_code == 0
+    browser.get_log("browser")
+    browser.get(page.as_uri())
+    assert browser.find_element("id", "baseline").text.startswith(f"Against the baseline {a} at step 30: Verdict: "
+                                                                   "3 of 3 rows worse")
+    assert _column(browser, 1) == [r["path"] for r in doc["baseline"]["rows"]]  # worst change first
+    names = [h.text for h in browser.find_elements("css selector", "#qg-table thead th")]
+    assert _column(browser, names.index("step") + 1) == ["30"] * 3  # the values at the step compared
+    for cell, row in zip(_cells(browser, names.index("blocked") + 1), doc["baseline"]["rows"]):
+        assert cell.find_element("css selector", "span.d.worse").text == f"{100 * row['change']['gradient_blocked']:+.1f}"
+    assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []

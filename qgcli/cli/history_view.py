@@ -9,9 +9,10 @@ from qgcli.cli.options import gate
 
 
 def show_history(history, *, step=None, as_json=False, html=None, force=False, tensorboard=None, fail_on=(),
-                 quiet=False):
+                 quiet=False, baseline=None):
     """``trend`` (and ``report`` of a history): the table or JSON on stdout, the page and events if asked, then
-    the ``--fail-on`` gate."""
+    the ``--fail-on`` gate; ``baseline``: another history, compared as ``qgcli diff BASELINE HISTORY`` does (the
+    document's ``baseline`` section, the changes in the page, its verdict after the table)."""
     from qgcli.monitor.history import read_history
     from qgcli.monitor.trends import trend as trend_of
     from qgcli.report.summaries import dump_json
@@ -25,6 +26,10 @@ def show_history(history, *, step=None, as_json=False, html=None, force=False, t
     steps = doc["steps"]
     if step is not None and step not in steps:
         raise click.BadParameter(f"no sample at step {step} (sampled: {_steps_text(steps)})", param_hint="'--step'")
+    if baseline is not None:
+        from qgcli.report.diff import baseline_section, diff_histories
+
+        doc["baseline"] = baseline_section(baseline, diff_histories(trend_of(read_history(baseline)), doc))
     if tensorboard is not None:
         from qgcli.monitor.tensorboard import write_history
 
@@ -38,6 +43,13 @@ def show_history(history, *, step=None, as_json=False, html=None, force=False, t
     else:
         for line in table_lines(doc, step):
             click.echo(line)
+        if baseline is not None:
+            from qgcli.monitor.trends import printable
+
+            at = doc["baseline"]["step"]
+            click.echo(printable(f"Against the baseline {baseline}"
+                                 + (f" at step {at}" if at is not None else " (no step in common: last samples)")
+                                 + f": {doc['baseline']['verdict']}"))
     gate(doc, fail_on)
 
 

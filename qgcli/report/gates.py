@@ -15,6 +15,7 @@ import operator
 import re
 
 from qgcli.errors import OptionError
+from qgcli.report.diff import lost_gradient
 from qgcli.report.history_table import last_samples
 
 #: The exit code of a command whose --fail-on condition holds.
@@ -64,11 +65,13 @@ GATES = {
     "trend": (lambda doc: (doc.get("events") or []) + last_samples(doc),
               {"blocked": ("blocked", True), "clipped": ("clipped", True), "sqnr": ("sqnr_db", False)},
               {"any": lambda r: "kind" in r, **_kinds(TREND_KINDS, "gradient_zero")}),
-    # diff: the statistics are the changes (blocked>5%: blocked rose by more than 5 points; sqnr<-3: fell by 3 dB)
+    # diff: the statistics are the changes (blocked>5%: blocked rose by more than 5 points; sqnr<-3: fell by 3 dB;
+    # oscillating, of two histories); no-gradient: a layer whose upstream gradient B lost
     "diff": (_rows("rows"), {"blocked": (lambda r: r["change"]["gradient_blocked"], True),
                              "clipped": (lambda r: r["change"]["clipped"], True),
-                             "sqnr": (lambda r: r["change"]["sqnr_db"], False)},
-             {"any": lambda r: r.get("score", 0) > 0}),
+                             "sqnr": (lambda r: r["change"]["sqnr_db"], False),
+                             "oscillating": (lambda r: r["change"].get("oscillating"), True)},
+             {"any": lambda r: r.get("score", 0) > 0, "no-gradient": lost_gradient}),
 }
 
 

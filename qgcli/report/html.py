@@ -13,6 +13,7 @@ import io
 import json
 import sys
 
+from qgcli.report.diff import HISTORY_STATISTICS, SAME, STATISTICS
 from qgcli.report.history_table import last_samples, step_rows
 from qgcli.report.summaries import json_safe
 from qgcli.storage.outputs import check_figure_output
@@ -38,6 +39,11 @@ TREND_COLUMNS = (("path", "layer", "text"), ("role", "role", "text"), ("step", "
 STEP_COLUMNS = (("step", "step", "int"), ("blocked", "blocked", "pct"), ("clip_low", "clip<", "pct"),
                 ("clip_high", "clip>", "pct"), ("sqnr_db", "SQNR dB", "num"), ("dy_norm", "dy norm", "num"),
                 ("scale_median", "scale", "num"), ("oscillating", "oscillating", "pct"))
+#: With a baseline (``report --baseline``): the column of each layer's score (how much worse than the baseline),
+#: and the diff's name of a table column's statistic where it differs (a history's ``blocked``).
+SCORE_COLUMN = ("_score", "Δ worse", "score")
+CHANGE_KEYS = {"blocked": "gradient_blocked"}
+_SIGNS = dict(STATISTICS + HISTORY_STATISTICS)
 FINDING_COLUMNS = (("severity", "severity", "text"), ("kind", "kind", "text"), ("layer", "layer", "text"),
                    ("step", "step", "int"), ("evidence", "evidence", "text"), ("advice", "advice", "text"))
 
@@ -54,6 +60,8 @@ td.text,th.text{text-align:left}tr.flagged td{background:#fff1f0}td .lnk{cursor:
 .wrap{overflow-x:auto}input.filter{font:inherit;padding:.3em .5em;width:24em;margin:.3em 0 .6em}
 details{border:1px solid #d0d7de;border-radius:6px;margin:.4em 0;padding:.3em .8em}
 summary{cursor:pointer;font-weight:600}.fig{max-width:100%}.note{color:#57606a}
+.d{font-size:.85em;margin-left:.35em;color:#57606a}.d.worse{color:#cf222e;font-weight:600}.d.better{color:#1a7f37}
+.verdict.baseline{background:#f6f8fa;border-color:#d0d7de}
 svg text{font:11px system-ui,sans-serif}
 """
 
@@ -140,7 +148,7 @@ def page(doc, *, figures=(), details=None, title=None):
     >>> text = page({"command": "verify", "ok": True, "run_file": "run.h5", "groups": 1, "verified": 1,
     ...              "passed": 1, "failed": 0, "layers": [{"path": "a/b", "op": "FakeQuantWithMinMaxVars",
     ...              "status": "identical", "max_ulps": 0, "rel": 0.0, "passed": True}]})
-    >>> text.startswith("<!doctype html>") and "a/b" in text and "http" not in text.split("</head>")[0]
+    >>> text.startswith("<!doctype html>") and "a/b" in text and "http:" not in text.split("</head>")[0]
     True
     """
     command = doc.get("command", "report")
@@ -148,9 +156,17 @@ def page(doc, *, figures=(), details=None, title=None):
              f'<p class="meta">qgcli {_e(doc.get("qgcli_version", ""))} {_e(command)}</p>']
     verdict, ok = _verdict(doc)
     parts.append(f'<p class="verdict{" ok" if ok else ""}" id="verdict">{_e(verdict)}</p>')
+    base = doc.get("baseline")
+    if base:
+        at = "" if base.get("kind") != "histories" else (f" at step {base['step']}" if base["step"] is not None
+                                                         else " (no step in common: each one's last sample)")
+        parts.append(f'<p class="verdict baseline" id="baseline">Against the baseline {_e(base["file"])}{_e(at)}: '
+                     f'{_e(base["verdict"])}</p>')
     for caption, fig in figures:
         parts.append(f"<h2>{_e(caption)}</h2>{_figure(fig, caption)}")
     rows, columns, flagged = _table_of(doc)
+    if rows is not None and base:
+        rows, columns = _with_changes(rows, columns, base)
     if rows is not None:
         parts.append(_table(rows, columns, flagged, with_details=details is not None))
     if details is not None:
@@ -187,7 +203,8 @@ def write(path, text, *, force=False, inputs=()):
 
 def _title(doc):
     command = doc.get("command", "report")
-    source = doc.get("run_file") or ", ".join(doc.get("run_files") or ()) or doc.get("source") or ""
+    source = (doc.get("run_file") or ", ".join(doc.get("run_files") or ()) or doc.get("source") or doc.get("history")
+              or "")
     return f"qgcli {command}" + (f": {source}" if source else "")
 
 
@@ -218,13 +235,43 @@ def _table_of(doc):
         return doc.get("layers") or [], VERIFY_COLUMNS, lambda r: not r.get("passed", True)
     if doc.get("command") == "doctor":
         return doc.get("findings") or [], FINDING_COLUMNS, lambda r: r.get("severity") == "error"
-    if doc.get("command") == "trend":
-        return last_samples(doc), TREND_COLUMNS, lambda r: bool(r.get("events"))
+    if doc.get("command") == "trend":  # at the step a baseline was compared at (default: each layer's last)
+        step = (doc.get("baseline") or {}).get("step")
+        return last_samples(doc, step), TREND_COLUMNS, lambda r: bool(r.get("events"))
     if "layers" in doc:
         return doc["layers"], LAYER_COLUMNS, lambda r: bool(r.get("flagged"))
     if "rows" in doc:
         return doc["rows"], CHANNEL_COLUMNS, lambda r: bool(r.get("flagged"))
     return None, None, None
+
+
+def _with_changes(rows, columns, base):
+    """The rows worst change first (the baseline's diff order; rows it has not compared last, as they were),
+    each with its diff row under ``_diff`` and its score under ``_score``, and the score's column second."""
+    compared = {r["paths"][1]: r for r in base.get("rows") or ()}
+    order = {path: i for i, path in enumerate(compared)}
+    ranked = sorted(range(len(rows)), key=lambda i: (order.get(rows[i].get("path"), len(order)), i))
+    out = []
+    for i in ranked:
+        found = compared.get(rows[i].get("path"))
+        out.append(dict(rows[i], _diff=found, _score=None if found is None else found["score"]))
+    return out, (columns[0], SCORE_COLUMN, *columns[1:])
+
+
+def _change(row, key, kind):
+    """The ``<span>`` of a cell's change against the baseline (worse, better or the same), or ``""``."""
+    compared = row.get("_diff")
+    name = CHANGE_KEYS.get(key, key)
+    delta = None if compared is None else compared["change"].get(name)
+    same = SAME.get(name, 0.0)
+    if delta is None or abs(delta) < same or not delta:  # no change: nothing beside the value
+        return ""
+    text = (f"{100 * delta:+.1f}" if kind == "pct" else f"{delta:+d}" if isinstance(delta, int) else
+            f"{delta:+.1f}" if name.endswith("sqnr_db") else f"{delta:+.3g}")
+    worse = _SIGNS.get(name, 0) * delta
+    judged = "worse" if worse > 0 else "better" if worse < 0 else "same"
+    what = "percent points" if kind == "pct" else "dB" if name.endswith("sqnr_db") else "change"
+    return f' <span class="d {judged}" title="against the baseline ({what})">{_e(text)}</span>'
 
 
 def _table(rows, columns, flagged, *, with_details):
@@ -235,7 +282,7 @@ def _table(rows, columns, flagged, *, with_details):
         cells = []
         for j, (key, _, kind) in enumerate(shown):
             value = row.get(key)
-            text = _e(_format(value, kind))
+            text = _e(_format(value, kind)) + (_change(row, key, kind) if "_diff" in row else "")
             if j == 0 and with_details:
                 text = f'<span class="lnk" data-open="d{i}">{text}</span>'
             cells.append(f'<td class="{kind}" data-v="{_e(_sort_value(value, kind))}">{text}</td>')
@@ -290,6 +337,8 @@ def _format(value, kind):
         return "-"
     if kind == "pct":
         return f"{100 * value:.1f}%"
+    if kind == "score":
+        return f"{value:+.1f}" if value else "0"
     if kind == "num":
         return f"{value:.4g}"
     if kind == "shape":
@@ -300,7 +349,7 @@ def _format(value, kind):
 def _sort_value(value, kind):
     if value is None:
         return ""
-    if kind in ("pct", "num", "int") and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if kind in ("pct", "num", "int", "score") and isinstance(value, (int, float)) and not isinstance(value, bool):
         return repr(value)
     if kind == "shape" and isinstance(value, (list, tuple)):
         size = 1

@@ -311,6 +311,10 @@ Examples:
 @click.option("--tensorboard", "tensorboard", metavar="LOGDIR", default=None,
               help="Run files: also write TensorBoard event files under LOGDIR (scalars per layer and statistic at "
                    "the file's step numbers, aggregate curves; pip install 'qgcli[tensorboard]').")
+@click.option("--baseline", "baseline", metavar="FILE", default=None,
+              help="Compare with FILE, a run file (or a history, for a history's report) as qgcli diff FILE "
+                   "BUNDLE does: the change of each layer beside its values in --html, a baseline section in "
+                   "--json, the comparison's verdict after the table.")
 @fail_on_option("report", also="trend")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options
@@ -326,7 +330,7 @@ Examples:
 @hdf5_bound_options
 @scheduler_option()
 def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, html, force, range_method,
-           ranges_out, tensorboard, fail_on, quiet, device, layer, semantics, dtype, torchao, scheduler):
+           ranges_out, tensorboard, baseline, fail_on, quiet, device, layer, semantics, dtype, torchao, scheduler):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -347,7 +351,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             raise click.BadParameter("applies to quantizers' data (a run file or a bundle), not a history",
                                      param_hint="'--ranges-out'" if ranges_out is not None else "'--range-method'")
         return _report_history(bundles[0], operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv,
-                               html, force, tensorboard, fail_on, quiet)
+                               html, force, tensorboard, fail_on, quiet, baseline)
     refuse_conditions(fail_on)
     if attributes.variant not in QDQ_VARIANTS:
         for option, value in (("--signed-input", qdq[0].signed_input), ("--range-given", qdq[0].range_given),
@@ -358,11 +362,14 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     if scheduler is not None and (semantics == "torchao" or dtype is not None or torchao.given() or layer is not None):
         raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
+    if baseline is not None:
+        _check_baseline(baseline, history=False)
     if semantics == "torchao" or dtype is not None or torchao.given():
         run_file_target(operands)  # a run file's torchao groups carry their config: refuses these options
-        if ranges_out is not None or range_method != "percentile":
+        if ranges_out is not None or range_method != "percentile" or baseline is not None:
             raise click.BadParameter("does not apply to --semantics torchao (torchao's quantizer picks its scale)",
-                                     param_hint="'--ranges-out'" if ranges_out is not None else "'--range-method'")
+                                     param_hint="'--ranges-out'" if ranges_out is not None else
+                                     "'--range-method'" if baseline is None else "'--baseline'")
         return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
                                as_json, as_csv, quiet, device, layer)
     if len(bundles) > 1:  # several run files: each a step (or its step groups)
@@ -376,12 +383,12 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                 raise click.BadParameter("takes one run file as BUNDLE", param_hint=f"'{option}'")
         return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
                               device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard,
-                              range_method=range_method)
+                              range_method=range_method, baseline=baseline)
     target = run_file_target(operands)
     if target is not None and layer is None:
         return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
                               device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard,
-                              range_method=range_method, ranges_out=ranges_out)
+                              range_method=range_method, ranges_out=ranges_out, baseline=baseline)
     if ranges_out is not None:
         refuse_missing_bundle(operands.bundle)
         raise click.BadParameter("writes the ranges of a run file's quantizers at their group paths; for one "
@@ -389,6 +396,9 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     if scheduler is not None:
         raise click.BadParameter("reports the layers of a run file on a Dask cluster, one row per quantizer; this "
                                  "report runs here (drop --scheduler)", param_hint="'--scheduler'")
+    if baseline is not None:
+        raise click.BadParameter("compares the layers of a run file or a history (two bundles: qgcli diff A B)",
+                                 param_hint="'--baseline'")
     if tensorboard is not None:
         raise click.BadParameter("writes the layers of run files (a bundle has no steps to plot)",
                                  param_hint="'--tensorboard'")
@@ -473,8 +483,20 @@ def _is_history(bundle):
     return bundle != "-" and os.path.isfile(bundle) and is_history(bundle)
 
 
+def _check_baseline(baseline, *, history):
+    """Stop (exit 2, one line) unless ``--baseline`` names what the report is of: a history, or a run file."""
+    import os
+
+    if not (os.path.exists(baseline) or os.path.exists(baseline.split(":")[0])):
+        raise click.BadParameter(f"no such file: {baseline}", param_hint="'--baseline'")
+    if _is_history(baseline) != history:
+        raise click.BadParameter(f"{baseline} is {'not ' if history else ''}a history and the report is of "
+                                 f"{'a history' if history else 'a run file'}: compare like with like",
+                                 param_hint="'--baseline'")
+
+
 def _report_history(history, operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv, html, force,
-                    tensorboard, fail_on, quiet):
+                    tensorboard, fail_on, quiet, baseline=None):
     """``report HISTORY``: the history's per-layer table, events, page and events files (``qgcli trend``)."""
     from qgcli.cli.history_view import show_history
 
@@ -495,8 +517,10 @@ def _report_history(history, operands, layer, scheduler, semantics, dtype, torch
             fail_on = parse(fail_on.text, "trend")
         except OptionError as exc:
             raise click.BadParameter(exc.message.replace("of trend", "of a history"), param_hint="'--fail-on'") from None
+    if baseline is not None:
+        _check_baseline(baseline, history=True)
     show_history(history, as_json=as_json, html=html, force=force, tensorboard=tensorboard, fail_on=fail_on,
-                 quiet=quiet)
+                 quiet=quiet, baseline=baseline)
 
 
 def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
@@ -535,7 +559,8 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
 
 
 def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None,
-                   html=(None, False), fail_on=(), tensorboard=None, range_method="percentile", ranges_out=None):
+                   html=(None, False), fail_on=(), tensorboard=None, range_method="percentile", ranges_out=None,
+                   baseline=None):
     import contextlib
 
     from qgcli.report.layers import LAYER_KEYS, layers_document, report_layers
@@ -561,6 +586,14 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
         described = cluster.describe() if cluster is not None else None
     doc = layers_document(targets, rows, skipped, threshold=threshold, percentiles=percentiles, top=top,
                           cluster=described)
+    if baseline is not None:  # the baseline reported as this run is, then compared: qgcli diff BASELINE RUN
+        from qgcli.report.diff import baseline_section, diff
+        from qgcli.report.layers import run_file_document
+
+        with Progress("reading the baseline", total=None, quiet=quiet):
+            before = run_file_document([baseline], options=options, percentiles=percentiles, threshold=threshold,
+                                       device=device, range_method=range_method)
+        doc["baseline"] = baseline_section(baseline, diff(before, doc))
     if html[0] is not None:
         _write_layers_html(html, doc, targets, options, percentiles, quiet)
     if ranges_out is not None:
@@ -588,6 +621,10 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
             click.echo(doc["verdict"], err=True)
     else:
         _render_layers(stdout_console(), doc, top)
+        if baseline is not None:
+            from qgcli.report.text import printable
+
+            click.echo(printable(f"Against the baseline {baseline}: {doc['baseline']['verdict']}"))
     gate(doc, fail_on)
 
 
