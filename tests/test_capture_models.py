@@ -21,18 +21,24 @@ def _quiet():
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def _commands_pass(runner, path, tmp_path, *, bn=True):
-    """Every per-layer command exits 0 on the fresh run file; returns verify's document."""
+def _commands_pass(runner, path, tmp_path, *, bn=True, forward_only=()):
+    """Every per-layer command exits 0 on the fresh run file, without --skip-invalid: the gradient commands
+    leave out the forward-only groups (the model's first quantizer) and name them; returns verify's document."""
     out = tmp_path / "out"
     out.mkdir()
-    commands = [["fakequant-grad", path, "-o", str(out / "fq.h5"), "--skip-invalid"],
+    commands = [["fakequant-grad", path, "-o", str(out / "fq.h5"), "--json"],
                 ["report", path, "--json"], ["plot", "layers", path, "-o", str(out / "layers.png")],
                 ["inspect", path]]
     if bn:
-        commands.append(["bn-grad", path, "-o", str(out / "bn.h5"), "--skip-invalid"])
+        commands.append(["bn-grad", path, "-o", str(out / "bn.h5"), "--json"])
     for args in commands:
         r = runner.invoke(main, args)
         assert r.exit_code == 0, (args, r.output)
+        if args[0] in ("fakequant-grad", "bn-grad"):
+            doc = json.loads(r.stdout)
+            assert doc["skipped_invalid"] == 0
+            assert [g["path"] for g in doc["forward_only"]] == (list(forward_only) if args[0] == "fakequant-grad"
+                                                                 else [])
     r = runner.invoke(main, ["verify", path, "--json"])
     doc = json.loads(r.stdout)
     return r.exit_code, doc
@@ -88,7 +94,7 @@ def test_resnet18_eager_qat(tmp_path, runner):
     with h5py.File(path) as f:
         assert list(f) == ["step_000001"]
         assert "layer2/0/skip/activation_post_process" in f["step_000001"]
-    code, doc = _commands_pass(runner, path, tmp_path)
+    code, doc = _commands_pass(runner, path, tmp_path, forward_only=["step_000001/quant/activation_post_process"])
     assert code == 0 and doc["failed"] == 0 and doc["verified"] == len(cap.groups), doc
 
 
@@ -112,7 +118,7 @@ def test_resnet18_fx_names_each_observer_by_its_node(tmp_path, runner):
     with h5py.File(path) as f:
         g = f["step_000001/layer1/0/relu/activation_post_process"]
         assert re.fullmatch(r"activation_post_process_\d+", g.attrs["observer"])
-    code, doc = _commands_pass(runner, path, tmp_path)
+    code, doc = _commands_pass(runner, path, tmp_path, forward_only=["step_000001/x/activation_post_process"])
     assert code == 0 and doc["failed"] == 0, [r for r in doc["layers"] if not r["passed"]]
 
 
