@@ -613,3 +613,66 @@ def compare_with_tensorflow(inputs, min, max, *, num_bits=8, narrow_range=False,
         "reasons": _grid_reasons(grid, scale, zero_point),
     }
     return out
+
+
+# --- qgcli report on PyTorch's grid -----------------------------------------------------------------------
+
+class ReportGrid:
+    """PyTorch's grid of one fake quant as the per-channel report (:func:`qgcli.ops.analysis.channel_report`)
+    sees it: ``scale`` and ``zero_point`` (0-d per tensor, one per channel), the integer range, and the float
+    range the grid spans, ``min = nudged_min = (quant_min - zero_point) * scale`` and ``max = nudged_max =
+    (quant_max - zero_point) * scale`` (what clips lies outside it)."""
+
+    def __init__(self, scale, zero_point, quant_min, quant_max):
+        self.scale = np.asarray(scale, _F32)
+        self.zero_point = np.asarray(zero_point)
+        self.quant_min, self.quant_max = check_quant_range(quant_min, quant_max)
+        z = self.zero_point.astype(_F64)
+        self.min = self.nudged_min = ((self.quant_min - z) * self.scale.astype(_F64)).astype(_F32)
+        self.max = self.nudged_max = ((self.quant_max - z) * self.scale.astype(_F64)).astype(_F32)
+
+    def view(self, xb):
+        """:func:`quantized_view` of a ``[rows, channels]`` block (one column per tensor)."""
+        if self.scale.ndim:
+            return quantized_view(xb, self.scale, self.zero_point, self.quant_min, self.quant_max, axis=-1)
+        return quantized_view(xb, self.scale, self.zero_point, self.quant_min, self.quant_max)
+
+
+def observer_qparams(lo, hi, quant_min, quant_max, *, symmetric):
+    """``(scale, zero_point)`` PyTorch's min/max observers pick for the range ``[lo, hi]`` (0-d or one per
+    channel), as ``torch.ao.quantization.observer``'s ``_calculate_qparams`` computes them in float32: the
+    range widened to hold 0; symmetric: ``max(-lo, hi) / ((quant_max - quant_min) / 2)`` and the zero point
+    0 (unsigned ranges: ``(quant_min + quant_max) // 2``, an observer given its quant range); affine: ``(hi - lo) / (quant_max - quant_min)`` and
+    ``quant_min - round(lo / scale)`` clamped to the range; the scale at least float32's eps."""
+    quant_min, quant_max = check_quant_range(quant_min, quant_max)
+    lo = np.minimum(np.asarray(lo, _F32), _F32(0))
+    hi = np.maximum(np.asarray(hi, _F32), _F32(0))
+    eps = np.finfo(_F32).eps
+    with np.errstate(all="ignore"):
+        if symmetric:
+            scale = np.maximum(np.maximum(-lo, hi) / _F32((quant_max - quant_min) / 2), eps).astype(_F32)
+            zero_point = np.full(scale.shape, 0 if quant_min < 0 else (quant_min + quant_max) // 2, np.int32)
+        else:
+            scale = np.maximum((hi - lo) / _F32(quant_max - quant_min), eps).astype(_F32)
+            zero_point = np.clip(quant_min - np.rint(lo / scale), quant_min, quant_max).astype(np.int32)
+    return scale, zero_point
+
+
+def report_ops(quant_min, quant_max, *, symmetric):
+    """``(forward, grid_for, masks)`` of PyTorch's fake quant for :func:`qgcli.ops.analysis.channel_report`:
+    ``forward(xb, lo, hi, grid=None)`` on a ``[rows, channels]`` block (on ``grid``, else on the observer's
+    qparams of ``[lo, hi]``), ``grid_for(lo, hi)`` that grid, ``masks(xb, grid)`` (inside, below, above)."""
+    def grid_for(lo, hi):
+        lo, hi = np.asarray(lo), np.asarray(hi)
+        if lo.size == 1:
+            lo, hi = lo.reshape(()), hi.reshape(())
+        return ReportGrid(*observer_qparams(lo, hi, quant_min, quant_max, symmetric=symmetric), quant_min, quant_max)
+
+    def forward(xb, lo, hi, grid=None):
+        return (grid or grid_for(lo, hi)).view(xb).outputs
+
+    def masks(xb, grid):
+        v = grid.view(xb)
+        return v.inside, v.below, v.above
+
+    return forward, grid_for, masks
