@@ -409,12 +409,15 @@ def fake_quantize_learnable_per_channel_affine_gradient(gradients, inputs, scale
 
 # --- PyTorch's own choice of grid for a range -------------------------------------------------------------
 
-def observer_qparams(min, max, quant_min, quant_max):
+def observer_qparams(min, max, quant_min, quant_max, *, symmetric=False):
     """``(scale, zero_point)`` as ``torch.ao.quantization.MinMaxObserver`` (affine) derives them from a range.
 
     PyTorch widens the range to contain 0 (``min -> min(min, 0)``, ``max -> max(max, 0)``) where TensorFlow
     shifts it; ``scale = max(width / (quant_max - quant_min), eps)``; the zero point is
     ``quant_min - round(min / scale)`` (half to even) clamped to the grid.  Scalars or 1-d arrays.
+    ``symmetric`` (``per_tensor_symmetric`` / ``per_channel_symmetric``): ``scale = max(max(-min, max) /
+    ((quant_max - quant_min) / 2), eps)``, the zero point 0 for a signed grid, ``(quant_min + quant_max) // 2``
+    for an unsigned one (an observer given its quant range).
 
     >>> s, z = observer_qparams(-6.0, 6.0, 0, 255)
     >>> float(s), int(z)
@@ -426,6 +429,10 @@ def observer_qparams(min, max, quant_min, quant_max):
     with np.errstate(all="ignore"):
         neg = np.minimum(mn, _F32(0))
         pos = np.maximum(mx, _F32(0))
+        if symmetric:
+            scale = (np.maximum(-neg, pos) / _F32((quant_max - quant_min) / 2)).astype(_F32)
+            scale = np.maximum(scale, np.finfo(_F32).eps).astype(_F32)
+            return scale, np.full(scale.shape, 0 if quant_min < 0 else (quant_min + quant_max) // 2, np.int32)
         scale = ((pos - neg) / _F32(quant_max - quant_min)).astype(_F32)
         scale = np.maximum(scale, np.finfo(_F32).eps).astype(_F32)
         zp = quant_min - np.rint((neg / scale).astype(_F32)).astype(np.int64)
@@ -636,26 +643,6 @@ class ReportGrid:
         if self.scale.ndim:
             return quantized_view(xb, self.scale, self.zero_point, self.quant_min, self.quant_max, axis=-1)
         return quantized_view(xb, self.scale, self.zero_point, self.quant_min, self.quant_max)
-
-
-def observer_qparams(lo, hi, quant_min, quant_max, *, symmetric):
-    """``(scale, zero_point)`` PyTorch's min/max observers pick for the range ``[lo, hi]`` (0-d or one per
-    channel), as ``torch.ao.quantization.observer``'s ``_calculate_qparams`` computes them in float32: the
-    range widened to hold 0; symmetric: ``max(-lo, hi) / ((quant_max - quant_min) / 2)`` and the zero point
-    0 (unsigned ranges: ``(quant_min + quant_max) // 2``, an observer given its quant range); affine: ``(hi - lo) / (quant_max - quant_min)`` and
-    ``quant_min - round(lo / scale)`` clamped to the range; the scale at least float32's eps."""
-    quant_min, quant_max = check_quant_range(quant_min, quant_max)
-    lo = np.minimum(np.asarray(lo, _F32), _F32(0))
-    hi = np.maximum(np.asarray(hi, _F32), _F32(0))
-    eps = np.finfo(_F32).eps
-    with np.errstate(all="ignore"):
-        if symmetric:
-            scale = np.maximum(np.maximum(-lo, hi) / _F32((quant_max - quant_min) / 2), eps).astype(_F32)
-            zero_point = np.full(scale.shape, 0 if quant_min < 0 else (quant_min + quant_max) // 2, np.int32)
-        else:
-            scale = np.maximum((hi - lo) / _F32(quant_max - quant_min), eps).astype(_F32)
-            zero_point = np.clip(quant_min - np.rint(lo / scale), quant_min, quant_max).astype(np.int32)
-    return scale, zero_point
 
 
 def report_ops(quant_min, quant_max, *, symmetric):
