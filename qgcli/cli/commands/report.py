@@ -444,8 +444,14 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                            sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
     if not quiet:
         _print_notes(notes)
+    _show_report(doc, limited, as_json=as_json, as_csv=as_csv, quiet=quiet, html=html, force=force,
+                 inputs=list(operands.input_paths()), fail_on=fail_on)
+
+
+def _show_report(doc, limited, *, as_json, as_csv, quiet, html, force, inputs, fail_on):
+    """A per-channel report: --html, then JSON, CSV or the table, then the --fail-on gate."""
     if html is not None:
-        _write_html(html, force, doc, inputs=list(operands.input_paths()))
+        _write_html(html, force, doc, inputs=inputs)
     if as_json:
         dump_json(doc)
     elif as_csv:
@@ -468,17 +474,8 @@ def _report_family_layer(kind, found, *, threshold, sort, top, as_json, as_csv, 
     limited = top is None and not as_json and not as_csv and result.channels > _TABLE_ROWS
     doc = build_report_doc(result, op=op, attrs=attrs, inputs=described, threshold=threshold, sort=sort,
                            top=_TABLE_ROWS if limited else top, notes=[])
-    if html is not None:
-        _write_html(html, force, doc, inputs=[])
-    if as_json:
-        dump_json(doc)
-    elif as_csv:
-        _write_csv(doc)
-        if not quiet:
-            click.echo(doc["verdict"], err=True)
-    else:
-        render_report(stdout_console(), doc, limited)
-    gate(doc, fail_on)
+    _show_report(doc, limited, as_json=as_json, as_csv=as_csv, quiet=quiet, html=html, force=force, inputs=[],
+                 fail_on=fail_on)
 
 
 def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
