@@ -21,18 +21,24 @@ def _quiet():
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def _commands_pass(runner, path, tmp_path, *, bn=True):
-    """Every per-layer command exits 0 on the fresh run file; returns verify's document."""
+def _commands_pass(runner, path, tmp_path, *, bn=True, forward_only=()):
+    """Every per-layer command exits 0 on the fresh run file, without --skip-invalid: the gradient commands
+    leave out the forward-only groups (the model's first quantizer) and name them; returns verify's document."""
     out = tmp_path / "out"
     out.mkdir()
-    commands = [["fakequant-grad", path, "-o", str(out / "fq.h5"), "--skip-invalid"],
+    commands = [["fakequant-grad", path, "-o", str(out / "fq.h5"), "--json"],
                 ["report", path, "--json"], ["plot", "layers", path, "-o", str(out / "layers.png")],
                 ["inspect", path]]
     if bn:
-        commands.append(["bn-grad", path, "-o", str(out / "bn.h5"), "--skip-invalid"])
+        commands.append(["bn-grad", path, "-o", str(out / "bn.h5"), "--json"])
     for args in commands:
         r = runner.invoke(main, args)
         assert r.exit_code == 0, (args, r.output)
+        if args[0] in ("fakequant-grad", "bn-grad"):
+            doc = json.loads(r.stdout)
+            assert doc["skipped_invalid"] == 0
+            assert [g["path"] for g in doc["forward_only"]] == (list(forward_only) if args[0] == "fakequant-grad"
+                                                                 else [])
     r = runner.invoke(main, ["verify", path, "--json"])
     doc = json.loads(r.stdout)
     return r.exit_code, doc
@@ -88,8 +94,22 @@ def test_resnet18_eager_qat(tmp_path, runner):
     with h5py.File(path) as f:
         assert list(f) == ["step_000001"]
         assert "layer2/0/skip/activation_post_process" in f["step_000001"]
-    code, doc = _commands_pass(runner, path, tmp_path)
+    code, doc = _commands_pass(runner, path, tmp_path, forward_only=["step_000001/quant/activation_post_process"])
     assert code == 0 and doc["failed"] == 0 and doc["verified"] == len(cap.groups), doc
+    # PyTorch's groups read as TensorFlow's: per-channel rows with their worst channel and SQNR', report --layer
+    rows = {r["layer"]: r for r in json.loads(runner.invoke(main, ["report", path, "--json"]).stdout)["layers"]}
+    weight = rows["layer2/0/conv1/weight_fake_quant"]
+    assert weight["channels"] == 32 and weight["worst_channel"] is not None and weight["suggested_sqnr_db"] > 0
+    act = rows["layer2/0/conv1/activation_post_process"]
+    assert act["suggested_scale"] > 0 and act["suggested_zero_point"] is not None
+    r = runner.invoke(main, ["report", path, "--layer", "step_000001/layer2/0/conv1/weight_fake_quant", "--json"])
+    assert r.exit_code == 0, r.output
+    layer = json.loads(r.stdout)
+    assert layer["variant"] == "torch" and layer["per_channel"] and layer["channels"] == 32
+    assert layer["attributes"]["qscheme"] == "per_channel_symmetric"
+    assert all(row["suggested_scale"] > 0 and row["suggested_zero_point"] == 0 for row in layer["rows"])
+    r = runner.invoke(main, ["report", path, "--layer", "step_000001/layer2/0/conv1/activation_post_process"])
+    assert r.exit_code == 0 and "scale/zero_point" in r.output, r.output
 
 
 def test_resnet18_fx_names_each_observer_by_its_node(tmp_path, runner):
@@ -112,7 +132,7 @@ def test_resnet18_fx_names_each_observer_by_its_node(tmp_path, runner):
     with h5py.File(path) as f:
         g = f["step_000001/layer1/0/relu/activation_post_process"]
         assert re.fullmatch(r"activation_post_process_\d+", g.attrs["observer"])
-    code, doc = _commands_pass(runner, path, tmp_path)
+    code, doc = _commands_pass(runner, path, tmp_path, forward_only=["step_000001/x/activation_post_process"])
     assert code == 0 and doc["failed"] == 0, [r for r in doc["layers"] if not r["passed"]]
 
 
@@ -140,6 +160,10 @@ def test_llama_decoder_torchao_qat(tmp_path, runner):
         assert f["step_000001/layers/0/q/activation_fake_quantizer"].attrs["granularity"] == "per-token"
     code, doc = _commands_pass(runner, path, tmp_path, bn=False)
     assert code == 0 and doc["failed"] == 0, [r for r in doc["layers"] if not r["passed"]]
+    r = runner.invoke(main, ["report", path, "--layer", "step_000001/layers/0/q/weight_fake_quantizer", "--json"])
+    assert r.exit_code == 0, r.output
+    layer = json.loads(r.stdout)  # torchao's per-block report on the group's own config
+    assert layer["semantics"] == "torchao" and layer["blocks"] == 64 * 64 // 32 and layer["block_size"] == 32
 
 
 def test_torch_options_choose_what_to_keep(tmp_path):
@@ -242,6 +266,9 @@ def test_tf_model_fit_in_graph_mode_every_n_steps(tmp_path, runner, request):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["verified"] == len(expected) and doc["failed"] == 0
+    r = runner.invoke(main, ["report", path, "--layer", "step_000006/sequential/quant_conv/LastValueQuant", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["channels"] == 4
     path = str(tmp_path / "weights.h5")
     # the train function traced with the taps records into whichever capture runs: here the block is the step
     with capture(path, keep="weights", step=9) as cap:

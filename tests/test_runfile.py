@@ -156,6 +156,38 @@ def test_explicit_options_override_group_attributes_defaults_do_not(cli, run_fil
     assert r.exit_code == 0 and "--epsilon 0.5" in r.stderr and "overrides" in r.stderr
 
 
+def test_forward_only_groups_are_skipped_by_gradient_commands_and_named(cli, run_file, tmp_path):
+    """Issue 36 item 1: a group without its upstream gradient (the model's first quantizer, whose input needs
+    none; keep="forward") is valid: fakequant-grad and bn-grad leave it out by default and say so (count and
+    names); fakequant and report use it.  A group missing its gradient *and* broken otherwise stays invalid."""
+    path, arrays = run_file
+    with h5py.File(path, "a") as f:
+        del f["step_1/net/act/gradients"], f["step_1/net/bn/y_backprop"]
+    r = cli("fakequant-grad", path, "-o", tmp_path / "g.h5", "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["ran"] == 3 and s["skipped_invalid"] == 0 and s["skipped_forward_only"] == 1
+    assert s["forward_only"] == [{"path": "step_1/net/act", "op": "FakeQuantWithMinMaxVars"}]
+    assert any(n.startswith("skipped 1 forward-only group") and n.endswith(": step_1/net/act") for n in s["notes"])
+    with h5py.File(tmp_path / "g.h5") as f:
+        assert "step_1/net/act" not in f and list(f["step_1/net/logits"]) == ["backprops"]
+    r = cli("fakequant-grad", path, "-o", tmp_path / "g2.h5")
+    assert r.exit_code == 0 and "1 forward-only skipped" in r.stderr and "step_1/net/act" in r.stderr
+    # the forward command runs it, and report reads it (its upstream gradient absent)
+    r = cli("fakequant", path, "-o", tmp_path / "f.h5", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["ran"] == 4
+    rows = {row["path"]: row for row in json.loads(cli("report", path, "--json").stdout)["layers"]}
+    assert rows["step_1/net/act"]["upstream_gradient"] == "absent" and rows["step_1/net/act"]["sqnr_db"] > 0
+    # bn-grad: the only batch norm is forward only: nothing to run, said
+    r = cli("bn-grad", path, "-o", tmp_path / "bn.h5")
+    assert r.exit_code == 2 and "1 forward-only group, without y_backprop, skipped" in r.stderr
+    assert not (tmp_path / "bn.h5").exists()
+    with h5py.File(path, "a") as f:
+        f["step_1/net/act"].attrs["num_bits"] = 40
+    r = cli("fakequant-grad", path, "-o", tmp_path / "g3.h5")
+    assert r.exit_code == 2 and "step_1/net/act: missing operand gradients" in r.stderr
+
+
 def test_invalid_groups_refuse_the_run_or_are_skipped(cli, tmp_path):
     path = tmp_path / "run.h5"
     make_run(path, bad=True)

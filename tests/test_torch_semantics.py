@@ -143,6 +143,56 @@ def test_observer_qparams_match_pytorch(name, attrs, data):
     np.testing.assert_array_equal(zero_point, data["zero_point"])
 
 
+@pytest.mark.parametrize("dtype, quant_min, quant_max", [("qint8", -128, 127), ("quint8", 0, 127), ("quint8", 0, 255)])
+def test_symmetric_observer_qparams_match_pytorch(dtype, quant_min, quant_max):
+    """PyTorch's symmetric observers (its per-channel weights' default), computed by torch here: the suggested
+    scale/zero point of ``qgcli report`` on a PyTorch group."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(quant_max)
+    lo = (rng.standard_normal(16) * 3 - 1).astype(np.float32)
+    hi = (lo + np.abs(rng.standard_normal(16)) * 4).astype(np.float32)
+    hi[:3] = (-2.0, 0.0, 1e-30)  # all negative, a range at 0, a tiny one (the eps floor)
+    lo[:3] = (-5.0, 0.0, 0.0)
+    obs = torch.ao.quantization.PerChannelMinMaxObserver(
+        ch_axis=0, dtype=getattr(torch, dtype), qscheme=torch.per_channel_symmetric, quant_min=quant_min,
+        quant_max=quant_max)
+    obs(torch.from_numpy(np.stack([lo, hi], axis=1)))
+    want_scale, want_zp = obs.calculate_qparams()
+    scale, zero_point = ts.observer_qparams(lo, hi, quant_min, quant_max, symmetric=True)
+    assert_bitwise(scale, want_scale.numpy().astype(np.float32), "scale")
+    np.testing.assert_array_equal(zero_point, want_zp.numpy())
+
+
+def test_report_on_pytorch_grid_is_pytorch_mask_and_forward():
+    """``channel_report(variant="torch")``: the shares clipped are where PyTorch's own backward zeroes the
+    gradient, the SQNR is PyTorch's forward error, per channel; a suggested range comes with the scale and zero
+    point PyTorch's observer gives it, and is at least as good as the best percentile."""
+    torch = pytest.importorskip("torch")
+    from qgcli.ops.analysis import channel_report, sqnr_db
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((7, 4, 5)) * np.array([0.5, 1, 2, 6, 9])).astype(np.float32)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    scale, zp = np.array([0.01, 0.02, 0.02, 0.03, 0.04], np.float32), np.zeros(5, np.int32)
+    r = channel_report(x, None, None, g, variant="torch", axis=2,
+                       torch=dict(scale=scale, zero_point=zp, quant_min=-128, quant_max=127, symmetric=True))
+    xt = torch.tensor(x, requires_grad=True)
+    y = torch.fake_quantize_per_channel_affine(xt, torch.from_numpy(scale), torch.from_numpy(zp), 2, -128, 127)
+    y.backward(torch.ones_like(xt))
+    blocked = xt.grad.numpy() == 0
+    out = y.detach().numpy().astype(np.float64)
+    assert r.per_channel and r.channels == 5
+    for c in range(5):
+        row = r.row(c)
+        assert row["clipped"] == blocked[..., c].mean()
+        err = float(((out[..., c] - x[..., c]) ** 2).sum())
+        assert row["sqnr_db"] == pytest.approx(float(sqnr_db(float((x[..., c].astype(np.float64) ** 2).sum()), err)))
+        s, z = ts.observer_qparams(row["suggested_min"], row["suggested_max"], -128, 127, symmetric=True)
+        assert (row["suggested_scale"], row["suggested_zero_point"]) == (float(s), int(z))
+        assert row["suggested_sqnr_db"] >= row["sqnr_db"] or row["clipped"] == 0
+    assert 0 < r.total["clipped"] == blocked.mean() and r.order("worst")[0] == 4  # the widest channel clips most
+
+
 # --- the pieces ---------------------------------------------------------------------------------------
 
 def exact_fma(a, b, c):

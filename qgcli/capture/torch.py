@@ -267,6 +267,9 @@ def _fake_quant_hook(torch, cap, name, fx_sites):
             scale, zp = scale.reshape(()), zp.reshape(())
         attrs = {"quant_min": qmin, "quant_max": qmax, "axis": axis, "framework": "torch",
                  "module": type(module).__name__, "observer": observer}
+        qscheme = getattr(module, "qscheme", None)
+        if qscheme is not None:  # how its observer picks scale and zero point (qgcli report's suggested ones)
+            attrs["qscheme"] = str(qscheme).replace("torch.", "")
         if learnable:
             attrs.update(estimator="lsq", grad_factor=float(grad_factor))
         x = x.detach()

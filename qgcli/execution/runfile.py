@@ -39,10 +39,12 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     try:
         layers = groups.discover(container._opened(), group, label=path)
         kind = registry.KIND_OF_COMMAND[job.command]
-        mine, other, bad = [], [], []
+        mine, other, bad, forward = [], [], [], []
         for layer in layers:
             if layer.kind is not None and layer.kind != kind:
                 other.append(layer)
+            elif groups.forward_only(layer, job.command):
+                forward.append(layer)
             elif groups.validate(layer, job.command) is not None:
                 bad.append(layer)
             else:
@@ -53,6 +55,8 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
         if not mine:
             what = "FakeQuant/QuantizeV2/PyTorch fake-quant" if kind == registry.FAKE_QUANT else "FusedBatchNorm"
             skipped = f" ({len(bad)} invalid, skipped)" if bad else ""
+            if forward:
+                skipped += f" ({counted(len(forward), 'forward-only group')}, without {_upstream(forward)}, skipped)"
             raise QgcliError(f"{where}: no group holds a {what} op to run{skipped}; "
                              f"{counted(len(other), 'group')} of the other kind ({', '.join(sorted({l.label for l in other})) or 'none'})")
         if remote is not None:
@@ -60,7 +64,7 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
         ran, skipped = _run_and_write(job, container, path, mine)
     finally:
         container.close()
-    return _summary(job, where, layers, ran, other, bad + skipped)
+    return _summary(job, where, layers, ran, other, bad + skipped, forward)
 
 
 def refusal(where, bad, total):
@@ -198,7 +202,12 @@ def _fits(layer, group_job, budgets):
     return bool(memory.shapes_fit(layer.datasets, group_job.large_operands, budgets[limit]))
 
 
-def _summary(job, where, layers, ran, other, skipped):
+def _upstream(layers):
+    """The upstream-gradient datasets the forward-only ``layers`` lack, in words."""
+    return " / ".join(sorted({groups.upstream_gradient(l) for l in layers}))
+
+
+def _summary(job, where, layers, ran, other, skipped, forward):
     overrides = {}
     for r in ran:
         for name, change in r["overrides"].items():
@@ -207,6 +216,12 @@ def _summary(job, where, layers, ran, other, skipped):
             entry["groups"].append({"path": r["path"], "group_value": change["group"]})
     notes = [f"{e['option']} {e['value']} given on the command line overrides the attribute {name} of "
              f"{len(e['groups'])} group{'s' if len(e['groups']) != 1 else ''}" for name, e in overrides.items()]
+    if forward:
+        names = [l.path for l in forward]
+        notes.append(f"skipped {counted(len(forward), 'forward-only group')}, holding no upstream gradient "
+                     f"({_upstream(forward)}; the model's first quantizer, whose input needs none, or a capture "
+                     f"with keep='forward'): {', '.join(names[:10])}"
+                     + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
     return json_safe({
         "command": job.command,
         "run_file": where,
@@ -214,6 +229,8 @@ def _summary(job, where, layers, ran, other, skipped):
         "ran": len(ran),
         "skipped_other_kind": len(other),
         "skipped_invalid": len(skipped),
+        "skipped_forward_only": len(forward),
+        "forward_only": [{"path": l.path, "op": l.op} for l in forward],
         "other_kind": [{"path": l.path, "op": l.op} for l in other],
         "invalid": [{"path": l.path, "op": l.op, "reason": l.error} for l in skipped],
         "overrides": overrides,
@@ -229,7 +246,8 @@ def render_run(console, s):
     """The rich rendering of a run-file summary (stderr)."""
     text = _markup()
     print_items(console, f"[bold]{s['command']}[/] over {text(s['run_file'])}: {s['ran']} of {s['groups']} groups "
-                f"ran; {s['skipped_other_kind']} of the other kind skipped, {s['skipped_invalid']} invalid skipped")
+                f"ran; {s['skipped_other_kind']} of the other kind skipped, {s['skipped_invalid']} invalid skipped"
+                + (f", {s['skipped_forward_only']} forward-only skipped" if s.get("skipped_forward_only") else ""))
     batch_norm = s["command"] == "bn-grad"
     cols = (Col("group", "left", priority=0, shorten=True), Col("op", "left", priority=2), Col("shape", priority=2))
     cols += ((Col("|x_backprop|", priority=0), Col("|scale_backprop|", priority=1)) if batch_norm else

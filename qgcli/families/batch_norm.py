@@ -22,6 +22,8 @@ LITERAL_OK = ("scale", "reserve_space_1", "reserve_space_2", "reserve_space_3")
 #: Run-file ``op`` -> version (``FusedBatchNormGrad...`` spellings too: :func:`qgcli.families.registry.op_entry`).
 RUN_FILE_OPS = {"FusedBatchNorm": "v1", "FusedBatchNormV2": "v2", "FusedBatchNormV3": "v3"}
 GROUP_OPERANDS = {None: (("y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2"), ("reserve_space_3",))}
+#: The upstream gradient's dataset (a group without it is forward only: bn-grad leaves it out).
+UPSTREAM_GRADIENT = "y_backprop"
 #: ``report`` reports quantizers only.
 REPORT_SKIP = "not a quantizer"
 #: In row blocks the statistics need a pass of their own before the gradients (qgcli.execution.zarr_batch_norm).

@@ -7,6 +7,7 @@ dataset shapes and attributes alone, nothing read (:func:`validate`), and become
 (:func:`job_from_group`): the group's attributes, except where an option was typed on the command line.
 The layout is documented in docs/whole-models.md.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -22,6 +23,10 @@ OVERRIDABLE = {
     "ensure_minimum_range": "--ensure-minimum-range", "epsilon": "--epsilon", "data_format": "--data-format",
     "is_training": "--is-training", "variance_kind": "--variance-kind", "version": "--version",
 }
+
+#: The commands that compute gradients, by the dataset of upstream gradient each takes (a family may name its
+#: own: ``UPSTREAM_GRADIENT``).  A group without it is forward only (see :func:`forward_only`).
+GRADIENT_COMMANDS = ("fakequant-grad", "bn-grad")
 
 _DATA_FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 _VARIANCE_KINDS = ("variance", "inv-std", "auto")
@@ -77,13 +82,34 @@ def validate(layer, command):
     return layer.error
 
 
+def upstream_gradient(layer):
+    """The name of the dataset holding a classified ``layer``'s upstream gradient (``gradients``; batch
+    norm's ``y_backprop``)."""
+    return getattr(registry.of(layer), "UPSTREAM_GRADIENT", "gradients")
+
+
+def forward_only(layer, command):
+    """Whether ``layer`` is a valid forward-only group that the gradient command ``command`` leaves out
+    rather than refuses: it lacks only its upstream gradient (the model's first quantizer, whose input needs
+    none; a capture with ``keep="forward"``), and nothing else keeps it from running."""
+    if command not in GRADIENT_COMMANDS or layer.error is not None or layer.family is None:
+        return False
+    upstream = upstream_gradient(layer)
+    data = next((n for n in ("inputs", "x") if n in layer.datasets), None)
+    if upstream in layer.datasets or data is None:
+        return False
+    whole = dataclasses.replace(layer, datasets={**layer.datasets, upstream: layer.datasets[data]})
+    return problem(whole, command) is None
+
+
 def problem(layer, command):
     """What keeps a classified ``layer`` from running under ``command`` (None: nothing), without recording it."""
     fam = registry.of(layer)
     required, _ = fam.GROUP_OPERANDS.get(layer.variant, fam.GROUP_OPERANDS[None])
     missing = [n for n in required if n not in layer.datasets]
-    if command == "fakequant-grad" and "gradients" not in layer.datasets:
-        missing.append("gradients")
+    upstream = upstream_gradient(layer)
+    if command in GRADIENT_COMMANDS and upstream not in layer.datasets and upstream not in missing:
+        missing.append(upstream)
     if missing:
         return f"missing operand{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
     a = layer.attrs

@@ -14,10 +14,10 @@ from qgcli.families.groups import fake_quant_basics, size
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.families.tf_fake_quant import common_fields, TF_OPS
 from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.ops.analysis import channel_report as channel_report_of
 from qgcli.ops import estimators, fake_quant, torch_semantics, torch_semantics as ts
-from qgcli.ops.analysis import sqnr_db
-from qgcli.report.tables import print_items
 from qgcli.storage.operands import to_device
+from qgcli.report.tables import print_items
 from qgcli.report.summaries import describe_arrays, json_safe, percent, render_closing_lines
 
 NAME, KIND = "torch", FAKE_QUANT
@@ -252,42 +252,29 @@ def render(console, s):
     render_closing_lines(console, s)
 
 
-# --- qgcli report's row of a run-file group -----------------------------------------------------------------
+# --- qgcli report's analysis of a run-file group --------------------------------------------------------------
 
-def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
-    """``qgcli report``'s row of a run-file group: PyTorch's own masks and forward error (no suggested range:
-    PyTorch's observers pick the grid); ``attr(name, default)``: an attribute, or the option typed for it."""
+def channel_report(layer, operands, inputs, gradients, attr, num_bits, narrow_range, *, percentiles, device):
+    """``(ChannelReport, attributes)``: ``qgcli report``'s per-channel (or per-tensor) analysis of a run-file
+    group on PyTorch's own grid, its scale and zero point (:func:`qgcli.ops.analysis.channel_report`,
+    ``variant="torch"``), the suggested range with the scale and zero point PyTorch's observer picks for it
+    (symmetric when the group's ``qscheme`` says so, or, without one, for a signed range whose zero points are
+    all 0); ``attr(name, default)``: an attribute, or the option typed for it."""
     lo, hi = fake_quant.quant_range(num_bits, narrow_range)
-    quant_min, quant_max = ts.check_quant_range(int(attr("quant_min", lo)),
-                                                int(attr("quant_max", hi)))
+    quant_min, quant_max = ts.check_quant_range(int(attr("quant_min", lo)), int(attr("quant_max", hi)))
     scale = np.asarray(operands.get("scale"))
     zero_point = np.asarray(operands.get("zero_point"))
     axis_attr = attr("axis", None)
     axis, _ = torch_layout(scale.shape, np.shape(inputs), None if axis_attr is None else int(axis_attr))
-    if axis is None:
-        scale = scale.reshape(())
-        zero_point = zero_point.reshape(())
-    view = ts.quantized_view(inputs, scale, zero_point, quant_min, quant_max, axis=axis)
-    n = int(view.inputs.size)
-    x = np.asarray(view.inputs, np.float64)
-    fin = np.isfinite(x)
-    err = np.where(fin, np.asarray(view.outputs, np.float64) - x, 0.0)
-    signal = float(np.sum(np.where(fin, x, 0.0) ** 2))
-    row = {"channels": int(scale.size) if axis is not None else 1,
-           "clipped_below": float(view.below.sum()) / n if n else 0.0,
-           "clipped_above": float(view.above.sum()) / n if n else 0.0,
-           "sqnr_db": float(sqnr_db(signal, float(np.sum(err * err))))}
-    row["clipped"] = row["clipped_below"] + row["clipped_above"]
-    if gradients is not None:
-        g = np.asarray(gradients, np.float64)
-        if axis is not None:
-            g = np.moveaxis(g, axis, -1)
-        mag = np.where(np.isfinite(g), np.abs(g), 0.0)
-        total = float(mag.sum())
-        row["gradient_blocked"] = float(np.where(view.inside, 0.0, mag).sum()) / total if total else 0.0
-    if not np.isfinite(row["sqnr_db"]):
-        row["sqnr_db"] = None
-    return row
+    qscheme = str(attr("qscheme", ""))
+    symmetric = "symmetric" in qscheme if qscheme else bool(quant_min < 0 and not np.any(zero_point))
+    xp, (g, x) = to_device([gradients, inputs], device)
+    result = channel_report_of(x, None, None, g, variant="torch", axis=axis, percentiles=percentiles,
+                               torch=dict(scale=scale, zero_point=zero_point, quant_min=quant_min,
+                                          quant_max=quant_max, symmetric=symmetric))
+    attrs = {"quant_min": quant_min, "quant_max": quant_max, "axis": axis,
+             "qscheme": qscheme or ("symmetric" if symmetric else "affine") + " (inferred)"}
+    return result, attrs
 
 
 def summation_bound(g, a, name, dy):

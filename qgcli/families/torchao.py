@@ -353,7 +353,19 @@ ROW_KEYS = ("block", "index", "scale", "zero_point", "clipped", "straight_throug
 def report_doc(operands_specs, config, *, threshold, sort, top, device):
     """The per-block report (a JSON-safe dict): rows worst first (largest scale-path share, then most
     clipped; without gradients most clipped), the split over the whole tensor, a verdict."""
-    operands = Operands.of(operands_specs, literal_ok=())
+    return report_doc_of(Operands.of(operands_specs, literal_ok=()), config, threshold=threshold, sort=sort,
+                         top=top, device=device)
+
+
+def layer_report_doc(layer, operands, *, threshold, sort, top, device):
+    """``qgcli report RUN --layer PATH`` of a torchao group: :func:`report_doc` on its datasets (``operands``,
+    open; closed here) with the config its attributes give."""
+    return report_doc_of(operands, config_from_attributes(layer.attrs), threshold=threshold, sort=sort, top=top,
+                         device=device)
+
+
+def report_doc_of(operands, config, *, threshold, sort, top, device):
+    """:func:`report_doc` of open ``operands`` (closed here)."""
     try:
         inputs = operands.get("inputs")
         gradients = operands.get("gradients", required=False)

@@ -161,6 +161,7 @@ ROW_KEYS = (
     "scale", "zero_point", "clipped_below", "clipped_above", "clipped", "gradient_mass", "gradient_blocked",
     "backprop_wrt_min", "backprop_wrt_max", "mse", "sqnr_db", "suggested_percentile", "suggested_min",
     "suggested_max", "suggested_mse", "suggested_sqnr_db", "suggested_clipped", "suggested_gradient_blocked",
+    "suggested_scale", "suggested_zero_point",
 )
 
 #: Keys of the whole-tensor totals.
@@ -199,15 +200,15 @@ class ChannelReport:
 
     @property
     def per_channel(self):
-        return self.variant == "per-channel" or (self.variant.startswith("quantize-and-dequantize-v")
-                                                 and self.axis is not None)
+        return self.variant == "per-channel" or ((self.variant.startswith("quantize-and-dequantize-v")
+                                                  or self.variant == "torch") and self.axis is not None)
 
     def row(self, c):
         """Channel ``c`` as a dict of plain Python numbers (None for NaN or infinite values)."""
         out = {}
         for key in ROW_KEYS:
             value = float(self.columns[key][c])
-            if key in ("channel", "elements", "nonfinite", "zero_point"):
+            if key in ("channel", "elements", "nonfinite", "zero_point", "suggested_zero_point"):
                 out[key] = int(value) if np.isfinite(value) else None
             else:
                 out[key] = value if np.isfinite(value) else None
@@ -318,7 +319,7 @@ def _report_ops(variant, num_bits, narrow_range):
 
 
 def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range=False, variant=None, axis=-1,
-                   percentiles=DEFAULT_PERCENTILES, on_step=None, qdq=None, range_method="percentile"):
+                   percentiles=DEFAULT_PERCENTILES, on_step=None, qdq=None, range_method="percentile", torch=None):
     """Per-channel (or per-tensor) report of a fake-quant grid on ``inputs`` and the gradient's fate.
 
     For each channel (each entry of ``min``/``max`` along ``axis`` for the per-channel op; the whole tensor
@@ -349,6 +350,13 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
         ``[lo, hi]`` (clipped: outside them), the mask V4Grad's on the given range (V2/V3: TF's pass-through
         gradient, nothing blocked), ``backprop_wrt_min/max`` V4Grad's zeros (V2/V3: none), and a suggested
         range is one to give with ``range_given``.
+    torch : dict, optional
+        ``variant="torch"``: PyTorch's fake quant (``fake_quantize_per_{tensor,channel}_affine``) with
+        ``scale``, ``zero_point`` (0-d per tensor, one per channel along ``axis``; ``axis=None`` per tensor),
+        ``quant_min``, ``quant_max`` and ``symmetric`` (``min``/``max`` unused).  "nudged" is the range the
+        grid spans, clipped what PyTorch's mask zeroes (its rounded integer outside the range), no range
+        gradients; a suggested range comes with the ``suggested_scale`` / ``suggested_zero_point`` PyTorch's
+        min/max observer picks for it (:func:`qgcli.ops.torch_semantics.observer_qparams`).
 
     Returns
     -------
@@ -413,19 +421,38 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
         if g is not None:
             step("backprop_wrt_min/max (TensorFlow's op)")
             _, dmin, dmax = fq.fake_quant_with_min_max_vars_gradient(g, x, min, max, **attrs)
+    elif variant == "torch":
+        from qgcli.ops import torch_semantics as ts
+
+        t = dict(torch)
+        axis = None if axis is None or np.size(to_numpy(t["scale"])) == 1 and axis == -1 else axis
+        torch_forward, torch_grid_for, torch_masks = ts.report_ops(t["quant_min"], t["quant_max"],
+                                                                   symmetric=bool(t.get("symmetric")))
+        scale = np.asarray(to_numpy(t["scale"]), np.float32)
+        zero_point = np.asarray(to_numpy(t["zero_point"]))
+        grid = ts.ReportGrid(scale.reshape(-1) if axis is not None else scale.reshape(()),
+                             zero_point.reshape(-1) if axis is not None else zero_point.reshape(()),
+                             t["quant_min"], t["quant_max"])
+        masks = lambda xb, grid_: torch_masks(xb, grid_)  # noqa: E731
+        now = {"grid": grid}
+        if axis is not None:
+            x, g = (None if a is None else xp.moveaxis(a, axis, -1) for a in (x, g))
     elif variant == "args":
         mn, mx = (float(np.asarray(to_numpy(v)).reshape(())) for v in (min, max))
         grid = fq._args_grid(mn, mx, num_bits, narrow_range)
         axis = None
     else:
         raise QgcliError(f"unknown variant {variant!r}; use per-channel, vars or args", operand="variant")
-    per_slice = variant == "per-channel" or (variant.startswith("quantize-and-dequantize-v") and axis is not None)
+    per_slice = variant == "per-channel" or ((variant.startswith("quantize-and-dequantize-v") or variant == "torch")
+                                             and axis is not None)
     depth = x.shape[-1] if per_slice else 1
     x2 = x.reshape(-1, depth)
     g2 = None if g is None else g.reshape(-1, depth)
     rows = x2.shape[0]
     blocks = _row_blocks(rows, depth)
-    if variant.startswith("quantize-and-dequantize-v"):
+    if variant == "torch":
+        forward, grid_for = torch_forward, torch_grid_for
+    elif variant.startswith("quantize-and-dequantize-v"):
         forward, grid_for = qad.report_ops(version=version, num_bits=num_bits, narrow_range=narrow_range, **q)
     else:
         forward, grid_for = _report_ops(variant, num_bits, narrow_range)
@@ -560,6 +587,8 @@ def channel_report(inputs, min, max, gradients=None, *, num_bits=8, narrow_range
             np.where(mass_c > 0, s_blocked / np.where(mass_c > 0, mass_c, 1.0), 0.0)
             if s_blocked is not None and g is not None else nan
         ),
+        "suggested_scale": per_channel(getattr(suggested_grid, "scale", None)),
+        "suggested_zero_point": per_channel(getattr(suggested_grid, "zero_point", None)),
     }
     n_all = rows * depth
     finite_all = float(finite_n.sum())

@@ -409,12 +409,15 @@ def fake_quantize_learnable_per_channel_affine_gradient(gradients, inputs, scale
 
 # --- PyTorch's own choice of grid for a range -------------------------------------------------------------
 
-def observer_qparams(min, max, quant_min, quant_max):
+def observer_qparams(min, max, quant_min, quant_max, *, symmetric=False):
     """``(scale, zero_point)`` as ``torch.ao.quantization.MinMaxObserver`` (affine) derives them from a range.
 
     PyTorch widens the range to contain 0 (``min -> min(min, 0)``, ``max -> max(max, 0)``) where TensorFlow
     shifts it; ``scale = max(width / (quant_max - quant_min), eps)``; the zero point is
     ``quant_min - round(min / scale)`` (half to even) clamped to the grid.  Scalars or 1-d arrays.
+    ``symmetric`` (``per_tensor_symmetric`` / ``per_channel_symmetric``): ``scale = max(max(-min, max) /
+    ((quant_max - quant_min) / 2), eps)``, the zero point 0 for a signed grid, ``(quant_min + quant_max) // 2``
+    for an unsigned one (an observer given its quant range).
 
     >>> s, z = observer_qparams(-6.0, 6.0, 0, 255)
     >>> float(s), int(z)
@@ -426,6 +429,10 @@ def observer_qparams(min, max, quant_min, quant_max):
     with np.errstate(all="ignore"):
         neg = np.minimum(mn, _F32(0))
         pos = np.maximum(mx, _F32(0))
+        if symmetric:
+            scale = (np.maximum(-neg, pos) / _F32((quant_max - quant_min) / 2)).astype(_F32)
+            scale = np.maximum(scale, np.finfo(_F32).eps).astype(_F32)
+            return scale, np.full(scale.shape, 0 if quant_min < 0 else (quant_min + quant_max) // 2, np.int32)
         scale = ((pos - neg) / _F32(quant_max - quant_min)).astype(_F32)
         scale = np.maximum(scale, np.finfo(_F32).eps).astype(_F32)
         zp = quant_min - np.rint((neg / scale).astype(_F32)).astype(np.int64)
@@ -613,3 +620,46 @@ def compare_with_tensorflow(inputs, min, max, *, num_bits=8, narrow_range=False,
         "reasons": _grid_reasons(grid, scale, zero_point),
     }
     return out
+
+
+# --- qgcli report on PyTorch's grid -----------------------------------------------------------------------
+
+class ReportGrid:
+    """PyTorch's grid of one fake quant as the per-channel report (:func:`qgcli.ops.analysis.channel_report`)
+    sees it: ``scale`` and ``zero_point`` (0-d per tensor, one per channel), the integer range, and the float
+    range the grid spans, ``min = nudged_min = (quant_min - zero_point) * scale`` and ``max = nudged_max =
+    (quant_max - zero_point) * scale`` (what clips lies outside it)."""
+
+    def __init__(self, scale, zero_point, quant_min, quant_max):
+        self.scale = np.asarray(scale, _F32)
+        self.zero_point = np.asarray(zero_point)
+        self.quant_min, self.quant_max = check_quant_range(quant_min, quant_max)
+        z = self.zero_point.astype(_F64)
+        self.min = self.nudged_min = ((self.quant_min - z) * self.scale.astype(_F64)).astype(_F32)
+        self.max = self.nudged_max = ((self.quant_max - z) * self.scale.astype(_F64)).astype(_F32)
+
+    def view(self, xb):
+        """:func:`quantized_view` of a ``[rows, channels]`` block (one column per tensor)."""
+        if self.scale.ndim:
+            return quantized_view(xb, self.scale, self.zero_point, self.quant_min, self.quant_max, axis=-1)
+        return quantized_view(xb, self.scale, self.zero_point, self.quant_min, self.quant_max)
+
+
+def report_ops(quant_min, quant_max, *, symmetric):
+    """``(forward, grid_for, masks)`` of PyTorch's fake quant for :func:`qgcli.ops.analysis.channel_report`:
+    ``forward(xb, lo, hi, grid=None)`` on a ``[rows, channels]`` block (on ``grid``, else on the observer's
+    qparams of ``[lo, hi]``), ``grid_for(lo, hi)`` that grid, ``masks(xb, grid)`` (inside, below, above)."""
+    def grid_for(lo, hi):
+        lo, hi = np.asarray(lo), np.asarray(hi)
+        if lo.size == 1:
+            lo, hi = lo.reshape(()), hi.reshape(())
+        return ReportGrid(*observer_qparams(lo, hi, quant_min, quant_max, symmetric=symmetric), quant_min, quant_max)
+
+    def forward(xb, lo, hi, grid=None):
+        return (grid or grid_for(lo, hi)).view(xb).outputs
+
+    def masks(xb, grid):
+        v = grid.view(xb)
+        return v.inside, v.below, v.above
+
+    return forward, grid_for, masks

@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from qgcli import __version__
-from qgcli.errors import QgcliError
+from qgcli.errors import OptionError, QgcliError
 from qgcli.families import groups, registry
 from qgcli.families.groups import literal_specs, plain
 from qgcli.families.tf_fake_quant import load_fake_quant_operands, TF_OPS
@@ -20,11 +20,12 @@ from qgcli.jobs import FakeQuantAttributes
 from qgcli.ops.analysis import channel_report
 from qgcli.storage import runfile
 from qgcli.storage.operands import GroupView, Operands, to_device
+from qgcli.report.summaries import describe_arrays
 
 #: Keys of one layer row, in the order JSON and CSV give them.
 LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "channels", "clipped_below",
               "clipped_above", "clipped", "gradient_blocked", "sqnr_db", "suggested_min", "suggested_max",
-              "suggested_sqnr_db", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped",
+              "suggested_sqnr_db", "suggested_scale", "suggested_zero_point", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped",
               "straight_through", "scale_path", "rounding", "upstream_gradient")
 
 #: The percentiles ``qgcli report`` searches for a suggested range by default.
@@ -136,10 +137,15 @@ def _family_row(layer, operands, options, percentiles, device, range_method="per
     narrow_range = bool(_attr(layer, options, "narrow_range", False))
     row = {"op": layer.op, "family": layer.family, "shape": list(np.shape(inputs)), "num_bits": num_bits}
 
-    report_row = getattr(registry.of(layer), "report_row", None)
-    if report_row is not None:  # the family's own quantizer (PyTorch's, torchao's)
-        return {**row, **report_row(layer, operands, inputs, gradients, lambda name, default: _attr(
-            layer, options, name, default), num_bits, narrow_range, device)}
+    fam = registry.of(layer)
+    attr = lambda name, default: _attr(layer, options, name, default)  # noqa: E731
+    if hasattr(fam, "channel_report"):  # PyTorch's groups: the per-channel analysis on their own grid
+        report, _ = fam.channel_report(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
+                                       percentiles=percentiles, device=device)
+        return _channel_row(report, row)
+    report_row = getattr(fam, "report_row", None)
+    if report_row is not None:  # the family's own quantizer (torchao's, the block formats')
+        return {**row, **report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device)}
     # TensorFlow's fake-quant groups: its grid's per-channel analysis
 
     _, _, mn, mx, variant = load_fake_quant_operands(operands, layer.variant, with_gradients=False)
@@ -147,8 +153,14 @@ def _family_row(layer, operands, options, percentiles, device, range_method="per
     xp, (g, x) = to_device([gradients, inputs], device)
     report = channel_report(x, mn, mx, g, num_bits=num_bits, narrow_range=narrow_range, variant=variant, axis=axis,
                             percentiles=percentiles, range_method=range_method)
+    return _channel_row(report, dict(row, op=layer.op or TF_OPS[variant]))
+
+
+def _channel_row(report, row):
+    """``row`` completed from a :class:`qgcli.ops.analysis.ChannelReport`: totals, and the worst channel of a
+    per-channel op or the suggested range of a per-tensor one."""
     t = report.total
-    row.update(op=layer.op or TF_OPS[variant], channels=report.channels, clipped_below=t["clipped_below"],
+    row.update(channels=report.channels, clipped_below=t["clipped_below"],
                clipped_above=t["clipped_above"], clipped=t["clipped"], gradient_blocked=t["gradient_blocked"],
                sqnr_db=t["sqnr_db"], suggested_sqnr_db=t["suggested_sqnr_db"])
     if report.per_channel:
@@ -159,7 +171,8 @@ def _family_row(layer, operands, options, percentiles, device, range_method="per
                        worst_channel_clipped=w["clipped"])
     else:
         r = report.row(0)
-        row.update(suggested_min=r["suggested_min"], suggested_max=r["suggested_max"])
+        row.update(suggested_min=r["suggested_min"], suggested_max=r["suggested_max"],
+                   suggested_scale=r["suggested_scale"], suggested_zero_point=r["suggested_zero_point"])
     return row
 
 
@@ -209,9 +222,26 @@ def _no_such_layer(handle, file, full):
     return f"{file} has no layer {full!r}; its layers: {shown or 'none'}"
 
 
-def layer_operands(target, path, options):
-    """``(Operands, FakeQuantAttributes)`` of one TF fake-quant group of a run file (``report --layer``):
-    the group's datasets, its attributes unless typed on the command line."""
+def layer_analysis(layer):
+    """How ``report --layer`` and the per-layer plots analyse a classified group: ``"tf"`` (TensorFlow's grid),
+    ``"torch"`` (PyTorch's grid: its family's ``channel_report``), ``"blocks"`` (its family's per-block
+    report: torchao's quantizers) or None (no per-channel report: batch norm, ...)."""
+    if layer.family is None:
+        return None
+    fam = registry.of(layer)
+    if getattr(fam, "CHANNEL_ANALYSIS", False):
+        return "tf"
+    if hasattr(fam, "channel_report"):
+        return "torch"
+    if hasattr(fam, "layer_report_doc"):
+        return "blocks"
+    return None
+
+
+def layer_group(target, path):
+    """``(Operands, layer)`` of the quantizer group ``path`` of the run file ``target`` (``report --layer``,
+    the per-layer plots): its datasets open (close the Operands), the classified layer; a QgcliError naming
+    --layer for a path that is no such group, or a group without a per-channel report."""
     from qgcli.storage import io
 
     file, group = runfile.split_target(target)
@@ -223,21 +253,62 @@ def layer_operands(target, path, options):
         (layer,) = [l for l in groups.discover(container._opened(), full, label=file) if l.path == full] or [None]
         if layer is None:
             raise QgcliError(f"{file}: {full!r} is not a group holding a quantizer's operands", operand="--layer")
-        if not (layer.family and getattr(registry.of(layer), "CHANNEL_ANALYSIS", False)) \
-                or groups.validate(layer, "report") is not None:
-            why = layer.error or f"{layer.op} is not one of TensorFlow's fake-quant ops"
+        if layer_analysis(layer) is None or groups.validate(layer, "report") is not None:
+            why = layer.error or f"{layer.op} has no per-channel report (a quantizer of TensorFlow, PyTorch or torchao has)"
             raise QgcliError(f"{full}: {why}", operand="--layer")
     except BaseException:
         container.close()
         raise
     operands = Operands.in_group(container, file, full, groups.literal_specs(layer), literal_ok=("min", "max"))
     operands._bundle_container = GroupView(container, full, owns=True)
+    return operands, layer
+
+
+def layer_operands(target, path, options):
+    """``(Operands, FakeQuantAttributes)`` of one TF fake-quant group of a run file (``report --layer``):
+    the group's datasets, its attributes unless typed on the command line."""
+    operands, layer = layer_group(target, path)
+    if layer_analysis(layer) != "tf":
+        operands.close()
+        raise QgcliError(f"{layer.path}: {layer.op} is not one of TensorFlow's fake-quant ops", operand="--layer")
     attributes = FakeQuantAttributes(num_bits=int(_attr(layer, options, "num_bits", 8)),
                                      narrow_range=bool(_attr(layer, options, "narrow_range", False)),
                                      variant=layer.variant,
                                      axis=(int(_attr(layer, options, "axis", -1))
                                            if layer.variant == "per-channel" else None))
     return operands, attributes
+
+
+def layer_report(target, path, options, *, percentiles, threshold, sort, top, device):
+    """``report --layer`` of a PyTorch or torchao group: ``("channels", (ChannelReport, op, attributes,
+    inputs described))`` on PyTorch's grid, or ``("blocks", document)`` of torchao's per-block report; None
+    for a TensorFlow group (the command's own path reads those)."""
+    operands, layer = layer_group(target, path)
+    kind = layer_analysis(layer)
+    fam = registry.of(layer)
+    if kind == "tf":
+        operands.close()
+        return None
+    if kind == "blocks":
+        if sort in ("sqnr", "gain"):
+            operands.close()
+            raise OptionError(f"{layer.op} reports no SQNR per block; use worst, blocked, clipped or channel",
+                              param_hint="'--sort'")
+        return "blocks", fam.layer_report_doc(layer, operands, threshold=threshold, top=top, device=device,
+                                              sort="block" if sort == "channel" else sort)
+    try:
+        inputs = operands.get("inputs")
+        gradients = operands.get("gradients", required=False)
+        num_bits = int(_attr(layer, options, "num_bits", 8))
+        narrow_range = bool(_attr(layer, options, "narrow_range", False))
+        report, attrs = fam.channel_report(layer, operands, inputs, gradients,
+                                           lambda name, default: _attr(layer, options, name, default), num_bits,
+                                           narrow_range, percentiles=percentiles, device=device)
+        described = describe_arrays({k: v for k, v in (("inputs", inputs), ("gradients", gradients))
+                                     if v is not None})
+    finally:
+        operands.close()
+    return "channels", (report, layer.op, {"num_bits": num_bits, "narrow_range": narrow_range, **attrs}, described)
 
 
 #: The schema number of a run-file report's JSON document (``report RUN --json``).

@@ -147,6 +147,12 @@ def _pct(v):
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _qparams(scale, zero_point):
+    if scale is None or zero_point is None:
+        return "-"
+    return f"{scale:.3g}/{zero_point}"
+
+
 def _span(lo, hi):
     if lo is None or hi is None:
         return "-"
@@ -190,17 +196,24 @@ def render_report(console, doc, limited):
     a, t = doc["attributes"], doc["total"]
     src = [f"{k} {v['shape']} {v['dtype']}" for k, v in doc["inputs"].items() if k in ("inputs", "gradients")]
     axis = f" axis={a['axis']}" if a.get("axis") is not None else ""
-    print_items(console, f"[bold]{doc['op']}[/] num_bits={a['num_bits']} narrow_range={a['narrow_range']}{axis}  "
-                f"{escape(', '.join(src))}")
+    torch = doc["variant"] == "torch"  # PyTorch's grid: its ranges said in scale/zero point
+    grid = (f"quant_min={a['quant_min']} quant_max={a['quant_max']} qscheme={escape(str(a['qscheme']))}" if torch else
+            f"num_bits={a['num_bits']} narrow_range={a['narrow_range']}")
+    print_items(console, f"[bold]{doc['op']}[/] {grid}{axis}  {escape(', '.join(src))}")
     rows = [["all" if r["channel"] is None else str(r["channel"]), _span(r["data_min"], r["data_max"]),
-             _span(r["min"], r["max"]), _span(r["nudged_min"], r["nudged_max"]), _pct(r["clipped_below"]),
+             _qparams(r["scale"], r["zero_point"]) if torch else _span(r["min"], r["max"]),
+             _span(r["nudged_min"], r["nudged_max"]), _pct(r["clipped_below"]),
              _pct(r["clipped_above"]), _pct(r["gradient_blocked"]), number(r["backprop_wrt_min"], 3),
              number(r["backprop_wrt_max"], 3), _db(r["sqnr_db"], r["mse"]),
+             _qparams(r["suggested_scale"], r["suggested_zero_point"]) if torch else
              _span(r["suggested_min"], r["suggested_max"]), number(r["suggested_percentile"], 5),
              _db(r["suggested_sqnr_db"], r["suggested_mse"]), _pct(r["suggested_gradient_blocked"])]
             for r in doc["rows"]]
     print_table(console, _report_cols(), rows, styles=["red" if r["flagged"] else None for r in doc["rows"]],
                 choice=True)
+    if torch:
+        print_items(console, "range, suggested: PyTorch's scale/zero_point (suggested: as its observer picks them for "
+                    "[P(100-p), P(p)]); nudged: the range the grid spans; blocked: gradient mass PyTorch's mask zeroes")
     if limited:
         print_items(console, f"... {counted(doc['channels'] - len(doc['rows']), 'more channel')} (--top K to show more, "
                     "--json or --csv for all)")
@@ -407,8 +420,13 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             refuse_missing_bundle(operands.bundle)
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
                                      param_hint="'--layer'")
-        from qgcli.report.layers import layer_operands
+        from qgcli.report.layers import layer_operands, layer_report
 
+        found = layer_report(target, layer, typed_overrides(), percentiles=percentiles, threshold=threshold,
+                             sort=sort, top=top, device=device)
+        if found is not None:  # PyTorch's and torchao's groups
+            return _report_family_layer(*found, threshold=threshold, sort=sort, top=top, as_json=as_json,
+                                        as_csv=as_csv, quiet=quiet, html=html, force=force, fail_on=fail_on)
         operands, attributes = layer_operands(target, layer, typed_overrides())
     else:
         operands = Operands.of(operands, literal_ok=("min", "max"))
@@ -462,8 +480,14 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                            sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
     if not quiet:
         _print_notes(notes)
+    _show_report(doc, limited, as_json=as_json, as_csv=as_csv, quiet=quiet, html=html, force=force,
+                 inputs=list(operands.input_paths()), fail_on=fail_on)
+
+
+def _show_report(doc, limited, *, as_json, as_csv, quiet, html, force, inputs, fail_on):
+    """A per-channel report: --html, then JSON, CSV or the table, then the --fail-on gate."""
     if html is not None:
-        _write_html(html, force, doc, inputs=list(operands.input_paths()))
+        _write_html(html, force, doc, inputs=inputs)
     if as_json:
         dump_json(doc)
     elif as_csv:
@@ -523,6 +547,21 @@ def _report_history(history, operands, layer, scheduler, semantics, dtype, torch
                  quiet=quiet, baseline=baseline)
 
 
+def _report_family_layer(kind, found, *, threshold, sort, top, as_json, as_csv, quiet, html, force, fail_on):
+    """``report RUN --layer PATH`` of a PyTorch group (the per-channel report on its own grid) or a torchao
+    group (its per-block report)."""
+    if kind == "blocks":
+        if html is not None:
+            raise click.BadParameter("is not written for a torchao group's per-block report", param_hint="'--html'")
+        return _show_torchao(found, top, as_json, as_csv, quiet)
+    result, op, attrs, described = found
+    limited = top is None and not as_json and not as_csv and result.channels > _TABLE_ROWS
+    doc = build_report_doc(result, op=op, attrs=attrs, inputs=described, threshold=threshold, sort=sort,
+                           top=_TABLE_ROWS if limited else top, notes=[])
+    _show_report(doc, limited, as_json=as_json, as_csv=as_csv, quiet=quiet, html=html, force=force, inputs=[],
+                 fail_on=fail_on)
+
+
 def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
                     quiet, device, layer):
     """``--semantics torchao``: one row per block of torchao's quantizer (qgcli.families.torchao)."""
@@ -541,6 +580,14 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
     config = runner.build_config(dtype, torchao)
     doc = runner.report_doc(operands, config, threshold=threshold, sort="block" if sort == "channel" else sort,
                             top=top, device=device)
+    _show_torchao(doc, top, as_json, as_csv, quiet)
+
+
+def _show_torchao(doc, top, as_json, as_csv, quiet):
+    """A torchao per-block report (``--semantics torchao``, or a run file's torchao group): notes, then JSON,
+    CSV or the table."""
+    from qgcli.families import torchao as runner
+
     if not quiet:
         _print_notes(doc["notes"])
     if as_json:
