@@ -6,7 +6,9 @@
 import numpy as np
 
 from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.families.groups import OVERRIDABLE
 from qgcli.families.torchao import OPTION_NAMES
+from qgcli.jobs import FakeQuantJob, OperandSpecs
 from qgcli.report.summaries import describe_arrays, json_safe, percent, render_closing_lines
 from qgcli.report.tables import print_items
 from qgcli.report.text import counted, markup, printable_doc
@@ -85,6 +87,45 @@ def run_file_estimator(run, masked_ok):
         return "ste"
     raise QgcliError(f"--estimator {est.text} does not apply to a {run.command} block-format group (the "
                      "identity STE; masked-ste runs on one bundle)")
+
+
+def job_of_options(o, family, formats, specs, *, masked_ok, why_not):
+    """The job of the fakequant commands' options: ``formats`` with the estimator (fakequant-grad; --estimator
+    is refused for fakequant) and ``specs`` (name -> SPEC) with ``gradients`` added for fakequant-grad."""
+    if o.with_gradients:
+        formats["estimator"] = estimator_name(o, masked_ok=masked_ok, why_not=why_not)
+        specs["gradients"] = o.operands.get("gradients")
+    elif o.estimator.estimator is not None:
+        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
+    return FakeQuantJob(command=o.command, family=family, with_gradients=o.with_gradients,
+                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
+                        axis=formats["axis"], formats=formats)
+
+
+def job_of_group(run, family, formats, operand_specs, output, pick, *, masked_ok, what):
+    """The job of a run-file group (``formats`` read from its attributes); the command line's attribute options
+    are refused (``what``: the group's name in the message)."""
+    for name in pick.given:
+        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to {what} (its attributes say it)")
+    formats["estimator"] = run_file_estimator(run, masked_ok) if run.with_gradients else None
+    return FakeQuantJob(command=run.command, family=family, with_gradients=run.with_gradients,
+                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+
+
+def problem(check, *args, errors=(QgcliError,), prefix=""):
+    """The one-line message of ``check(*args)``'s error (of the types ``errors``), or None when it passes."""
+    try:
+        check(*args)
+    except errors as exc:
+        return f"{prefix}{exc}"
+    return None
+
+
+def gradient_statistics(gradients, dx, estimator):
+    """The summary's gradient part: shares of the elements passed unchanged and zeroed."""
+    g = np.asarray(gradients, np.float32)
+    return {"estimator": estimator, "unchanged": float((dx == g).mean()) if g.size else 1.0,
+            "zeroed": float((dx == 0).mean()) if g.size else 0.0}
 
 
 def float32_operand(value, name):

@@ -9,11 +9,11 @@ type in the ``quantized_dtype`` attribute).  The gradient is the identity (torch
 """
 import numpy as np
 
-from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.errors import OperandError, QgcliError
 from qgcli.families import block_formats as bf
-from qgcli.families.groups import OVERRIDABLE, plain
+from qgcli.families.groups import plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.jobs import Result
 from qgcli.ops import mx as ops
 from qgcli.report.summaries import describe_arrays
 
@@ -57,17 +57,8 @@ def job_from_options(o):
                "block_size": DEFAULTS["block_size"] if f.block_size is None else int(f.block_size),
                "axis": -1 if o.attributes.axis is None else int(o.attributes.axis),
                "scale_mode": f.scale_mode or DEFAULTS["scale_mode"], "estimator": None}
-    if o.with_gradients:
-        formats["estimator"] = bf.estimator_name(o, masked_ok=False, why_not=" (--semantics onnx); torchao's MX "
-                                                 "QAT backward is the identity")
-    elif o.estimator.estimator is not None:
-        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
-    specs = dict(inputs=o.operands.get("inputs"))
-    if o.with_gradients:
-        specs["gradients"] = o.operands.get("gradients")
-    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
-                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
-                        axis=formats["axis"], formats=formats)
+    return bf.job_of_options(o, NAME, formats, {"inputs": o.operands.get("inputs")}, masked_ok=False,
+                             why_not=" (--semantics onnx); torchao's MX QAT backward is the identity")
 
 
 # --- run files -----------------------------------------------------------------------------------------------
@@ -80,29 +71,17 @@ def _group_formats(attrs):
 
 
 def attribute_problem(attrs):
-    try:
-        _check(_group_formats(attrs))
-    except (QgcliError, ValueError, TypeError) as exc:
-        return f"attribute {exc}"
-    return None
+    return bf.problem(lambda: _check(_group_formats(attrs)), errors=(QgcliError, ValueError, TypeError),
+                      prefix="attribute ")
 
 
 def group_problem(layer, shapes):
-    try:
-        _check(_group_formats(layer.attrs), shapes["inputs"])
-    except QgcliError as exc:
-        return str(exc)
-    return None
+    return bf.problem(lambda: _check(_group_formats(layer.attrs), shapes["inputs"]))
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    for name in pick.given:
-        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to an mx group (its attributes say the "
-                         "format)")
-    formats = _group_formats(layer.attrs)
-    formats["estimator"] = bf.run_file_estimator(run, False) if run.with_gradients else None
-    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
-                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+    return bf.job_of_group(run, NAME, _group_formats(layer.attrs), operand_specs, output, pick, masked_ok=False,
+                           what="an mx group")
 
 
 # --- computing -------------------------------------------------------------------------------------------------
@@ -132,8 +111,6 @@ def compute(job, operands):
     attrs = {"op": "mx", "semantics": "mx", **attributes(f)}
     notes = []
     if job.with_gradients:
-        from qgcli.ops import mx as ops
-
         dx = ops.mx_fake_quantize_gradient(gradients, inputs, format=f["format"], block_size=int(f["block_size"]),
                                            axis=int(f["axis"]), scale_mode=f["scale_mode"])
         out = {"backprops_wrt_input": dx}
@@ -150,9 +127,7 @@ def compute(job, operands):
                                           saturated=saturated_scales(res.scales, f),
                                           scale_shape=None)
         if job.with_gradients:
-            g = np.asarray(gradients, np.float32)
-            stats["gradient"] = {"estimator": "ste (identity)", "unchanged": float((dx == g).mean()) if g.size else 1.0,
-                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+            stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")
         if stats.get("saturated_scale_blocks"):
             notes.append("a saturated scale: E8M0 code 0 (torchao quantizes with 2^-126 and dequantizes with "
                          "2^-127: the block comes back halved) or 254/255 (Inf/NaN inputs)")

@@ -13,11 +13,11 @@ Run-file groups: ``op = "QuantizeLinear"`` with ``dtype``, ``axis``, ``block_siz
 """
 import numpy as np
 
-from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.errors import OperandError, OptionError
 from qgcli.families import block_formats as bf
-from qgcli.families.groups import is_bool, is_int, OVERRIDABLE, plain
+from qgcli.families.groups import is_bool, is_int, plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.jobs import Result
 from qgcli.ops import onnx_quantize as ops
 from qgcli.ops.onnx_quantize import DTYPES, INTEGER_TYPES
 from qgcli.report.summaries import describe_arrays
@@ -62,19 +62,11 @@ def job_from_options(o):
     if not formats["saturate"] and dtype is not None and dtype not in ("float8e4m3fn", "float8e5m2"):
         raise OptionError(f"applies to the float8 types (saturate is theirs), not --dtype {dtype}",
                           param_hint="'--no-saturate'")
-    if o.with_gradients:
-        formats["estimator"] = bf.estimator_name(o, masked_ok=dtype is None or dtype in INTEGER_TYPES,
-                                                 why_not=f", not --dtype {dtype}")
-    elif o.estimator.estimator is not None:
-        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
     given = o.operands.as_dict()
     specs = {"x": given.get("x") if given.get("x") is not None else given.get("inputs"),
              "y_scale": given.get("y_scale"), "y_zero_point": given.get("y_zero_point")}
-    if o.with_gradients:
-        specs["gradients"] = given.get("gradients")
-    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
-                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
-                        axis=formats["axis"], formats=formats)
+    return bf.job_of_options(o, NAME, formats, specs, masked_ok=dtype is None or dtype in INTEGER_TYPES,
+                             why_not=f", not --dtype {dtype}")
 
 
 # --- run files -----------------------------------------------------------------------------------------------
@@ -95,11 +87,7 @@ def _group_formats(attrs):
 
 
 def attribute_problem(attrs):
-    try:
-        _group_formats(attrs)
-    except (ValueError, TypeError) as exc:
-        return f"attribute {exc}"
-    return None
+    return bf.problem(_group_formats, attrs, errors=(ValueError, TypeError), prefix="attribute ")
 
 
 def group_problem(layer, shapes):
@@ -109,13 +97,8 @@ def group_problem(layer, shapes):
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    for name in pick.given:
-        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to a QuantizeLinear group (its attributes "
-                         "say it)")
-    formats = _group_formats(layer.attrs)
-    formats["estimator"] = bf.run_file_estimator(run, True) if run.with_gradients else None
-    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
-                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+    return bf.job_of_group(run, NAME, _group_formats(layer.attrs), operand_specs, output, pick, masked_ok=True,
+                           what="a QuantizeLinear group")
 
 
 # --- computing -------------------------------------------------------------------------------------------------
@@ -177,9 +160,7 @@ def compute(job, operands):
     if job.output.shows_summary:
         stats = _statistics(x, res, y_scale, zp, dtype, f)
         if job.with_gradients:
-            g = np.asarray(gradients, np.float32)
-            stats["gradient"] = {"estimator": f["estimator"], "unchanged": float((dx == g).mean()) if g.size else 1.0,
-                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+            stats["gradient"] = bf.gradient_statistics(gradients, dx, f["estimator"])
         if dtype in ops.INTEGER_TYPES and np.isnan(x).any():
             notes.append("NaN inputs quantize to qmin (onnxruntime's saturation; the reference's cast is undefined "
                          "there)")
