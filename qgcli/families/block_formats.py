@@ -3,6 +3,8 @@
 (``ste``, the identity, and ``masked-ste``); small-float codes written as their bytes; the per-block analysis
 (elements flushed to zero, saturated scales, dynamic range in bits, SQNR) and the summary on stderr.
 """
+from typing import Any, NamedTuple, Optional
+
 import numpy as np
 
 from qgcli.errors import OperandError, OptionError, QgcliError
@@ -215,6 +217,53 @@ def block_row(per_block, i, shape, axis):
     return {"block": i, "index": index, "flushed": float(per_block["flushed"][i]),
             "dynamic_range_bits": dyn if np.isfinite(dyn) else None,
             "sqnr_db": float(per_block["sqnr_db"][i]), "saturated": None if sat is None else bool(sat[i])}
+
+
+# --- what qgcli plot hist / channels draw per block -------------------------------------------------------------
+
+class BlockView(NamedTuple):
+    """A block-format tensor as ``qgcli plot hist`` / ``plot channels`` draw it (:mod:`qgcli.report.block_plots`):
+    ``x`` and ``y`` (inputs and dequantized outputs, float32), ``u`` (each input in its element grid's units:
+    divided by its block's scale, plus the zero point), ``levels`` (the values that grid holds), the per-block
+    statistics of :func:`block_statistics` (``stats``, ``per_block``, ``shape``: the blocks' grid) and each
+    block's ``log2_scales`` (None where there is no scale per block)."""
+
+    op: str
+    title: str
+    unit: str
+    x: Any
+    y: Any
+    u: Any
+    levels: Any
+    block_size: int
+    axis: Optional[int]
+    stats: dict
+    per_block: dict
+    shape: tuple
+    log2_scales: Any = None
+
+
+def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scales=None, saturated=None):
+    """A :class:`BlockView`; ``axis`` None: the tensor is one block; ``log2_scales`` and ``saturated`` shaped
+    like the blocks' grid (the block axis in its place), reordered here as :func:`block_statistics` orders the
+    blocks."""
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+
+    def ordered(a):
+        if a is None:
+            return None
+        a = np.asarray(a)
+        return (np.moveaxis(a, axis, -1) if axis is not None and a.ndim else a).reshape(-1)
+
+    if axis is None:
+        stats, per_block, shape = block_statistics(x.reshape(1, -1), y.reshape(1, -1), max(1, x.size),
+                                                   saturated=ordered(saturated))
+    else:
+        stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=ordered(saturated))
+    return BlockView(op, title, unit, x, y, np.asarray(u, np.float64), np.asarray(levels, np.float64),
+                     int(block_size if axis is not None else max(1, x.size)), axis, stats, per_block, shape,
+                     ordered(log2_scales))
 
 
 # --- the summary -------------------------------------------------------------------------------------------------

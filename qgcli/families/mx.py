@@ -70,6 +70,9 @@ def _group_formats(attrs):
             "scale_mode": str(a.get("scale_mode", DEFAULTS["scale_mode"])).lower(), "estimator": "ste"}
 
 
+group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
+
+
 def attribute_problem(attrs):
     return bf.problem(lambda: _check(_group_formats(attrs)), errors=(QgcliError, ValueError, TypeError),
                       prefix="attribute ")
@@ -138,6 +141,28 @@ def compute(job, operands):
 render = bf.render
 
 
+def _element_scales(codes, block_size, axis):
+    """Each element's block scale 2^(code - 127) (float64; NaN for code 255)."""
+    e = np.asarray(codes).astype(np.float64)
+    return np.exp2(np.repeat(np.where(e == 255, np.nan, e), block_size, axis=axis) - 127)
+
+
+def block_view(formats, operands):
+    """``qgcli plot hist / channels``' view of the tensor under ``formats`` (a job's, or :func:`group_formats`) (:class:`qgcli.families.block_formats.BlockView`)."""
+    f = formats
+    x = np.asarray(bf.float32_operand(operands.get("inputs"), "inputs"), np.float32)
+    _check(f, tuple(np.shape(x)))
+    res = forward(x, f)
+    axis, bs = f["axis"] % x.ndim, int(f["block_size"])
+    with np.errstate(all="ignore"):
+        u = x / _element_scales(res.scales, bs, axis)
+        log2 = np.where(res.scales == 255, np.nan, res.scales.astype(np.float64) - 127)
+    return bf.block_view("mx", f"MX {f['format']}, scale mode {f['scale_mode']}, blocks of {bs} along axis "
+                         f"{f['axis']}", "x / block scale 2^(E8M0 - 127)", x, res.outputs, u,
+                         ops.element_values(f["format"]), bs, axis, log2_scales=log2,
+                         saturated=saturated_scales(res.scales, f))
+
+
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
     """``qgcli report``'s row of an mx group: blocks as channels, saturated elements as clipped, SQNR."""
     f = _group_formats(layer.attrs)
@@ -145,7 +170,7 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     _check(f, tuple(np.shape(x)))
     res = forward(x, f)
     axis, bs = f["axis"] % max(1, np.ndim(x)), int(f["block_size"])
-    scale = np.exp2(np.repeat(res.scales.astype(np.float64), bs, axis=axis) - 127)
-    clipped = bf.saturated_elements(x, res.outputs, ops.FORMATS[f["format"]].max_pos * scale)
+    clipped = bf.saturated_elements(x, res.outputs, ops.FORMATS[f["format"]].max_pos *
+                                    _element_scales(res.scales, bs, axis))
     return {"num_bits": {"fp8": 8, "fpx": 6 if "fp6" in f["format"] else 4, "int8": 8}[ops.FORMATS[f["format"]].kind],
             **bf.report_row(x, res.outputs, clipped, gradients, bs, axis)}

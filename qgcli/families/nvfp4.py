@@ -17,7 +17,7 @@ from qgcli.families.groups import is_bool, plain
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
 from qgcli.ops import nvfp4 as ops
-from qgcli.ops.mx import check_blocks
+from qgcli.ops.mx import check_blocks, element_values
 from qgcli.report.summaries import describe_arrays
 
 NAME, KIND = "nvfp4", FAKE_QUANT
@@ -58,6 +58,9 @@ def _group_formats(attrs):
         raise ValueError(f"per_tensor_scale={pts!r} is not a boolean")
     return {"semantics": "nvfp4", "block_size": BLOCK_SIZE, "axis": int(a.get("axis", -1)),
             "per_tensor_scale": bool(pts), "estimator": "ste"}
+
+
+group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
 
 
 def attribute_problem(attrs):
@@ -129,6 +132,23 @@ def compute(job, operands):
 
 
 render = bf.render
+
+
+def block_view(formats, operands):
+    """``qgcli plot hist / channels``' view of the tensor under ``formats`` (a job's, or :func:`group_formats`) (:class:`qgcli.families.block_formats.BlockView`)."""
+    f = formats
+    x = np.asarray(bf.float32_operand(operands.get("inputs"), "inputs"), np.float32)
+    axis = check_blocks(tuple(np.shape(x)), f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    res, _ = forward(x, f)
+    t = 1.0 if res.tensor_scale is None else float(res.tensor_scale)
+    scale = np.asarray(res.block_scales).astype(np.float64) * t
+    with np.errstate(all="ignore"):
+        u = x / np.repeat(scale, BLOCK_SIZE, axis=axis)
+        log2 = np.log2(scale)
+    tensor = f"per-tensor scale {t:.4g}" if res.tensor_scale is not None else "no per-tensor scale"
+    return bf.block_view("nvfp4", f"NVFP4, blocks of {BLOCK_SIZE} along axis {f['axis']}, {tensor}",
+                         "x / (E4M3 block scale x tensor scale)", x, res.outputs, u, element_values("mxfp4"),
+                         BLOCK_SIZE, axis, log2_scales=log2, saturated=saturated_scales(res.block_scales))
 
 
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):

@@ -86,6 +86,9 @@ def _group_formats(attrs):
             "saturate": bool(a.get("saturate", True)), "estimator": "ste"}
 
 
+group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
+
+
 def attribute_problem(attrs):
     return bf.problem(_group_formats, attrs, errors=(ValueError, TypeError), prefix="attribute ")
 
@@ -173,10 +176,8 @@ def _statistics(x, res, y_scale, zp, dtype, f):
     """Blocked quantization with whole blocks: per block; otherwise the tensor as one block.  ``clipped``: the
     share of elements at a saturated code (integer types: qmin or qmax; float types: the largest finite
     magnitude or beyond)."""
-    shape = np.shape(x)
     bs = f["block_size"]
-    blocked = bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0
-    if blocked:
+    if _whole_blocks(np.shape(x), y_scale, f):
         stats, _, _ = bf.block_statistics(x, res.outputs, bs, axis=f["axis"])
     else:
         stats, _, _ = bf.block_statistics(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)),
@@ -197,6 +198,34 @@ def _statistics(x, res, y_scale, zp, dtype, f):
 
 
 render = bf.render
+
+
+def _whole_blocks(shape, y_scale, f):
+    """Whether blocked quantization covers the axis with whole blocks (else the tensor is one block)."""
+    bs = f["block_size"]
+    return bool(bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0)
+
+
+def block_view(formats, operands):
+    """``qgcli plot hist / channels``' view of the tensor under ``formats`` (a job's, or :func:`group_formats`)
+    (:class:`qgcli.families.block_formats.BlockView`): blocked quantization per block, otherwise the tensor as
+    one block."""
+    f = formats
+    x, y_scale, zp, dtype, _ = load(operands, f)
+    kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
+    res = ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
+    sb, zb = ops.broadcast_qparams(np.shape(x), y_scale, zp, **kw)
+    with np.errstate(all="ignore"):
+        u = x.astype(np.float64) / sb + zb
+        log2 = np.log2(np.asarray(y_scale, np.float64))
+    blocked = _whole_blocks(np.shape(x), y_scale, f)
+    axis = f["axis"] % x.ndim if blocked else None
+    where = (f"blocks of {f['block_size']} along axis {f['axis']}" if blocked else
+             "per tensor" if np.size(y_scale) == 1 else f"per axis {f['axis']}")
+    unit = "x / y_scale" + ("" if dtype in ops.FLOAT_TYPES else " + y_zero_point")
+    return bf.block_view("QuantizeLinear", f"ONNX QuantizeLinear {dtype}, {where}", unit, x, res.outputs, u,
+                         ops.grid_values(dtype), f["block_size"], axis,
+                         log2_scales=log2 if blocked else log2.reshape(-1))
 
 
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
@@ -221,9 +250,8 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
         with np.errstate(invalid="ignore"):
             clipped = (qf == fmax) & (np.abs(x64) > np.abs(y64))
         bits = 4 if dtype == "float4e2m1" else 8
-    shape = np.shape(x)
     bs = f["block_size"]
-    if bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0:
+    if _whole_blocks(np.shape(x), y_scale, f):
         row = bf.report_row(x, res.outputs, clipped, gradients, bs, f["axis"])
     else:
         row = bf.report_row(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)), np.reshape(clipped, (1, -1)),

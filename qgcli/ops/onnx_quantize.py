@@ -221,6 +221,32 @@ def _dequantize(xp, q, d, sb, zb):
         return (dq * sb).astype(_F32, copy=False)
 
 
+def broadcast_qparams(shape, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0):
+    """``(scale, zero point)`` as QuantizeLinear applies them to an ``x`` of ``shape``: float32 arrays that
+    broadcast against it (blocked: repeated along ``axis``); the zero point 0 where none is given."""
+    _, sb, zb = _qparams(np, tuple(shape), y_scale, y_zero_point, dtype, axis, block_size)
+    return sb, (np.zeros((), _F32) if zb is None else zb)
+
+
+def grid_values(dtype):
+    """The values QuantizeLinear's output type ``dtype`` holds, sorted (float64): the integers qmin..qmax, or
+    every finite value of the float type.
+
+    >>> grid_values("float4e2m1")[7:].tolist()
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    """
+    d = _dtype(dtype)
+    if d in INTEGER_TYPES:
+        _, lo, hi = INTEGER_TYPES[d]
+        return np.arange(lo, hi + 1, dtype=np.float64)
+    import ml_dtypes
+
+    name, _ = FLOAT_TYPES[d]
+    codes = np.arange(256 if name.startswith("float8") else 16, dtype=np.uint8)
+    values = codes.view(getattr(ml_dtypes, name)).astype(np.float64)
+    return np.unique(values[np.isfinite(values)]) + 0.0  # -0 as 0
+
+
 def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0, saturate=True):
     """``DequantizeLinear(QuantizeLinear(x))`` with the same scale, zero point, axis and block size: an
     :class:`OnnxFakeQuantResult` ``(outputs, quantized)``.
