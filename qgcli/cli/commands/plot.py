@@ -367,8 +367,8 @@ def _block_run(command, operands, attributes, semantics, formats, dtype, figure,
     from qgcli.families import registry
     from qgcli.jobs import EstimatorOptions, FakeQuantOptions, OutputOptions, QuantizeAttributes, SemanticsOptions
 
-    if layer is not None or run_file_target(operands) is not None:
-        raise click.BadParameter("a run file's groups say their format: draw them without --semantics",
+    if layer is not None or run_file_target(operands) is not None:  # (a run file with --semantics is refused)
+        raise click.BadParameter("a run file's groups name their format: draw them without --semantics",
                                  param_hint="'--semantics'")
     job = registry.job_from_options(FakeQuantOptions(
         command, False, operands, attributes, QuantizeAttributes(dtype=dtype), SemanticsOptions(semantics),
