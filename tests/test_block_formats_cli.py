@@ -470,3 +470,54 @@ def test_compare_semantics_with_refusals(cli, tmp_path, args, says):
     r = cli("compare-semantics", b, *args, "-o", tmp_path / "c.npz")
     assert r.exit_code == 2 and "--with" in r.stderr and says in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "c.npz").exists()
+
+
+def test_report_rows_give_the_block_statistics(cli, tmp_path):
+    """report's row of an mx group blocked along axis 0 and an nvfp4 group: the share of nonzero inputs flushed
+    to zero, of blocks whose scale saturates, the blocks' dynamic range and the worst block's SQNR, each
+    recomputed here from the op's outputs."""
+    from qgcli.ops import mx as mx_ops, nvfp4 as nvfp4_ops
+
+    r = np.random.default_rng(3)
+    x = (r.standard_normal((64, 6)) * np.exp2(r.integers(-20, 8, (1, 6)))).astype(np.float32)
+    x[:32, 0] = 0
+    x[3, 1] = 1e-30  # flushed, and a wide block
+    x[:, 5] *= np.float32(2.0**-130)  # subnormal: scale code 0, saturated
+    run = tmp_path / "run.h5"
+    with h5py.File(run, "w") as f:
+        g = f.create_group("m")
+        g.attrs.update(op="mx", format="mxfp4", block_size=32, axis=0)
+        g["inputs"] = x
+        g = f.create_group("n")
+        g.attrs.update(op="nvfp4", per_tensor_scale=False)
+        g["inputs"] = x.T.copy()
+    res = cli("report", run, "--json")
+    assert res.exit_code == 0, res.output
+    rows = {row["path"]: row for row in json.loads(res.stdout)["layers"]}
+    m = mx_ops.mx_fake_quantize(x, format="mxfp4", block_size=32, axis=0)
+    xb = np.moveaxis(x, 0, -1).reshape(-1, 32).astype(np.float64)
+    yb = np.moveaxis(m.outputs, 0, -1).reshape(-1, 32).astype(np.float64)
+    nz = xb != 0
+    assert rows["m"]["flushed"] == pytest.approx(np.sum(nz & (yb == 0)) / np.sum(nz))
+    codes = np.moveaxis(m.scales, 0, -1).reshape(-1)
+    assert rows["m"]["saturated_scale_blocks"] == pytest.approx(np.mean((codes == 0) | (codes >= 254)))
+    assert rows["m"]["saturated_scale_blocks"] > 0
+    with np.errstate(divide="ignore"):
+        amin = np.where(nz, np.abs(xb), np.inf).min(axis=1)
+        dyn = np.log2(np.abs(xb).max(axis=1)) - np.log2(amin)
+    dyn = dyn[nz.any(axis=1)]
+    assert rows["m"]["dynamic_range_bits_max"] == pytest.approx(dyn.max())
+    assert rows["m"]["dynamic_range_bits_median"] == pytest.approx(np.median(dyn))
+    err = ((yb - xb) ** 2).sum(axis=1)
+    with np.errstate(all="ignore"):
+        sqnr = np.where(err > 0, 10 * np.log10((xb ** 2).sum(axis=1) / err), np.inf)
+    assert rows["m"]["worst_channel"] == int(np.argmin(sqnr))
+    assert rows["m"]["worst_channel_sqnr_db"] == pytest.approx(sqnr.min())
+    n = nvfp4_ops.nvfp4_fake_quantize(x.T.copy(), per_tensor_scale=False)
+    c = np.asarray(n.block_scales).view(np.uint8) & 0x7F
+    assert rows["n"]["saturated_scale_blocks"] == pytest.approx(np.mean((c == 0x08) | (c == 0x7E)))
+    text = cli("report", run)
+    assert text.exit_code == 0
+    line = next(ln for ln in text.stdout.splitlines() if ln.startswith("m: "))
+    assert f"flushed to zero {100 * rows['m']['flushed']:.1f}%" in line and "scale saturated in" in line
+    assert f"worst block {rows['m']['worst_channel']} at {rows['m']['worst_channel_sqnr_db']:.1f} dB" in line

@@ -161,7 +161,8 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
     - ``flushed``: share of the block's nonzero finite inputs that come back 0;
     - ``dynamic_range_bits``: log2 max|x| - log2 of the smallest nonzero |x| (NaN for an all-zero block);
     - ``sqnr_db``: 10 log10(sum x^2 / sum (y - x)^2) over the finite elements (inf when exact);
-    - ``saturated``: the per-block booleans given (the block's scale at its clamp), else None.
+    - ``saturated``: the per-block booleans given (the block's scale at its clamp, shaped like the scales or
+      already in block order), else None.
     """
     x = np.asarray(x, np.float32)
     y = np.asarray(y, np.float32)
@@ -192,12 +193,15 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
              "nan_outputs": int(np.isnan(yb).sum()),
              "dynamic_range_bits_max": float(np.nanmax(dyn)) if np.isfinite(dyn).any() else None,
              "dynamic_range_bits_median": float(np.nanmedian(dyn)) if np.isfinite(dyn).any() else None}
+    sat = None
     if saturated is not None:
-        sat = np.asarray(saturated).reshape(-1)
+        sat = np.asarray(saturated)
+        if x.ndim and sat.ndim == x.ndim:  # shaped like the scales: the block axis last, as the blocks are
+            sat = np.moveaxis(sat, ax, -1)
+        sat = sat.reshape(-1)
         stats["saturated_scale_blocks"] = float(sat.mean()) if sat.size else 0.0
     per_block = {"flushed": np.divide(flushed_n, nz, out=np.zeros(n_blocks), where=nz > 0),
-                 "dynamic_range_bits": dyn, "sqnr_db": sqnr,
-                 "saturated": None if saturated is None else np.asarray(saturated).reshape(-1)}
+                 "dynamic_range_bits": dyn, "sqnr_db": sqnr, "saturated": sat}
     shape = scale_shape if scale_shape is not None else (x.shape[:-1] + (x.shape[-1] // block_size,) if x.ndim
                                                          else ())
     order = np.lexsort((np.arange(n_blocks), -per_block["flushed"], sqnr))  # lowest SQNR first
@@ -245,8 +249,7 @@ class BlockView(NamedTuple):
 
 def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scales=None, saturated=None):
     """A :class:`BlockView`; ``axis`` None: the tensor is one block; ``log2_scales`` and ``saturated`` shaped
-    like the blocks' grid (the block axis in its place), reordered here as :func:`block_statistics` orders the
-    blocks."""
+    like the scales (the block axis in its place), put in the order of :func:`block_statistics`' blocks."""
     x = np.asarray(x, np.float32)
     y = np.asarray(y, np.float32)
 
@@ -258,9 +261,9 @@ def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scale
 
     if axis is None:
         stats, per_block, shape = block_statistics(x.reshape(1, -1), y.reshape(1, -1), max(1, x.size),
-                                                   saturated=ordered(saturated))
+                                                   saturated=saturated)
     else:
-        stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=ordered(saturated))
+        stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=saturated)
     return BlockView(op, title, unit, x, y, np.asarray(u, np.float64), np.asarray(levels, np.float64),
                      int(block_size if axis is not None else max(1, x.size)), axis, stats, per_block, shape,
                      ordered(log2_scales))
@@ -313,21 +316,29 @@ def saturated_elements(x, y, limit):
         return np.isfinite(x) & np.isfinite(y) & (np.abs(y) == np.asarray(limit, np.float64)) & (np.abs(x) > np.abs(y))
 
 
-def report_row(x, y, clipped, gradients, block_size, axis, passed=None):
+def report_row(x, y, clipped, gradients, block_size, axis, passed=None, saturated=None):
     """``qgcli report``'s row (:data:`qgcli.report.layers.LAYER_KEYS`) of a block-format group: channels are the
     blocks, clipped the saturated elements (below: negative), SQNR over the tensor, the worst block the one of
-    lowest SQNR; ``passed``: the estimator's mask (None: the identity STE passes every element)."""
+    lowest SQNR (``worst_channel_sqnr_db``), the share of nonzero inputs flushed to zero, the blocks' dynamic
+    range in bits (median, largest) and, with ``saturated`` (per block, shaped like the scales), the share of
+    blocks whose scale saturates; ``passed``: the estimator's mask (None: the identity STE passes every
+    element)."""
     x64 = np.asarray(x, np.float64)
     n = x64.size
     below = clipped & (x64 < 0)
     row = {"clipped_below": float(below.sum()) / n if n else 0.0,
            "clipped_above": float((clipped & ~below).sum()) / n if n else 0.0}
     row["clipped"] = row["clipped_below"] + row["clipped_above"]
-    stats, per_block, shape = block_statistics(x, y, block_size, axis=axis)
+    stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=saturated)
     row["channels"] = stats["blocks"]
     row["sqnr_db"] = stats["sqnr_db"] if np.isfinite(stats["sqnr_db"]) else None
+    row.update(flushed=stats["flushed"], saturated_scale_blocks=stats.get("saturated_scale_blocks"),
+               dynamic_range_bits_median=stats["dynamic_range_bits_median"],
+               dynamic_range_bits_max=stats["dynamic_range_bits_max"])
     if stats["blocks"] > 1:
         worst = int(np.lexsort((np.arange(stats["blocks"]), per_block["sqnr_db"]))[0])
+        row["worst_channel_sqnr_db"] = float(per_block["sqnr_db"][worst]) if np.isfinite(
+            per_block["sqnr_db"][worst]) else None
         cb = np.moveaxis(np.asarray(clipped), axis % x64.ndim, -1).reshape(-1, block_size) if x64.ndim else \
             np.asarray(clipped).reshape(1, -1)
         row.update(worst_channel=worst, worst_channel_clipped=float(cb[worst].mean()))

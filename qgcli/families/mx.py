@@ -173,4 +173,4 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     clipped = bf.saturated_elements(x, res.outputs, ops.FORMATS[f["format"]].max_pos *
                                     _element_scales(res.scales, bs, axis))
     return {"num_bits": {"fp8": 8, "fpx": 6 if "fp6" in f["format"] else 4, "int8": 8}[ops.FORMATS[f["format"]].kind],
-            **bf.report_row(x, res.outputs, clipped, gradients, bs, axis)}
+            **bf.report_row(x, res.outputs, clipped, gradients, bs, axis, saturated=saturated_scales(res.scales, f))}

@@ -158,4 +158,5 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     res, _ = forward(x, f)
     clipped = ((np.asarray(res.quantized) & 7) == 7) & (np.abs(np.asarray(x, np.float64)) >
                                                         np.abs(np.asarray(res.outputs, np.float64)))
-    return {"num_bits": 4, **bf.report_row(x, res.outputs, clipped, gradients, BLOCK_SIZE, f["axis"])}
+    return {"num_bits": 4, **bf.report_row(x, res.outputs, clipped, gradients, BLOCK_SIZE, f["axis"],
+                                           saturated=saturated_scales(res.block_scales))}
