@@ -463,8 +463,43 @@ def test_compare_semantics_with_onnx_counts_ties_and_ranges(cli, tmp_path):
     assert set(doc["pairs"][0]["reasons"]) <= {"range"}
 
 
-@pytest.mark.parametrize("args,says", [(["--with", "tf,mx"], "tf, torch, onnx"), (["--with", "tf"], "two or more"),
-                                       (["--with", "tf,onnx", "--num-bits", "3"], "4-, 8- and 16-bit")])
+def test_compare_semantics_with_torchao_is_torchaos_quantizer(cli, tmp_path):
+    """--with torchao: torchao's own IntxFakeQuantizer (uint8 / uint4, per token, asymmetric) on a row holding the
+    range's ends and the inputs (so that its min/max are the range) gives exactly qgcli's outputs_torchao; on
+    half steps torchao rounds half to even like PyTorch and ONNX, TensorFlow half up."""
+    torch = pytest.importorskip("torch")
+    qat = pytest.importorskip("torchao.quantization.qat")
+    from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
+
+    rng = np.random.default_rng(0)
+    mn, mx = np.float32(-3.1), np.float32(5.3)
+    for bits in (8, 4):
+        step = (mx - mn) / np.float32(2**bits - 1)
+        ties = ((np.arange(-2**bits, 2**bits) + 0.5) * step).astype(np.float32)
+        x = np.concatenate([rng.uniform(mn, mx, 300), ties[(ties > mn) & (ties < mx)], [0.0]]).astype(np.float32)
+        b = _bundle(tmp_path / f"b{bits}.h5", inputs=x, min=mn, max=mx)
+        out = tmp_path / f"c{bits}.npz"
+        r = cli("compare-semantics", b, "--with", "tf,torch,torchao,onnx", "--num-bits", bits, "--json", "-o", out)
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        fq = IntxFakeQuantizer(qat.IntxFakeQuantizeConfig(getattr(torch, f"uint{bits}"), "per_token",
+                                                          is_symmetric=False))
+        row = torch.from_numpy(np.concatenate([[mn, mx], x]).astype(np.float32)).reshape(1, -1)
+        want = fq(row)[0, 2:].numpy()
+        got = load_npz(out)
+        assert same_bits(got["outputs_torchao"], want)
+        assert doc["frameworks"]["torchao"]["scale"] == float(fq.scale.reshape(-1)[0])
+        pairs = {(p["a"], p["b"]): p for p in doc["pairs"]}
+        assert pairs[("torch", "torchao")]["differ"] == 0  # the same grid and arithmetic as PyTorch's
+        assert set(pairs[("torchao", "onnx")]["reasons"]) <= {"arithmetic"}  # x * (1/s) against x / s
+        assert pairs[("tf", "torchao")]["differ"] > 0 and set(pairs[("tf", "torchao")]["reasons"]) <= {"tie",
+                                                                                                      "zero point"}
+
+
+@pytest.mark.parametrize("args,says", [(["--with", "tf,mx"], "tf, torch, onnx, torchao"),
+                                       (["--with", "tf"], "two or more"),
+                                       (["--with", "tf,onnx", "--num-bits", "3"], "4-, 8- and 16-bit"),
+                                       (["--with", "torch,torchao", "--num-bits", "16"], "uint1 to uint8")])
 def test_compare_semantics_with_refusals(cli, tmp_path, args, says):
     b = _bundle(tmp_path / "b.h5", inputs=np.ones(4, np.float32), min=np.float32(-1), max=np.float32(1))
     r = cli("compare-semantics", b, *args, "-o", tmp_path / "c.npz")
