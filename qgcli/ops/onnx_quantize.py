@@ -50,7 +50,7 @@ import numpy as np
 
 from qgcli.backend import array_module
 from qgcli.errors import OperandError
-from qgcli.ops import blocked
+from qgcli.ops import blocked, native
 
 _F32 = np.float32
 #: dtype -> (NumPy storage type, qmin, qmax) for the integer types
@@ -256,10 +256,49 @@ def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, 
     array([  1., 448.], dtype=float32)
     """
     xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size)
+    if d in INTEGER_TYPES and not block_size:
+        done = _native_integer(xp, xa, d, sb, zb)
+        if done is not None:
+            return done
     if xp is np and xa.ndim and xa.shape[0] > 1 and xa.size > CHUNK_ELEMENTS:
         return _chunked(xa, d, sb, zb, saturate)
     _, q = _quantize(xp, xa, d, sb, zb, saturate)
     return OnnxFakeQuantResult(_dequantize(xp, q, d, sb, zb), q)
+
+
+def _native_integer(xp, xa, d, sb, zb):
+    """Per tensor or per axis to an integer type in the compiled kernel (the same float32 operations as
+    :func:`_quantize` and :func:`_dequantize`), over runs of rows on the thread pool; None where it does not
+    apply (CuPy, not built, a non-contiguous x)."""
+    lib = native.for_arrays(xp, xa, sb, zb)
+    if lib is None or xa.size == 0:
+        return None
+    per_axis = sb.ndim > 0 and sb.size > 1
+    if per_axis:
+        a = next(i for i, n in enumerate(sb.shape) if n != 1)
+        rows, n, inner = int(np.prod(xa.shape[:a])), xa.shape[a], int(np.prod(xa.shape[a + 1:]))
+    else:
+        n, inner = 1, xa.shape[-1] if xa.ndim else 1
+        rows = xa.size // inner
+    s = np.ascontiguousarray(sb.reshape(-1), _F32)
+    z = None if zb is None else np.ascontiguousarray(np.broadcast_to(zb, sb.shape).reshape(-1), _F32)
+    store, lo, hi = INTEGER_TYPES[d]
+    q = np.empty(xa.shape, store)
+    y = np.empty(xa.shape, _F32)
+    x_at, y_at = native.address(xa, _F32), native.address(y, _F32)
+    q_at, s_at = q.__array_interface__["data"][0], native.address(s, _F32)
+    z_at = None if z is None else native.address(z, _F32)
+    per_row = n * inner
+    step = max(1, CHUNK_ELEMENTS * 8 // per_row)
+
+    def one(start):
+        stop = min(start + step, rows)
+        lib.qg_onnx_int(x_at + 4 * start * per_row, q_at + q.itemsize * start * per_row,
+                        y_at + 4 * start * per_row, stop - start, n, inner, s_at, z_at, _F32(lo), _F32(hi),
+                        q.itemsize)
+
+    blocked._map(one, range(0, rows, step))
+    return OnnxFakeQuantResult(y, q)
 
 
 def _chunked(xa, d, sb, zb, saturate):
