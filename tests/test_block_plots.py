@@ -35,16 +35,21 @@ def tensor(tmp_path):
     return x, path
 
 
+def _plot(cli, tmp_path, kind, *args, name="fig.png"):
+    """``qgcli plot KIND ... --json -o FIG``: its summary and FIG's path (the run succeeded)."""
+    out = tmp_path / name
+    r = cli("plot", kind, *args, "--json", "-o", out)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout), out
+
+
 def _blocks(a, bs):
     return np.asarray(a, np.float64).reshape(-1, bs)
 
 
 def test_hist_mx_is_the_ops_grid_and_flushed_share(cli, tmp_path, tensor):
     x, path = tensor
-    out = tmp_path / "h.png"
-    r = cli("plot", "hist", "--inputs", path, "--semantics", "mx", "--mx-format", "mxfp4", "--json", "-o", out)
-    assert r.exit_code == 0, r.output
-    s = json.loads(r.stdout)
+    s, out = _plot(cli, tmp_path, "hist", "--inputs", path, "--semantics", "mx", "--mx-format", "mxfp4")
     assert png_size(out) == tuple(s["size_px"]) == (640, 660)
     res = mx_ops.mx_fake_quantize(x, format="mxfp4", block_size=32)
     xb, yb = _blocks(x, 32), _blocks(res.outputs, 32)
@@ -62,10 +67,7 @@ def test_hist_mx_is_the_ops_grid_and_flushed_share(cli, tmp_path, tensor):
 
 def test_hist_of_one_block_and_out_of_range(cli, tmp_path, tensor):
     x, path = tensor
-    out = tmp_path / "b.png"
-    r = cli("plot", "hist", "--inputs", path, "--semantics", "nvfp4", "--channel", "5", "--json", "-o", out)
-    assert r.exit_code == 0, r.output
-    s = json.loads(r.stdout)
+    s, out = _plot(cli, tmp_path, "hist", "--inputs", path, "--semantics", "nvfp4", "--channel", "5")
     assert s["channel"] == 5 and s["points"] == 16 and s["blocks"] == 32
     assert png_size(out) == (640, 480)  # one panel for one block
     bad = tmp_path / "bad.png"
@@ -84,15 +86,12 @@ def _sqnr(xb, yb):
                                                   ("nvfp4", (), 16)])
 def test_channels_are_the_blocks_sqnr_and_flushed(cli, tmp_path, tensor, semantics, extra, bs):
     x, path = tensor
-    out = tmp_path / "c.png"
     ops_out = tmp_path / "fq.npz"
     r = cli("fakequant", "--inputs", path, "--semantics", semantics, *extra, "-o", ops_out, "--quiet")
     assert r.exit_code == 0, r.output
     with np.load(ops_out) as f:
         y = f["outputs"]
-    r = cli("plot", "channels", "--inputs", path, "--semantics", semantics, *extra, "--json", "-o", out)
-    assert r.exit_code == 0, r.output
-    s = json.loads(r.stdout)
+    s, out = _plot(cli, tmp_path, "channels", "--inputs", path, "--semantics", semantics, *extra)
     assert png_size(out) == (800, 820)
     xb, yb = _blocks(x, bs), _blocks(y, bs)
     want = _sqnr(xb, yb)
@@ -108,16 +107,11 @@ def test_onnx_blocked_and_per_tensor(cli, tmp_path, tensor):
     x, path = tensor
     scales = tmp_path / "s.npy"
     np.save(scales, np.full((8, 2), 0.05, np.float32))
-    out = tmp_path / "o.png"
-    r = cli("plot", "channels", "--x", path, "--y-scale", scales, "--semantics", "onnx", "--dtype", "int4",
-            "--axis", "1", "--block-size", "32", "--json", "-o", out)
-    assert r.exit_code == 0, r.output
-    s = json.loads(r.stdout)
+    s, _ = _plot(cli, tmp_path, "channels", "--x", path, "--y-scale", scales, "--semantics", "onnx", "--dtype",
+                 "int4", "--axis", "1", "--block-size", "32")
     assert s["channels"] == 16 and s["op"] == "QuantizeLinear"
-    r = cli("plot", "hist", "--x", path, "--y-scale", "0.05", "--y-zero-point", "0", "--semantics", "onnx",
-            "--dtype", "int8", "--json", "-o", tmp_path / "t.png")
-    assert r.exit_code == 0, r.output
-    s = json.loads(r.stdout)
+    s, _ = _plot(cli, tmp_path, "hist", "--x", path, "--y-scale", "0.05", "--y-zero-point", "0", "--semantics",
+                 "onnx", "--dtype", "int8", name="t.png")
     # per tensor: one block; the grid is int8's, so beyond it is |x / 0.05| past -128 / 127
     u = x.astype(np.float64) / np.float32(0.05)
     assert s["blocks"] == 1 and s["beyond_grid"] == pytest.approx(np.mean((u < -128) | (u > 127)))
@@ -160,9 +154,7 @@ def test_run_file_groups_drawn_per_block(cli, tmp_path, tensor):
         assert s["figures"] == 3 and not s["skipped"]
         for layer in s["layers"]:
             png_size(d / layer["file"])
-    r = cli("plot", "hist", run, "--layer", "fc1/weight", "--json", "-o", tmp_path / "one.png")
-    assert r.exit_code == 0, r.output
-    s = json.loads(r.stdout)
+    s, _ = _plot(cli, tmp_path, "hist", run, "--layer", "fc1/weight")
     assert s["op"] == "mx" and s["blocks"] == x.size // 32
     r = cli("plot", "staircase", run, "-o", f"{tmp_path / 'st'}/", "--json")  # drawn per block only
     assert r.exit_code == 2 and "draws TensorFlow's fake quant" in r.stderr
