@@ -160,3 +160,28 @@ def test_run_file_groups_drawn_per_block(cli, tmp_path, tensor):
     assert r.exit_code == 2 and "draws TensorFlow's fake quant" in r.stderr
     r = cli("plot", "hist", run, "--semantics", "mx", "-o", tmp_path / "x.png")
     assert r.exit_code == 2 and "name their op" in r.stderr
+
+
+def test_channels_of_many_blocks_draw_each_runs_worst():
+    """Above MAX_BLOCKS blocks, each point is a run of consecutive blocks drawn with its lowest SQNR and its
+    largest flushed share."""
+    from qgcli.families import mx as mx_family
+    from qgcli.report import block_plots
+
+    class Given:  # the operands a family reads, as a bundle would give them
+        def __init__(self, **arrays):
+            self.arrays = arrays
+
+        def get(self, name, required=True):
+            return self.arrays[name]
+
+    x = np.random.default_rng(2).standard_normal((64, 2048)).astype(np.float32)
+    formats = mx_family.group_formats({"format": "mxfp4", "block_size": 32})
+    view = mx_family.block_view(formats, Given(inputs=x))
+    fig = block_plots.channels(view)
+    s = fig.qgcli_summary
+    assert s["channels"] == 4096 and s["blocks_per_point"] == 2 and s["points"] == 2048
+    res = mx_ops.mx_fake_quantize(x, format="mxfp4", block_size=32)
+    sqnr = _sqnr(_blocks(x, 32), _blocks(res.outputs, 32)).reshape(-1, 2).min(axis=1)
+    drawn = next(a for a in fig.axes[0].get_children() if a.get_gid() == "sqnr")
+    assert np.allclose(drawn.get_data().values, sqnr, rtol=0, atol=1e-9)
