@@ -463,10 +463,96 @@ def test_compare_semantics_with_onnx_counts_ties_and_ranges(cli, tmp_path):
     assert set(doc["pairs"][0]["reasons"]) <= {"range"}
 
 
-@pytest.mark.parametrize("args,says", [(["--with", "tf,mx"], "tf, torch, onnx"), (["--with", "tf"], "two or more"),
-                                       (["--with", "tf,onnx", "--num-bits", "3"], "4-, 8- and 16-bit")])
+def test_compare_semantics_with_torchao_is_torchaos_quantizer(cli, tmp_path):
+    """--with torchao: torchao's own IntxFakeQuantizer (uint8 / uint4, per token, asymmetric) on a row holding the
+    range's ends and the inputs (so that its min/max are the range) gives exactly qgcli's outputs_torchao; on
+    half steps torchao rounds half to even like PyTorch and ONNX, TensorFlow half up."""
+    torch = pytest.importorskip("torch")
+    qat = pytest.importorskip("torchao.quantization.qat")
+    from torchao.quantization.qat.fake_quantizer import IntxFakeQuantizer
+
+    rng = np.random.default_rng(0)
+    mn, mx = np.float32(-3.1), np.float32(5.3)
+    for bits in (8, 4):
+        step = (mx - mn) / np.float32(2**bits - 1)
+        ties = ((np.arange(-2**bits, 2**bits) + 0.5) * step).astype(np.float32)
+        x = np.concatenate([rng.uniform(mn, mx, 300), ties[(ties > mn) & (ties < mx)], [0.0]]).astype(np.float32)
+        b = _bundle(tmp_path / f"b{bits}.h5", inputs=x, min=mn, max=mx)
+        out = tmp_path / f"c{bits}.npz"
+        r = cli("compare-semantics", b, "--with", "tf,torch,torchao,onnx", "--num-bits", bits, "--json", "-o", out)
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        fq = IntxFakeQuantizer(qat.IntxFakeQuantizeConfig(getattr(torch, f"uint{bits}"), "per_token",
+                                                          is_symmetric=False))
+        row = torch.from_numpy(np.concatenate([[mn, mx], x]).astype(np.float32)).reshape(1, -1)
+        want = fq(row)[0, 2:].numpy()
+        got = load_npz(out)
+        assert same_bits(got["outputs_torchao"], want)
+        assert doc["frameworks"]["torchao"]["scale"] == float(fq.scale.reshape(-1)[0])
+        pairs = {(p["a"], p["b"]): p for p in doc["pairs"]}
+        assert pairs[("torch", "torchao")]["differ"] == 0  # the same grid and arithmetic as PyTorch's
+        assert set(pairs[("torchao", "onnx")]["reasons"]) <= {"arithmetic"}  # x * (1/s) against x / s
+        assert pairs[("tf", "torchao")]["differ"] > 0 and set(pairs[("tf", "torchao")]["reasons"]) <= {"tie",
+                                                                                                      "zero point"}
+
+
+@pytest.mark.parametrize("args,says", [(["--with", "tf,mx"], "tf, torch, onnx, torchao"),
+                                       (["--with", "tf"], "two or more"),
+                                       (["--with", "tf,onnx", "--num-bits", "3"], "4-, 8- and 16-bit"),
+                                       (["--with", "torch,torchao", "--num-bits", "16"], "uint1 to uint8")])
 def test_compare_semantics_with_refusals(cli, tmp_path, args, says):
     b = _bundle(tmp_path / "b.h5", inputs=np.ones(4, np.float32), min=np.float32(-1), max=np.float32(1))
     r = cli("compare-semantics", b, *args, "-o", tmp_path / "c.npz")
     assert r.exit_code == 2 and "--with" in r.stderr and says in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "c.npz").exists()
+
+
+def test_report_rows_give_the_block_statistics(cli, tmp_path):
+    """report's row of an mx group blocked along axis 0 and an nvfp4 group: the share of nonzero inputs flushed
+    to zero, of blocks whose scale saturates, the blocks' dynamic range and the worst block's SQNR, each
+    recomputed here from the op's outputs."""
+    from qgcli.ops import mx as mx_ops, nvfp4 as nvfp4_ops
+
+    r = np.random.default_rng(3)
+    x = (r.standard_normal((64, 6)) * np.exp2(r.integers(-20, 8, (1, 6)))).astype(np.float32)
+    x[:32, 0] = 0
+    x[3, 1] = 1e-30  # flushed, and a wide block
+    x[:, 5] *= np.float32(2.0**-130)  # subnormal: scale code 0, saturated
+    run = tmp_path / "run.h5"
+    with h5py.File(run, "w") as f:
+        g = f.create_group("m")
+        g.attrs.update(op="mx", format="mxfp4", block_size=32, axis=0)
+        g["inputs"] = x
+        g = f.create_group("n")
+        g.attrs.update(op="nvfp4", per_tensor_scale=False)
+        g["inputs"] = x.T.copy()
+    res = cli("report", run, "--json")
+    assert res.exit_code == 0, res.output
+    rows = {row["path"]: row for row in json.loads(res.stdout)["layers"]}
+    m = mx_ops.mx_fake_quantize(x, format="mxfp4", block_size=32, axis=0)
+    xb = np.moveaxis(x, 0, -1).reshape(-1, 32).astype(np.float64)
+    yb = np.moveaxis(m.outputs, 0, -1).reshape(-1, 32).astype(np.float64)
+    nz = xb != 0
+    assert rows["m"]["flushed"] == pytest.approx(np.sum(nz & (yb == 0)) / np.sum(nz))
+    codes = np.moveaxis(m.scales, 0, -1).reshape(-1)
+    assert rows["m"]["saturated_scale_blocks"] == pytest.approx(np.mean((codes == 0) | (codes >= 254)))
+    assert rows["m"]["saturated_scale_blocks"] > 0
+    with np.errstate(divide="ignore"):
+        amin = np.where(nz, np.abs(xb), np.inf).min(axis=1)
+        dyn = np.log2(np.abs(xb).max(axis=1)) - np.log2(amin)
+    dyn = dyn[nz.any(axis=1)]
+    assert rows["m"]["dynamic_range_bits_max"] == pytest.approx(dyn.max())
+    assert rows["m"]["dynamic_range_bits_median"] == pytest.approx(np.median(dyn))
+    err = ((yb - xb) ** 2).sum(axis=1)
+    with np.errstate(all="ignore"):
+        sqnr = np.where(err > 0, 10 * np.log10((xb ** 2).sum(axis=1) / err), np.inf)
+    assert rows["m"]["worst_channel"] == int(np.argmin(sqnr))
+    assert rows["m"]["worst_channel_sqnr_db"] == pytest.approx(sqnr.min())
+    n = nvfp4_ops.nvfp4_fake_quantize(x.T.copy(), per_tensor_scale=False)
+    c = np.asarray(n.block_scales).view(np.uint8) & 0x7F
+    assert rows["n"]["saturated_scale_blocks"] == pytest.approx(np.mean((c == 0x08) | (c == 0x7E)))
+    text = cli("report", run)
+    assert text.exit_code == 0
+    line = next(ln for ln in text.stdout.splitlines() if ln.startswith("m: "))
+    assert f"flushed to zero {100 * rows['m']['flushed']:.1f}%" in line and "scale saturated in" in line
+    assert f"worst block {rows['m']['worst_channel']} at {rows['m']['worst_channel_sqnr_db']:.1f} dB" in line

@@ -254,3 +254,28 @@ def test_nvfp4_matches_the_numpy_path(monkeypatch, per_tensor, nan):
         warnings.simplefilter("ignore")  # the per-tensor scale's NaN warning, raised on both paths
         got, want = both(monkeypatch, lambda: nvfp4.nvfp4_fake_quantize(x, per_tensor_scale=per_tensor))
     same_format_result(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "uint16", "int16", "uint4", "int4"])
+@pytest.mark.parametrize("axis", [None, 0, 1, 2])
+def test_onnx_integer_matches_the_numpy_path(monkeypatch, dtype, axis):
+    """QuantizeLinear + DequantizeLinear per tensor and per axis: the compiled kernel gives the NumPy path's
+    codes and outputs, on NaN/Inf, signed zeros, subnormals, exact half steps and overflowing values."""
+    from qgcli.ops import onnx_quantize
+
+    rng = np.random.default_rng(len(dtype) + (axis or 0))
+    x = hostile(rng, (6, 40, 70), scale=4.0)
+    x.reshape(-1)[:8] = np.array([0.5, -0.5, 1.5, -2.5, 1e30, -1e30, 7.5, -7.5], f32) * f32(0.25)  # ties
+    store, lo, hi = onnx_quantize.INTEGER_TYPES[dtype]
+    n = 1 if axis is None else x.shape[axis]
+    scale = rng.uniform(0.01, 0.5, n).astype(f32)
+    scale[0] = 0.25
+    zp = rng.integers(lo, hi + 1, n).astype(store)
+    if axis is None:
+        scale, zp = scale.reshape(()), zp.reshape(())
+    for z in (zp, None):
+        got, want = both(monkeypatch, lambda: onnx_quantize.onnx_fake_quantize(x, scale, z, dtype=dtype,
+                                                                               axis=axis or 0))
+        assert got.quantized.dtype == want.quantized.dtype and np.array_equal(got.quantized, want.quantized)
+        same_bits(got.outputs, want.outputs)

@@ -30,6 +30,9 @@ Recorded, one group per call, named by module path (``conv1.weight_fake_quant`` 
   ``backprops_wrt_input`` of a fresh quantizer of the same config replayed on the stored operands, and the
   ``scale`` / ``zero_point`` it computed.  A config qgcli does not reproduce (static or learned qparams,
   non-float32 inputs, fnuz or float64 dtypes, other torchao quantizers) is not recorded: ``skipped`` says why.
+- every torchao prototype MX QAT layer (``MXFakeQuantizedLinear``), as two ``op = "mx"`` groups,
+  ``<path>.activation_fake_quantizer`` and ``<path>.weight_fake_quantizer`` (:func:`_mx_hook`); the NVFP4 one
+  (``NVFP4FakeQuantizedLinear``, whose forward needs a Blackwell GPU) is listed in ``skipped``.
 
 How: a forward hook per module copies its input, parameters and output, and hooks the output tensor for the
 upstream gradient (``Tensor.register_hook``, which in-place ops after the module, like ``ReLU(inplace=True)``,
@@ -104,6 +107,10 @@ def capture(model, path, *, step=None, references=True, overwrite=False, layers=
     names = [name for name, _ in hooked] + [s for calls in sites.values() for s, _ in calls]
     if torchao_type:
         cap.skipped.update(_torchao_unseen(model))
+    mx_type = _mx_linear_type()
+    for name, module in model.named_modules() if mx_type else ():
+        if isinstance(module, mx_type):
+            handles.append(module.register_forward_hook(_mx_hook(torch, cap, name or "mx_linear")))
     for name, module in hooked:
         fake_quant = isinstance(module, fake_quant_types)
         leaf = "fake_quant" if fake_quant else "batch_norm"
@@ -187,12 +194,90 @@ def _torchao_type():
 
 
 def _torchao_unseen(model):
-    """torchao's prototype QAT layers (NVFP4, MX) fake-quantize inside their own forward, with no quantizer
-    module to hook: path -> why they are not recorded."""
-    return {name: f"{type(m).__name__}: torchao's prototype QAT quantizes inside the layer's forward (no quantizer "
-                  "module); qgcli does not reproduce NVFP4/MX"
+    """torchao's prototype NVFP4 QAT layer, whose forward runs on a Blackwell GPU only: path -> why it is not
+    recorded (MX layers are: :func:`_mx_hook`)."""
+    return {name: f"{type(m).__name__}: torchao's NVFP4 QAT forward needs a Blackwell GPU (an fp4 scaled mm); "
+                  "qgcli captures no NVFP4 layer: write its groups (op = \"nvfp4\") from your own hooks"
             for name, m in model.named_modules()
-            if type(m).__module__.startswith("torchao.prototype.") and type(m).__name__.endswith("FakeQuantizedLinear")}
+            if type(m).__module__.startswith("torchao.prototype.") and type(m).__name__ == "NVFP4FakeQuantizedLinear"}
+
+
+# --- torchao's prototype MX QAT layer (MXFakeQuantizedLinear) ------------------------------------------------
+
+#: MXFakeQuantizeConfig.dtype (its torch name) -> qgcli's --mx-format
+_MX_FORMATS = {"float4_e2m1fn_x2": "mxfp4", "float8_e4m3fn": "mxfp8-e4m3", "float8_e5m2": "mxfp8-e5m2"}
+
+
+def _mx_linear_type():
+    """torchao's MXFakeQuantizedLinear when the user's code loaded it (nothing is imported here)."""
+    return getattr(sys.modules.get("torchao.prototype.qat.mx"), "MXFakeQuantizedLinear", None)
+
+
+def _mx_hook(torch, cap, name):
+    """MXFakeQuantizedLinear quantizes its input (viewed as ``[-1, in_features]``) and its weight with
+    ``MXTensor.to_mx`` inside its forward: two groups ``<path>.activation_fake_quantizer`` /
+    ``<path>.weight_fake_quantizer`` (``op = "mx"``, blocks along the last axis), ``reference/`` torchao's own
+    ``to_mx(...).dequantize(float32)`` and scales; in the backward, the upstream gradient of each dequantized
+    tensor as torchao's backward forms it (``grad_output @ W`` and ``grad_output^T @ x``), which it passes on
+    unchanged (the identity STE): ``gradients`` and ``reference/backprops_wrt_input``."""
+    def hook(module, args, output):
+        if not cap.active:
+            return
+        x = args[0]
+        groups, dequantized = {}, {}
+        for part, t, config in (("activation", x.reshape(-1, x.shape[-1]), module.activation_config),
+                                ("weight", module.weight, module.weight_config)):
+            label, _ = cap.site(f"{name}.{part}_fake_quantizer", None)
+            wanted = cap.writer.wants(label, weight=part == "weight")
+            groups[part], dequantized[part] = _mx_quantize(torch, cap, label, module, t.detach(), config, wanted)
+        if cap.writer.backward and any(g is not None for g in groups.values()):
+            _on_gradient(output, lambda dy: _backward_mx(torch, groups, dequantized, dy))
+
+    return hook
+
+
+def _mx_quantize(torch, cap, label, module, t, config, record):
+    """torchao's dequantized ``t`` (None where qgcli does not capture the config: the reason in ``skipped``)
+    and, when ``record``, its group."""
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    fmt = _MX_FORMATS.get(_torch_dtype_name(config.dtype))
+    why = (f"MX element dtype {_torch_dtype_name(config.dtype)} is not one qgcli captures" if fmt is None else
+           f"inputs are {_torch_dtype_name(t.dtype)}: qgcli captures torchao's float32 path only"
+           if t.dtype != torch.float32 else None)
+    if why is not None:
+        if record:
+            cap.skipped[label] = why
+        return None, None
+    q = MXTensor.to_mx(t, elem_dtype=config.dtype, block_size=config.block_size, scaling_mode=config.scaling_mode,
+                       kernel_preference=config.kernel_preference)
+    y = q.dequantize(torch.float32)
+    if not record:
+        return None, y
+    import torchao
+
+    attrs = {"format": fmt, "block_size": int(config.block_size), "axis": -1,
+             "scale_mode": config.scaling_mode.name.lower(), "framework": "torchao",
+             "torchao_version": torchao.__version__, "module": type(module).__name__}
+    group = cap.writer.open_group(label, "mx", attrs)
+    group.put({"inputs": _numpy(t)})
+    scales = _numpy(q.scale.view(torch.uint8)).reshape(t.shape[0], -1)
+    group.put_reference({"outputs": _numpy(y), "scales": scales}, digest=("outputs",))
+    return group, y
+
+
+def _backward_mx(torch, groups, dequantized, dy):
+    """The upstream gradient of each dequantized tensor of an MX layer as its backward forms it
+    (``grad_output @ W`` for the input, ``grad_output^T @ x`` for the weight)."""
+    dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.float32)
+    other = {"activation": "weight", "weight": "activation"}
+    for part, group in groups.items():
+        partner = dequantized[other[part]]
+        if group is None or partner is None:
+            continue
+        g = torch.mm(dy2, partner) if part == "activation" else torch.mm(dy2.t(), partner)
+        group.put({"gradients": _numpy(g)})
+        group.put_reference({"backprops_wrt_input": _numpy(g)})
 
 
 def _numpy(t):

@@ -3,10 +3,14 @@
 (``ste``, the identity, and ``masked-ste``); small-float codes written as their bytes; the per-block analysis
 (elements flushed to zero, saturated scales, dynamic range in bits, SQNR) and the summary on stderr.
 """
+from typing import Any, NamedTuple, Optional
+
 import numpy as np
 
 from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.families.groups import OVERRIDABLE
 from qgcli.families.torchao import OPTION_NAMES
+from qgcli.jobs import FakeQuantJob, OperandSpecs
 from qgcli.report.summaries import describe_arrays, json_safe, percent, render_closing_lines
 from qgcli.report.tables import print_items
 from qgcli.report.text import counted, markup, printable_doc
@@ -87,6 +91,45 @@ def run_file_estimator(run, masked_ok):
                      "identity STE; masked-ste runs on one bundle)")
 
 
+def job_of_options(o, family, formats, specs, *, masked_ok, why_not):
+    """The job of the fakequant commands' options: ``formats`` with the estimator (fakequant-grad; --estimator
+    is refused for fakequant) and ``specs`` (name -> SPEC) with ``gradients`` added for fakequant-grad."""
+    if o.with_gradients:
+        formats["estimator"] = estimator_name(o, masked_ok=masked_ok, why_not=why_not)
+        specs["gradients"] = o.operands.get("gradients")
+    elif o.estimator.estimator is not None:
+        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
+    return FakeQuantJob(command=o.command, family=family, with_gradients=o.with_gradients,
+                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
+                        axis=formats["axis"], formats=formats)
+
+
+def job_of_group(run, family, formats, operand_specs, output, pick, *, masked_ok, what):
+    """The job of a run-file group (``formats`` read from its attributes); the command line's attribute options
+    are refused (``what``: the group's name in the message)."""
+    for name in pick.given:
+        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to {what} (its attributes say it)")
+    formats["estimator"] = run_file_estimator(run, masked_ok) if run.with_gradients else None
+    return FakeQuantJob(command=run.command, family=family, with_gradients=run.with_gradients,
+                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+
+
+def problem(check, *args, errors=(QgcliError,), prefix=""):
+    """The one-line message of ``check(*args)``'s error (of the types ``errors``), or None when it passes."""
+    try:
+        check(*args)
+    except errors as exc:
+        return f"{prefix}{exc}"
+    return None
+
+
+def gradient_statistics(gradients, dx, estimator):
+    """The summary's gradient part: shares of the elements passed unchanged and zeroed."""
+    g = np.asarray(gradients, np.float32)
+    return {"estimator": estimator, "unchanged": float((dx == g).mean()) if g.size else 1.0,
+            "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+
+
 def float32_operand(value, name):
     """An operand as float32 (bfloat16 and float16 values exactly), or an OperandError."""
     a = np.asarray(value) if not hasattr(value, "dtype") else value
@@ -118,7 +161,8 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
     - ``flushed``: share of the block's nonzero finite inputs that come back 0;
     - ``dynamic_range_bits``: log2 max|x| - log2 of the smallest nonzero |x| (NaN for an all-zero block);
     - ``sqnr_db``: 10 log10(sum x^2 / sum (y - x)^2) over the finite elements (inf when exact);
-    - ``saturated``: the per-block booleans given (the block's scale at its clamp), else None.
+    - ``saturated``: the per-block booleans given (the block's scale at its clamp, shaped like the scales or
+      already in block order), else None.
     """
     x = np.asarray(x, np.float32)
     y = np.asarray(y, np.float32)
@@ -149,12 +193,15 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
              "nan_outputs": int(np.isnan(yb).sum()),
              "dynamic_range_bits_max": float(np.nanmax(dyn)) if np.isfinite(dyn).any() else None,
              "dynamic_range_bits_median": float(np.nanmedian(dyn)) if np.isfinite(dyn).any() else None}
+    sat = None
     if saturated is not None:
-        sat = np.asarray(saturated).reshape(-1)
+        sat = np.asarray(saturated)
+        if x.ndim and sat.ndim == x.ndim:  # shaped like the scales: the block axis last, as the blocks are
+            sat = np.moveaxis(sat, ax, -1)
+        sat = sat.reshape(-1)
         stats["saturated_scale_blocks"] = float(sat.mean()) if sat.size else 0.0
     per_block = {"flushed": np.divide(flushed_n, nz, out=np.zeros(n_blocks), where=nz > 0),
-                 "dynamic_range_bits": dyn, "sqnr_db": sqnr,
-                 "saturated": None if saturated is None else np.asarray(saturated).reshape(-1)}
+                 "dynamic_range_bits": dyn, "sqnr_db": sqnr, "saturated": sat}
     shape = scale_shape if scale_shape is not None else (x.shape[:-1] + (x.shape[-1] // block_size,) if x.ndim
                                                          else ())
     order = np.lexsort((np.arange(n_blocks), -per_block["flushed"], sqnr))  # lowest SQNR first
@@ -174,6 +221,52 @@ def block_row(per_block, i, shape, axis):
     return {"block": i, "index": index, "flushed": float(per_block["flushed"][i]),
             "dynamic_range_bits": dyn if np.isfinite(dyn) else None,
             "sqnr_db": float(per_block["sqnr_db"][i]), "saturated": None if sat is None else bool(sat[i])}
+
+
+# --- what qgcli plot hist / channels draw per block -------------------------------------------------------------
+
+class BlockView(NamedTuple):
+    """A block-format tensor as ``qgcli plot hist`` / ``plot channels`` draw it (:mod:`qgcli.report.block_plots`):
+    ``x`` and ``y`` (inputs and dequantized outputs, float32), ``u`` (each input in its element grid's units:
+    divided by its block's scale, plus the zero point), ``levels`` (the values that grid holds), the per-block
+    statistics of :func:`block_statistics` (``stats``, ``per_block``, ``shape``: the blocks' grid) and each
+    block's ``log2_scales`` (None where there is no scale per block)."""
+
+    op: str
+    title: str
+    unit: str
+    x: Any
+    y: Any
+    u: Any
+    levels: Any
+    block_size: int
+    axis: Optional[int]
+    stats: dict
+    per_block: dict
+    shape: tuple
+    log2_scales: Any = None
+
+
+def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scales=None, saturated=None):
+    """A :class:`BlockView`; ``axis`` None: the tensor is one block; ``log2_scales`` and ``saturated`` shaped
+    like the scales (the block axis in its place), put in the order of :func:`block_statistics`' blocks."""
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+
+    def ordered(a):
+        if a is None:
+            return None
+        a = np.asarray(a)
+        return (np.moveaxis(a, axis, -1) if axis is not None and a.ndim else a).reshape(-1)
+
+    if axis is None:
+        stats, per_block, shape = block_statistics(x.reshape(1, -1), y.reshape(1, -1), max(1, x.size),
+                                                   saturated=saturated)
+    else:
+        stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=saturated)
+    return BlockView(op, title, unit, x, y, np.asarray(u, np.float64), np.asarray(levels, np.float64),
+                     int(block_size if axis is not None else max(1, x.size)), axis, stats, per_block, shape,
+                     ordered(log2_scales))
 
 
 # --- the summary -------------------------------------------------------------------------------------------------
@@ -223,21 +316,29 @@ def saturated_elements(x, y, limit):
         return np.isfinite(x) & np.isfinite(y) & (np.abs(y) == np.asarray(limit, np.float64)) & (np.abs(x) > np.abs(y))
 
 
-def report_row(x, y, clipped, gradients, block_size, axis, passed=None):
+def report_row(x, y, clipped, gradients, block_size, axis, passed=None, saturated=None):
     """``qgcli report``'s row (:data:`qgcli.report.layers.LAYER_KEYS`) of a block-format group: channels are the
     blocks, clipped the saturated elements (below: negative), SQNR over the tensor, the worst block the one of
-    lowest SQNR; ``passed``: the estimator's mask (None: the identity STE passes every element)."""
+    lowest SQNR (``worst_channel_sqnr_db``), the share of nonzero inputs flushed to zero, the blocks' dynamic
+    range in bits (median, largest) and, with ``saturated`` (per block, shaped like the scales), the share of
+    blocks whose scale saturates; ``passed``: the estimator's mask (None: the identity STE passes every
+    element)."""
     x64 = np.asarray(x, np.float64)
     n = x64.size
     below = clipped & (x64 < 0)
     row = {"clipped_below": float(below.sum()) / n if n else 0.0,
            "clipped_above": float((clipped & ~below).sum()) / n if n else 0.0}
     row["clipped"] = row["clipped_below"] + row["clipped_above"]
-    stats, per_block, shape = block_statistics(x, y, block_size, axis=axis)
+    stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=saturated)
     row["channels"] = stats["blocks"]
     row["sqnr_db"] = stats["sqnr_db"] if np.isfinite(stats["sqnr_db"]) else None
+    row.update(flushed=stats["flushed"], saturated_scale_blocks=stats.get("saturated_scale_blocks"),
+               dynamic_range_bits_median=stats["dynamic_range_bits_median"],
+               dynamic_range_bits_max=stats["dynamic_range_bits_max"])
     if stats["blocks"] > 1:
         worst = int(np.lexsort((np.arange(stats["blocks"]), per_block["sqnr_db"]))[0])
+        row["worst_channel_sqnr_db"] = float(per_block["sqnr_db"][worst]) if np.isfinite(
+            per_block["sqnr_db"][worst]) else None
         cb = np.moveaxis(np.asarray(clipped), axis % x64.ndim, -1).reshape(-1, block_size) if x64.ndim else \
             np.asarray(clipped).reshape(1, -1)
         row.update(worst_channel=worst, worst_channel_clipped=float(cb[worst].mean()))

@@ -9,11 +9,11 @@ type in the ``quantized_dtype`` attribute).  The gradient is the identity (torch
 """
 import numpy as np
 
-from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.errors import OperandError, QgcliError
 from qgcli.families import block_formats as bf
-from qgcli.families.groups import OVERRIDABLE, plain
+from qgcli.families.groups import plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.jobs import Result
 from qgcli.ops import mx as ops
 from qgcli.report.summaries import describe_arrays
 
@@ -57,17 +57,8 @@ def job_from_options(o):
                "block_size": DEFAULTS["block_size"] if f.block_size is None else int(f.block_size),
                "axis": -1 if o.attributes.axis is None else int(o.attributes.axis),
                "scale_mode": f.scale_mode or DEFAULTS["scale_mode"], "estimator": None}
-    if o.with_gradients:
-        formats["estimator"] = bf.estimator_name(o, masked_ok=False, why_not=" (--semantics onnx); torchao's MX "
-                                                 "QAT backward is the identity")
-    elif o.estimator.estimator is not None:
-        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
-    specs = dict(inputs=o.operands.get("inputs"))
-    if o.with_gradients:
-        specs["gradients"] = o.operands.get("gradients")
-    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
-                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
-                        axis=formats["axis"], formats=formats)
+    return bf.job_of_options(o, NAME, formats, {"inputs": o.operands.get("inputs")}, masked_ok=False,
+                             why_not=" (--semantics onnx); torchao's MX QAT backward is the identity")
 
 
 # --- run files -----------------------------------------------------------------------------------------------
@@ -79,30 +70,21 @@ def _group_formats(attrs):
             "scale_mode": str(a.get("scale_mode", DEFAULTS["scale_mode"])).lower(), "estimator": "ste"}
 
 
+group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
+
+
 def attribute_problem(attrs):
-    try:
-        _check(_group_formats(attrs))
-    except (QgcliError, ValueError, TypeError) as exc:
-        return f"attribute {exc}"
-    return None
+    return bf.problem(lambda: _check(_group_formats(attrs)), errors=(QgcliError, ValueError, TypeError),
+                      prefix="attribute ")
 
 
 def group_problem(layer, shapes):
-    try:
-        _check(_group_formats(layer.attrs), shapes["inputs"])
-    except QgcliError as exc:
-        return str(exc)
-    return None
+    return bf.problem(lambda: _check(_group_formats(layer.attrs), shapes["inputs"]))
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    for name in pick.given:
-        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to an mx group (its attributes say the "
-                         "format)")
-    formats = _group_formats(layer.attrs)
-    formats["estimator"] = bf.run_file_estimator(run, False) if run.with_gradients else None
-    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
-                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+    return bf.job_of_group(run, NAME, _group_formats(layer.attrs), operand_specs, output, pick, masked_ok=False,
+                           what="an mx group")
 
 
 # --- computing -------------------------------------------------------------------------------------------------
@@ -132,8 +114,6 @@ def compute(job, operands):
     attrs = {"op": "mx", "semantics": "mx", **attributes(f)}
     notes = []
     if job.with_gradients:
-        from qgcli.ops import mx as ops
-
         dx = ops.mx_fake_quantize_gradient(gradients, inputs, format=f["format"], block_size=int(f["block_size"]),
                                            axis=int(f["axis"]), scale_mode=f["scale_mode"])
         out = {"backprops_wrt_input": dx}
@@ -150,9 +130,7 @@ def compute(job, operands):
                                           saturated=saturated_scales(res.scales, f),
                                           scale_shape=None)
         if job.with_gradients:
-            g = np.asarray(gradients, np.float32)
-            stats["gradient"] = {"estimator": "ste (identity)", "unchanged": float((dx == g).mean()) if g.size else 1.0,
-                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+            stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")
         if stats.get("saturated_scale_blocks"):
             notes.append("a saturated scale: E8M0 code 0 (torchao quantizes with 2^-126 and dequantizes with "
                          "2^-127: the block comes back halved) or 254/255 (Inf/NaN inputs)")
@@ -163,6 +141,28 @@ def compute(job, operands):
 render = bf.render
 
 
+def _element_scales(codes, block_size, axis):
+    """Each element's block scale 2^(code - 127) (float64; NaN for code 255)."""
+    e = np.asarray(codes).astype(np.float64)
+    return np.exp2(np.repeat(np.where(e == 255, np.nan, e), block_size, axis=axis) - 127)
+
+
+def block_view(formats, operands):
+    """``qgcli plot hist / channels``' view of the tensor under ``formats`` (a job's, or :func:`group_formats`) (:class:`qgcli.families.block_formats.BlockView`)."""
+    f = formats
+    x = np.asarray(bf.float32_operand(operands.get("inputs"), "inputs"), np.float32)
+    _check(f, tuple(np.shape(x)))
+    res = forward(x, f)
+    axis, bs = f["axis"] % x.ndim, int(f["block_size"])
+    with np.errstate(all="ignore"):
+        u = x / _element_scales(res.scales, bs, axis)
+        log2 = np.where(res.scales == 255, np.nan, res.scales.astype(np.float64) - 127)
+    return bf.block_view("mx", f"MX {f['format']}, scale mode {f['scale_mode']}, blocks of {bs} along axis "
+                         f"{f['axis']}", "x / block scale 2^(E8M0 - 127)", x, res.outputs, u,
+                         ops.element_values(f["format"]), bs, axis, log2_scales=log2,
+                         saturated=saturated_scales(res.scales, f))
+
+
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
     """``qgcli report``'s row of an mx group: blocks as channels, saturated elements as clipped, SQNR."""
     f = _group_formats(layer.attrs)
@@ -170,7 +170,7 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     _check(f, tuple(np.shape(x)))
     res = forward(x, f)
     axis, bs = f["axis"] % max(1, np.ndim(x)), int(f["block_size"])
-    scale = np.exp2(np.repeat(res.scales.astype(np.float64), bs, axis=axis) - 127)
-    clipped = bf.saturated_elements(x, res.outputs, ops.FORMATS[f["format"]].max_pos * scale)
+    clipped = bf.saturated_elements(x, res.outputs, ops.FORMATS[f["format"]].max_pos *
+                                    _element_scales(res.scales, bs, axis))
     return {"num_bits": {"fp8": 8, "fpx": 6 if "fp6" in f["format"] else 4, "int8": 8}[ops.FORMATS[f["format"]].kind],
-            **bf.report_row(x, res.outputs, clipped, gradients, bs, axis)}
+            **bf.report_row(x, res.outputs, clipped, gradients, bs, axis, saturated=saturated_scales(res.scales, f))}

@@ -12,13 +12,12 @@ import warnings
 
 import numpy as np
 
-from qgcli.errors import OptionError, QgcliError
 from qgcli.families import block_formats as bf
-from qgcli.families.groups import is_bool, OVERRIDABLE, plain
+from qgcli.families.groups import is_bool, plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.jobs import Result
 from qgcli.ops import nvfp4 as ops
-from qgcli.ops.mx import check_blocks
+from qgcli.ops.mx import check_blocks, element_values
 from qgcli.report.summaries import describe_arrays
 
 NAME, KIND = "nvfp4", FAKE_QUANT
@@ -46,17 +45,8 @@ def job_from_options(o):
     formats = {"semantics": "nvfp4", "block_size": BLOCK_SIZE,
                "axis": -1 if o.attributes.axis is None else int(o.attributes.axis),
                "per_tensor_scale": o.formats.per_tensor_scale is not False, "estimator": None}
-    if o.with_gradients:
-        formats["estimator"] = bf.estimator_name(o, masked_ok=False, why_not=" (--semantics onnx); torchao's NVFP4 "
-                                                 "QAT backward is the identity")
-    elif o.estimator.estimator is not None:
-        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
-    specs = dict(inputs=o.operands.get("inputs"))
-    if o.with_gradients:
-        specs["gradients"] = o.operands.get("gradients")
-    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
-                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
-                        axis=formats["axis"], formats=formats)
+    return bf.job_of_options(o, NAME, formats, {"inputs": o.operands.get("inputs")}, masked_ok=False,
+                             why_not=" (--semantics onnx); torchao's NVFP4 QAT backward is the identity")
 
 
 # --- run files -----------------------------------------------------------------------------------------------
@@ -70,29 +60,21 @@ def _group_formats(attrs):
             "per_tensor_scale": bool(pts), "estimator": "ste"}
 
 
+group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
+
+
 def attribute_problem(attrs):
-    try:
-        _group_formats(attrs)
-    except (ValueError, TypeError) as exc:
-        return f"attribute {exc}"
-    return None
+    return bf.problem(_group_formats, attrs, errors=(ValueError, TypeError), prefix="attribute ")
 
 
 def group_problem(layer, shapes):
-    try:
-        check_blocks(shapes["inputs"], _group_formats(layer.attrs)["axis"], BLOCK_SIZE, what="NVFP4 block size")
-    except QgcliError as exc:
-        return str(exc)
-    return None
+    return bf.problem(lambda: check_blocks(shapes["inputs"], _group_formats(layer.attrs)["axis"], BLOCK_SIZE,
+                                           what="NVFP4 block size"))
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    for name in pick.given:
-        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to an nvfp4 group (its attributes say it)")
-    formats = _group_formats(layer.attrs)
-    formats["estimator"] = bf.run_file_estimator(run, False) if run.with_gradients else None
-    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
-                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+    return bf.job_of_group(run, NAME, _group_formats(layer.attrs), operand_specs, output, pick, masked_ok=False,
+                           what="an nvfp4 group")
 
 
 # --- computing -------------------------------------------------------------------------------------------------
@@ -144,14 +126,29 @@ def compute(job, operands):
         if res.tensor_scale is not None:
             stats["tensor_scale"] = float(res.tensor_scale)
         if job.with_gradients:
-            g = np.asarray(gradients, np.float32)
-            stats["gradient"] = {"estimator": "ste (identity)", "unchanged": float((dx == g).mean()) if g.size else 1.0,
-                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+            stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")
     described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
     return Result(out, attrs, bf.summary(job, "NVFP4", attributes(f), described, out, stats, notes))
 
 
 render = bf.render
+
+
+def block_view(formats, operands):
+    """``qgcli plot hist / channels``' view of the tensor under ``formats`` (a job's, or :func:`group_formats`) (:class:`qgcli.families.block_formats.BlockView`)."""
+    f = formats
+    x = np.asarray(bf.float32_operand(operands.get("inputs"), "inputs"), np.float32)
+    axis = check_blocks(tuple(np.shape(x)), f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    res, _ = forward(x, f)
+    t = 1.0 if res.tensor_scale is None else float(res.tensor_scale)
+    scale = np.asarray(res.block_scales).astype(np.float64) * t
+    with np.errstate(all="ignore"):
+        u = x / np.repeat(scale, BLOCK_SIZE, axis=axis)
+        log2 = np.log2(scale)
+    tensor = f"per-tensor scale {t:.4g}" if res.tensor_scale is not None else "no per-tensor scale"
+    return bf.block_view("nvfp4", f"NVFP4, blocks of {BLOCK_SIZE} along axis {f['axis']}, {tensor}",
+                         "x / (E4M3 block scale x tensor scale)", x, res.outputs, u, element_values("mxfp4"),
+                         BLOCK_SIZE, axis, log2_scales=log2, saturated=saturated_scales(res.block_scales))
 
 
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
@@ -161,4 +158,5 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     res, _ = forward(x, f)
     clipped = ((np.asarray(res.quantized) & 7) == 7) & (np.abs(np.asarray(x, np.float64)) >
                                                         np.abs(np.asarray(res.outputs, np.float64)))
-    return {"num_bits": 4, **bf.report_row(x, res.outputs, clipped, gradients, BLOCK_SIZE, f["axis"])}
+    return {"num_bits": 4, **bf.report_row(x, res.outputs, clipped, gradients, BLOCK_SIZE, f["axis"],
+                                           saturated=saturated_scales(res.block_scales))}

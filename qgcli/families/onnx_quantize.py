@@ -13,11 +13,11 @@ Run-file groups: ``op = "QuantizeLinear"`` with ``dtype``, ``axis``, ``block_siz
 """
 import numpy as np
 
-from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.errors import OperandError, OptionError
 from qgcli.families import block_formats as bf
-from qgcli.families.groups import is_bool, is_int, OVERRIDABLE, plain
+from qgcli.families.groups import is_bool, is_int, plain
 from qgcli.families.registry import FAKE_QUANT
-from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
+from qgcli.jobs import Result
 from qgcli.ops import onnx_quantize as ops
 from qgcli.ops.onnx_quantize import DTYPES, INTEGER_TYPES
 from qgcli.report.summaries import describe_arrays
@@ -62,19 +62,11 @@ def job_from_options(o):
     if not formats["saturate"] and dtype is not None and dtype not in ("float8e4m3fn", "float8e5m2"):
         raise OptionError(f"applies to the float8 types (saturate is theirs), not --dtype {dtype}",
                           param_hint="'--no-saturate'")
-    if o.with_gradients:
-        formats["estimator"] = bf.estimator_name(o, masked_ok=dtype is None or dtype in INTEGER_TYPES,
-                                                 why_not=f", not --dtype {dtype}")
-    elif o.estimator.estimator is not None:
-        raise OptionError("only applies to fakequant-grad", param_hint="'--estimator'")
     given = o.operands.as_dict()
     specs = {"x": given.get("x") if given.get("x") is not None else given.get("inputs"),
              "y_scale": given.get("y_scale"), "y_zero_point": given.get("y_zero_point")}
-    if o.with_gradients:
-        specs["gradients"] = given.get("gradients")
-    return FakeQuantJob(command=o.command, family=NAME, with_gradients=o.with_gradients,
-                        operands=OperandSpecs.of(o.operands.bundle, **specs), output=o.output,
-                        axis=formats["axis"], formats=formats)
+    return bf.job_of_options(o, NAME, formats, specs, masked_ok=dtype is None or dtype in INTEGER_TYPES,
+                             why_not=f", not --dtype {dtype}")
 
 
 # --- run files -----------------------------------------------------------------------------------------------
@@ -94,12 +86,11 @@ def _group_formats(attrs):
             "saturate": bool(a.get("saturate", True)), "estimator": "ste"}
 
 
+group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
+
+
 def attribute_problem(attrs):
-    try:
-        _group_formats(attrs)
-    except (ValueError, TypeError) as exc:
-        return f"attribute {exc}"
-    return None
+    return bf.problem(_group_formats, attrs, errors=(ValueError, TypeError), prefix="attribute ")
 
 
 def group_problem(layer, shapes):
@@ -109,13 +100,8 @@ def group_problem(layer, shapes):
 
 
 def job_from_group(run, layer, operand_specs, output, pick):
-    for name in pick.given:
-        raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to a QuantizeLinear group (its attributes "
-                         "say it)")
-    formats = _group_formats(layer.attrs)
-    formats["estimator"] = bf.run_file_estimator(run, True) if run.with_gradients else None
-    return FakeQuantJob(command=run.command, family=NAME, with_gradients=run.with_gradients,
-                        operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
+    return bf.job_of_group(run, NAME, _group_formats(layer.attrs), operand_specs, output, pick, masked_ok=True,
+                           what="a QuantizeLinear group")
 
 
 # --- computing -------------------------------------------------------------------------------------------------
@@ -177,9 +163,7 @@ def compute(job, operands):
     if job.output.shows_summary:
         stats = _statistics(x, res, y_scale, zp, dtype, f)
         if job.with_gradients:
-            g = np.asarray(gradients, np.float32)
-            stats["gradient"] = {"estimator": f["estimator"], "unchanged": float((dx == g).mean()) if g.size else 1.0,
-                                 "zeroed": float((dx == 0).mean()) if g.size else 0.0}
+            stats["gradient"] = bf.gradient_statistics(gradients, dx, f["estimator"])
         if dtype in ops.INTEGER_TYPES and np.isnan(x).any():
             notes.append("NaN inputs quantize to qmin (onnxruntime's saturation; the reference's cast is undefined "
                          "there)")
@@ -192,10 +176,8 @@ def _statistics(x, res, y_scale, zp, dtype, f):
     """Blocked quantization with whole blocks: per block; otherwise the tensor as one block.  ``clipped``: the
     share of elements at a saturated code (integer types: qmin or qmax; float types: the largest finite
     magnitude or beyond)."""
-    shape = np.shape(x)
     bs = f["block_size"]
-    blocked = bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0
-    if blocked:
+    if _whole_blocks(np.shape(x), y_scale, f):
         stats, _, _ = bf.block_statistics(x, res.outputs, bs, axis=f["axis"])
     else:
         stats, _, _ = bf.block_statistics(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)),
@@ -216,6 +198,34 @@ def _statistics(x, res, y_scale, zp, dtype, f):
 
 
 render = bf.render
+
+
+def _whole_blocks(shape, y_scale, f):
+    """Whether blocked quantization covers the axis with whole blocks (else the tensor is one block)."""
+    bs = f["block_size"]
+    return bool(bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0)
+
+
+def block_view(formats, operands):
+    """``qgcli plot hist / channels``' view of the tensor under ``formats`` (a job's, or :func:`group_formats`)
+    (:class:`qgcli.families.block_formats.BlockView`): blocked quantization per block, otherwise the tensor as
+    one block."""
+    f = formats
+    x, y_scale, zp, dtype, _ = load(operands, f)
+    kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
+    res = ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
+    sb, zb = ops.broadcast_qparams(np.shape(x), y_scale, zp, **kw)
+    with np.errstate(all="ignore"):
+        u = x.astype(np.float64) / sb + zb
+        log2 = np.log2(np.asarray(y_scale, np.float64))
+    blocked = _whole_blocks(np.shape(x), y_scale, f)
+    axis = f["axis"] % x.ndim if blocked else None
+    where = (f"blocks of {f['block_size']} along axis {f['axis']}" if blocked else
+             "per tensor" if np.size(y_scale) == 1 else f"per axis {f['axis']}")
+    unit = "x / y_scale" + ("" if dtype in ops.FLOAT_TYPES else " + y_zero_point")
+    return bf.block_view("QuantizeLinear", f"ONNX QuantizeLinear {dtype}, {where}", unit, x, res.outputs, u,
+                         ops.grid_values(dtype), f["block_size"], axis,
+                         log2_scales=log2 if blocked else log2.reshape(-1))
 
 
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
@@ -240,9 +250,8 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
         with np.errstate(invalid="ignore"):
             clipped = (qf == fmax) & (np.abs(x64) > np.abs(y64))
         bits = 4 if dtype == "float4e2m1" else 8
-    shape = np.shape(x)
     bs = f["block_size"]
-    if bs and np.size(y_scale) > 1 and len(shape) and shape[f["axis"]] % bs == 0:
+    if _whole_blocks(np.shape(x), y_scale, f):
         row = bf.report_row(x, res.outputs, clipped, gradients, bs, f["axis"])
     else:
         row = bf.report_row(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)), np.reshape(clipped, (1, -1)),

@@ -670,9 +670,48 @@ int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restr
     return 0;
 }
 
+/* ONNX QuantizeLinear + DequantizeLinear to an integer type (onnx_quantize._quantize / _dequantize, the same
+ * float32 operations): x as [rows][n][inner], row `row0 + r`'s slice j with scale s[j] and zero point z[j]
+ * (z NULL: none); q = NaN ? lo : clamp(rint(x / s) + z, lo, hi), stored in qbytes (1 or 2) bytes, two's
+ * complement for the signed types; y = (q - z) * s. */
+static inline __attribute__((always_inline)) void qg_onnx_one(float xv, float sj, float zj, float lo, float hi,
+                                                              int32_t *qv, float *yv) {
+    float v = rintf(xv / sj) + zj;
+    v = v != v ? lo : (v < lo ? lo : (v > hi ? hi : v));
+    *qv = (int32_t)v;
+    *yv = ((float)*qv - zj) * sj;
+}
+
+void qg_onnx_int(const float *restrict x, uint8_t *restrict q, float *restrict y, int64_t rows, int64_t n,
+                 int64_t inner, const float *restrict s, const float *restrict z, float lo, float hi, int qbytes) {
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+            const float sj = s[j], zj = z ? z[j] : 0.0f;
+            const int64_t at = (r * n + j) * inner;
+            const float *restrict xs = x + at;
+            float *restrict ys = y + at;
+            if (qbytes == 1) {
+                uint8_t *restrict qs = q + at;
+                for (int64_t i = 0; i < inner; ++i) {
+                    int32_t qv;
+                    qg_onnx_one(xs[i], sj, zj, lo, hi, &qv, ys + i);
+                    qs[i] = (uint8_t)qv;
+                }
+            } else {
+                uint16_t *restrict qs = (uint16_t *)q + at;
+                for (int64_t i = 0; i < inner; ++i) {
+                    int32_t qv;
+                    qg_onnx_one(xs[i], sj, zj, lo, hi, &qv, ys + i);
+                    qs[i] = (uint16_t)qv;
+                }
+            }
+        }
+    }
+}
+
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 7; }
+int qg_abi_version(void) { return 8; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

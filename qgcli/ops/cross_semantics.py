@@ -10,8 +10,14 @@ The grids, from ``[min, max]``:
 * **torch**: PyTorch's ``MinMaxObserver`` widens the range to 0 and rounds its zero point half to even;
   ``fake_quantize_per_{tensor,channel}_affine`` gives ``clamp(nearbyint(x * (1/scale)) + zero_point)``: half to
   even, the zero point added after rounding, a multiply by the float32 reciprocal.
+* **torchao**: torchao's QAT ``IntxFakeQuantizer`` (``IntxFakeQuantizeConfig(torch.uint<b>, per-token,
+  asymmetric)``, :mod:`qgcli.ops.torchao_semantics`) with the range standing for the data's min/max: the
+  scale ``(max(max, 0) - min(min, 0)) / (2^b - 1)`` (clamped to eps = 2^-126, PyTorch's observer clamps to
+  float32's epsilon), the zero point ``clamp(-rint(min(min, 0) / scale))``, ``clamp(rint(x * (1/scale)) + z)``
+  in ``[0, 2^b - 1]`` (torchao has no narrow range; 1 to 8 bits).  Where its scale and zero point equal
+  PyTorch's it gives PyTorch's integers: the same arithmetic.
 * **onnx**: ``QuantizeLinear`` with the scale and zero point of the framework it is deployed from (the first of
-  tf / torch named before or after it; TensorFlow's when neither is): ``saturate(rint(x / y_scale) + zero_point)``
+  tf / torch / torchao named before or after it; TensorFlow's when none is): ``saturate(rint(x / y_scale) + zero_point)``
   (:mod:`qgcli.ops.onnx_quantize`): half to even, a true division, the zero point after rounding, saturating to
   its type (uint4 / uint8 / uint16 for 4, 8, 16 bits: ONNX has no other width, no narrow range).
 
@@ -25,10 +31,10 @@ rounded to float32, on either side of a half step).
 import numpy as np
 
 from qgcli.errors import OperandError
-from qgcli.ops import onnx_quantize
+from qgcli.ops import onnx_quantize, torchao_semantics
 from qgcli.ops.torch_semantics import compare_with_tensorflow
 
-FRAMEWORKS = ("tf", "torch", "onnx")
+FRAMEWORKS = ("tf", "torch", "onnx", "torchao")
 REASONS = ("nonfinite", "grid", "range", "tie", "zero point", "arithmetic")
 _ONNX_TYPES = {4: "uint4", 8: "uint8", 16: "uint16"}
 
@@ -75,6 +81,8 @@ def codes(inputs, min, max, *, frameworks=("tf", "torch", "onnx"), num_bits=8, n
         q_pt = np.rint(y_pt.astype(np.float64) / s_pt) + z_pt
         out["torch"] = {"q": np.where(np.isfinite(q_pt), q_pt, -1).astype(np.int64), "y": y_pt, "scale": s_pt,
                         "zero_point": z_pt, "qmin": grids["quant_min"], "qmax": grids["quant_max"], "grid": "torch"}
+    if "torchao" in frameworks:
+        out["torchao"] = _torchao(x, min, max, num_bits, ax)
     if "onnx" in frameworks:
         dtype = _ONNX_TYPES.get(num_bits)
         if dtype is None:
@@ -95,6 +103,29 @@ def codes(inputs, min, max, *, frameworks=("tf", "torch", "onnx"), num_bits=8, n
                        "zero_point": g["zero_point"], "qmin": lo, "qmax": hi, "grid": base, "dtype": dtype}
     out["grids"] = grids
     return {k: v for k, v in out.items() if k in frameworks or k == "grids"}
+
+
+def _torchao(x, min, max, num_bits, axis):
+    """torchao's IntxFakeQuantizer (uint<num_bits>, asymmetric, per token) with ``[min, max]`` (per channel along
+    ``axis``) as each block's min/max: its qparams from a block holding exactly those two values, then its
+    int-domain forward."""
+    if not 1 <= num_bits <= 8:
+        raise OperandError(f"--num-bits {num_bits}: torchao's IntxFakeQuantizer takes uint1 to uint8",
+                           operand="--with")
+    config = torchao_semantics.intx_fake_quantize_config(f"uint{num_bits}", "per-token", "asymmetric")
+    mn = np.asarray(min, np.float32).reshape(-1)
+    mx = np.asarray(max, np.float32).reshape(-1)
+    mn, mx = np.broadcast_arrays(mn, mx)
+    scale, zero_point = torchao_semantics.choose_qparams(np.stack([mn, mx], axis=-1), config)
+    s = _shape_for(scale, x.ndim, axis).astype(np.float32)
+    z = _shape_for(zero_point, x.ndim, axis).astype(np.float32)
+    qmin, qmax = torchao_semantics.dtype_bounds(config.dtype)
+    with np.errstate(all="ignore"):
+        v = np.rint(x * (np.float32(1) / s)) + z
+        q = np.where(np.isnan(v), v, np.clip(v, np.float32(qmin), np.float32(qmax)))
+        y = ((q - z) * s).astype(np.float32)
+    return {"q": np.where(np.isfinite(q), q, -1).astype(np.int64), "y": y, "scale": s.astype(np.float64),
+            "zero_point": z.astype(np.float64), "qmin": qmin, "qmax": qmax, "grid": "torchao"}
 
 
 def _reasons(x, a, b, names):

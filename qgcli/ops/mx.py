@@ -319,6 +319,21 @@ def _chunked(xb, fmt, scale_mode):
     return q, code, y
 
 
+def element_values(format):
+    """The finite values an element of ``format`` can take, sorted (float64): the grid onto which a block's
+    inputs divided by its scale are rounded.
+
+    >>> element_values("mxfp4")[7:].tolist()
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    """
+    fmt = _format(format)
+    if fmt.kind == "int8":
+        return np.arange(-127, 128) / 64.0
+    with np.errstate(invalid="ignore"):
+        table = np.asarray(_table(fmt), np.float64)[: 256 if fmt.float8 else 1 << (1 + fmt.ebits + fmt.mbits)]
+    return np.unique(table[np.isfinite(table) & (np.abs(table) <= fmt.max_pos)]) + 0.0  # -0 as 0
+
+
 def mx_fake_quantize(inputs, *, format="mxfp8-e4m3", block_size=32, axis=-1, scale_mode="floor"):
     """MX fake quantization of ``inputs`` (float32 or bfloat16): torchao 0.18's ``to_mx(inputs, elem_dtype,
     block_size, scaling_mode)`` followed by ``to_dtype(..., torch.float32)`` along ``axis``.

@@ -50,7 +50,7 @@ import numpy as np
 
 from qgcli.backend import array_module
 from qgcli.errors import OperandError
-from qgcli.ops import blocked
+from qgcli.ops import blocked, native
 
 _F32 = np.float32
 #: dtype -> (NumPy storage type, qmin, qmax) for the integer types
@@ -221,6 +221,32 @@ def _dequantize(xp, q, d, sb, zb):
         return (dq * sb).astype(_F32, copy=False)
 
 
+def broadcast_qparams(shape, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0):
+    """``(scale, zero point)`` as QuantizeLinear applies them to an ``x`` of ``shape``: float32 arrays that
+    broadcast against it (blocked: repeated along ``axis``); the zero point 0 where none is given."""
+    _, sb, zb = _qparams(np, tuple(shape), y_scale, y_zero_point, dtype, axis, block_size)
+    return sb, (np.zeros((), _F32) if zb is None else zb)
+
+
+def grid_values(dtype):
+    """The values QuantizeLinear's output type ``dtype`` holds, sorted (float64): the integers qmin..qmax, or
+    every finite value of the float type.
+
+    >>> grid_values("float4e2m1")[7:].tolist()
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    """
+    d = _dtype(dtype)
+    if d in INTEGER_TYPES:
+        _, lo, hi = INTEGER_TYPES[d]
+        return np.arange(lo, hi + 1, dtype=np.float64)
+    import ml_dtypes
+
+    name, _ = FLOAT_TYPES[d]
+    codes = np.arange(256 if name.startswith("float8") else 16, dtype=np.uint8)
+    values = codes.view(getattr(ml_dtypes, name)).astype(np.float64)
+    return np.unique(values[np.isfinite(values)]) + 0.0  # -0 as 0
+
+
 def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0, saturate=True):
     """``DequantizeLinear(QuantizeLinear(x))`` with the same scale, zero point, axis and block size: an
     :class:`OnnxFakeQuantResult` ``(outputs, quantized)``.
@@ -230,10 +256,49 @@ def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, 
     array([  1., 448.], dtype=float32)
     """
     xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size)
+    if d in INTEGER_TYPES and not block_size:
+        done = _native_integer(xp, xa, d, sb, zb)
+        if done is not None:
+            return done
     if xp is np and xa.ndim and xa.shape[0] > 1 and xa.size > CHUNK_ELEMENTS:
         return _chunked(xa, d, sb, zb, saturate)
     _, q = _quantize(xp, xa, d, sb, zb, saturate)
     return OnnxFakeQuantResult(_dequantize(xp, q, d, sb, zb), q)
+
+
+def _native_integer(xp, xa, d, sb, zb):
+    """Per tensor or per axis to an integer type in the compiled kernel (the same float32 operations as
+    :func:`_quantize` and :func:`_dequantize`), over runs of rows on the thread pool; None where it does not
+    apply (CuPy, not built, a non-contiguous x)."""
+    lib = native.for_arrays(xp, xa, sb, zb)
+    if lib is None or xa.size == 0:
+        return None
+    per_axis = sb.ndim > 0 and sb.size > 1
+    if per_axis:
+        a = next(i for i, n in enumerate(sb.shape) if n != 1)
+        rows, n, inner = int(np.prod(xa.shape[:a])), xa.shape[a], int(np.prod(xa.shape[a + 1:]))
+    else:
+        n, inner = 1, xa.shape[-1] if xa.ndim else 1
+        rows = xa.size // inner
+    s = np.ascontiguousarray(sb.reshape(-1), _F32)
+    z = None if zb is None else np.ascontiguousarray(np.broadcast_to(zb, sb.shape).reshape(-1), _F32)
+    store, lo, hi = INTEGER_TYPES[d]
+    q = np.empty(xa.shape, store)
+    y = np.empty(xa.shape, _F32)
+    x_at, y_at = native.address(xa, _F32), native.address(y, _F32)
+    q_at, s_at = q.__array_interface__["data"][0], native.address(s, _F32)
+    z_at = None if z is None else native.address(z, _F32)
+    per_row = n * inner
+    step = max(1, CHUNK_ELEMENTS * 8 // per_row)
+
+    def one(start):
+        stop = min(start + step, rows)
+        lib.qg_onnx_int(x_at + 4 * start * per_row, q_at + q.itemsize * start * per_row,
+                        y_at + 4 * start * per_row, stop - start, n, inner, s_at, z_at, _F32(lo), _F32(hi),
+                        q.itemsize)
+
+    blocked._map(one, range(0, rows, step))
+    return OnnxFakeQuantResult(y, q)
 
 
 def _chunked(xa, d, sb, zb, saturate):

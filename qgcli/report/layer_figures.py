@@ -52,6 +52,8 @@ class LayerFigure:
     axis: int
     literals: Tuple[Tuple[str, str], ...] = ()
     options: Tuple[Tuple[str, object], ...] = ()  # max_points, channel, bins, log, title, width, height
+    family: Optional[str] = None  # a block format's (drawn per block), else TensorFlow's fake quant
+    formats: Tuple[Tuple[str, object], ...] = ()  # the block format's attributes, from the group
 
 
 def plan(target, kind, options=None, *, plot_options=(), layer=None):
@@ -90,6 +92,12 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
                 raise QgcliError(f"{l.path}: {reason}", operand="--layer")
             skipped.append({"path": l.path, "op": l.op, "reason": reason})
             continue
+        family = registry.of(l)
+        if hasattr(family, "block_view"):
+            tasks.append(LayerFigure(file=file, path=l.path, op=l.op, kind=kind, variant="", num_bits=0,
+                                     narrow_range=False, axis=-1, options=tuple(dict(plot_options).items()),
+                                     family=l.family, formats=tuple(family.group_formats(l.attrs).items())))
+            continue
         variant = l.variant or "vars"
         tasks.append(LayerFigure(
             file=file, path=l.path, op=l.op, kind=kind, variant=variant,
@@ -103,6 +111,9 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
 def _why_not(layer, kind):
     if layer.error is not None:
         return layer.error
+    if hasattr(registry.of(layer), "block_view"):
+        return None if kind in ("hist", "channels") else f"plot {kind} draws TensorFlow's fake quant; a {layer.op} " \
+            "group is drawn per block by plot hist and plot channels"
     if not getattr(registry.of(layer), "CHANNEL_ANALYSIS", False):
         return f"{layer.op or 'this group'} is not one of TensorFlow's fake-quant ops (plot {kind} draws those)"
     if kind == "channels" and layer.variant != "per-channel":
@@ -131,6 +142,8 @@ def draw(task):
     from qgcli.report import plots
 
     container = _container(task.file)
+    if task.family is not None:
+        return _draw_blocks(task, container)
     operands = Operands.in_group(container, task.file, task.path, dict(task.literals), literal_ok=("min", "max"))
     try:
         _, x, mn, mx, variant = load_fake_quant_operands(operands, task.variant, with_gradients=False)
@@ -156,6 +169,32 @@ def draw(task):
             fig = plots.staircase(x, mn, mx, max_points=kw.get("max_points", plots.DEFAULT_MAX_POINTS), **common)
     if kw.get("title") is None:
         fig.suptitle(task.path, fontsize=8)
+    fig.qgcli_summary = {**fig.qgcli_summary, "path": task.path, "group_op": task.op}
+    return fig
+
+
+def _draw_blocks(task, container):
+    """The Figure of a block-format group, per block (:mod:`qgcli.report.block_plots`)."""
+    from qgcli.report import block_plots
+
+    family = registry.family(task.family)
+    operands = Operands.in_group(container, task.file, task.path, {}, literal_ok=family.LITERAL_OK)
+    try:
+        view = family.block_view(dict(task.formats), operands)
+    finally:
+        operands.close()
+        if not _IN_WORKER:
+            container.close()
+    kw = dict(task.options)
+    sizes = {k: kw[k] for k in ("width", "height") if kw.get(k) is not None}
+    if task.kind == "hist":
+        fig = block_plots.hist(view, bins=kw.get("bins", 100), log=kw.get("log", False), channel=kw.get("channel"),
+                               title=kw.get("title"), **sizes)
+    else:
+        fig = block_plots.channels(view, title=kw.get("title"), **sizes)
+    if kw.get("title") is None:
+        own = getattr(fig, "_suptitle", None)  # channels' own title (the format, the block statistics) below
+        fig.suptitle(task.path + (f"\n{own.get_text()}" if own is not None else ""), fontsize=8)
     fig.qgcli_summary = {**fig.qgcli_summary, "path": task.path, "group_op": task.op}
     return fig
 

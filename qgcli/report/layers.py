@@ -25,8 +25,10 @@ from qgcli.report.summaries import describe_arrays
 #: Keys of one layer row, in the order JSON and CSV give them.
 LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "channels", "clipped_below",
               "clipped_above", "clipped", "gradient_blocked", "sqnr_db", "suggested_min", "suggested_max",
-              "suggested_sqnr_db", "suggested_scale", "suggested_zero_point", "worst_channel", "worst_channel_gradient_blocked", "worst_channel_clipped",
-              "straight_through", "scale_path", "rounding", "upstream_gradient")
+              "suggested_sqnr_db", "suggested_scale", "suggested_zero_point", "worst_channel",
+              "worst_channel_gradient_blocked", "worst_channel_clipped", "straight_through", "scale_path", "rounding",
+              "upstream_gradient", "flushed", "saturated_scale_blocks", "dynamic_range_bits_median",
+              "dynamic_range_bits_max", "worst_channel_sqnr_db")
 
 #: The percentiles ``qgcli report`` searches for a suggested range by default.
 DEFAULT_PERCENTILES = (100.0, 99.99, 99.9, 99.5, 99.0, 98.0, 95.0)

@@ -142,9 +142,9 @@ _REASON_WHY = {
     "nonfinite": "NaN/Inf input: TF propagates NaN, the others give a grid edge",
     "grid": "the scales or zero points differ",
     "range": "outside the other's integer range (narrow range, or ONNX's type)",
-    "tie": "x/scale exactly on a half step: TF rounds half up, PyTorch and ONNX half to even",
+    "tie": "x/scale exactly on a half step: TF rounds half up, PyTorch, torchao and ONNX half to even",
     "zero point": "TF adds the zero point before rounding ((x - nudged_min) in float32), the others after",
-    "arithmetic": "x * (1/scale) (PyTorch) against x / scale (ONNX), each rounded to float32",
+    "arithmetic": "x * (1/scale) (PyTorch, torchao) against x / scale (ONNX), each rounded to float32",
 }
 
 
@@ -176,7 +176,7 @@ def _render_integers(console, s):
 
     from qgcli.report.tables import print_items
 
-    names = {"tf": "TensorFlow", "torch": "PyTorch", "onnx": "ONNX QuantizeLinear"}
+    names = {"tf": "TensorFlow", "torch": "PyTorch", "onnx": "ONNX QuantizeLinear", "torchao": "torchao"}
     print_items(console, f"[bold]{' vs '.join(names[f] for f in s['with'])}[/] on "
                 f"{counted(s['elements'], 'element', thousands=True)}, {s['num_bits']} bits")
     for f, d in s["frameworks"].items():
@@ -202,6 +202,7 @@ Examples:
   qgcli compare-semantics samples/per_channel.h5 --json | jq .mask
   qgcli compare-semantics --inputs x.npy --min 0.1 --max 5 -o diff.h5
   qgcli compare-semantics samples/notebook.h5 --with tf,torch,onnx --json
+  qgcli compare-semantics samples/notebook.h5 --with tf,torchao,onnx
 """
 
 
@@ -219,7 +220,9 @@ Examples:
 @click.option("--axis", type=int, default=None, help="Channel axis for per-channel min/max (default -1, TF's).")
 @click.option("--with", "frameworks", metavar="FW,FW[,...]", default=None,
               help="Compare these on the integers they give: tf, torch, onnx (QuantizeLinear with the grid of the "
-                   "first of tf/torch named, the deployed kernel). Default: tf,torch (the full report below).")
+                   "first of tf/torch/torchao named, the deployed kernel), torchao (its QAT IntxFakeQuantizer, "
+                   "uint<num_bits> asymmetric, the range as its block's min/max). Default: tf,torch (the full "
+                   "report below).")
 @click.option("--first", type=click.IntRange(0, 1000), default=10, show_default=True,
               help="How many differing indices to list.")
 @click.option("-o", "--output", "output", metavar="OUT", default=None,

@@ -7,6 +7,7 @@ figure is drawn, so ``qgcli --help`` stays fast.  (``fakequant-grad --plot FIG``
 import click
 
 from qgcli.cli.options import (
+    block_format_options,
     QD_VARIANT,
     QDQ_VARIANTS,
     attribute_group,
@@ -46,7 +47,7 @@ def _figure(**values):
     return FigureOptions(**values)
 
 
-def _operand_options(*, gradients_help=None, channel=True, variants=PLOT_VARIANTS):
+def _operand_options(*, gradients_help=None, channel=True, variants=PLOT_VARIANTS, blocks=False):
     """BUNDLE, --inputs, (--gradients), --min, --max as ``operands``; --num-bits, --narrow-range, --variant,
     --axis as ``attributes``; (--channel)."""
     def decorate(f):
@@ -72,6 +73,10 @@ def _operand_options(*, gradients_help=None, channel=True, variants=PLOT_VARIANT
             specs.append(spec_option("gradients", gradients_help))
         specs += [spec_option("min", "Range minimum: scalar or one per channel."),
                   spec_option("max", "Range maximum: scalar or one per channel.")]
+        if blocks:
+            specs += [spec_option("x", "ONNX QuantizeLinear's 'x' (--semantics onnx; --inputs too)."),
+                      spec_option("y_scale", "ONNX QuantizeLinear's 'y_scale' (--semantics onnx)."),
+                      spec_option("y_zero_point", "ONNX QuantizeLinear's 'y_zero_point' (--semantics onnx).")]
         return operand_group(*specs)(f)
 
     return decorate
@@ -333,6 +338,46 @@ def _quantize_kwargs(variant, quantize):
     return {"quantize": (quantize or QuantizeAttributes()).resolved()}
 
 
+# --- block formats: plot hist / channels per block ----------------------------------------------------------
+
+BLOCK_SEMANTICS = ("tf", "mx", "nvfp4", "onnx")
+
+
+def _block_options(f):
+    """--semantics (tf, or a block format), the block formats' options and --dtype (--semantics onnx)."""
+    f = click.option("--dtype", default=None, metavar="TYPE",
+                     help="QuantizeLinear's output type (--semantics onnx) [default: uint8, or the zero point's].")(f)
+    f = block_format_options(f)
+    return click.option("--semantics", type=click.Choice(BLOCK_SEMANTICS), default="tf", show_default=True,
+                        help="tf: TensorFlow's fake quant on min/max; mx, nvfp4, onnx: the block format, drawn per "
+                             "block (as 'qgcli fakequant --semantics ...' computes it; --channel K: block K).")(f)
+
+
+def _refuse_block_options(operands, formats, dtype):
+    """--semantics tf: the block formats' options and operands do not apply."""
+    for option, value in (*formats.given().items(), ("--dtype", dtype), ("--x", operands.get("x")),
+                          ("--y-scale", operands.get("y_scale")), ("--y-zero-point", operands.get("y_zero_point"))):
+        if value is not None:
+            raise click.BadParameter("only applies to --semantics mx / nvfp4 / onnx", param_hint=f"'{option}'")
+
+
+def _block_run(command, operands, attributes, semantics, formats, dtype, figure, layer, draw_view):
+    """plot hist / channels of a block format: the family that claims --semantics builds the job (options
+    checked as fakequant checks them) and its view of the tensor per block; ``draw_view(view)`` draws it."""
+    from qgcli.families import registry
+    from qgcli.jobs import EstimatorOptions, FakeQuantOptions, OutputOptions, QuantizeAttributes, SemanticsOptions
+
+    if layer is not None or run_file_target(operands) is not None:  # (a run file with --semantics is refused)
+        raise click.BadParameter("a run file's groups name their format: draw them without --semantics",
+                                 param_hint="'--semantics'")
+    job = registry.job_from_options(FakeQuantOptions(
+        command, False, operands, attributes, QuantizeAttributes(dtype=dtype), SemanticsOptions(semantics),
+        EstimatorOptions(), OutputOptions(None, quiet=True), formats=formats))
+    family = registry.of(job)
+    _run(command, job.operands, figure, lambda loaded, on_device: draw_view(family.block_view(job.formats, loaded)),
+         literal_ok=family.LITERAL_OK)
+
+
 @plot.command("staircase", epilog="""\b
 Example:
   qgcli plot staircase samples/notebook.h5 --num-bits 2 -o staircase.png
@@ -404,21 +449,35 @@ Examples:
   qgcli plot hist samples/notebook.h5 --num-bits 2 -o hist.png
   qgcli plot hist samples/per_channel.h5 --channel 7 --log -o ch7.pdf
 """)
-@_operand_options()
+@_operand_options(blocks=True)
 @click.option("--bins", type=click.IntRange(1, 100_000), default=100, show_default=True, help="Histogram bins.")
 @click.option("--log", "log_scale", is_flag=True, help="Logarithmic count axis.")
+@_block_options
 @_LAYER
-@_figure_options(6.4, 4.8)
-def hist(operands, attributes, channel, bins, log_scale, layer, figure):
-    """Histogram of all inputs with the quantization grid, clip regions shaded, clipped shares annotated."""
+@_figure_options(6.4, None, "4.8; 6.6 per block")
+def hist(operands, attributes, channel, bins, log_scale, semantics, formats, dtype, layer, figure):
+    """Histogram of all inputs with the quantization grid, clip regions shaded, clipped shares annotated.
+
+    With --semantics mx / nvfp4 / onnx, per block: the inputs divided by their block's scale against the
+    element grid (saturated and flushed regions shaded), and the blocks' dynamic range against the format's.
+    """
+    if semantics != "tf":
+        from qgcli.report import block_plots
+
+        return _block_run("plot hist", operands, attributes, semantics, formats, dtype, figure, layer,
+                          lambda view: block_plots.hist(view, bins=bins, log=log_scale, channel=channel,
+                                                        title=figure.title, width=figure.width, height=figure.height))
+    _refuse_block_options(operands, formats, dtype)
+
     def draw(operands, on_device):
         from qgcli.report import plots
 
         x, mn, mx, var = _load_range(operands, attributes.variant, attributes.axis, channel)
         (x,) = on_device(x)
-        return plots.hist(x, mn, mx, bins=bins, log=log_scale, **_view_kwargs(attributes, var, channel, figure))
+        return plots.hist(x, mn, mx, bins=bins, log=log_scale,
+                          **_view_kwargs(attributes, var, channel, figure._replace(height=figure.height or 4.8)))
 
-    _run("plot hist", operands, figure, draw, layer=layer,
+    _run("plot hist", operands.only("inputs", "min", "max"), figure, draw, layer=layer,
          per_layer=("hist", _layer_options(figure, None, channel=channel, bins=bins, log=log_scale)))
 
 
@@ -432,20 +491,33 @@ Examples:
   qgcli bn-grad samples/batch_norm.h5 -o bn.h5 && qgcli plot channels bn.h5 -o bn.png
 """)
 @_operand_options(gradients_help="Upstream gradient for the backprop_wrt_min/max panel (default: the bundle's "
-                                 "'gradients', if any).", channel=False)
+                                 "'gradients', if any).", channel=False, blocks=True)
 @click.option("--scale-backprop", metavar="SPEC", help="bn-grad output 'scale_backprop' (one per channel).")
 @click.option("--offset-backprop", metavar="SPEC", help="bn-grad output 'offset_backprop' (one per channel).")
+@_block_options
 @_LAYER
 @_figure_options(8.0, None)
-def channels(operands, attributes, scale_backprop, offset_backprop, layer, figure):
+def channels(operands, attributes, scale_backprop, offset_backprop, semantics, formats, dtype, layer, figure):
     """Per-channel view: data range vs nudged range, share clipped low/high, backprop_wrt_min/max.
 
     With per-channel inputs/min/max (FakeQuantWithMinMaxVarsPerChannel), draws per channel the data
     range against the nudged range, the shares clipped below and above, and, when gradients are given
     (or in the bundle), backprop_wrt_min/max. Without inputs, draws the per-channel vectors found:
     backprop_wrt_min/max (fakequant-grad outputs), scale_backprop/offset_backprop (bn-grad outputs).
-    Readable from 1 to 1024+ channels (bars up to 64, a step outline above).
+    Readable from 1 to 1024+ channels (bars up to 64, a step outline above). With --semantics mx / nvfp4 /
+    onnx, per block: SQNR, the share of nonzero inputs flushed to zero, the dynamic range in bits against the
+    format's, blocks whose scale saturates marked.
     """
+    if semantics != "tf":
+        from qgcli.report import block_plots
+
+        for option, value in (("--scale-backprop", scale_backprop), ("--offset-backprop", offset_backprop)):
+            if value is not None:
+                raise click.BadParameter(f"does not apply to --semantics {semantics}", param_hint=f"'{option}'")
+        return _block_run("plot channels", operands, attributes, semantics, formats, dtype, figure, layer,
+                          lambda view: block_plots.channels(view, title=figure.title, width=figure.width,
+                                                            height=figure.height))
+    _refuse_block_options(operands, formats, dtype)
     specs = operands.only("inputs", "gradients", "min", "max", scale_backprop=scale_backprop,
                           offset_backprop=offset_backprop)
     a = attributes

@@ -777,6 +777,18 @@ def _render_layers(console, doc, top):
         # names given there are the layer table's).
         print_table(console, cols, trend, title="blocked gradient by step", hint="--wide, --columns STEP,... or --json",
                     choice=True, choice_others=[c.name for c in _layer_cols() + _torchao_cols()])
+    for r in shown:  # block formats (MX, NVFP4, blocked QuantizeLinear): what their blocks do
+        if r.get("flushed") is None:
+            continue
+        parts = [f"flushed to zero {_pct(r['flushed'])} of the nonzero inputs"]
+        if r.get("saturated_scale_blocks") is not None:
+            parts.append(f"scale saturated in {_pct(r['saturated_scale_blocks'])} of the blocks")
+        if r.get("dynamic_range_bits_max") is not None:
+            parts.append(f"block dynamic range median {r['dynamic_range_bits_median']:.1f}, largest "
+                         f"{r['dynamic_range_bits_max']:.1f} bits")
+        if r.get("worst_channel_sqnr_db") is not None:
+            parts.append(f"worst block {r['worst_channel']} at {r['worst_channel_sqnr_db']:.1f} dB")
+        print_items(console, f"{markup(r['path'])}: " + "; ".join(parts))
     for item in doc["skipped"]:
         print_items(console, f"[dim]not reported: {markup(item['path'])} ({markup(item['op'] or 'no op')}): "
                     f"{markup(item['reason'])}[/]")
