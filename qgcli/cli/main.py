@@ -5,6 +5,7 @@ Each command is a short adapter (parse -> load -> one op call -> save -> render)
 (a full disk, say) exit 1; Ctrl-C exits 130, SIGTERM 143 and SIGHUP 129, each after removing temporary
 files.  No traceback reaches the user unless QGCLI_DEBUG=1.
 """
+import gc
 import os
 import signal
 import sys
@@ -97,6 +98,10 @@ class QgcliGroup(click.Group):
             _internal(exc)
         finally:
             restore(exiting=args is None)  # args None: the real command line, not an in-process caller
+            if args is None:
+                # The process is about to end: spare it the collector's last passes over every object
+                # (a second after Dask is imported, enough to break "SIGTERM ends it within a second").
+                gc.freeze()
         _exit(rv if isinstance(rv, int) else 0)
 
     def list_commands(self, ctx):

@@ -80,12 +80,16 @@ def plan(job, operands, *, streams, mode=None):
     if not streams and limit is None:
         return None
     budget = parse_memory_limit(limit)
-    datasets = {}
+    datasets, whole = {}, {}
     for name in job.large_operands:
         ds = operands.dataset(name)
-        if ds is None:  # not an HDF5 dataset: read whole, as always
-            return None
-        datasets[name] = ds
+        if ds is None:  # not an HDF5 dataset: read whole
+            whole[name] = operands.declared(name)
+        else:
+            datasets[name] = ds
+    if whole:
+        _check_whole(limit, budget, sizes(datasets.values()), whole, operands)
+        return None
     needed = need(sizes(datasets.values()))
     if needed <= budget:
         return None
@@ -108,6 +112,22 @@ def plan(job, operands, *, streams, mode=None):
         raise OutputError(f"needs {out_bytes / 2**30:.1f} GiB but its file system has {free / 2**30:.1f} GiB free",
                           operand="--output")
     return datasets, budget
+
+
+def _check_whole(limit, budget, streamable, whole, operands):
+    """Operands that are not HDF5 datasets (.npy, .npz, .safetensors, stdin) are read whole: under an explicit
+    ``--memory-limit`` their size, from their headers, must fit it with the others (``streamable``), else the job
+    is refused in one line (exit 2) before anything is read.  Without the option they are read as always
+    (a file declaring more than the machine's memory is refused by its reader)."""
+    if limit is None or any(v is None for v in whole.values()):
+        return  # no explicit limit, or a size no header tells: the read says what is wrong with it
+    needed = need(list(streamable) + list(whole.values()))
+    if needed <= budget:
+        return
+    names = ", ".join(f"{name} ({operands.sources.get(name) or name})" for name in whole)
+    raise QgcliError(f"the inputs need about {_size(needed)}, more than {_size(budget)}, and {names} "
+                     "cannot be streamed from disk (only HDF5 datasets stream, and Zarr stores in blocks); convert "
+                     "it to .h5 or .zarr, or raise --memory-limit", operand="--memory-limit")
 
 
 def _size(n):

@@ -12,7 +12,7 @@ import numpy as np
 
 from qgcli.errors import FileFormatError, QgcliError
 from qgcli.signals import deferred, raise_pending
-from qgcli.storage import atomic, provenance, targets
+from qgcli.storage import atomic, provenance, sparse, targets
 from qgcli.storage.checks import CORRUPT_FILE_ERRORS, check_memory, reason
 from qgcli.storage.hdf5 import contiguous as h5_contiguous
 from qgcli.storage.hdf5 import guard as hdf5_guard
@@ -91,6 +91,7 @@ def checked_dataset(node, key, label):
             # Raw data in other files ("external storage") would let a file read /etc/passwd as uint8.
             raise FileFormatError(f"{label}: {key!r} keeps its data in the external file {node.external[0][0]}; "
                                   "qgcli does not follow it")
+        sparse.check_hdf5(node, key, label)  # declared, never written: not read above a bound
     except QgcliError:
         raise
     except CORRUPT_FILE_ERRORS as exc:
@@ -113,7 +114,7 @@ def read_dataset_node(node, key, label):
         check_memory(int(node.size or 0) * node.dtype.itemsize, f"{label}: {key!r}")
         data = h5_contiguous.read(node, f"{label}: dataset {key!r}")
         if data is None:
-            data = node[()]
+            data = _read_in_slabs(node)
         bfloat16 = getattr(data, "dtype", None) == np.uint16 and tagged_bfloat16(node)
     except QgcliError:
         raise
@@ -124,6 +125,28 @@ def read_dataset_node(node, key, label):
 
         data = data.view(ml_dtypes.bfloat16)
     return np.asarray(data)
+
+
+#: A dataset larger than this is read in first-axis slabs of about this size, a pending signal acted on
+#: between two (a SIGTERM ends a read of gigabytes of compressed chunks within one slab, not at its end).
+SLAB_BYTES = 32 << 20
+
+
+def _read_in_slabs(node):
+    """``node[()]``, a large dataset read slab by slab (:data:`SLAB_BYTES`) with
+    :func:`qgcli.signals.raise_pending` between two reads (HDF5 is in a clean state there)."""
+    nbytes = int(node.size or 0) * node.dtype.itemsize
+    if not node.shape or nbytes <= SLAB_BYTES:
+        return node[()]
+    out = np.empty(node.shape, node.dtype)
+    step = max(1, node.shape[0] * SLAB_BYTES // nbytes)
+    if node.chunks:  # whole chunk rows: no chunk is decompressed twice
+        step = max(node.chunks[0], step // node.chunks[0] * node.chunks[0])
+    for start in range(0, node.shape[0], step):
+        raise_pending()
+        rows = np.s_[start:min(start + step, node.shape[0])]
+        node.read_direct(out, rows, rows)
+    return out
 
 
 #: Datasets up to this size take :func:`read_plain_dataset`'s one-call read (a run file's many small tensors).

@@ -50,6 +50,16 @@ def read_stream(fh, available, what):
         raise FileFormatError(f"{what}: cannot read .npy: {reason(exc)}") from None
 
 
+def header_of(fh):
+    """``(shape, dtype as text)`` of the .npy stream ``fh`` from its header (never unpickling anything)."""
+    fmt = np.lib.format
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        version = fmt.read_magic(fh)
+        shape, _, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(fh)
+    return shape, str(dtype)
+
+
 def load(source, label):
     """The array of an .npy file (a path) or stream (bytes)."""
     if isinstance(source, bytes):
@@ -98,6 +108,15 @@ class NpyFormat:
 
     def has(self, handle, key, label):
         return False
+
+    def header(self, handle, key):
+        """``(shape, dtype)`` from the .npy header alone (nothing unpickled, no data read); (None, None) if
+        unreadable."""
+        try:
+            with (_io.BytesIO(handle) if isinstance(handle, bytes) else open(handle, "rb")) as fh:
+                return header_of(fh)
+        except Exception:  # noqa: BLE001 - only a size estimate or a better error message is at stake
+            return None, None
 
     def check_output(self, dest, *, inputs=(), force=False, names=()):
         targets.check_file(dest, inputs=inputs, force=force)

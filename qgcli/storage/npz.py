@@ -23,10 +23,47 @@ def members(zf):
     return {(n[:-4] if n.endswith(".npy") else n): n for n in names}
 
 
+#: Deflate expands at most 1032 times (RFC 1951: a 258-byte match costs at least 2 bits).
+DEFLATE_RATIO = 1032
+
+
+def check_member(zf, info, what):
+    """A member's sizes checked against its archive before anything is allocated: its compressed bytes lie
+    inside the archive, and they can expand to what its header promises (stored: as many bytes; deflate: at
+    most :data:`DEFLATE_RATIO` times; another method: counted by decompressing it once, in small pieces).
+    A 300-byte .npz whose header promises 4 GB is then "corrupt or truncated", not an out-of-memory."""
+    fp = zf.fp
+    here = fp.tell()
+    try:
+        archive = fp.seek(0, 2)
+    finally:
+        fp.seek(here)
+    promised, packed = info.file_size, info.compress_size
+    if info.header_offset + packed > archive:
+        raise FileFormatError(f"{what}: truncated: its zip entry holds {packed} compressed bytes at offset "
+                              f"{info.header_offset}, the archive ends at {archive}")
+    if info.compress_type == zipfile.ZIP_STORED:
+        possible = packed
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        possible = packed * DEFLATE_RATIO + 1024
+    else:
+        possible = 0
+        with zf.open(info) as fh:
+            while possible <= promised:
+                piece = fh.read(1 << 20)
+                if not piece:
+                    break
+                possible += len(piece)
+    if promised > possible:
+        raise FileFormatError(f"{what}: corrupt or truncated: its zip entry promises {promised} bytes from "
+                              f"{packed} compressed bytes, which cannot hold them")
+
+
 def read_member(zf, member, key, label):
     what = f"{label}: key {key!r}"
     try:
         info = zf.getinfo(member)
+        check_member(zf, info, what)
         with zf.open(info) as fh:
             if fh.read(6) != npy.MAGIC:
                 raise FileFormatError(f"{what} is not an .npy array")
@@ -79,12 +116,8 @@ class NpzFormat:
         """Shape and dtype from the member's .npy header (never unpickling anything); (None, None) if
         unreadable: what ``inspect`` shows of a member it cannot read."""
         try:
-            with handle.open(key + ".npy") as fh:
-                version = np.lib.format.read_magic(fh)
-                reader = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                          else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = reader(fh)
-            return shape, str(dtype)
+            with handle.open(members(handle).get(key, f"{key}.npy")) as fh:
+                return npy.header_of(fh)
         except Exception:  # noqa: BLE001 - only a better error message is at stake
             return None, None
 

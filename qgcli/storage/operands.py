@@ -90,6 +90,31 @@ class Operands:
             raise self._error(name, str(exc)) from None
         return None
 
+    def declared(self, name):
+        """``(element count, itemsize)`` of operand ``name`` from its file's header alone (no data read), or
+        None where that cannot be told (a literal, a format without one, an unreadable header: reading it
+        says what is wrong)."""
+        try:
+            if name in self._specs:
+                spec = self._specs[name]
+                if spec.path is None and not spec.is_stdin:
+                    return None  # a literal
+                container = self._io.Container.open(spec.path, self.stdin)
+                self._opened.append(container)
+                key = spec.key or (name if container.format.holds_many and container.has(name) else None)
+                self.sources[name] = spec.text
+                shape, dtype = container.header(key)
+            elif self._bundle_container is not None and self._bundle_container.has(name):
+                self.sources[name] = f"{self.bundle_text}:{name}"
+                shape, dtype = self._bundle_container.header(name)
+            else:
+                return None
+        except FileFormatError as exc:
+            raise self._error(name, str(exc)) from None
+        if shape is None or dtype is None:
+            return None
+        return int(np.prod(shape, dtype=np.int64)), _itemsize(dtype)
+
     def location(self, name):
         """``(path, key)`` of the file operand ``name`` comes from (``key`` None: the SPEC named none), or None
         (a literal, stdin, or absent); read nothing."""
@@ -128,6 +153,17 @@ class Operands:
             self._bundle_container.close()
         for container in self._opened:
             container.close()
+
+
+def _itemsize(dtype):
+    """Bytes per element of a dtype named as NumPy (``float32``) or safetensors (``F32``, ``F8_E4M3``) names it."""
+    import re
+
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        bits = re.search(r"\d+", str(dtype))
+        return max(1, -(-int(bits.group()) // 8)) if bits else 1
 
 
 class GroupView:

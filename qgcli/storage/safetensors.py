@@ -68,6 +68,15 @@ class SafetensorsFormat:
     def has(self, handle, key, label):
         return key in handle.keys()
 
+    def header(self, handle, key):
+        """``(shape, dtype as safetensors names it: F32, BF16 ...)`` from the header alone; (None, None) if
+        unknown."""
+        try:
+            view = handle.get_slice(key)
+            return tuple(view.get_shape()), view.get_dtype()
+        except Exception:  # noqa: BLE001 - only a size estimate or a better error message is at stake
+            return None, None
+
     def check_output(self, dest, *, inputs=(), force=False, names=()):
         targets.check_file(dest, inputs=inputs, force=force)
 

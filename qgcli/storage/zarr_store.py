@@ -21,6 +21,7 @@ from qgcli.errors import FileFormatError, OutputError
 from qgcli.signals import raise_pending
 from qgcli.storage import atomic, provenance
 from qgcli.storage.checks import check_memory
+from qgcli.storage.sparse import check_zarr
 
 SUFFIX = ".zarr"
 #: The rows of one output chunk (and of one block on a cluster) hold about this much: whole chunks are
@@ -167,6 +168,7 @@ class ZarrContainer:
         if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc":
             # object arrays would be unpickled (numcodecs' Pickle codec); strings are no tensor
             raise FileFormatError(f"{self.label}: {key!r} holds {dtype}, not numbers; qgcli does not read it")
+        check_zarr(node, key, self.label)  # chunks the store does not hold: not read above a bound
         return node
 
     def has(self, key):
