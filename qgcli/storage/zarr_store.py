@@ -67,7 +67,7 @@ def _zarr():
 # What damaged or hostile stores raise from zarr, its codecs and JSON parsing (qgcli.storage.checks has the list
 # for the one-file formats, which adds zip, zlib and NumPy-header errors).
 _CORRUPT = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError,
-            OverflowError, SystemError)
+            ArithmeticError, SystemError)
 
 
 def _errors():
@@ -80,17 +80,79 @@ def _reason(exc):
 
 
 def open_store(path, *, read_only):
-    """The zarr Store behind ``path``: a LocalStore for paths and ``file://``, else fsspec's."""
+    """The zarr Store behind ``path``: a LocalStore for paths and ``file://``, else fsspec's.  A store read
+    from the local file system (also through fsspec: ``local://``, ``simplecache::file://``) reads no file
+    that resolves outside it (:func:`confined`)."""
     zarr = _zarr()
     local = local_path(path)
     if local is not None:
+        if read_only:
+            return confined(zarr.storage.LocalStore)(local, read_only=True)
         return zarr.storage.LocalStore(local, read_only=read_only)
     try:
-        return zarr.storage.FsspecStore.from_url(path, read_only=read_only)
+        store = zarr.storage.FsspecStore.from_url(path, read_only=read_only)
     except ImportError as exc:  # fsspec names the package its protocol needs (s3fs, gcsfs)
         raise FileFormatError(f"{path}: {_reason(exc)}") from None
     except (ValueError, OSError) as exc:
         raise FileFormatError(f"{path}: cannot open the store: {_reason(exc)}") from None
+    if _on_local_disk(store.fs):
+        store = confined(zarr.storage.FsspecStore)(fs=store.fs, path=store.path, read_only=store.read_only)
+    return store
+
+
+class OutsideStore(FileFormatError):
+    """A key of a store resolves, through a symbolic link, to a file outside the store."""
+
+
+def inside(root, key):
+    """Refuse ``key`` of the store at ``root`` (a local path) when the file it names resolves (through any
+    symbolic link, of a chunk, an array's or a group's directory) outside the store's own real directory.
+    A store that is itself a link is the store it points to; links that stay inside it are followed."""
+    base = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(base, key))
+    if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+        raise OutsideStore(f"{root}: {key!r} is a link to {real}, outside the store; qgcli reads nothing outside "
+                           "a Zarr store")
+    return key
+
+
+_CONFINED = {}
+
+
+def confined(base):
+    """``base`` (zarr's LocalStore or FsspecStore on the local disk) whose reads refuse keys that resolve
+    outside the store (:func:`inside`); the check runs before every read of metadata and chunks."""
+    cls = _CONFINED.get(base)
+    if cls is None:
+        class Confined(base):
+            def _root(self):
+                return str(self.root) if hasattr(self, "root") else self.path
+
+            async def get(self, key, prototype=None, byte_range=None):
+                return await super().get(inside(self._root(), key), prototype, byte_range)
+
+            def get_sync(self, key, *args, **kwargs):
+                return super().get_sync(inside(self._root(), key), *args, **kwargs)
+
+            async def get_partial_values(self, prototype, key_ranges):
+                key_ranges = [(inside(self._root(), key), byte_range) for key, byte_range in key_ranges]
+                return await super().get_partial_values(prototype, key_ranges)
+
+        cls = _CONFINED[base] = Confined
+    return cls
+
+
+def _on_local_disk(fs):
+    """Whether an fsspec file system (or one it wraps: async wrappers, caches) is the local disk."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    for _ in range(8):
+        if isinstance(fs, LocalFileSystem):
+            return True
+        fs = getattr(fs, "sync_fs", None) or getattr(fs, "fs", None)
+        if fs is None:
+            return False
+    return False
 
 
 class ZarrContainer:
@@ -138,6 +200,8 @@ class ZarrContainer:
             return []
         try:
             return [name for name, node in self._node.members(max_depth=None) if isinstance(node, _zarr().Array)]
+        except OutsideStore:
+            raise
         except _errors() as exc:
             raise FileFormatError(f"{self.label}: cannot list its arrays: {_reason(exc)}") from None
 
@@ -159,10 +223,13 @@ class ZarrContainer:
                 node = self._node[key.strip("/")]
             except KeyError:
                 raise FileFormatError(f"{self.label}: has no array {key!r}") from None
+            except OutsideStore:
+                raise
             except _errors() as exc:
                 raise FileFormatError(f"{self.label}: cannot open {key!r}: {_reason(exc)}") from None
             if not isinstance(node, _zarr().Array):
                 raise FileFormatError(f"{self.label}: {key!r} is a group, not an array")
+        _check_chunks(node, self.label, key)
         dtype = node.dtype
         if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc":
             # object arrays would be unpickled (numcodecs' Pickle codec); strings are no tensor
@@ -186,6 +253,8 @@ class ZarrContainer:
         check_memory(int(node.size) * node.dtype.itemsize, what)
         try:
             data = np.asarray(node[...])
+        except OutsideStore:
+            raise
         except _errors() as exc:
             raise FileFormatError(f"{what} cannot be read: {_reason(exc)}") from None
         return as_tagged(node, data)
@@ -202,6 +271,18 @@ class ZarrContainer:
 
     def header(self, key):
         return None, None  # no header to read apart from the array's metadata: the read says what failed
+
+
+def _check_chunks(node, label, key):
+    """Refuse an array whose chunk (or shard) shape has a zero or negative extent: no grid can cover it."""
+    for what in ("chunks", "shards"):
+        try:
+            shape = getattr(node, what)
+        except _errors() + (ZeroDivisionError,) as exc:
+            raise FileFormatError(f"{label}: {key!r} has no usable {what[:-1]} shape: {_reason(exc)}") from None
+        if shape is not None and any(int(extent) <= 0 for extent in shape):
+            raise FileFormatError(f"{label}: {key!r} has the {what[:-1]} shape {list(shape)}; every extent must be "
+                                  "at least 1")
 
 
 def as_tagged(node, data):
@@ -231,6 +312,9 @@ def check_output(dest, *, inputs=(), force=False):
             real = os.path.realpath(where)
             if real == target or real.startswith(target + os.sep):
                 raise OutputError(f"{dest} is also an input; qgcli never overwrites its inputs", operand="--output")
+            if os.path.isdir(real) and target.startswith(real.rstrip(os.sep) + os.sep):
+                raise OutputError(f"{dest} lies inside the input {source}; qgcli never writes into its inputs",
+                                  operand="--output")
     parent = os.path.dirname(os.path.abspath(local))
     if not os.path.isdir(parent):
         raise OutputError(f"directory {parent} does not exist", operand="--output")
@@ -408,10 +492,20 @@ class _GroupSink:
 
     def add(self, path, arrays, attrs):
         attrs = self.provenance(attrs)
+        check_group_paths([path])
         group = self.stage.group.require_group(path) if path else self.stage.group
         group.attrs.update(json_attrs(attrs))
         for name, array in arrays.items():
             put(group, name, array, attrs=attrs if self.array_attrs else {}, compression=self.compression)
+
+
+def check_group_paths(paths):
+    """Refuse group paths a Zarr store cannot hold: zarr forbids ``.`` and ``..`` segments (HDF5 takes them
+    as plain names); write such a run file's outputs to .h5, which keeps every name, or to ``DIR/``."""
+    for path in paths:
+        if any(part in (".", "..") for part in path.split("/")):
+            raise OutputError(f"the group {path!r} cannot be a Zarr group name (Zarr forbids '.' and '..' in "
+                              "paths); write .h5, which keeps every name, or DIR/", operand="--output")
 
 
 def _store_size(path):
@@ -445,6 +539,9 @@ class ZarrFormat:
 
     def group_sink(self, dest, *, compression=None):
         return _group_sink(dest, compression=compression, provenance=provenance.attributes)
+
+    def check_group_paths(self, paths):
+        check_group_paths(paths)
 
 
 FORMAT = ZarrFormat()
