@@ -8,6 +8,7 @@ import sys
 
 from qgcli.backend import to_numpy
 from qgcli.errors import OutputError, RuntimeFailure
+from qgcli.storage import atomic
 from qgcli.storage.figures import save_figure
 from qgcli.storage.targets import refuse_inputs
 
@@ -53,6 +54,7 @@ def check_figure_output(dest, *, inputs=(), force=False, option="--output", form
         raise OutputError(f"{dest} exists; use --force to replace it", operand=option)
     if not os.access(parent, os.W_OK):
         raise OutputError(f"directory {parent} is not writable", operand=option)
+    atomic.checked(dest, force)
 
 
 def save_checked(fig, dest, dpi, format=None):

@@ -2,6 +2,8 @@
 optional dependency); written with the op's string attributes in its metadata.  There is no magic number:
 a file starts with its header's length (8 bytes, little-endian), then JSON."""
 import contextlib
+import os
+import re
 
 import numpy as np
 
@@ -24,7 +26,16 @@ def write(path, arrays, attrs=None):
     st = _package()
     tensors = {name: np.ascontiguousarray(np.asarray(a)) for name, a in arrays.items()}
     metadata = {str(k): str(v) for k, v in (attrs or {}).items() if v is not None}
-    st.save_file(tensors, path, metadata=metadata or None)
+    from safetensors import SafetensorError
+
+    try:
+        st.save_file(tensors, path, metadata=metadata or None)
+    except SafetensorError as exc:  # the package's Rust I/O errors end in "(os error N)": a full disk is an OSError
+        match = re.search(r"os error (\d+)", str(exc))
+        if match is None:
+            raise
+        number = int(match.group(1))
+        raise OSError(number, os.strerror(number), path) from None
 
 
 class SafetensorsFormat:

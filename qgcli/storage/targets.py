@@ -3,6 +3,7 @@
 import os
 
 from qgcli.errors import OutputError
+from qgcli.storage import atomic
 
 
 def same_file(a, b):
@@ -45,3 +46,4 @@ def check_file(dest, *, inputs=(), force=False):
         raise OutputError(f"{dest} exists; use --force to replace it", operand="--output")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"directory {parent} is not writable", operand="--output")
+    atomic.checked(dest, force)

@@ -13,7 +13,6 @@ Nothing of zarr is imported until a store is opened.
 import contextlib
 import os
 import re
-import shutil
 
 import numpy as np
 
@@ -306,6 +305,7 @@ def check_output(dest, *, inputs=(), force=False):
             raise OutputError(f"{dest} exists; use --force to replace it", operand="--output")
         return
     target = os.path.realpath(local)
+    atomic.sweep(os.path.dirname(target))  # what a killed run left: first put back (or removed)
     for source in inputs:
         where = local_path(source) if source else None
         if where and os.path.exists(where):
@@ -326,6 +326,7 @@ def check_output(dest, *, inputs=(), force=False):
                               operand="--output")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"directory {parent} is not writable", operand="--output")
+    atomic.checked(local, force)
 
 
 def _fsspec(url):
@@ -415,9 +416,13 @@ class _Stage:
         self.local = local_path(dest)
         name = f".qgcli-{atomic.temp_token()}.tmp.zarr"
         if self.local is not None:
+            if os.path.islink(self.local) and os.path.isdir(self.local):
+                self.local = os.path.realpath(self.local)  # --force over a linked store replaces the store
             parent = os.path.dirname(os.path.abspath(self.local))
+            self.replace = atomic.may_replace(self.local)  # an existing store is replaced only with --force
             self.path = os.path.join(parent, name)
             os.mkdir(self.path, 0o700)  # named before it exists, so cleanup always knows it
+            atomic.hold(self.path)
         else:
             self.path = f"{dest.rstrip('/').rsplit('/', 1)[0]}/{name}"
             self.fs, self.root = _fsspec(dest.rstrip("/"))
@@ -431,22 +436,12 @@ class _Stage:
             self.fs.mv(self.tmp_root, self.root, recursive=True)
             return
         os.chmod(self.path, 0o777 & ~atomic.umask())
-        old = None
-        if os.path.lexists(self.local):  # --force over a store: moved aside, then removed
-            old = os.path.join(os.path.dirname(self.path), f".qgcli-{atomic.temp_token()}.old.zarr")
-            os.rename(self.local, old)
-        try:
-            os.rename(self.path, self.local)
-        except BaseException:
-            if old is not None:
-                os.rename(old, self.local)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        # A new store lands only where none appeared meanwhile; --force swaps the old store with the new one.
+        atomic.commit_directory(self.path, self.local, replace=self.replace)
 
     def remove(self):
         if self.local is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
+            atomic.discard_directory(self.path)
         else:
             try:
                 self.fs.rm(self.tmp_root, recursive=True)
