@@ -14,6 +14,7 @@ import json
 import sys
 
 from qgcli.report.summaries import json_safe
+from qgcli.storage.figures import drawn_printable
 from qgcli.storage.outputs import check_figure_output
 
 #: What a table column shows: (document key, header, format: "text", "pct", "num", "int", "shape").
@@ -247,6 +248,7 @@ def _details_sections(rows, details):
 
 def _figure(fig, caption):
     buffer = io.BytesIO()
+    drawn_printable(fig)  # names from the file: no control character drawn or warned about on stderr
     fig.savefig(buffer, format="png", dpi=100)
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     return f'<img class="fig" alt="{_e(caption)}" src="data:image/png;base64,{encoded}">'

@@ -13,6 +13,7 @@ Nothing of zarr is imported until a store is opened.
 import contextlib
 import os
 import re
+import stat
 
 import numpy as np
 
@@ -100,7 +101,8 @@ def open_store(path, *, read_only):
 
 
 class OutsideStore(FileFormatError):
-    """A key of a store resolves, through a symbolic link, to a file outside the store."""
+    """A key of a store that qgcli does not read: it resolves, through a symbolic link, to a file outside the
+    store, or names no regular file (a FIFO)."""
 
 
 def inside(root, key):
@@ -112,6 +114,12 @@ def inside(root, key):
     if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
         raise OutsideStore(f"{root}: {key!r} is a link to {real}, outside the store; qgcli reads nothing outside "
                            "a Zarr store")
+    try:
+        special = not stat.S_ISREG(os.stat(real).st_mode) and not os.path.isdir(real)
+    except OSError:
+        special = False  # absent: zarr reads it as missing (a fill value, or no such node)
+    if special:  # a FIFO would block the read forever
+        raise OutsideStore(f"{root}: {key!r} is not a regular file (a FIFO, socket or device); qgcli does not read it")
     return key
 
 
