@@ -79,9 +79,13 @@ def drawn_printable(fig):
             for get, put in ((axis.get_major_formatter, axis.set_major_formatter),
                              (axis.get_minor_formatter, axis.set_minor_formatter)):
                 formatter = get()  # labels given as text (set_ticks(..., labels)), or names on a categorical axis
+                if getattr(formatter, "qgcli_printable", False):
+                    continue  # this figure was saved before
                 if isinstance(formatter, (FixedFormatter, FuncFormatter)) or \
                         type(formatter).__name__ == "StrCategoryFormatter":
-                    put(FuncFormatter(lambda x, pos, f=formatter: _escaped(str(f(x, pos)))))
+                    wrapped = FuncFormatter(lambda x, pos, f=formatter: _escaped(str(f(x, pos))))
+                    wrapped.qgcli_printable = True
+                    put(wrapped)
 
 
 def _printable(text):
