@@ -63,6 +63,9 @@ def read_raw(path, key, type_name, label):
     header's offsets (the package checked the header, the offsets and the sizes when it opened the file)."""
     import ml_dtypes
 
+    if not hasattr(ml_dtypes, type_name):  # an older ml_dtypes than the type
+        raise FileFormatError(f"{label}: {key!r} is {type_name}, which this ml_dtypes ({ml_dtypes.__version__}) "
+                              "has no type for; pip install -U ml_dtypes")
     dtype = np.dtype(getattr(ml_dtypes, type_name))
     with open(path, "rb") as fh:
         (length,) = struct.unpack("<Q", fh.read(8))
