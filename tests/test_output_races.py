@@ -3,7 +3,7 @@ other fails in one line), ``-o isdir.h5`` on a directory, a .safetensors output 
 over a store or a directory that leaves the old one or the new one at the name at every instant, even when
 the process is SIGKILLed inside the commit (what a killed commit leaves is put back or removed by the next
 run).  Real files, real processes, real renames; ``QGCLI_LONG=1`` runs 20 concurrent trials per output kind
-(``QGCLI_RACES``) instead of 2."""
+(``QGCLI_RACES``) instead of 1."""
 import os
 import resource
 import signal
@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT
 
 LONG = os.environ.get("QGCLI_LONG", "") not in ("", "0")
-RACES = int(os.environ.get("QGCLI_RACES", "20")) if LONG else 2
+RACES = int(os.environ.get("QGCLI_RACES", "20")) if LONG else 1
 f32 = np.float32
 
 
