@@ -79,10 +79,8 @@ class QgcliGroup(click.Group):
             _fail(str(exc), exc.exit_code)
         except (click.exceptions.Abort, KeyboardInterrupt):
             _fail("interrupted; no output was left half-written", 130)
-        except BrokenPipeError:
-            # The reader went away (e.g. `| head`); stop quietly, as Unix tools do.
-            _silence_stdout()
-            sys.exit(1)
+        except (BrokenPipeError, _ClosedPipe):
+            _closed_pipe()
         except ValueError as exc:
             from qgcli.errors import QgcliError
 
@@ -119,6 +117,24 @@ class QgcliGroup(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Terminated(signal.SIGINT) from None
+        except BrokenPipeError:  # before click's own handler, which would exit 1
+            raise _ClosedPipe() from None
+
+
+#: The exit code when the reader of stdout went away (``| head``): 128 + SIGPIPE, what a shell reports for a
+#: Unix tool that SIGPIPE ended; nothing is printed (docs/guarantees.md).
+CLOSED_PIPE = 141
+
+
+class _ClosedPipe(Exception):
+    """A BrokenPipeError on its way out of a command (click would turn the OSError into exit 1)."""
+
+
+def _closed_pipe():
+    """The reader of stdout went away, whatever was being written (an ``-o -`` stream, a figure, a table):
+    stop quietly with :data:`CLOSED_PIPE`."""
+    _silence_stdout()
+    _exit(CLOSED_PIPE)
 
 
 def _silence_stdout():
@@ -145,6 +161,13 @@ def _fail(message, code, ctx=None):
 
 
 def _exit(code):
+    try:  # what is still buffered for stdout: a reader that went away is found here, not at interpreter exit
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        code = CLOSED_PIPE if code == 0 else code
+    except (OSError, ValueError):
+        pass
     atomic = sys.modules.get("qgcli.storage.atomic")
     if atomic is not None and atomic.hdf5_left_open():
         # A full disk left HDF5 unable to close the file it was writing (its temporary file is already

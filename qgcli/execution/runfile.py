@@ -133,6 +133,8 @@ def _run_and_write(job, container, path, layers):
     (:mod:`qgcli.storage.formats`); returns (ran: list of dicts, skipped layers)."""
     out = job.output
     fmt = _check_destination(out.destination, path, out.force)
+    if hasattr(fmt, "check_group_paths"):  # a Zarr store: names it cannot take are refused before any work
+        fmt.check_group_paths([layer.path for layer in layers])
     memory_plan = _TOOLS["memory_plan"]
     ran, skipped, budgets = [], [], {}
     with fmt.group_sink(out.destination, compression=out.compression) as sink:

@@ -16,6 +16,7 @@ import sys
 from qgcli.report.diff import HISTORY_STATISTICS, SAME, STATISTICS
 from qgcli.report.history_table import last_samples, step_rows
 from qgcli.report.summaries import json_safe
+from qgcli.storage.figures import drawn_printable
 from qgcli.storage.outputs import check_figure_output
 
 #: What a table column shows: (document key, header, format: "text", "pct", "num", "int", "shape").
@@ -327,6 +328,7 @@ def _events(events):
 
 def _figure(fig, caption):
     buffer = io.BytesIO()
+    drawn_printable(fig)  # names from the file: no control character drawn or warned about on stderr
     fig.savefig(buffer, format="png", dpi=100)
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     return f'<img class="fig" alt="{_e(caption)}" src="data:image/png;base64,{encoded}">'

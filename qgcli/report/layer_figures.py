@@ -10,7 +10,6 @@ go to a hidden staging folder first, so ``DIR`` gets every figure or none.
 """
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -235,8 +234,11 @@ def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, o
         raise OutputError(f"{directory} is a file, not a directory", operand="--output")
     if os.path.isdir(directory) and os.listdir(directory) and not force:
         raise OutputError(f"{directory} exists and is not empty; use --force to write into it", operand="--output")
-    staging = os.path.join(os.path.dirname(directory), f".qgcli-{atomic.temp_token()}.tmpdir")
-    os.mkdir(staging, 0o700)
+    if os.path.islink(directory) and os.path.isdir(directory):
+        directory = os.path.realpath(directory)  # the directory a link names is replaced, not the link
+    existed = os.path.isdir(directory)
+    made = []
+    staging = atomic.new_temp_dir(os.path.dirname(directory), made)
     try:
         targets = [layout.target(staging, t.path) for t in tasks]
         for target in targets:
@@ -244,24 +246,22 @@ def write_all(tasks, directory, *, dpi=100, fmt="png", force=False, jobs=None, o
         n = workers(len(tasks), jobs)
         summaries = _draw_all(tasks, targets, dpi, fmt, n, on_done)
         index = directory_format.write_index(staging, layout)
-        if not os.path.exists(directory):
+        for rel in [layout[t.path] for t in tasks] + ([os.path.basename(index)] if index else []):
+            old = os.path.join(directory, *rel.split("/"))
+            if existed and os.path.isdir(old) and not os.path.islink(old):
+                raise OutputError(f"{old} is a directory", operand="--output")
+        if not existed:
             os.chmod(staging, 0o777 & ~atomic.umask())
-            os.rename(staging, directory)
-            staging = None
-        else:  # an existing (empty, or --force) DIR: file by file
-            moves = [layout[t.path] for t in tasks] + ([os.path.basename(index)] if index else [])
-            for rel in moves:
-                target = os.path.join(directory, *rel.split("/"))
-                if os.path.isdir(target):
-                    raise OutputError(f"{target} is a directory", operand="--output")
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.replace(os.path.join(staging, *rel.split("/")), target)
+        # One step: a new DIR only if still absent; an existing one (empty, or --force) swapped with the new,
+        # which keeps its other files.
+        atomic.commit_directory(staging, directory, replace=force, merge=True)
+        made.clear()
         for s, t in zip(summaries, tasks):
             s["file"] = os.path.join(directory, *layout[t.path].split("/"))
         return summaries, (os.path.join(directory, os.path.basename(index)) if index else None), n
     finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        for tmpdir in made:
+            atomic.discard_directory(tmpdir)
 
 
 def _named(task, call):

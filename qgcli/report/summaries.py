@@ -2,6 +2,8 @@
 
 Kept free of heavy imports at module level so that ``qgcli --help`` stays fast.
 """
+import errno
+import os
 import sys
 from contextvars import ContextVar
 
@@ -136,7 +138,12 @@ def _console(*, stderr):
         # Piped into less/grep/a log file: plain text, full lines whatever the width.
         console = Console(highlight=False, emoji=False, width=_PLAIN_WIDTH, no_color=True,
                           file=sys.stderr if stderr else sys.stdout)
+    console.on_broken_pipe = _broken_pipe  # rich would exit 1 itself; the CLI has one rule for a closed pipe
     return console
+
+
+def _broken_pipe():
+    raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 def number(v, digits=4):

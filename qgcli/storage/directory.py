@@ -3,16 +3,15 @@
 never reach the file system as they are) and, when some name had to change, ``DIR/index.json`` mapping every
 exact name to its file.  A run file's outputs are named ``group/name``: one folder per group.
 
-A new DIR is built as a hidden ``.qgcli-*.tmpdir`` beside it and renamed into place in one step, so it
-appears with all its files or not at all (even after a SIGKILL); into an existing DIR every file is written
-first, then all are renamed together.
+DIR is built as a hidden ``.qgcli-*.tmpdir`` beside it and put in place in one step, so it appears with all
+its files or not at all (even after a SIGKILL); an existing DIR (``--force``) is swapped with its new version,
+which holds the old one's other files too (hard links), so DIR is the old directory or the new one at every
+instant (:func:`qgcli.storage.atomic.commit_directory`).
 """
 import contextlib
 import os
-import shutil
 
 from qgcli.errors import OutputError
-from qgcli.signals import raise_pending
 from qgcli.storage import atomic, npy, targets
 from qgcli.storage.paths import INDEX_NAME, group_file_paths
 from qgcli.storage.sinks import FlatSink
@@ -27,56 +26,51 @@ def is_directory(dest):
 def writing(dest, *, sync=True):
     """``with writing(dest) as put``: ``put(name, array)`` writes one .npy under a temporary name as it comes;
     when the block ends the names are laid out (all of them known: which of two clashing names keeps the plain
-    path does not depend on their order) and every file lands at once.  ``sync``: each file and directory is
-    synced before the renames (a run file's thousands of files skip it, as they always have)."""
+    path does not depend on their order) and the whole directory lands at once (:func:`qgcli.storage.atomic.
+    commit_directory`: a new DIR only if it is still absent, an existing one swapped with its new version,
+    which keeps the old one's other files).  ``sync``: each file and directory is synced before the renames
+    (a run file's thousands of files skip it, as they always have)."""
     directory = os.path.abspath(dest.rstrip("/") or dest)
+    replace = atomic.may_replace(directory)
+    if os.path.islink(directory) and os.path.isdir(directory):
+        directory = os.path.realpath(directory)  # the directory a link names is replaced, not the link
     parent = os.path.dirname(directory)
-    new = not os.path.isdir(directory)
-    made, temps, staged = [], [], {}  # the staging folder of a new DIR; every temporary file; name -> its own
+    existed = os.path.isdir(directory)
+    made, temps, staged = [], [], {}  # the staging folder; every temporary file; name -> its own
     try:
-        if new:
+        if not existed:
             os.makedirs(parent, exist_ok=True)
-            atomic.new_temp_dir(parent, made)
-        staging = made[0] if new else None
-        where = staging if new else directory
+        staging = atomic.new_temp_dir(parent, made)
 
         def put(name, array):
-            staged[name] = atomic.stage_in(where, lambda p: npy.write(p, array), temps, sync=sync)
+            staged[name] = atomic.stage_in(staging, lambda p: npy.write(p, array), temps, sync=sync)
 
         yield put
         layout = group_file_paths(staged, suffix=".npy")
         if layout.changed:
-            staged[None] = atomic.stage_in(where, lambda p: atomic.write_text(p, layout.index_json()), temps,
+            staged[None] = atomic.stage_in(staging, lambda p: atomic.write_text(p, layout.index_json()), temps,
                                            sync=sync)
-        root = staging if new else directory
-        moves = [(tmp, os.path.join(root, INDEX_NAME) if name is None else layout.target(root, name))
-                 for name, tmp in staged.items()]
-        for tmp, target in moves:
-            if not new:
-                if os.path.isdir(target):
-                    raise OutputError(f"{target} is a directory", operand="--output")
-                atomic.keep_mode(tmp, target)
+        for name, tmp in staged.items():
+            rel = INDEX_NAME if name is None else layout[name]
+            old, target = os.path.join(directory, *rel.split("/")), os.path.join(staging, *rel.split("/"))
+            if existed and os.path.isdir(old) and not os.path.islink(old):
+                raise OutputError(f"{old} is a directory", operand="--output")
+            if existed:
+                atomic.keep_mode(tmp, old)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-        if not new:
-            atomic.commit(moves, sync=sync)
-            temps.clear()
-            return
-        for tmp, target in moves:
             os.replace(tmp, target)
         temps.clear()
-        os.chmod(staging, 0o777 & ~atomic.umask())
+        if not existed:
+            os.chmod(staging, 0o777 & ~atomic.umask())
         if sync:
             atomic.fsync_directory(staging)
-        raise_pending()
-        os.rename(staging, directory)  # atomic; fails if DIR appeared meanwhile and is not empty
+        atomic.commit_directory(staging, directory, replace=replace, merge=True, sync=sync)
         made.clear()
-        if sync:
-            atomic.fsync_directory(parent)
     except BaseException as exc:
         for tmp in temps:
             atomic.unlink(tmp)
         for tmpdir in made:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            atomic.discard_directory(tmpdir)
         error = atomic.as_os_error(exc, dest)
         if error is not None and error is not exc:
             raise error from None
@@ -108,6 +102,7 @@ class DirectoryFormat:
         files = targets_of(dest, names)
         targets.refuse_inputs(files, inputs)
         directory = dest.rstrip("/") or "/"
+        atomic.sweep(os.path.dirname(os.path.abspath(directory)))  # what a killed run left: first put back
         if os.path.lexists(directory) and not os.path.isdir(directory):
             raise OutputError(f"{directory} is a file, not a directory", operand="--output")
         parent = os.path.dirname(os.path.abspath(directory))
@@ -122,6 +117,7 @@ class DirectoryFormat:
         writable = directory if os.path.isdir(directory) else parent
         if not os.access(writable, os.W_OK | os.X_OK):
             raise OutputError(f"directory {writable} is not writable", operand="--output")
+        atomic.checked(directory, force)
 
     def write(self, dest, arrays, *, attrs, compression=None, stdout=None):
         with writing(dest) as put:

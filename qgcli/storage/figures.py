@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from qgcli.errors import OutputError
+from qgcli.storage.stdio import write_all
 
 FIGURE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
@@ -35,6 +36,7 @@ def save_figure(fig, path, dpi=100, *, format=None):
 
     fmt = format or figure_format(path)
     metadata = {"png": {}, "svg": {"Date": None}, "pdf": {"CreationDate": None}}[fmt]
+    drawn_printable(fig)
 
     def write(target):
         with matplotlib.rc_context({"svg.hashsalt": "qgcli"}):
@@ -46,8 +48,7 @@ def save_figure(fig, path, dpi=100, *, format=None):
             return
         buffer = io.BytesIO()  # whole figure first: a failure leaves nothing half-written on the stream
         write(buffer)
-        path.write(buffer.getvalue())
-        path.flush()
+        write_all(path, buffer.getvalue())
 
     if fmt != "png":
         save()
@@ -59,6 +60,40 @@ def save_figure(fig, path, dpi=100, *, format=None):
     finally:
         fig.set_size_inches(inches, forward=False)
     return fmt
+
+
+def drawn_printable(fig):
+    """Escape, in every text of ``fig``, the characters that are not printable (as Python's ``repr`` writes
+    them, the rule of :func:`qgcli.report.text.printable`; line breaks stay): names from a file drawn in
+    titles and labels can then put no control character into the figure, nor, through matplotlib's
+    "Glyph 27 missing" warning, onto the terminal."""
+    from matplotlib.text import Text
+    from matplotlib.ticker import FixedFormatter, FuncFormatter
+
+    for artist in fig.findobj(Text):
+        text = artist.get_text()
+        if isinstance(text, str) and not _printable(text):
+            artist.set_text(_escaped(text))
+    for ax in fig.axes:  # tick labels are made at draw time, from the axis' formatter
+        for axis in (ax.xaxis, ax.yaxis):
+            for get, put in ((axis.get_major_formatter, axis.set_major_formatter),
+                             (axis.get_minor_formatter, axis.set_minor_formatter)):
+                formatter = get()  # labels given as text (set_ticks(..., labels)), or names on a categorical axis
+                if getattr(formatter, "qgcli_printable", False):
+                    continue  # this figure was saved before
+                if isinstance(formatter, (FixedFormatter, FuncFormatter)) or \
+                        type(formatter).__name__ == "StrCategoryFormatter":
+                    wrapped = FuncFormatter(lambda x, pos, f=formatter: _escaped(str(f(x, pos))))
+                    wrapped.qgcli_printable = True
+                    put(wrapped)
+
+
+def _printable(text):
+    return text.replace("\n", "").isprintable()
+
+
+def _escaped(text):
+    return text if _printable(text) else "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
 
 
 def _whole_pixel_inches(inches, dpi):

@@ -65,11 +65,18 @@ def for_input(path):
 
 
 def for_output(dest):
-    """The format of an ``-o`` target: ``-`` stdout, a store, ``DIR/`` (or an existing directory), a file."""
+    """The format of an ``-o`` target: ``-`` stdout, a store, ``DIR/``, a file by its suffix (``-o x.h5``
+    where ``x.h5`` is a directory is refused by the file's checks), or an existing directory."""
     if dest == "-":
         return STDOUT
     for fmt in STORES:
         if fmt.claims(dest):  # a directory, but one store, written as a whole
+            return fmt
+    if dest.endswith(("/", os.sep)):
+        return DIRECTORY
+    lower = dest.lower()
+    for fmt in FILES:  # a file's name: an existing directory of that name is refused, never written into
+        if lower.endswith(fmt.suffixes):
             return fmt
     if directory.is_directory(dest):
         return DIRECTORY

@@ -14,6 +14,7 @@ the target and renamed into place (:mod:`qgcli.storage.atomic`), an existing out
 """
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +120,7 @@ class Container:
             raise FileFormatError(f"no such file: {path}")
         if os.path.isdir(path):
             raise FileFormatError(f"is a directory, not a {kind} file: {path}")
+        _refuse_special(path)
         try:
             with open(path, "rb") as fh:
                 head = fh.read(8)
@@ -190,6 +192,22 @@ class Container:
         if not hasattr(self.format, "header"):
             return None, None
         return self.format.header(self._opened(), key)
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"))
+
+
+def _refuse_special(path):
+    """Refuse what is not a regular file (a FIFO would block the read forever, a device never ends): a stream
+    is read from stdin, as ``-``."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise FileFormatError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        what = next((name for test, name in _SPECIAL if test(mode)), "not a regular file")
+        raise FileFormatError(f"{path} is {what}, not a regular file; pipe a stream to stdin and name it -")
 
 
 def load_spec(spec, stdin=None, default_key=None):

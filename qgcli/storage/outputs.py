@@ -8,8 +8,9 @@ import sys
 
 from qgcli.backend import to_numpy
 from qgcli.errors import OutputError, RuntimeFailure
+from qgcli.storage import atomic
 from qgcli.storage.figures import save_figure
-from qgcli.storage.targets import same_file
+from qgcli.storage.targets import refuse_inputs
 
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -43,9 +44,7 @@ def check_figure_output(dest, *, inputs=(), force=False, option="--output", form
         ext = os.path.splitext(dest)[1] or "no extension"
         raise OutputError(f"cannot tell the figure format from {ext!r} in {dest}; use .png, .svg or .pdf",
                           operand=option)
-    for source in inputs:
-        if source and os.path.exists(source) and os.path.exists(dest) and same_file(source, dest):
-            raise OutputError(f"{dest} is also an input; qgcli never overwrites its inputs", operand=option)
+    refuse_inputs([dest], inputs, option)
     if os.path.isdir(dest):
         raise OutputError(f"{dest} is a directory", operand=option)
     parent = os.path.dirname(os.path.abspath(dest))
@@ -55,6 +54,7 @@ def check_figure_output(dest, *, inputs=(), force=False, option="--output", form
         raise OutputError(f"{dest} exists; use --force to replace it", operand=option)
     if not os.access(parent, os.W_OK):
         raise OutputError(f"directory {parent} is not writable", operand=option)
+    atomic.checked(dest, force)
 
 
 def save_checked(fig, dest, dpi, format=None):

@@ -68,8 +68,18 @@ class StdoutFormat:
             yield put
         out = stdout if stdout is not None else sys.stdout.buffer
         raise_pending()
-        out.write(buf.getvalue())
-        out.flush()
+        write_all(out, buf.getvalue())
+
+
+def write_all(stream, data):
+    """Write all of ``data`` to a binary stream and flush it.  A pipe whose reader went away can take part of a
+    large write and return a short count (no error yet); the next write then raises BrokenPipeError, which the
+    CLI turns into exit 141 (:mod:`qgcli.cli.main`), where one ``write`` would silently end the output early."""
+    view = memoryview(data)
+    while view:
+        written = stream.write(view)
+        view = view[len(view) if written is None else written:]
+    stream.flush()
 
 
 FORMAT = StdoutFormat()

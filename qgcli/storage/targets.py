@@ -3,6 +3,7 @@
 import os
 
 from qgcli.errors import OutputError
+from qgcli.storage import atomic
 
 
 def same_file(a, b):
@@ -12,12 +13,25 @@ def same_file(a, b):
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def refuse_inputs(targets, inputs):
-    """Refuse any of ``targets`` that is one of ``inputs``."""
+def refuse_inputs(targets, inputs, option="--output"):
+    """Refuse any of ``targets`` that is one of ``inputs``, or lies inside an input that is a directory (a
+    Zarr store: ``-o in.zarr/x.h5`` would add a file to it)."""
     for target in targets:
         for source in inputs:
-            if source and os.path.exists(source) and os.path.exists(target) and same_file(source, target):
-                raise OutputError(f"{target} is also an input; qgcli never overwrites its inputs", operand="--output")
+            if not source or not os.path.exists(source):
+                continue
+            if os.path.exists(target) and same_file(source, target):
+                raise OutputError(f"{target} is also an input; qgcli never overwrites its inputs", operand=option)
+            if os.path.isdir(source) and _within(target, source):
+                raise OutputError(f"{target} lies inside the input {source}; qgcli never writes into its inputs",
+                                  operand=option)
+
+
+def _within(target, directory):
+    """Whether ``target`` (existing or not) would land inside ``directory``, through any links."""
+    base = os.path.realpath(directory)
+    real = os.path.realpath(target)
+    return real.startswith(base.rstrip(os.sep) + os.sep)
 
 
 def check_file(dest, *, inputs=(), force=False):
@@ -32,3 +46,4 @@ def check_file(dest, *, inputs=(), force=False):
         raise OutputError(f"{dest} exists; use --force to replace it", operand="--output")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"directory {parent} is not writable", operand="--output")
+    atomic.checked(dest, force)

@@ -13,7 +13,7 @@ Nothing of zarr is imported until a store is opened.
 import contextlib
 import os
 import re
-import shutil
+import stat
 
 import numpy as np
 
@@ -68,7 +68,7 @@ def _zarr():
 # What damaged or hostile stores raise from zarr, its codecs and JSON parsing (qgcli.storage.checks has the list
 # for the one-file formats, which adds zip, zlib and NumPy-header errors).
 _CORRUPT = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError,
-            OverflowError, SystemError)
+            ArithmeticError, SystemError)
 
 
 def _errors():
@@ -81,17 +81,86 @@ def _reason(exc):
 
 
 def open_store(path, *, read_only):
-    """The zarr Store behind ``path``: a LocalStore for paths and ``file://``, else fsspec's."""
+    """The zarr Store behind ``path``: a LocalStore for paths and ``file://``, else fsspec's.  A store read
+    from the local file system (also through fsspec: ``local://``, ``simplecache::file://``) reads no file
+    that resolves outside it (:func:`confined`)."""
     zarr = _zarr()
     local = local_path(path)
     if local is not None:
+        if read_only:
+            return confined(zarr.storage.LocalStore)(local, read_only=True)
         return zarr.storage.LocalStore(local, read_only=read_only)
     try:
-        return zarr.storage.FsspecStore.from_url(path, read_only=read_only)
+        store = zarr.storage.FsspecStore.from_url(path, read_only=read_only)
     except ImportError as exc:  # fsspec names the package its protocol needs (s3fs, gcsfs)
         raise FileFormatError(f"{path}: {_reason(exc)}") from None
     except (ValueError, OSError) as exc:
         raise FileFormatError(f"{path}: cannot open the store: {_reason(exc)}") from None
+    if _on_local_disk(store.fs):
+        store = confined(zarr.storage.FsspecStore)(fs=store.fs, path=store.path, read_only=store.read_only)
+    return store
+
+
+class OutsideStore(FileFormatError):
+    """A key of a store that qgcli does not read: it resolves, through a symbolic link, to a file outside the
+    store, or names no regular file (a FIFO)."""
+
+
+def inside(root, key):
+    """Refuse ``key`` of the store at ``root`` (a local path) when the file it names resolves (through any
+    symbolic link, of a chunk, an array's or a group's directory) outside the store's own real directory.
+    A store that is itself a link is the store it points to; links that stay inside it are followed."""
+    base = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(base, key))
+    if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+        raise OutsideStore(f"{root}: {key!r} is a link to {real}, outside the store; qgcli reads nothing outside "
+                           "a Zarr store")
+    try:
+        special = not stat.S_ISREG(os.stat(real).st_mode) and not os.path.isdir(real)
+    except OSError:
+        special = False  # absent: zarr reads it as missing (a fill value, or no such node)
+    if special:  # a FIFO would block the read forever
+        raise OutsideStore(f"{root}: {key!r} is not a regular file (a FIFO, socket or device); qgcli does not read it")
+    return key
+
+
+_CONFINED = {}
+
+
+def confined(base):
+    """``base`` (zarr's LocalStore or FsspecStore on the local disk) whose reads refuse keys that resolve
+    outside the store (:func:`inside`); the check runs before every read of metadata and chunks."""
+    cls = _CONFINED.get(base)
+    if cls is None:
+        class Confined(base):
+            def _root(self):
+                return str(self.root) if hasattr(self, "root") else self.path
+
+            async def get(self, key, prototype=None, byte_range=None):
+                return await super().get(inside(self._root(), key), prototype, byte_range)
+
+            def get_sync(self, key, *args, **kwargs):
+                return super().get_sync(inside(self._root(), key), *args, **kwargs)
+
+            async def get_partial_values(self, prototype, key_ranges):
+                key_ranges = [(inside(self._root(), key), byte_range) for key, byte_range in key_ranges]
+                return await super().get_partial_values(prototype, key_ranges)
+
+        cls = _CONFINED[base] = Confined
+    return cls
+
+
+def _on_local_disk(fs):
+    """Whether an fsspec file system (or one it wraps: async wrappers, caches) is the local disk."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    for _ in range(8):
+        if isinstance(fs, LocalFileSystem):
+            return True
+        fs = getattr(fs, "sync_fs", None) or getattr(fs, "fs", None)
+        if fs is None:
+            return False
+    return False
 
 
 class ZarrContainer:
@@ -139,6 +208,8 @@ class ZarrContainer:
             return []
         try:
             return [name for name, node in self._node.members(max_depth=None) if isinstance(node, _zarr().Array)]
+        except OutsideStore:
+            raise
         except _errors() as exc:
             raise FileFormatError(f"{self.label}: cannot list its arrays: {_reason(exc)}") from None
 
@@ -160,10 +231,13 @@ class ZarrContainer:
                 node = self._node[key.strip("/")]
             except KeyError:
                 raise FileFormatError(f"{self.label}: has no array {key!r}") from None
+            except OutsideStore:
+                raise
             except _errors() as exc:
                 raise FileFormatError(f"{self.label}: cannot open {key!r}: {_reason(exc)}") from None
             if not isinstance(node, _zarr().Array):
                 raise FileFormatError(f"{self.label}: {key!r} is a group, not an array")
+        _check_chunks(node, self.label, key)
         dtype = node.dtype
         if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc":
             # object arrays would be unpickled (numcodecs' Pickle codec); strings are no tensor
@@ -188,6 +262,8 @@ class ZarrContainer:
         check_memory(int(node.size) * node.dtype.itemsize, what)
         try:
             data = np.asarray(node[...])
+        except OutsideStore:
+            raise
         except _errors() as exc:
             raise FileFormatError(f"{what} cannot be read: {_reason(exc)}") from None
         return as_tagged(node, data)
@@ -204,6 +280,18 @@ class ZarrContainer:
 
     def header(self, key):
         return None, None  # no header to read apart from the array's metadata: the read says what failed
+
+
+def _check_chunks(node, label, key):
+    """Refuse an array whose chunk (or shard) shape has a zero or negative extent: no grid can cover it."""
+    for what in ("chunks", "shards"):
+        try:
+            shape = getattr(node, what)
+        except _errors() + (ZeroDivisionError,) as exc:
+            raise FileFormatError(f"{label}: {key!r} has no usable {what[:-1]} shape: {_reason(exc)}") from None
+        if shape is not None and any(int(extent) <= 0 for extent in shape):
+            raise FileFormatError(f"{label}: {key!r} has the {what[:-1]} shape {list(shape)}; every extent must be "
+                                  "at least 1")
 
 
 def as_tagged(node, data):
@@ -227,12 +315,16 @@ def check_output(dest, *, inputs=(), force=False):
             raise OutputError(f"{dest} exists; use --force to replace it", operand="--output")
         return
     target = os.path.realpath(local)
+    atomic.sweep(os.path.dirname(target))  # what a killed run left: first put back (or removed)
     for source in inputs:
         where = local_path(source) if source else None
         if where and os.path.exists(where):
             real = os.path.realpath(where)
             if real == target or real.startswith(target + os.sep):
                 raise OutputError(f"{dest} is also an input; qgcli never overwrites its inputs", operand="--output")
+            if os.path.isdir(real) and target.startswith(real.rstrip(os.sep) + os.sep):
+                raise OutputError(f"{dest} lies inside the input {source}; qgcli never writes into its inputs",
+                                  operand="--output")
     parent = os.path.dirname(os.path.abspath(local))
     if not os.path.isdir(parent):
         raise OutputError(f"directory {parent} does not exist", operand="--output")
@@ -244,6 +336,7 @@ def check_output(dest, *, inputs=(), force=False):
                               operand="--output")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"directory {parent} is not writable", operand="--output")
+    atomic.checked(local, force)
 
 
 def _fsspec(url):
@@ -333,9 +426,13 @@ class _Stage:
         self.local = local_path(dest)
         name = f".qgcli-{atomic.temp_token()}.tmp.zarr"
         if self.local is not None:
+            if os.path.islink(self.local) and os.path.isdir(self.local):
+                self.local = os.path.realpath(self.local)  # --force over a linked store replaces the store
             parent = os.path.dirname(os.path.abspath(self.local))
+            self.replace = atomic.may_replace(self.local)  # an existing store is replaced only with --force
             self.path = os.path.join(parent, name)
             os.mkdir(self.path, 0o700)  # named before it exists, so cleanup always knows it
+            atomic.hold(self.path)
         else:
             self.path = f"{dest.rstrip('/').rsplit('/', 1)[0]}/{name}"
             self.fs, self.root = _fsspec(dest.rstrip("/"))
@@ -349,22 +446,12 @@ class _Stage:
             self.fs.mv(self.tmp_root, self.root, recursive=True)
             return
         os.chmod(self.path, 0o777 & ~atomic.umask())
-        old = None
-        if os.path.lexists(self.local):  # --force over a store: moved aside, then removed
-            old = os.path.join(os.path.dirname(self.path), f".qgcli-{atomic.temp_token()}.old.zarr")
-            os.rename(self.local, old)
-        try:
-            os.rename(self.path, self.local)
-        except BaseException:
-            if old is not None:
-                os.rename(old, self.local)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        # A new store lands only where none appeared meanwhile; --force swaps the old store with the new one.
+        atomic.commit_directory(self.path, self.local, replace=self.replace)
 
     def remove(self):
         if self.local is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
+            atomic.discard_directory(self.path)
         else:
             try:
                 self.fs.rm(self.tmp_root, recursive=True)
@@ -410,10 +497,20 @@ class _GroupSink:
 
     def add(self, path, arrays, attrs):
         attrs = self.provenance(attrs)
+        check_group_paths([path])
         group = self.stage.group.require_group(path) if path else self.stage.group
         group.attrs.update(json_attrs(attrs))
         for name, array in arrays.items():
             put(group, name, array, attrs=attrs if self.array_attrs else {}, compression=self.compression)
+
+
+def check_group_paths(paths):
+    """Refuse group paths a Zarr store cannot hold: zarr forbids ``.`` and ``..`` segments (HDF5 takes them
+    as plain names); write such a run file's outputs to .h5, which keeps every name, or to ``DIR/``."""
+    for path in paths:
+        if any(part in (".", "..") for part in path.split("/")):
+            raise OutputError(f"the group {path!r} cannot be a Zarr group name (Zarr forbids '.' and '..' in "
+                              "paths); write .h5, which keeps every name, or DIR/", operand="--output")
 
 
 def _store_size(path):
@@ -447,6 +544,9 @@ class ZarrFormat:
 
     def group_sink(self, dest, *, compression=None):
         return _group_sink(dest, compression=compression, provenance=provenance.attributes)
+
+    def check_group_paths(self, paths):
+        check_group_paths(paths)
 
 
 FORMAT = ZarrFormat()

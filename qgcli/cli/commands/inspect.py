@@ -61,8 +61,8 @@ def tensor_stats(array):
 
     a = np.asarray(array)
     out = {"min": None, "max": None, "mean": None, "std": None, "nan": None, "inf": None, "zeros": None}
-    if a.dtype.name == "bfloat16":
-        a = a.astype(np.float32)
+    if a.dtype.name == "bfloat16" or (a.dtype.kind == "V" and a.dtype.name.startswith("float")):
+        a = a.astype(np.float32)  # ml_dtypes' small floats (bfloat16, float8_*): their values, exactly
     kind = a.dtype.kind
     if kind not in "biufc":
         return out
