@@ -52,11 +52,15 @@ def torch_layout(scale_shape, inputs_shape, axis):
     return matches[0], f"channel axis {matches[0]} inferred from the length of scale"
 
 
-def zero_point_from_literal(text, value):
-    """An integral literal zero point (``--zero-point 128``) is an int32, as PyTorch's observers give it."""
+def _is_literal(text):
     from qgcli.storage import io
 
-    if text is None or io.parse_spec(text, allow_literal=True).literal is None:
+    return text is not None and io.parse_spec(text, allow_literal=True).literal is not None
+
+
+def zero_point_from_literal(text, value):
+    """An integral literal zero point (``--zero-point 128``) is an int32, as PyTorch's observers give it."""
+    if not _is_literal(text):
         return value
     value = np.asarray(value)
     if np.all(np.isfinite(value)) and np.all(value == np.round(value)) and np.all(np.abs(value) < 2**31):
@@ -77,6 +81,8 @@ def compute(job, operands):
     gradients = operands.get("gradients") if with_gradients else None
     inputs = operands.get("inputs")
     scale = np.asarray(operands.get("scale"))
+    if _is_literal(job.operands.get("scale")):
+        scale = scale.astype(np.float32)  # torch.tensor([0.1, 0.2]) is float32
     zero_point = zero_point_from_literal(job.operands.get("zero_point"), operands.get("zero_point"))
     channel_axis, note = torch_layout(scale.shape, np.shape(inputs), job.axis)
     if note:
