@@ -159,6 +159,33 @@ def compute(job, operands):
     return Result(out, attrs, summary)
 
 
+#: What ``qgcli plot RUN -o DIR/`` draws of a group of this family, on PyTorch's own grid
+#: (:mod:`qgcli.report.layer_figures`).
+PLOT_KINDS = ("staircase", "ste")
+
+
+def plot_setup(attr):
+    """The attributes a group's figure needs besides its tensors (plain values: they cross to worker
+    processes); ``attr(name, default)``: the group's attribute, or the option typed for it."""
+    lo, hi = fake_quant.quant_range(int(attr("num_bits", 8)), bool(attr("narrow_range", False)))
+    axis = attr("axis", None)
+    return {"quant_min": int(attr("quant_min", lo)), "quant_max": int(attr("quant_max", hi)),
+            "axis": None if axis is None else int(axis)}
+
+
+def plot_operands(operands, setup):
+    """``(inputs, min, max, keyword arguments)`` of ``plots.staircase``/``ste`` for a group: PyTorch's op on its
+    scale and zero point (``torch=``), the channel axis from the attribute or the scale's length."""
+    x = operands.get("inputs")
+    scale, zero_point = np.asarray(operands.get("scale")), np.asarray(operands.get("zero_point"))
+    axis, _ = torch_layout(scale.shape, np.shape(x), setup["axis"])
+    if axis is None:
+        scale = scale.reshape(())
+        zero_point = zero_point.reshape(()) if zero_point.size == 1 else zero_point
+    return x, None, None, {"torch": dict(scale=scale, zero_point=zero_point, quant_min=setup["quant_min"],
+                                         quant_max=setup["quant_max"], axis=axis)}
+
+
 def _view_statistics(view, gradients, xp):
     """Clipped shares (on the semantics' own masks) and the gradient mass the mask blocks."""
     n = int(view.inputs.size)
