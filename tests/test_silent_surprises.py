@@ -62,3 +62,35 @@ def test_nan_inputs_are_said(cli, tmp_path):
     notes = _notes(cli, "fakequant", "--inputs", tmp_path / "x.npy", "--min", "-1", "--max", "1",
                    "-o", tmp_path / "o.npy")
     assert notes == ["inputs hold NaN (25.00% of the elements): their outputs are NaN, as TensorFlow's"]
+
+
+def test_pytorch_turning_nan_and_inf_into_numbers_is_said(cli, tmp_path):
+    # PyTorch's fake quant outputs finite values for NaN and +-inf (per tensor +inf -> quant_max's level, per
+    # channel quant_min's): the note says how many and into what, in the forward and in the gradient run.
+    x = np.array([1.0, np.nan, -2.0, np.inf, -np.inf, 0.5], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "g.npy", np.ones_like(x))
+    torch_args = ("--semantics", "torch", "--scale", "0.1", "--zero-point", "0")
+    notes = _notes(cli, "fakequant", "--inputs", tmp_path / "x.npy", *torch_args, "-o", tmp_path / "o.npy")
+    assert notes == ["inputs hold non-finite values, which PyTorch's fake quant turns into finite outputs without a "
+                     "word (1 NaN -> 0, 1 +inf -> 25.5, 1 -inf -> 0); their gradient is 0"]
+    np.save(tmp_path / "x2.npy", np.stack([x, x]))
+    np.save(tmp_path / "g2.npy", np.ones((2, 6), np.float32))
+    notes = _notes(cli, "fakequant-grad", "--inputs", tmp_path / "x2.npy", "--gradients", tmp_path / "g2.npy",
+                   "--semantics", "torch", "--scale", "0.1,0.2", "--zero-point", "0,0", "--axis", "0",
+                   "-o", tmp_path / "o.npz")
+    assert [n for n in notes if "non-finite" in n] == [
+        "inputs hold non-finite values, which PyTorch's fake quant turns into finite outputs without a word "
+        "(2 NaN -> 0, 2 +inf -> 0, 2 -inf -> 0); their gradient is 0"]
+    assert _notes(cli, "fakequant", "--inputs", NOTEBOOK + ":inputs", *torch_args, "-o", tmp_path / "n.npy") == []
+
+
+def test_pytorch_reference_for_the_nonfinite_note():
+    torch = __import__("pytest").importorskip("torch")
+    x = torch.tensor([float("nan"), float("inf"), float("-inf")], requires_grad=True)
+    y = torch.fake_quantize_per_tensor_affine(x, 0.1, 0, 0, 255)
+    y.sum().backward()
+    assert y.tolist() == [0.0, 25.5, 0.0] and x.grad.tolist() == [0.0, 0.0, 0.0]
+    pc = torch.fake_quantize_per_channel_affine(torch.stack([x.detach()] * 2), torch.tensor([0.1, 0.2]),
+                                                torch.zeros(2, dtype=torch.int32), 0, 0, 255)
+    assert pc.tolist() == [[0.0, 0.0, 0.0]] * 2

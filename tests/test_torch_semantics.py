@@ -494,3 +494,10 @@ def test_cli_per_channel_scale_literal_is_float32_and_a_float64_file_is_refused(
     assert r.exit_code == 0, r.output
     r = cli(*base, "--scale", str(tmp_path / "s.npy"), "-o", str(tmp_path / "b.npy"))
     assert r.exit_code == 2 and "scale: is float64" in r.stderr and not (tmp_path / "b.npy").exists()
+
+
+def test_cli_axis_whose_length_is_not_the_scales_is_refused(cli, tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros(6, np.float32))
+    r = cli("fakequant", "--inputs", tmp_path / "x.npy", "--semantics", "torch", "--scale", "0.1,0.2",
+            "--zero-point", "0,0", "--axis", "0", "-o", tmp_path / "o.npy")
+    assert r.exit_code == 2 and "scale: has 2 entries but inputs have 6 channels on axis 0" in r.stderr

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from qgcli.backend import to_numpy
 from qgcli.errors import OperandError, OptionError
 from qgcli.families.common import check_grad_factor
 from qgcli.families.groups import fake_quant_basics, size
@@ -39,6 +40,9 @@ def torch_layout(scale_shape, inputs_shape, axis):
     if axis is not None:
         if not -ndim <= axis < ndim:
             raise OperandError(f"{axis} is out of range for inputs of rank {ndim}", operand="axis")
+        if inputs_shape[axis] != depth:
+            raise OperandError(f"has {depth} entries but inputs have {inputs_shape[axis]} channels on axis {axis}",
+                               operand="scale")
         return axis % ndim, None
     if depth == 1:
         return None, "one scale value without --axis: per tensor"
@@ -140,6 +144,9 @@ def compute(job, operands):
             None if grad_factor in (None, "auto") else grad_factor))
     if with_gradients:
         attrs["estimator"] = est.text
+    notes += _nonfinite_notes(inputs, out.get("outputs"), lambda: ts.fake_quantize_per_tensor_affine(
+        inputs, scale, zero_point, quant_min, quant_max) if channel_axis is None else
+        ts.fake_quantize_per_channel_affine(inputs, scale, zero_point, channel_axis, quant_min, quant_max), xp)
     stats = _view_statistics(view, gradients, xp)
     if with_gradients:
         from qgcli.ops.analysis import blocked_by
@@ -184,6 +191,26 @@ def plot_operands(operands, setup):
         zero_point = zero_point.reshape(()) if zero_point.size == 1 else zero_point
     return x, None, None, {"torch": dict(scale=scale, zero_point=zero_point, quant_min=setup["quant_min"],
                                          quant_max=setup["quant_max"], axis=axis)}
+
+
+def _nonfinite_notes(inputs, outputs, forward, xp):
+    """PyTorch's fake quant turns NaN and +-inf inputs into finite outputs without a word (NaN to a level, +inf
+    to quant_max's per tensor but quant_min's per channel): say how many, and into what.  ``forward()`` gives
+    the outputs when the command computed none (the gradients); only called when such inputs are there."""
+    x = xp.asarray(inputs)
+    kinds = [(name, where, int(where.sum())) for name, where in
+             (("NaN", xp.isnan(x)), ("+inf", x == np.inf), ("-inf", x == -np.inf))]
+    if not any(count for *_, count in kinds):
+        return []
+    y = xp.asarray(forward() if outputs is None else outputs)
+    parts = []
+    for name, where, count in kinds:
+        if count:
+            values = np.unique(to_numpy(y[where]))
+            parts.append(f"{count} {name} -> " + (f"{float(values[0]):g}" if values.size == 1 else
+                                                 f"{values.size} different values"))
+    return [f"inputs hold non-finite values, which PyTorch's fake quant turns into finite outputs without a word "
+            f"({', '.join(parts)}); their gradient is 0"]
 
 
 def _view_statistics(view, gradients, xp):
