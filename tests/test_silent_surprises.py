@@ -94,3 +94,25 @@ def test_pytorch_reference_for_the_nonfinite_note():
     pc = torch.fake_quantize_per_channel_affine(torch.stack([x.detach()] * 2), torch.tensor([0.1, 0.2]),
                                                 torch.zeros(2, dtype=torch.int32), 0, 0, 255)
     assert pc.tolist() == [[0.0, 0.0, 0.0]] * 2
+
+
+def test_a_range_without_zero_is_said_when_streamed_and_in_a_run_file(cli, tmp_path):
+    import shutil
+
+    import h5py
+
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "big.h5", "w") as f:  # 4 MiB of inputs: past --memory-limit 1M, streamed
+        f["inputs"] = rng.uniform(0, 1, (1024, 1024)).astype(np.float32)
+        f["gradients"] = np.ones((1024, 1024), np.float32)
+        f["min"], f["max"] = np.float32(0.1), np.float32(0.5)
+    notes = _notes(cli, "fakequant-grad", tmp_path / "big.h5", "--memory-limit", "1M", "-o", tmp_path / "g.h5")
+    assert any(n.startswith("streamed from disk") for n in notes)
+    assert any("the range does not contain 0 ([0.1, 0.5] runs as [0, 0.4])" in n for n in notes)
+    shutil.copy(os.path.join(ROOT, "samples", "run.h5"), tmp_path / "run.h5")
+    with h5py.File(tmp_path / "run.h5", "a") as f:
+        f["step_000100/head/logits_quant"].attrs.update({"min": 0.1, "max": 0.5})
+    r = cli("fakequant-grad", tmp_path / "run.h5", "-o", tmp_path / "r.h5")
+    assert r.exit_code == 0, r.output
+    assert "note: step_000100/head/logits_quant: the range does not contain 0 ([0.1, 0.5] runs as [0, 0.4])" in r.stderr
+    assert _notes(cli, "fakequant-grad", os.path.join(ROOT, "samples", "run.h5"), "-o", tmp_path / "s.h5") == []
