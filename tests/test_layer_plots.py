@@ -242,3 +242,35 @@ def test_report_over_several_files_each_a_step(cli, tmp_path):
     assert r.exit_code == 2 and "one run file" in r.output
     r = cli("report", a, b, "--csv", "-q")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 1 + len(doc["layers"])
+
+
+def test_a_quantize_v2_group_draws_the_round_trip(cli, tmp_path):
+    """QuantizeV2 groups (the notebook's tf.quantize + tf.dequantize) are drawn as plot ste draws
+    --variant quantize-dequantize on the same operands and attributes."""
+    import shutil
+
+    from qgcli.report import layer_figures, plots
+
+    path = tmp_path / "run.h5"
+    shutil.copy(os.path.join(SAMPLES, "run.h5"), path)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 32)).astype(np.float32)
+    with h5py.File(path, "a") as f:
+        g = f.create_group("step_000100/head/qv2")
+        g.attrs.update(op="QuantizeV2", T="qint8", mode="SCALED")
+        g["inputs"], g["min"], g["max"] = x, np.float32(-2), np.float32(2)
+    (task,), _ = layer_figures.plan(str(path), "ste", layer="step_000100/head/qv2")
+    fig = layer_figures.draw(task)
+    ref = plots.ste(x, np.float32(-2), np.float32(2), variant="quantize-dequantize",
+                    quantize=dict(dtype="qint8", mode="SCALED", round_mode="HALF_AWAY_FROM_ZERO",
+                                  ensure_minimum_range=0.01))
+    got = {l.get_gid(): l.get_ydata() for a in fig.axes for l in a.get_lines() if l.get_gid()}
+    want = {l.get_gid(): l.get_ydata() for a in ref.axes for l in a.get_lines() if l.get_gid()}
+    assert set(got) == set(want) and "mask" in got
+    for gid in want:
+        np.testing.assert_array_equal(got[gid], want[gid])
+    r = cli("plot", "staircase", path, "-o", f"{tmp_path}/figs/", "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert s["figures"] == 9 and {d["path"] for d in s["skipped"]} == {
+        "step_000100/backbone/conv1/bn", "step_000200/backbone/conv1/bn"}
