@@ -173,13 +173,13 @@ def fake_quant_attribute_options(f):
         num_bits_option(),
         narrow_range_option("Use the grid [1, 2^num_bits - 1] (quantize-dequantize: SCALED's [T_min + 1, T_max])."),
         opt("--variant", type=click.Choice(["args", "vars", "per-channel", QD_VARIANT, *QDQ_VARIANTS]), default=None,
-                     help="TF op family; default: per-channel when min/max are vectors, else vars. "
-                          "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
-                          "(QuantizeV2/Dequantize; see --dtype, --mode). quantize-and-dequantize-v4/-v3/-v2: "
-                          "TF's QuantizeAndDequantizeV4/V3/V2 (see --signed-input, --range-given)."),
+            help="TF op family; default: per-channel when min/max are vectors, else vars. "
+                 "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
+                 "(QuantizeV2/Dequantize; see --dtype, --mode). quantize-and-dequantize-v4/-v3/-v2: "
+                 "TF's QuantizeAndDequantizeV4/V3/V2 (see --signed-input, --range-given)."),
         opt("--axis", type=int, default=None,
-                     help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
-                          "QuantizeV2's axis (one min/max per slice)."),
+            help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
+                 "QuantizeV2's axis (one min/max per slice)."),
     )(f)
 
 
@@ -197,10 +197,10 @@ def qdq_options(f):
     return option_group(
         "qdq", _qdq_attributes,
         opt("--signed-input/--no-signed-input", "signed_input", default=None,
-                     help="Signed grid, symmetric around 0 [default: signed, as TF]" + only + "."),
+            help="Signed grid, symmetric around 0 [default: signed, as TF]" + only + "."),
         opt("--range-given/--no-range-given", "range_given", default=None,
-                     help="Use input_min/input_max (clamping) instead of the data's range [default: not given, as "
-                          "V4; V3: given]" + only + "."),
+            help="Use input_min/input_max (clamping) instead of the data's range [default: not given, as "
+                 "V4; V3: given]" + only + "."),
     )(f)
 
 
@@ -229,18 +229,18 @@ def quantize_options(f):
     return option_group(
         "quantize", _quantize_attributes,
         opt("--dtype", type=_Choice(tuple(dict.fromkeys(DTYPES + TORCHAO_DTYPES + ONNX_DTYPES)), str.lower),
-                     default=None,
-                     help="Quantized type [default: quint8, the notebook's]" + only + "; with --semantics torchao "
-                          "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2; with --semantics onnx "
-                          "QuantizeLinear's output type [default: uint8]: " + ", ".join(ONNX_DTYPES) + "."),
+            default=None,
+            help="Quantized type [default: quint8, the notebook's]" + only + "; with --semantics torchao "
+                 "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2; with --semantics onnx "
+                 "QuantizeLinear's output type [default: uint8]: " + ", ".join(ONNX_DTYPES) + "."),
         opt("--mode", type=_Choice(MODES, str.upper), default=None,
-                     help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
+            help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
         opt("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
-                     help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "; "
-                          "quantize-and-dequantize-v*: HALF_TO_EVEN (default) or HALF_UP."),
+            help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "; "
+                 "quantize-and-dequantize-v*: HALF_TO_EVEN (default) or HALF_UP."),
         opt("--ensure-minimum-range", type=float, default=None, metavar="EPS",
-                     help="QuantizeV2's ensure_minimum_range: the range is at least EPS * max(1, |min|, |max|) "
-                          "wide [default: 0.01]" + only + "."),
+            help="QuantizeV2's ensure_minimum_range: the range is at least EPS * max(1, |min|, |max|) "
+                 "wide [default: 0.01]" + only + "."),
     )(f)
 
 
@@ -299,7 +299,7 @@ def semantics_options(f):
     return option_group(
         "semantics", _semantics_options,
         opt("--semantics", type=click.Choice(SEMANTICS), default="tf", show_default=True,
-                     help=_SEMANTICS_HELP["semantics"]),
+            help=_SEMANTICS_HELP["semantics"]),
         opt("--scale", metavar="SPEC", help=_SEMANTICS_HELP["scale"]),
         opt("--zero-point", "zero_point", metavar="SPEC", help=_SEMANTICS_HELP["zero_point"]),
         opt("--quant-min", type=int, default=None, help=_SEMANTICS_HELP["quant_min"]),
@@ -319,23 +319,23 @@ def torchao_options(f):
     return option_group(
         "torchao", _torchao_options,
         opt("--granularity", metavar="per-group:G|per-channel|per-token|per-row|per-tensor", default=None,
-                     help="Blocks sharing a scale: integer dtypes per-group:G, per-channel, per-token; float8 per-row "
-                          "(default) or per-tensor" + only + "."),
+            help="Blocks sharing a scale: integer dtypes per-group:G, per-channel, per-token; float8 per-row "
+                 "(default) or per-tensor" + only + "."),
         opt("--mapping-type", type=click.Choice(["symmetric", "asymmetric"]), default=None,
-                     help="Integer mapping [default: symmetric]" + only + "."),
+            help="Integer mapping [default: symmetric]" + only + "."),
         opt("--scale-precision", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                     help="Scale dtype [default: float32]" + only + "."),
+            help="Scale dtype [default: float32]" + only + "."),
         opt("--zero-point-precision", type=click.Choice(["int32", "float32", "bfloat16", "float16"]),
-                     default=None, help="Zero point dtype [default: int32]" + only + "."),
+            default=None, help="Zero point dtype [default: int32]" + only + "."),
         opt("--zero-point-domain", type=click.Choice(["int", "float", "none"]), default=None,
-                     help="Zero point domain [default: int]" + only + "."),
+            help="Zero point domain [default: int]" + only + "."),
         opt("--eps", type=click.FloatRange(min=0.0), default=None,
-                     help="Smallest scale [default: torchao's: float32's smallest normal; 1e-6 asymmetric per "
-                          "group]" + only + "."),
+            help="Smallest scale [default: torchao's: float32's smallest normal; 1e-6 asymmetric per "
+                 "group]" + only + "."),
         opt("--hp-value-lb", type=float, default=None,
-                     help="float8: lower bound of max|x| for the scale" + only + "."),
+            help="float8: lower bound of max|x| for the scale" + only + "."),
         opt("--hp-value-ub", type=float, default=None,
-                     help="float8: upper bound of max|x| for the scale" + only + "."),
+            help="float8: upper bound of max|x| for the scale" + only + "."),
     )(f)
 
 
@@ -350,18 +350,18 @@ def block_format_options(f):
     return option_group(
         "formats", _block_format_options,
         opt("--mx-format", type=_Choice(MX_FORMATS, str.lower), default=None,
-                     help="OCP MX element format (--semantics mx) [default: mxfp8-e4m3]."),
+            help="OCP MX element format (--semantics mx) [default: mxfp8-e4m3]."),
         opt("--block-size", type=click.IntRange(min=1), default=None,
-                     help="Elements per block along --axis: --semantics mx [default: 32, must divide the axis]; "
-                          "--semantics onnx blocked QuantizeLinear [default: 0, none; a partial last block "
-                          "allowed]. NVFP4 blocks are always 16."),
+            help="Elements per block along --axis: --semantics mx [default: 32, must divide the axis]; "
+                 "--semantics onnx blocked QuantizeLinear [default: 0, none; a partial last block "
+                 "allowed]. NVFP4 blocks are always 16."),
         opt("--scale-mode", type=_Choice(MX_SCALE_MODES, str.lower), default=None,
-                     help="MX scale rule, torchao's ScaleCalculationMode (--semantics mx) [default: floor, the "
-                          "OCP spec's; torchao's QAT config uses rceil]."),
+            help="MX scale rule, torchao's ScaleCalculationMode (--semantics mx) [default: floor, the "
+                 "OCP spec's; torchao's QAT config uses rceil]."),
         opt("--no-per-tensor-scale", "per_tensor_scale", flag_value=False, default=None,
-                     help="NVFP4 without the FP32 per-tensor scale (--semantics nvfp4)."),
+            help="NVFP4 without the FP32 per-tensor scale (--semantics nvfp4)."),
         opt("--no-saturate", "saturate", flag_value=False, default=None,
-                     help="float8 QuantizeLinear with saturate=0 (--semantics onnx, float8 --dtype)."),
+            help="float8 QuantizeLinear with saturate=0 (--semantics onnx, float8 --dtype)."),
     )(f)
 
 
@@ -376,13 +376,13 @@ def estimator_options(f):
     return option_group(
         "estimator", _estimator_options,
         opt("--estimator", metavar="NAME[:PARAMS]", default=None,
-                     help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
-                          "lsq, pact, ewgs:DELTA; --semantics mx/nvfp4/onnx: ste (the identity, default) or "
-                          "masked-ste (onnx integer types). See docs/estimators.md for the formulas."),
+            help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
+                 "lsq, pact, ewgs:DELTA; --semantics mx/nvfp4/onnx: ste (the identity, default) or "
+                 "masked-ste (onnx integer types). See docs/estimators.md for the formulas."),
         opt("--grad-factor", type=GradFactor(), default=None,
-                     help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
-                          "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
-                          "auto with tf."),
+            help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
+                 "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
+                 "auto with tf."),
     )(f)
 
 
@@ -421,8 +421,8 @@ def fail_on_option(command, also=None):
             return Conditions([], text=value, error=exc.message)
 
     return opt("--fail-on", "fail_on", metavar="CONDITION,...", default=None, callback=parse,
-                        help=f"Exit with code 3 (after printing) when a condition holds: {examples}; "
-                             "for CI jobs.")
+               help=f"Exit with code 3 (after printing) when a condition holds: {examples}; "
+                    "for CI jobs.")
 
 
 class Conditions(list):
@@ -459,7 +459,7 @@ def quiet_option(help="No summary on stderr."):
 
 def device_option():
     return opt("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
-                        help="Compute with NumPy (cpu) or CuPy (gpu).")
+               help="Compute with NumPy (cpu) or CuPy (gpu).")
 
 
 def scheduler_option(help="Compute the run file's layers on a Dask cluster (pip install 'qgcli[dask]'): a scheduler "
@@ -495,20 +495,20 @@ def output_options(*, plot=False):
         opt("-o", "--output", "output", metavar="OUT", required=True, help=OUTPUT_HELP),
         force_option(),
         opt("--memory-limit", metavar="SIZE", default=None,
-                     help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
-                          "default: a quarter of the machine's memory. A mode that cannot stream refuses a "
-                          "limit below its inputs."),
+            help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
+                 "default: a quarter of the machine's memory. A mode that cannot stream refuses a "
+                 "limit below its inputs."),
         opt("--compression", type=click.Choice(["gzip", "lzf"]), default=None,
-                     help="Compress HDF5 outputs (chunked datasets), in every mode."),
+            help="Compress HDF5 outputs (chunked datasets), in every mode."),
     ]
     if plot:
         options.append(opt("--plot", metavar="FIG", default=None,
-                                    help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
+                           help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
     options += [json_option(), quiet_option(), device_option(),
                 opt("--scheduler", metavar="ADDRESS|local[:N]", default=None,
-                             help="Compute a run file's groups, or a Zarr tensor's row blocks, on a Dask cluster "
-                                  "(pip install 'qgcli[dask]'): a scheduler address (tcp://host:8786), or local:N "
-                                  "for N local worker processes. The same bits as without it.")]
+                    help="Compute a run file's groups, or a Zarr tensor's row blocks, on a Dask cluster "
+                         "(pip install 'qgcli[dask]'): a scheduler address (tcp://host:8786), or local:N "
+                         "for N local worker processes. The same bits as without it.")]
     return option_group("output", _output_options, *options)
 
 
@@ -527,8 +527,8 @@ def skip_invalid_option(f):
     """--skip-invalid, and the bounds on a run file's structure (:func:`hdf5_bound_options`)."""
     f = hdf5_bound_options(f)
     return opt("--skip-invalid", is_flag=True,
-                        help="Run file: run the valid groups and list the others (default: refuse the whole run "
-                             "when any group of the command's kind is incomplete or invalid).")(f)
+               help="Run file: run the valid groups and list the others (default: refuse the whole run "
+                    "when any group of the command's kind is incomplete or invalid).")(f)
 
 
 def _set_bound(ctx, param, value):
@@ -545,9 +545,9 @@ def hdf5_bound_options(f):
     for name, default, what in (("depth", MAX_DEPTH, "groups nested deeper than N levels"),
                                 ("groups", MAX_GROUPS, "more than N groups")):
         f = opt(f"--max-{name}", name, type=click.IntRange(min=1), default=None, metavar="N",
-                         envvar=f"QGCLI_MAX_{name.upper()}", show_envvar=True, expose_value=False,
-                         callback=_set_bound,
-                         help=f"HDF5: refuse a file with {what}, before any work (default {default:,}).")(f)
+                envvar=f"QGCLI_MAX_{name.upper()}", show_envvar=True, expose_value=False,
+                callback=_set_bound,
+                help=f"HDF5: refuse a file with {what}, before any work (default {default:,}).")(f)
     return f
 
 
@@ -689,9 +689,9 @@ def table_options(f):
         return callback
 
     f = opt("--columns", metavar="NAME,...", default=None, expose_value=False, callback=keep("columns"),
-                     help="Table columns to show, in order (all: every column); the first column is always "
-                          "shown. Unknown names list the choices.")(f)
+            help="Table columns to show, in order (all: every column); the first column is always "
+                 "shown. Unknown names list the choices.")(f)
     f = opt("--wide", is_flag=True, expose_value=False, callback=keep("wide"),
-                     help="Every table column, one record per block when the terminal is narrower than the table "
-                          "(default: the columns that fit; off a terminal every column).")(f)
+            help="Every table column, one record per block when the terminal is narrower than the table "
+                 "(default: the columns that fit; off a terminal every column).")(f)
     return f
