@@ -116,3 +116,16 @@ def test_a_range_without_zero_is_said_when_streamed_and_in_a_run_file(cli, tmp_p
     assert r.exit_code == 0, r.output
     assert "note: step_000100/head/logits_quant: the range does not contain 0 ([0.1, 0.5] runs as [0, 0.4])" in r.stderr
     assert _notes(cli, "fakequant-grad", os.path.join(ROOT, "samples", "run.h5"), "-o", tmp_path / "s.h5") == []
+
+
+def test_report_says_non_finite_inputs_and_a_range_without_zero(cli, tmp_path):
+    x = np.array([1.0, np.nan, -2.0, np.inf, -np.inf, 0.5], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    r = cli("report", "--inputs", tmp_path / "x.npy", "--min", "-1", "--max", "1")
+    assert r.exit_code == 0, r.output
+    assert "note: inputs hold non-finite values: 1 NaN, 1 +inf, 1 -inf (of 6 elements)" in r.stderr
+    r = cli("report", "--inputs", tmp_path / "x.npy", "--min", "0.1", "--max", "0.5", "--json")
+    assert any(n.startswith("the range does not contain 0 ([0.1, 0.5] runs as [0, 0.4])")
+               for n in json.loads(r.stdout)["notes"])
+    r = cli("report", NOTEBOOK, "--json")
+    assert json.loads(r.stdout)["notes"] == []

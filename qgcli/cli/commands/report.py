@@ -25,7 +25,7 @@ from qgcli.cli.options import (
     torchao_options,
     typed_overrides,
 )
-from qgcli.report.summaries import dump_json, number, stdout_console
+from qgcli.report.summaries import dump_json, nonfinite_notes, number, stdout_console
 from qgcli.report.text import counted
 from qgcli.cli.options import fail_on_option, gate, refuse_conditions, table_options
 
@@ -452,6 +452,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             if value is not None and str(value.dtype) != "float32":
                 notes.append(f"{name} is {value.dtype}; computed in float32 as TensorFlow does")
         xp, (g_dev, x_dev) = to_device([g_raw, x_raw], device)
+        notes += nonfinite_notes({"inputs": x_dev, "gradients": g_dev}, xp)
         from qgcli.ops.analysis import channel_report
 
         steps = 5 + len(percentiles)
@@ -472,6 +473,10 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         from qgcli.families.qdq import OPS, report_notes
 
         notes += report_notes(variant, result)
+    else:
+        from qgcli.families.tf_fake_quant import range_warnings
+
+        notes += range_warnings(result.grid)
     raw = {"inputs": x_raw, "gradients": g_raw, "min": mn, "max": mx}
     described = describe_arrays({k: v for k, v in raw.items() if v is not None and hasattr(v, "dtype")})
     for k, v in described.items():
