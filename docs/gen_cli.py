@@ -51,6 +51,7 @@ def _default(param, ctx):
 
 def _option(param, ctx):
     names, _ = param.get_help_record(ctx)
+    names = names.strip()  # an option of a help section comes indented
     facts = []
     default = _default(param, ctx)
     if default is not None:
@@ -65,6 +66,21 @@ def _option(param, ctx):
     if facts:
         line += f" ({'; '.join(facts)})"
     return line
+
+
+def _sections(options, ctx):
+    """The options as a list, each help section (click-option-group's, ``--help`` shows them) under its
+    title in italics, with the text that goes with it; options after a section under *Other options*."""
+    lines, section = [], None
+    for param in options:
+        group = getattr(param, "group", None)
+        if group is not section and (group is not None or section is not None):
+            title = group.name if group is not None else "Other options"
+            text = group.help if group is not None else ""
+            lines += ([""] if lines else []) + [f"*{_escape(title)}*" + (f": {_escape(text)}" if text else ""), ""]
+        section = group
+        lines.append(_option(param, ctx))
+    return lines
 
 
 def _metavar(param, ctx):
@@ -89,7 +105,7 @@ def _command(cmd, ctx, depth):
     options = [p for p in cmd.get_params(ctx) if isinstance(p, click.Option) and not p.hidden
                and "--help" not in p.opts]
     if options:
-        lines += ["Options:", ""] + [_option(p, ctx) for p in options] + [""]
+        lines += ["Options:", ""] + _sections(options, ctx) + [""]
     if cmd.epilog:
         lines += [p + "\n" for p in _paragraphs(cmd.epilog)]
     if isinstance(cmd, click.Group):

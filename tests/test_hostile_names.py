@@ -274,3 +274,35 @@ def test_hdf5_and_npz_outputs_keep_the_exact_names(tmp_path):
             assert f[name].attrs["note"] == EVIL
         assert ".." in f and "n" * 300 in f["/"] and "a\\..\\b" in f["/"] and ".." in f["g"]
     assert os.listdir(tmp_path) == ["o.h5"]
+
+
+# --- names longer than a path may be (#40) --------------------------------------------------------------------
+
+DEEP = "step_000100/" + "/".join(f"s{i:02d}" + "d" * 200 for i in range(22))  # about 4.5 KB: past PATH_MAX
+
+
+def test_over_long_group_paths_are_shortened_uniquely_and_mapped_back():
+    from qgcli.storage.paths import MAX_PATH_BYTES
+
+    names = [DEEP + "/outputs", DEEP + "/backprops", DEEP[:-1] + "e/outputs", "step_000100/short/outputs"]
+    layout = group_file_paths(names, suffix=".npy")
+    assert all(len(p.encode()) <= MAX_PATH_BYTES for p in layout.values())
+    assert len({p.casefold() for p in layout.values()}) == len(names)
+    assert layout["step_000100/short/outputs"] == "step_000100/short/outputs.npy" and layout.changed
+    assert layout[DEEP + "/outputs"].startswith("step_000100/s00d") and "~" in layout[DEEP + "/outputs"]
+    assert {f["name"]: f["path"] for f in layout.index()["files"]} == dict(layout)
+    assert dict(group_file_paths(list(reversed(names)), suffix=".npy")) == dict(layout)
+
+
+@pytest.mark.parametrize("command", [["fakequant"], ["plot", "ste"]])
+def test_run_file_with_an_over_long_group_path_writes_per_group_outputs(tmp_path, command):
+    src = os.path.join(ROOT, "samples", "run.h5")
+    with h5py.File(src, "r") as s, h5py.File(tmp_path / "deep.h5", "w") as f:
+        s.copy("step_000100/head/logits_quant", f, DEEP)
+    env = dict(os.environ, PYTHONPATH=ROOT, QGCLI_NO_PROGRESS="1")
+    r = subprocess.run([sys.executable, "-m", "qgcli", *command, "deep.h5", "-o", "out/"], cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    with open(tmp_path / "out" / INDEX_NAME) as fh:
+        (entry,) = json.load(fh)["files"]
+    assert entry["name"].startswith(DEEP) and os.path.isfile(tmp_path / "out" / entry["path"])

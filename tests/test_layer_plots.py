@@ -124,16 +124,17 @@ def test_one_figure_per_layer_named_by_group_path(cli, tmp_path):
     s = json.loads(r.output)
     from qgcli.report.layer_figures import workers
 
-    assert s["figures"] == 4 and s["workers"] == workers(4)
+    assert s["figures"] == 5 and s["workers"] == workers(5)
     drawn = {d["path"]: d["file"] for d in s["layers"]}
-    assert set(drawn) == {"step_1/net/block/conv/weight_quant", "step_1/net/act", "step_1/net/logits", "step_1/a:b"}
+    assert set(drawn) == {"step_1/net/block/conv/weight_quant", "step_1/net/act", "step_1/net/logits", "step_1/a:b",
+                          "step_1/head/torch_act"}  # every quantizer, PyTorch's too
     assert drawn["step_1/net/act"] == str(out / "step_1" / "net" / "act.png")
     assert drawn["step_1/a:b"] == str(out / "step_1" / "a_b.png")
     for file in drawn.values():
         assert _head(file) == PNG
     index = json.loads((out / "index.json").read_text())
     assert {e["name"]: e["path"] for e in index["files"]}["step_1/a:b"] == "step_1/a_b.png"
-    assert {d["path"] for d in s["skipped"]} == {"step_1/head/torch_act", "step_1/net/bn"}
+    assert {d["path"] for d in s["skipped"]} == {"step_1/net/bn"}
     # an existing, non-empty folder needs --force
     r = cli("plot", "staircase", path, "-o", f"{out}/")
     assert r.exit_code == 2 and "--force" in r.output
@@ -164,7 +165,7 @@ def test_layer_figure_is_the_single_bundle_figure(cli, tmp_path):
     assert json.loads(r.output)["path"] == "step_1/net/act" and (tmp_path / "act.png").read_bytes()[:8] == PNG
     r = cli("plot", "staircase", f"{path}:step_1", "--layer", "net/logits", "-o", "-", "-q")
     assert r.exit_code == 0 and r.stdout_bytes[:8] == PNG
-    for args, words in ((("--layer", "step_1/net/bn", "-o", tmp_path / "bn.png"), "not one of TensorFlow"),
+    for args, words in ((("--layer", "step_1/net/bn", "-o", tmp_path / "bn.png"), "not one of the fake-quant ops"),
                         (("--layer", "nope", "-o", tmp_path / "n.png"), "nope"),
                         (("-o", tmp_path / "all.png"), "-o DIR/")):
         r = cli("plot", "staircase", path, *args)
@@ -173,16 +174,45 @@ def test_layer_figure_is_the_single_bundle_figure(cli, tmp_path):
     assert r.exit_code == 2 and "needs a run file" in r.output
 
 
+def test_a_pytorch_group_draws_pytorchs_own_step_and_mask(cli, tmp_path):
+    """plot ste on a PyTorch group: the figure of PyTorch's op on the group's scale and zero point, its step
+    line and its mask's edges exactly where PyTorch's own op puts them (half to even)."""
+    from qgcli.report import layer_figures, plots
+
+    (task,), _ = layer_figures.plan(os.path.join(SAMPLES, "run.h5"), "ste", layer="step_000100/head/act_quant")
+    fig = layer_figures.draw(task)
+    got = {l.get_gid(): (l.get_xdata(), l.get_ydata()) for a in fig.axes for l in a.get_lines() if l.get_gid()}
+    assert {"outputs", "outputs_step", "mask", "mask_step", "backprops"} <= set(got)
+    with h5py.File(os.path.join(SAMPLES, "run.h5"), "r") as f:
+        g = f["step_000100/head/act_quant"]
+        x, scale, zp = g["inputs"][()], g["scale"][()], g["zero_point"][()]
+        qmin, qmax = int(g.attrs["quant_min"]), int(g.attrs["quant_max"])
+    data = plots.torch_data(x, scale.reshape(()), zp.reshape(()), qmin, qmax)
+    lo, hi = (float(b) for b in data.mask_range)
+    np.testing.assert_array_equal(got["mask_step"][0], [x.min(), lo, lo, hi, hi, x.max()])
+    torch = pytest.importorskip("torch")
+    near = np.float32([np.nextafter(np.float32(lo), np.float32(-np.inf)), lo, hi,
+                       np.nextafter(np.float32(hi), np.float32(np.inf))])
+    t = torch.tensor(near, requires_grad=True)
+    torch.fake_quantize_per_tensor_affine(t, float(scale.reshape(())), int(zp.reshape(())), qmin, qmax).sum().backward()
+    assert t.grad.tolist() == [0.0, 1.0, 1.0, 0.0]  # the edges to the ulp, as PyTorch's own mask
+    step_x, step_y = got["outputs_step"]  # (start, end) of each level; an end is where the next one starts
+    want = torch.fake_quantize_per_tensor_affine(torch.tensor(step_x[0::2].astype(np.float32)),
+                                                 float(scale.reshape(())), int(zp.reshape(())), qmin, qmax).numpy()
+    np.testing.assert_array_equal(step_y[0::2], want)  # each level starts where PyTorch's op takes that value
+
+
 def test_per_layer_figures_in_worker_processes_subprocess(tmp_path):
-    """The sample's six TF groups through the process pool, as a user runs it."""
+    """The sample's six TF and two PyTorch groups through the process pool, as a user runs it."""
     out = tmp_path / "figs"
     env = {**os.environ, "QGCLI_NO_PROGRESS": "1"}
     proc = subprocess.run([sys.executable, "-m", "qgcli", "plot", "ste", os.path.join(SAMPLES, "run.h5"),
                            "-o", f"{out}/", "--json"], capture_output=True, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()
     s = json.loads(proc.stdout)
-    assert s["figures"] == 6 and s["workers"] == (0 if len(os.sched_getaffinity(0)) < 2 else
-                                                  min(6, len(os.sched_getaffinity(0))))
+    assert s["figures"] == 8 and s["workers"] == (0 if len(os.sched_getaffinity(0)) < 2 else
+                                                  min(8, len(os.sched_getaffinity(0))))
+    assert {d["group_op"] for d in s["layers"]} >= {"fake_quantize_per_tensor_affine"}
     for d in s["layers"]:
         assert _head(d["file"]) == PNG
     assert not (out / "index.json").exists()
@@ -212,3 +242,35 @@ def test_report_over_several_files_each_a_step(cli, tmp_path):
     assert r.exit_code == 2 and "one run file" in r.output
     r = cli("report", a, b, "--csv", "-q")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 1 + len(doc["layers"])
+
+
+def test_a_quantize_v2_group_draws_the_round_trip(cli, tmp_path):
+    """QuantizeV2 groups (the notebook's tf.quantize + tf.dequantize) are drawn as plot ste draws
+    --variant quantize-dequantize on the same operands and attributes."""
+    import shutil
+
+    from qgcli.report import layer_figures, plots
+
+    path = tmp_path / "run.h5"
+    shutil.copy(os.path.join(SAMPLES, "run.h5"), path)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 32)).astype(np.float32)
+    with h5py.File(path, "a") as f:
+        g = f.create_group("step_000100/head/qv2")
+        g.attrs.update(op="QuantizeV2", T="qint8", mode="SCALED")
+        g["inputs"], g["min"], g["max"] = x, np.float32(-2), np.float32(2)
+    (task,), _ = layer_figures.plan(str(path), "ste", layer="step_000100/head/qv2")
+    fig = layer_figures.draw(task)
+    ref = plots.ste(x, np.float32(-2), np.float32(2), variant="quantize-dequantize",
+                    quantize=dict(dtype="qint8", mode="SCALED", round_mode="HALF_AWAY_FROM_ZERO",
+                                  ensure_minimum_range=0.01))
+    got = {l.get_gid(): l.get_ydata() for a in fig.axes for l in a.get_lines() if l.get_gid()}
+    want = {l.get_gid(): l.get_ydata() for a in ref.axes for l in a.get_lines() if l.get_gid()}
+    assert set(got) == set(want) and "mask" in got
+    for gid in want:
+        np.testing.assert_array_equal(got[gid], want[gid])
+    r = cli("plot", "staircase", path, "-o", f"{tmp_path}/figs/", "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert s["figures"] == 9 and {d["path"] for d in s["skipped"]} == {
+        "step_000100/backbone/conv1/bn", "step_000200/backbone/conv1/bn"}

@@ -62,3 +62,70 @@ def test_nan_inputs_are_said(cli, tmp_path):
     notes = _notes(cli, "fakequant", "--inputs", tmp_path / "x.npy", "--min", "-1", "--max", "1",
                    "-o", tmp_path / "o.npy")
     assert notes == ["inputs hold NaN (25.00% of the elements): their outputs are NaN, as TensorFlow's"]
+
+
+def test_pytorch_turning_nan_and_inf_into_numbers_is_said(cli, tmp_path):
+    # PyTorch's fake quant outputs finite values for NaN and +-inf (per tensor +inf -> quant_max's level, per
+    # channel quant_min's): the note says how many and into what, in the forward and in the gradient run.
+    x = np.array([1.0, np.nan, -2.0, np.inf, -np.inf, 0.5], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "g.npy", np.ones_like(x))
+    torch_args = ("--semantics", "torch", "--scale", "0.1", "--zero-point", "0")
+    notes = _notes(cli, "fakequant", "--inputs", tmp_path / "x.npy", *torch_args, "-o", tmp_path / "o.npy")
+    assert notes == ["inputs hold non-finite values, which PyTorch's fake quant turns into finite outputs without a "
+                     "word (1 NaN -> 0, 1 +inf -> 25.5, 1 -inf -> 0); their gradient is 0"]
+    np.save(tmp_path / "x2.npy", np.stack([x, x]))
+    np.save(tmp_path / "g2.npy", np.ones((2, 6), np.float32))
+    notes = _notes(cli, "fakequant-grad", "--inputs", tmp_path / "x2.npy", "--gradients", tmp_path / "g2.npy",
+                   "--semantics", "torch", "--scale", "0.1,0.2", "--zero-point", "0,0", "--axis", "0",
+                   "-o", tmp_path / "o.npz")
+    assert [n for n in notes if "non-finite" in n] == [
+        "inputs hold non-finite values, which PyTorch's fake quant turns into finite outputs without a word "
+        "(2 NaN -> 0, 2 +inf -> 0, 2 -inf -> 0); their gradient is 0"]
+    assert _notes(cli, "fakequant", "--inputs", NOTEBOOK + ":inputs", *torch_args, "-o", tmp_path / "n.npy") == []
+
+
+def test_pytorch_reference_for_the_nonfinite_note():
+    torch = __import__("pytest").importorskip("torch")
+    x = torch.tensor([float("nan"), float("inf"), float("-inf")], requires_grad=True)
+    y = torch.fake_quantize_per_tensor_affine(x, 0.1, 0, 0, 255)
+    y.sum().backward()
+    assert y.tolist() == [0.0, 25.5, 0.0] and x.grad.tolist() == [0.0, 0.0, 0.0]
+    pc = torch.fake_quantize_per_channel_affine(torch.stack([x.detach()] * 2), torch.tensor([0.1, 0.2]),
+                                                torch.zeros(2, dtype=torch.int32), 0, 0, 255)
+    assert pc.tolist() == [[0.0, 0.0, 0.0]] * 2
+
+
+def test_a_range_without_zero_is_said_when_streamed_and_in_a_run_file(cli, tmp_path):
+    import shutil
+
+    import h5py
+
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "big.h5", "w") as f:  # 4 MiB of inputs: past --memory-limit 1M, streamed
+        f["inputs"] = rng.uniform(0, 1, (1024, 1024)).astype(np.float32)
+        f["gradients"] = np.ones((1024, 1024), np.float32)
+        f["min"], f["max"] = np.float32(0.1), np.float32(0.5)
+    notes = _notes(cli, "fakequant-grad", tmp_path / "big.h5", "--memory-limit", "1M", "-o", tmp_path / "g.h5")
+    assert any(n.startswith("streamed from disk") for n in notes)
+    assert any("the range does not contain 0 ([0.1, 0.5] runs as [0, 0.4])" in n for n in notes)
+    shutil.copy(os.path.join(ROOT, "samples", "run.h5"), tmp_path / "run.h5")
+    with h5py.File(tmp_path / "run.h5", "a") as f:
+        f["step_000100/head/logits_quant"].attrs.update({"min": 0.1, "max": 0.5})
+    r = cli("fakequant-grad", tmp_path / "run.h5", "-o", tmp_path / "r.h5")
+    assert r.exit_code == 0, r.output
+    assert "note: step_000100/head/logits_quant: the range does not contain 0 ([0.1, 0.5] runs as [0, 0.4])" in r.stderr
+    assert _notes(cli, "fakequant-grad", os.path.join(ROOT, "samples", "run.h5"), "-o", tmp_path / "s.h5") == []
+
+
+def test_report_says_non_finite_inputs_and_a_range_without_zero(cli, tmp_path):
+    x = np.array([1.0, np.nan, -2.0, np.inf, -np.inf, 0.5], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    r = cli("report", "--inputs", tmp_path / "x.npy", "--min", "-1", "--max", "1")
+    assert r.exit_code == 0, r.output
+    assert "note: inputs hold non-finite values: 1 NaN, 1 +inf, 1 -inf (of 6 elements)" in r.stderr
+    r = cli("report", "--inputs", tmp_path / "x.npy", "--min", "0.1", "--max", "0.5", "--json")
+    assert any(n.startswith("the range does not contain 0 ([0.1, 0.5] runs as [0, 0.4])")
+               for n in json.loads(r.stdout)["notes"])
+    r = cli("report", NOTEBOOK, "--json")
+    assert json.loads(r.stdout)["notes"] == []

@@ -2,6 +2,7 @@
 quantizer without gradients not ranked above those with, the worst channels in the per-channel summary."""
 import json
 import os
+import re
 
 import h5py
 import numpy as np
@@ -101,3 +102,17 @@ def test_per_channel_summary_lists_the_worst_channels(cli, tmp_path):
     lines = r.stderr.splitlines()
     assert next(ln for ln in lines if ln.startswith("worst first")).split()[-1] == "clipped"
     assert [int(ln.split()[1]) for ln in lines if ln.startswith("ch ")] == [3, 2, 1, 0]
+
+
+def test_the_readme_tour_runs_in_a_scratch_directory_and_says_where_kernels_come_from():
+    # The tour wrote its 15 outputs into the checkout; it now starts in a scratch directory with a copy of
+    # samples/ (as the docs test runs it), and says what `python -` from the checkout imports.
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        readme = fh.read()
+    before_tour = readme[:readme.index("## A tour")]
+    setup = re.search(r"```sh\n(mkdir -p (\S+) && cp -r samples \2/ && cd \2)\n```", before_tour)
+    assert setup, "no scratch-directory setup before the tour"
+    assert "build_ext --inplace" in before_tour and "compiled kernels" in before_tour
+    tour = readme[readme.index("## A tour"):readme.index("## Guarantees")]
+    for written in re.findall(r"-o (\S+)", tour):  # every output of the tour lands in the scratch directory
+        assert not written.startswith(("/", "..", "samples")), written

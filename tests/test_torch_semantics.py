@@ -464,3 +464,40 @@ def _npz_outputs(path):
     with np.load(path) as z:  # closed at once: an open NpzFile warns when it is collected
         return z["outputs"]
 
+
+
+@pytest.mark.parametrize("dtype, found", [(np.float64, "Double"), (np.float16, "Half"), (np.int32, "int32")])
+def test_per_channel_scale_in_a_type_pytorch_refuses_is_refused(dtype, found):
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
+    scale, zp = np.array([0.1, 0.2], dtype), np.zeros(2, np.int32)
+    with pytest.raises(QgcliError, match=f"^scale: is .*found {found}"):
+        ts.fake_quantize_per_channel_affine(x, scale, zp, 0, 0, 255)
+    with pytest.raises(QgcliError, match=f"found {found}"):
+        ts.fake_quantize_learnable_per_channel_affine_gradient(np.ones_like(x), x, scale, zp.astype(np.float32), 0,
+                                                               0, 255)
+    if dtype is np.int32:
+        return
+    ts.fake_quantize_per_tensor_affine(x, np.asarray(0.1, dtype), 0, 0, 255)  # per tensor PyTorch takes a double
+    torch = pytest.importorskip("torch")
+    with pytest.raises(RuntimeError, match=f"found {found}"):  # what PyTorch says, so qgcli's words hold
+        torch.fake_quantize_per_channel_affine(torch.from_numpy(x), torch.from_numpy(scale), torch.from_numpy(zp),
+                                               0, 0, 255)
+
+
+def test_cli_per_channel_scale_literal_is_float32_and_a_float64_file_is_refused(cli, tmp_path):
+    np.save(tmp_path / "x.npy", np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6))
+    np.save(tmp_path / "s.npy", np.array([0.1, 0.2]))
+    np.save(tmp_path / "z.npy", np.zeros(2, np.int32))
+    base = ["fakequant", "--inputs", str(tmp_path / "x.npy"), "--semantics", "torch", "--zero-point",
+            str(tmp_path / "z.npy"), "--axis", "0"]
+    r = cli(*base, "--scale", "0.1,0.2", "-o", str(tmp_path / "a.npy"))
+    assert r.exit_code == 0, r.output
+    r = cli(*base, "--scale", str(tmp_path / "s.npy"), "-o", str(tmp_path / "b.npy"))
+    assert r.exit_code == 2 and "scale: is float64" in r.stderr and not (tmp_path / "b.npy").exists()
+
+
+def test_cli_axis_whose_length_is_not_the_scales_is_refused(cli, tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros(6, np.float32))
+    r = cli("fakequant", "--inputs", tmp_path / "x.npy", "--semantics", "torch", "--scale", "0.1,0.2",
+            "--zero-point", "0,0", "--axis", "0", "-o", tmp_path / "o.npy")
+    assert r.exit_code == 2 and "scale: has 2 entries but inputs have 6 channels on axis 0" in r.stderr

@@ -253,3 +253,11 @@ def test_subprocess(tmp_path):
     assert json.loads(proc.stdout)["blocks"]["scale_shape"] == [4, 2]
     with np.load(tmp_path / "o.npz") as out:
         assert_bitwise(out["outputs"], data["outputs"])
+
+
+@pytest.mark.parametrize("granularity", [1234, None, 3.5, ("per-group", 32), b"per-row"])
+def test_a_granularity_that_is_not_text_is_refused_naming_it(granularity):
+    for make in (lambda: ts.intx_fake_quantize_config("int4", granularity),
+                 lambda: ts.float8_fake_quantize_config("float8_e4m3fn", granularity)):
+        with pytest.raises(OperandError, match="^granularity: .* is not per-group:G"):
+            make()

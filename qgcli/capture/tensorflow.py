@@ -52,6 +52,7 @@ import numpy as np
 
 from qgcli.capture.runfile_writer import digest, RunFileWriter
 from qgcli.capture.steps import StepCapture
+from qgcli.monitor.quiet_tensorflow import import_tensorflow
 
 _FAKE_QUANT = {
     "fake_quant_with_min_max_args": "FakeQuantWithMinMaxArgs",
@@ -66,13 +67,8 @@ _flag = []  # the one tf.Variable(bool) the taps' tf.cond reads: on while a capt
 
 
 def _tf():
-    try:
-        import tensorflow as tf
-    except ImportError:
-        from qgcli.errors import QgcliError
-
-        raise QgcliError("qgcli.capture.tensorflow needs TensorFlow: pip install 'qgcli[tensorflow]'") from None
-    return tf
+    """TensorFlow, imported without its CUDA start-up noise when qgcli is the first to import it."""
+    return import_tensorflow("qgcli.capture.tensorflow")
 
 
 class Capture(StepCapture):

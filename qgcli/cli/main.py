@@ -190,10 +190,16 @@ def _internal(exc):
 @click.group(cls=QgcliGroup, epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="qgcli")
 def main():
-    """Quantization-gradient analysis on saved tensors (.npy, .npz, .h5).
+    """Quantization-gradient analysis on saved tensors (.npy, .npz, .h5, .safetensors, PyTorch .pt, Zarr).
 
-    TensorFlow-exact fake-quant and batch-norm gradients, gradient estimators, plots and reports,
-    on the CPU (NumPy) or the GPU (CuPy). Results go to files or stdout; diagnostics to stderr.
+    TensorFlow-exact fake-quant and batch-norm gradients, PyTorch's and torchao's fake quant, gradient
+    estimators, plots and reports, on the CPU (NumPy) or the GPU (CuPy). Results go to files or stdout;
+    diagnostics to stderr.
+
+    An operand is a SPEC: FILE.npy, FILE.npz:KEY, FILE.h5:DATASET, FILE.safetensors:KEY, FILE.pt:KEY,
+    STORE.zarr, - (stdin) or a literal number or list. Whole models: capture a training step into a run
+    file from Python (qgcli.capture.torch, qgcli.capture.tensorflow; see docs/capture.md), then verify,
+    report or plot every layer.
     """
 
 

@@ -29,9 +29,42 @@ TORCHAO_DTYPES = tuple(f"int{b}" for b in range(1, 9)) + tuple(f"uint{b}" for b 
     "float8_e4m3fn", "float8_e5m2")
 
 
+class opt:
+    """``click.option``'s arguments, kept: applied alone it is ``click.option``; in an :func:`option_group`
+    with a help section it becomes an option of that section (click-option-group's ``OptionGroup.option``)."""
+
+    def __init__(self, *param_decls, **attrs):
+        self.param_decls, self.attrs = param_decls, attrs
+
+    def __call__(self, f):
+        return click.option(*self.param_decls, **self.attrs)(f)
+
+
+#: The help section of each option group (``--help`` lists its options under the title; the text beside it
+#: says what they share).  Named by the keyword argument the group's values reach the command as.
+SECTIONS = {
+    "operands": ("Operands", "Each a SPEC: FILE.npy, FILE.npz:KEY, FILE.h5:DATASET, FILE.safetensors:KEY, "
+                 "FILE.pt:KEY (PyTorch), STORE.zarr, - (stdin), or a literal number or list (-6, -1,-2,3) where "
+                 "one fits. BUNDLE: a file with tensors named as the operands (an option overrides one), or a "
+                 "run file (one group per layer; qgcli.capture writes them)."),
+    "attributes": ("TF fake-quant attributes", None),
+    "quantize": ("Quantized types", "QuantizeV2/Dequantize (--variant quantize-dequantize); --dtype also for "
+                 "torchao and ONNX."),
+    "qdq": ("QuantizeAndDequantize", "V2/V3/V4: --variant quantize-and-dequantize-v*."),
+    "semantics": ("Framework", "TensorFlow by default; PyTorch, torchao, MX, NVFP4, ONNX."),
+    "torchao": ("torchao QAT", "--semantics torchao."),
+    "formats": ("Block formats", "--semantics mx, nvfp4, onnx."),
+    "estimator": ("Gradient estimator", None),
+    "output": ("Output", None),
+    "figure": ("Figure", None),
+}
+
+
 def option_group(target, build, *options):
     """Declare ``options`` (click decorators, in help order) whose values reach the command as one
-    keyword argument ``target = build(**values)``, keyed by the options' parameter names."""
+    keyword argument ``target = build(**values)``, keyed by the options' parameter names.  When ``target``
+    has a help section (:data:`SECTIONS`) and every option is an :class:`opt`, ``--help`` lists them under
+    its title (arguments, e.g. BUNDLE, stay in the usage line)."""
     probe = _probe(options)
 
     def decorate(f):
@@ -41,11 +74,34 @@ def option_group(target, build, *options):
             kwargs[target] = build(**values)
             return f(*args, **kwargs)
 
+        section = _section(target, options)
         for option in reversed(options):
-            command = option(command)
+            if section is not None and isinstance(option, opt):
+                command = section.option(*option.param_decls, **option.attrs)(command)
+            else:
+                command = option(command)
         return command
 
     return decorate
+
+
+def _section(target, options):
+    """click-option-group's OptionGroup for ``target``'s section; None without one, or when an option of the
+    group is a plain click decorator (a section cannot hold it)."""
+    if target not in SECTIONS or any(not isinstance(o, opt) and _declares_option(o) for o in options):
+        return None
+    from click_option_group import OptionGroup
+
+    title, text = SECTIONS[target]
+    return OptionGroup(title, help=text)
+
+
+def _declares_option(decorator):
+    def nothing():
+        pass
+
+    decorator(nothing)
+    return any(isinstance(p, click.Option) for p in nothing.__click_params__)
 
 
 def _probe(options):
@@ -76,7 +132,7 @@ def bundle_argument(**attrs):
 def spec_option(name, help, **attrs):
     """``--name SPEC`` for operand ``name`` (a TensorFlow name; a Python keyword gets a trailing ``_``)."""
     dest = name + "_" if name in ("min", "max", "x") else name
-    return click.option("--" + name.replace("_", "-"), dest, metavar="SPEC", help=help, **attrs)
+    return opt("--" + name.replace("_", "-"), dest, metavar="SPEC", help=help, **attrs)
 
 
 def _operand_specs(bundle=None, **specs):
@@ -99,11 +155,11 @@ def _fake_quant_attributes(num_bits=8, narrow_range=False, variant=None, axis=No
 
 
 def num_bits_option():
-    return click.option("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")
+    return opt("--num-bits", type=int, default=8, show_default=True, help="Bit width, 2..16.")
 
 
 def narrow_range_option(help="Use the grid [1, 2^num_bits - 1]."):
-    return click.option("--narrow-range", is_flag=True, help=help)
+    return opt("--narrow-range", is_flag=True, help=help)
 
 
 def attribute_group(*options):
@@ -116,14 +172,14 @@ def fake_quant_attribute_options(f):
     return attribute_group(
         num_bits_option(),
         narrow_range_option("Use the grid [1, 2^num_bits - 1] (quantize-dequantize: SCALED's [T_min + 1, T_max])."),
-        click.option("--variant", type=click.Choice(["args", "vars", "per-channel", QD_VARIANT, *QDQ_VARIANTS]), default=None,
-                     help="TF op family; default: per-channel when min/max are vectors, else vars. "
-                          "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
-                          "(QuantizeV2/Dequantize; see --dtype, --mode). quantize-and-dequantize-v4/-v3/-v2: "
-                          "TF's QuantizeAndDequantizeV4/V3/V2 (see --signed-input, --range-given)."),
-        click.option("--axis", type=int, default=None,
-                     help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
-                          "QuantizeV2's axis (one min/max per slice)."),
+        opt("--variant", type=click.Choice(["args", "vars", "per-channel", QD_VARIANT, *QDQ_VARIANTS]), default=None,
+            help="TF op family; default: per-channel when min/max are vectors, else vars. "
+                 "quantize-dequantize: the notebook's tf.quantize + tf.dequantize round trip "
+                 "(QuantizeV2/Dequantize; see --dtype, --mode). quantize-and-dequantize-v4/-v3/-v2: "
+                 "TF's QuantizeAndDequantizeV4/V3/V2 (see --signed-input, --range-given)."),
+        opt("--axis", type=int, default=None,
+            help="Channel axis for the per-channel variant (TF: the last axis, -1); for quantize-dequantize "
+                 "QuantizeV2's axis (one min/max per slice)."),
     )(f)
 
 
@@ -140,11 +196,11 @@ def qdq_options(f):
     only = " (--variant quantize-and-dequantize-v*)"
     return option_group(
         "qdq", _qdq_attributes,
-        click.option("--signed-input/--no-signed-input", "signed_input", default=None,
-                     help="Signed grid, symmetric around 0 [default: signed, as TF]" + only + "."),
-        click.option("--range-given/--no-range-given", "range_given", default=None,
-                     help="Use input_min/input_max (clamping) instead of the data's range [default: not given, as "
-                          "V4; V3: given]" + only + "."),
+        opt("--signed-input/--no-signed-input", "signed_input", default=None,
+            help="Signed grid, symmetric around 0 [default: signed, as TF]" + only + "."),
+        opt("--range-given/--no-range-given", "range_given", default=None,
+            help="Use input_min/input_max (clamping) instead of the data's range [default: not given, as "
+                 "V4; V3: given]" + only + "."),
     )(f)
 
 
@@ -172,19 +228,19 @@ def quantize_options(f):
     only = " (--variant quantize-dequantize)"
     return option_group(
         "quantize", _quantize_attributes,
-        click.option("--dtype", type=_Choice(tuple(dict.fromkeys(DTYPES + TORCHAO_DTYPES + ONNX_DTYPES)), str.lower),
-                     default=None,
-                     help="Quantized type [default: quint8, the notebook's]" + only + "; with --semantics torchao "
-                          "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2; with --semantics onnx "
-                          "QuantizeLinear's output type [default: uint8]: " + ", ".join(ONNX_DTYPES) + "."),
-        click.option("--mode", type=_Choice(MODES, str.upper), default=None,
-                     help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
-        click.option("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
-                     help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "; "
-                          "quantize-and-dequantize-v*: HALF_TO_EVEN (default) or HALF_UP."),
-        click.option("--ensure-minimum-range", type=float, default=None, metavar="EPS",
-                     help="QuantizeV2's ensure_minimum_range: the range is at least EPS * max(1, |min|, |max|) "
-                          "wide [default: 0.01]" + only + "."),
+        opt("--dtype", type=_Choice(tuple(dict.fromkeys(DTYPES + TORCHAO_DTYPES + ONNX_DTYPES)), str.lower),
+            default=None,
+            help="Quantized type [default: quint8, the notebook's]" + only + "; with --semantics torchao "
+                 "int1..int8, uint1..uint8, float8_e4m3fn, float8_e5m2; with --semantics onnx "
+                 "QuantizeLinear's output type [default: uint8]: " + ", ".join(ONNX_DTYPES) + "."),
+        opt("--mode", type=_Choice(MODES, str.upper), default=None,
+            help="QuantizeV2/Dequantize mode [default: MIN_COMBINED, the notebook's]" + only + "."),
+        opt("--round-mode", type=_Choice(ROUND_MODES, str.upper), default=None,
+            help="Rounding [default: HALF_AWAY_FROM_ZERO]; HALF_TO_EVEN needs --mode SCALED" + only + "; "
+                 "quantize-and-dequantize-v*: HALF_TO_EVEN (default) or HALF_UP."),
+        opt("--ensure-minimum-range", type=float, default=None, metavar="EPS",
+            help="QuantizeV2's ensure_minimum_range: the range is at least EPS * max(1, |min|, |max|) "
+                 "wide [default: 0.01]" + only + "."),
     )(f)
 
 
@@ -242,12 +298,12 @@ def semantics_options(f):
     """--semantics, --scale, --zero-point, --quant-min, --quant-max, as ``semantics``."""
     return option_group(
         "semantics", _semantics_options,
-        click.option("--semantics", type=click.Choice(SEMANTICS), default="tf", show_default=True,
-                     help=_SEMANTICS_HELP["semantics"]),
-        click.option("--scale", metavar="SPEC", help=_SEMANTICS_HELP["scale"]),
-        click.option("--zero-point", "zero_point", metavar="SPEC", help=_SEMANTICS_HELP["zero_point"]),
-        click.option("--quant-min", type=int, default=None, help=_SEMANTICS_HELP["quant_min"]),
-        click.option("--quant-max", type=int, default=None, help=_SEMANTICS_HELP["quant_max"]),
+        opt("--semantics", type=click.Choice(SEMANTICS), default="tf", show_default=True,
+            help=_SEMANTICS_HELP["semantics"]),
+        opt("--scale", metavar="SPEC", help=_SEMANTICS_HELP["scale"]),
+        opt("--zero-point", "zero_point", metavar="SPEC", help=_SEMANTICS_HELP["zero_point"]),
+        opt("--quant-min", type=int, default=None, help=_SEMANTICS_HELP["quant_min"]),
+        opt("--quant-max", type=int, default=None, help=_SEMANTICS_HELP["quant_max"]),
     )(f)
 
 
@@ -262,24 +318,24 @@ def torchao_options(f):
     only = " (--semantics torchao)"
     return option_group(
         "torchao", _torchao_options,
-        click.option("--granularity", metavar="per-group:G|per-channel|per-token|per-row|per-tensor", default=None,
-                     help="Blocks sharing a scale: integer dtypes per-group:G, per-channel, per-token; float8 per-row "
-                          "(default) or per-tensor" + only + "."),
-        click.option("--mapping-type", type=click.Choice(["symmetric", "asymmetric"]), default=None,
-                     help="Integer mapping [default: symmetric]" + only + "."),
-        click.option("--scale-precision", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-                     help="Scale dtype [default: float32]" + only + "."),
-        click.option("--zero-point-precision", type=click.Choice(["int32", "float32", "bfloat16", "float16"]),
-                     default=None, help="Zero point dtype [default: int32]" + only + "."),
-        click.option("--zero-point-domain", type=click.Choice(["int", "float", "none"]), default=None,
-                     help="Zero point domain [default: int]" + only + "."),
-        click.option("--eps", type=click.FloatRange(min=0.0), default=None,
-                     help="Smallest scale [default: torchao's: float32's smallest normal; 1e-6 asymmetric per "
-                          "group]" + only + "."),
-        click.option("--hp-value-lb", type=float, default=None,
-                     help="float8: lower bound of max|x| for the scale" + only + "."),
-        click.option("--hp-value-ub", type=float, default=None,
-                     help="float8: upper bound of max|x| for the scale" + only + "."),
+        opt("--granularity", metavar="per-group:G|per-channel|per-token|per-row|per-tensor", default=None,
+            help="Blocks sharing a scale: integer dtypes per-group:G, per-channel, per-token; float8 per-row "
+                 "(default) or per-tensor" + only + "."),
+        opt("--mapping-type", type=click.Choice(["symmetric", "asymmetric"]), default=None,
+            help="Integer mapping [default: symmetric]" + only + "."),
+        opt("--scale-precision", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+            help="Scale dtype [default: float32]" + only + "."),
+        opt("--zero-point-precision", type=click.Choice(["int32", "float32", "bfloat16", "float16"]),
+            default=None, help="Zero point dtype [default: int32]" + only + "."),
+        opt("--zero-point-domain", type=click.Choice(["int", "float", "none"]), default=None,
+            help="Zero point domain [default: int]" + only + "."),
+        opt("--eps", type=click.FloatRange(min=0.0), default=None,
+            help="Smallest scale [default: torchao's: float32's smallest normal; 1e-6 asymmetric per "
+                 "group]" + only + "."),
+        opt("--hp-value-lb", type=float, default=None,
+            help="float8: lower bound of max|x| for the scale" + only + "."),
+        opt("--hp-value-ub", type=float, default=None,
+            help="float8: upper bound of max|x| for the scale" + only + "."),
     )(f)
 
 
@@ -293,19 +349,19 @@ def block_format_options(f):
     """The block formats' options (--semantics mx / nvfp4 / onnx), as ``formats``."""
     return option_group(
         "formats", _block_format_options,
-        click.option("--mx-format", type=_Choice(MX_FORMATS, str.lower), default=None,
-                     help="OCP MX element format (--semantics mx) [default: mxfp8-e4m3]."),
-        click.option("--block-size", type=click.IntRange(min=1), default=None,
-                     help="Elements per block along --axis: --semantics mx [default: 32, must divide the axis]; "
-                          "--semantics onnx blocked QuantizeLinear [default: 0, none; a partial last block "
-                          "allowed]. NVFP4 blocks are always 16."),
-        click.option("--scale-mode", type=_Choice(MX_SCALE_MODES, str.lower), default=None,
-                     help="MX scale rule, torchao's ScaleCalculationMode (--semantics mx) [default: floor, the "
-                          "OCP spec's; torchao's QAT config uses rceil]."),
-        click.option("--no-per-tensor-scale", "per_tensor_scale", flag_value=False, default=None,
-                     help="NVFP4 without the FP32 per-tensor scale (--semantics nvfp4)."),
-        click.option("--no-saturate", "saturate", flag_value=False, default=None,
-                     help="float8 QuantizeLinear with saturate=0 (--semantics onnx, float8 --dtype)."),
+        opt("--mx-format", type=_Choice(MX_FORMATS, str.lower), default=None,
+            help="OCP MX element format (--semantics mx) [default: mxfp8-e4m3]."),
+        opt("--block-size", type=click.IntRange(min=1), default=None,
+            help="Elements per block along --axis: --semantics mx [default: 32, must divide the axis]; "
+                 "--semantics onnx blocked QuantizeLinear [default: 0, none; a partial last block "
+                 "allowed]. NVFP4 blocks are always 16."),
+        opt("--scale-mode", type=_Choice(MX_SCALE_MODES, str.lower), default=None,
+            help="MX scale rule, torchao's ScaleCalculationMode (--semantics mx) [default: floor, the "
+                 "OCP spec's; torchao's QAT config uses rceil]."),
+        opt("--no-per-tensor-scale", "per_tensor_scale", flag_value=False, default=None,
+            help="NVFP4 without the FP32 per-tensor scale (--semantics nvfp4)."),
+        opt("--no-saturate", "saturate", flag_value=False, default=None,
+            help="float8 QuantizeLinear with saturate=0 (--semantics onnx, float8 --dtype)."),
     )(f)
 
 
@@ -319,21 +375,21 @@ def estimator_options(f):
     """--estimator, --grad-factor (fakequant-grad), as ``estimator``."""
     return option_group(
         "estimator", _estimator_options,
-        click.option("--estimator", metavar="NAME[:PARAMS]", default=None,
-                     help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
-                          "lsq, pact, ewgs:DELTA; --semantics mx/nvfp4/onnx: ste (the identity, default) or "
-                          "masked-ste (onnx integer types). See docs/estimators.md for the formulas."),
-        click.option("--grad-factor", type=GradFactor(), default=None,
-                     help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
-                          "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
-                          "auto with tf."),
+        opt("--estimator", metavar="NAME[:PARAMS]", default=None,
+            help="Gradient estimator: ste (default: the framework's clipped STE), identity, scaled:G[,E], "
+                 "lsq, pact, ewgs:DELTA; --semantics mx/nvfp4/onnx: ste (the identity, default) or "
+                 "masked-ste (onnx integer types). See docs/estimators.md for the formulas."),
+        opt("--grad-factor", type=GradFactor(), default=None,
+            help="LSQ gradient scale g for --estimator lsq: a number, or auto = 1/sqrt(N*quant_max) "
+                 "(N: elements per step size). Default: 1.0 with --semantics torch (PyTorch's op), "
+                 "auto with tf."),
     )(f)
 
 
 # --- outputs --------------------------------------------------------------------------------------------------
 
 def json_option(help="Print a machine-readable summary on stdout."):
-    return click.option("--json", "as_json", is_flag=True, help=help)
+    return opt("--json", "as_json", is_flag=True, help=help)
 
 
 def fail_on_option(command, also=None):
@@ -364,9 +420,9 @@ def fail_on_option(command, also=None):
                 raise click.BadParameter(exc.message) from None
             return Conditions([], text=value, error=exc.message)
 
-    return click.option("--fail-on", "fail_on", metavar="CONDITION,...", default=None, callback=parse,
-                        help=f"Exit with code 3 (after printing) when a condition holds: {examples}; "
-                             "for CI jobs.")
+    return opt("--fail-on", "fail_on", metavar="CONDITION,...", default=None, callback=parse,
+               help=f"Exit with code 3 (after printing) when a condition holds: {examples}; "
+                    "for CI jobs.")
 
 
 class Conditions(list):
@@ -398,22 +454,22 @@ def gate(doc, conditions):
 
 
 def quiet_option(help="No summary on stderr."):
-    return click.option("-q", "--quiet", is_flag=True, help=help)
+    return opt("-q", "--quiet", is_flag=True, help=help)
 
 
 def device_option():
-    return click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
-                        help="Compute with NumPy (cpu) or CuPy (gpu).")
+    return opt("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+               help="Compute with NumPy (cpu) or CuPy (gpu).")
 
 
 def scheduler_option(help="Compute the run file's layers on a Dask cluster (pip install 'qgcli[dask]'): a scheduler "
                           "address (tcp://host:8786), or local:N for N local worker processes. The workers open "
                           "the run file at the same path."):
-    return click.option("--scheduler", metavar="ADDRESS|local[:N]", default=None, help=help)
+    return opt("--scheduler", metavar="ADDRESS|local[:N]", default=None, help=help)
 
 
 def force_option(help="Replace an existing output file."):
-    return click.option("--force", is_flag=True, help=help)
+    return opt("--force", is_flag=True, help=help)
 
 
 def report_options(f):
@@ -436,23 +492,23 @@ def output_options(*, plot=False):
     """-o/--output, --force, --memory-limit, --compression (--plot), --json, --quiet, --device, as ``output``
     (an OutputOptions): the same meaning in every mode of a command, or refused there."""
     options = [
-        click.option("-o", "--output", "output", metavar="OUT", required=True, help=OUTPUT_HELP),
+        opt("-o", "--output", "output", metavar="OUT", required=True, help=OUTPUT_HELP),
         force_option(),
-        click.option("--memory-limit", metavar="SIZE", default=None,
-                     help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
-                          "default: a quarter of the machine's memory. A mode that cannot stream refuses a "
-                          "limit below its inputs."),
-        click.option("--compression", type=click.Choice(["gzip", "lzf"]), default=None,
-                     help="Compress HDF5 outputs (chunked datasets), in every mode."),
+        opt("--memory-limit", metavar="SIZE", default=None,
+            help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
+                 "default: a quarter of the machine's memory. A mode that cannot stream refuses a "
+                 "limit below its inputs."),
+        opt("--compression", type=click.Choice(["gzip", "lzf"]), default=None,
+            help="Compress HDF5 outputs (chunked datasets), in every mode."),
     ]
     if plot:
-        options.append(click.option("--plot", metavar="FIG", default=None,
-                                    help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
+        options.append(opt("--plot", metavar="FIG", default=None,
+                           help="Also draw the STE figure to FIG (.png/.svg/.pdf)."))
     options += [json_option(), quiet_option(), device_option(),
-                click.option("--scheduler", metavar="ADDRESS|local[:N]", default=None,
-                             help="Compute a run file's groups, or a Zarr tensor's row blocks, on a Dask cluster "
-                                  "(pip install 'qgcli[dask]'): a scheduler address (tcp://host:8786), or local:N "
-                                  "for N local worker processes. The same bits as without it.")]
+                opt("--scheduler", metavar="ADDRESS|local[:N]", default=None,
+                    help="Compute a run file's groups, or a Zarr tensor's row blocks, on a Dask cluster "
+                         "(pip install 'qgcli[dask]'): a scheduler address (tcp://host:8786), or local:N "
+                         "for N local worker processes. The same bits as without it.")]
     return option_group("output", _output_options, *options)
 
 
@@ -470,9 +526,9 @@ _OPERAND_PARAMS = ("gradients", "inputs", "min_", "max_", "y_backprop", "x_", "s
 def skip_invalid_option(f):
     """--skip-invalid, and the bounds on a run file's structure (:func:`hdf5_bound_options`)."""
     f = hdf5_bound_options(f)
-    return click.option("--skip-invalid", is_flag=True,
-                        help="Run file: run the valid groups and list the others (default: refuse the whole run "
-                             "when any group of the command's kind is incomplete or invalid).")(f)
+    return opt("--skip-invalid", is_flag=True,
+               help="Run file: run the valid groups and list the others (default: refuse the whole run "
+                    "when any group of the command's kind is incomplete or invalid).")(f)
 
 
 def _set_bound(ctx, param, value):
@@ -488,10 +544,10 @@ def hdf5_bound_options(f):
 
     for name, default, what in (("depth", MAX_DEPTH, "groups nested deeper than N levels"),
                                 ("groups", MAX_GROUPS, "more than N groups")):
-        f = click.option(f"--max-{name}", name, type=click.IntRange(min=1), default=None, metavar="N",
-                         envvar=f"QGCLI_MAX_{name.upper()}", show_envvar=True, expose_value=False,
-                         callback=_set_bound,
-                         help=f"HDF5: refuse a file with {what}, before any work (default {default:,}).")(f)
+        f = opt(f"--max-{name}", name, type=click.IntRange(min=1), default=None, metavar="N",
+                envvar=f"QGCLI_MAX_{name.upper()}", show_envvar=True, expose_value=False,
+                callback=_set_bound,
+                help=f"HDF5: refuse a file with {what}, before any work (default {default:,}).")(f)
     return f
 
 
@@ -632,10 +688,10 @@ def table_options(f):
             return value
         return callback
 
-    f = click.option("--columns", metavar="NAME,...", default=None, expose_value=False, callback=keep("columns"),
-                     help="Table columns to show, in order (all: every column); the first column is always "
-                          "shown. Unknown names list the choices.")(f)
-    f = click.option("--wide", is_flag=True, expose_value=False, callback=keep("wide"),
-                     help="Every table column, one record per block when the terminal is narrower than the table "
-                          "(default: the columns that fit; off a terminal every column).")(f)
+    f = opt("--columns", metavar="NAME,...", default=None, expose_value=False, callback=keep("columns"),
+            help="Table columns to show, in order (all: every column); the first column is always "
+                 "shown. Unknown names list the choices.")(f)
+    f = opt("--wide", is_flag=True, expose_value=False, callback=keep("wide"),
+            help="Every table column, one record per block when the terminal is narrower than the table "
+                 "(default: the columns that fit; off a terminal every column).")(f)
     return f

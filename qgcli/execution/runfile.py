@@ -240,7 +240,7 @@ def _summary(job, where, layers, ran, other, skipped, forward):
                     "overrides": r["overrides"], **{k: v for k, v in r["summary"].items() if k not in ("command", "output")}}
                    for r in ran],
         "output": job.output.destination,
-        "notes": notes,
+        "notes": notes + _group_notes(ran),
     })
 
 
@@ -292,3 +292,15 @@ def _share(v, percent):
 
 def _num(v):
     return "-" if v is None else f"{v:.4g}"
+
+
+#: Groups' own notes repeated in a run file's summary (all are in --json's layers[].notes).
+GROUP_NOTES = 5
+
+
+def _group_notes(ran):
+    """The groups' own notes (a range without 0, NaN inputs ...), each naming its group: the first
+    :data:`GROUP_NOTES`, then how many more --json holds."""
+    found = [f"{r['path']}: {note}" for r in ran for note in (r["summary"].get("notes") or [])]
+    more = len(found) - GROUP_NOTES
+    return found[:GROUP_NOTES] + ([f"{counted(more, 'more group note')} in --json (layers[].notes)"] if more > 0 else [])

@@ -203,6 +203,31 @@ def mode(job):
     return f"--variant {VARIANT}"
 
 
+#: What ``qgcli plot RUN -o DIR/`` draws of a QuantizeV2 group: the round trip, as ``--variant
+#: quantize-dequantize`` (:mod:`qgcli.report.layer_figures`).
+PLOT_KINDS = ("staircase", "ste")
+
+
+def plot_setup(attr):
+    """The group's dtype (``dtype``, or TensorFlow's ``T``), mode, round mode, ensure_minimum_range (TensorFlow's
+    defaults where absent), narrow range and axis; ``attr(name, default)`` as in :func:`job_from_group`."""
+    dtype = attr("dtype", attr("T", None))
+    emr = attr("ensure_minimum_range", None)
+    quantize = QuantizeAttributes(dtype=None if dtype is None else str(dtype).lower().replace("dt_", ""),
+                                  mode=attr("mode", None), round_mode=attr("round_mode", None),
+                                  ensure_minimum_range=None if emr is None else float(emr)).resolved()
+    axis = attr("axis", None)
+    return {"quantize": quantize, "narrow_range": bool(attr("narrow_range", False)),
+            "axis": -1 if axis is None else int(axis)}
+
+
+def plot_operands(operands, setup):
+    """``(inputs, min, max, keyword arguments)`` of ``plots.staircase``/``ste`` for a group."""
+    return (operands.get("inputs"), operands.get("min"), operands.get("max"),
+            {"variant": VARIANT, "quantize": setup["quantize"], "narrow_range": setup["narrow_range"],
+             "axis": setup["axis"]})
+
+
 # --- the summary on stderr ------------------------------------------------------------------------------
 
 def render(console, s):

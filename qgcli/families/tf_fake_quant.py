@@ -255,7 +255,7 @@ def block_summary(job, operands, datasets, setup, small, notes):
         "inputs": {n: {"shape": list(ds.shape), "dtype": str(ds.dtype), "source": operands.sources.get(n, n)}
                    for n, ds in datasets.items()},
         "grid": grid_summary(setup["grid"]), "statistics": None, "outputs": outputs,
-        "output": job.output.destination, "notes": notes,
+        "output": job.output.destination, "notes": list(notes) + range_warnings(setup["grid"]),
     })
 
 

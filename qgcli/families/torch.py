@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from qgcli.backend import to_numpy
 from qgcli.errors import OperandError, OptionError
 from qgcli.families.common import check_grad_factor
 from qgcli.families.groups import fake_quant_basics, size
@@ -39,6 +40,9 @@ def torch_layout(scale_shape, inputs_shape, axis):
     if axis is not None:
         if not -ndim <= axis < ndim:
             raise OperandError(f"{axis} is out of range for inputs of rank {ndim}", operand="axis")
+        if inputs_shape[axis] != depth:
+            raise OperandError(f"has {depth} entries but inputs have {inputs_shape[axis]} channels on axis {axis}",
+                               operand="scale")
         return axis % ndim, None
     if depth == 1:
         return None, "one scale value without --axis: per tensor"
@@ -52,11 +56,15 @@ def torch_layout(scale_shape, inputs_shape, axis):
     return matches[0], f"channel axis {matches[0]} inferred from the length of scale"
 
 
-def zero_point_from_literal(text, value):
-    """An integral literal zero point (``--zero-point 128``) is an int32, as PyTorch's observers give it."""
+def _is_literal(text):
     from qgcli.storage import io
 
-    if text is None or io.parse_spec(text, allow_literal=True).literal is None:
+    return text is not None and io.parse_spec(text, allow_literal=True).literal is not None
+
+
+def zero_point_from_literal(text, value):
+    """An integral literal zero point (``--zero-point 128``) is an int32, as PyTorch's observers give it."""
+    if not _is_literal(text):
         return value
     value = np.asarray(value)
     if np.all(np.isfinite(value)) and np.all(value == np.round(value)) and np.all(np.abs(value) < 2**31):
@@ -77,6 +85,8 @@ def compute(job, operands):
     gradients = operands.get("gradients") if with_gradients else None
     inputs = operands.get("inputs")
     scale = np.asarray(operands.get("scale"))
+    if _is_literal(job.operands.get("scale")):
+        scale = scale.astype(np.float32)  # torch.tensor([0.1, 0.2]) is float32
     zero_point = zero_point_from_literal(job.operands.get("zero_point"), operands.get("zero_point"))
     channel_axis, note = torch_layout(scale.shape, np.shape(inputs), job.axis)
     if note:
@@ -134,6 +144,9 @@ def compute(job, operands):
             None if grad_factor in (None, "auto") else grad_factor))
     if with_gradients:
         attrs["estimator"] = est.text
+    notes += _nonfinite_notes(inputs, out.get("outputs"), lambda: ts.fake_quantize_per_tensor_affine(
+        inputs, scale, zero_point, quant_min, quant_max) if channel_axis is None else
+        ts.fake_quantize_per_channel_affine(inputs, scale, zero_point, channel_axis, quant_min, quant_max), xp)
     stats = _view_statistics(view, gradients, xp)
     if with_gradients:
         from qgcli.ops.analysis import blocked_by
@@ -151,6 +164,53 @@ def compute(job, operands):
         "statistics": stats, "outputs": describe_arrays(out), "output": job.output.destination, "notes": notes,
     })
     return Result(out, attrs, summary)
+
+
+#: What ``qgcli plot RUN -o DIR/`` draws of a group of this family, on PyTorch's own grid
+#: (:mod:`qgcli.report.layer_figures`).
+PLOT_KINDS = ("staircase", "ste")
+
+
+def plot_setup(attr):
+    """The attributes a group's figure needs besides its tensors (plain values: they cross to worker
+    processes); ``attr(name, default)``: the group's attribute, or the option typed for it."""
+    lo, hi = fake_quant.quant_range(int(attr("num_bits", 8)), bool(attr("narrow_range", False)))
+    axis = attr("axis", None)
+    return {"quant_min": int(attr("quant_min", lo)), "quant_max": int(attr("quant_max", hi)),
+            "axis": None if axis is None else int(axis)}
+
+
+def plot_operands(operands, setup):
+    """``(inputs, min, max, keyword arguments)`` of ``plots.staircase``/``ste`` for a group: PyTorch's op on its
+    scale and zero point (``torch=``), the channel axis from the attribute or the scale's length."""
+    x = operands.get("inputs")
+    scale, zero_point = np.asarray(operands.get("scale")), np.asarray(operands.get("zero_point"))
+    axis, _ = torch_layout(scale.shape, np.shape(x), setup["axis"])
+    if axis is None:
+        scale = scale.reshape(())
+        zero_point = zero_point.reshape(()) if zero_point.size == 1 else zero_point
+    return x, None, None, {"torch": dict(scale=scale, zero_point=zero_point, quant_min=setup["quant_min"],
+                                         quant_max=setup["quant_max"], axis=axis)}
+
+
+def _nonfinite_notes(inputs, outputs, forward, xp):
+    """PyTorch's fake quant turns NaN and +-inf inputs into finite outputs without a word (NaN to a level, +inf
+    to quant_max's per tensor but quant_min's per channel): say how many, and into what.  ``forward()`` gives
+    the outputs when the command computed none (the gradients); only called when such inputs are there."""
+    x = xp.asarray(inputs)
+    kinds = [(name, where, int(where.sum())) for name, where in
+             (("NaN", xp.isnan(x)), ("+inf", x == np.inf), ("-inf", x == -np.inf))]
+    if not any(count for *_, count in kinds):
+        return []
+    y = xp.asarray(forward() if outputs is None else outputs)
+    parts = []
+    for name, where, count in kinds:
+        if count:
+            values = np.unique(to_numpy(y[where]))
+            parts.append(f"{count} {name} -> " + (f"{float(values[0]):g}" if values.size == 1 else
+                                                 f"{values.size} different values"))
+    return [f"inputs hold non-finite values, which PyTorch's fake quant turns into finite outputs without a word "
+            f"({', '.join(parts)}); their gradient is 0"]
 
 
 def _view_statistics(view, gradients, xp):

@@ -34,13 +34,10 @@ _OPS = ("fake_quant_with_min_max_vars", "fake_quant_with_min_max_vars_per_channe
 
 
 def _tf():
-    try:
-        import tensorflow as tf
-    except ImportError:
-        from qgcli.errors import QgcliError
+    """TensorFlow, imported without its CUDA start-up noise when qgcli is the first to import it."""
+    from qgcli.monitor.quiet_tensorflow import import_tensorflow
 
-        raise QgcliError("qgcli.monitor.keras needs TensorFlow: pip install 'qgcli[tensorflow]'") from None
-    return tf
+    return import_tensorflow("qgcli.monitor.keras")
 
 
 class _Watch:

@@ -78,6 +78,11 @@ def _check_scale(scale, rank):
         raise OperandError(f"dtype {s.dtype} is not a real number type", operand="scale")
     if s.ndim != rank:
         raise OperandError(f"must be rank {rank} but is rank {s.ndim} (shape {list(s.shape)})", operand="scale")
+    if rank and s.dtype.name not in ("float32", "bfloat16"):
+        # PyTorch's per-tensor ops take any float scale as a double; its per-channel kernels refuse the others.
+        found = {"float64": "Double", "float16": "Half"}.get(s.dtype.name, s.dtype.name)
+        raise OperandError(f"is {s.dtype}: PyTorch's per-channel fake quant refuses it (Scale must be Float or "
+                           f"BFloat16, found {found}); store the scale as float32", operand="scale")
     s32 = s.astype(_F32)
     with np.errstate(all="ignore"):
         inv = _F32(1) / s32

@@ -151,12 +151,21 @@ def parse_granularity(text):
                        operand="granularity")
 
 
+def _granularity(granularity):
+    """:func:`parse_granularity` of text; anything else (``1234``, ``None``, ``3.5``) is refused naming the
+    operand, not left to fail as a TypeError further on."""
+    if not isinstance(granularity, str):
+        raise OperandError(f"{granularity!r} is not per-group:G, per-channel, per-token, per-row or per-tensor",
+                           operand="granularity")
+    return parse_granularity(granularity)
+
+
 def intx_fake_quantize_config(dtype, granularity, mapping_type="symmetric", scale_precision="float32",
                               zero_point_precision="int32", zero_point_domain="int", eps=None):
     """An :class:`IntxFakeQuantizeConfig`, refused where torchao refuses it (or computes something qgcli does
     not reproduce: see docs/estimators.md, "torchao QAT")."""
     bit_width(dtype)
-    gran, group = parse_granularity(granularity) if isinstance(granularity, str) else granularity
+    gran, group = _granularity(granularity)
     if gran in ("per-tensor", "per-row"):
         raise OperandError(f"torchao's IntxFakeQuantizeConfig supports per-group:G, per-channel and per-token, not "
                            f"{gran} (torchao: Granularity '{'PerTensor()' if gran == 'per-tensor' else 'PerRow()'}' "
@@ -197,7 +206,7 @@ def float8_fake_quantize_config(dtype="float8_e4m3fn", granularity="per-row", hp
     """A :class:`Float8FakeQuantizeConfig`, refused where torchao refuses it."""
     if dtype not in FLOAT8_DTYPES:
         raise OperandError(f"{dtype!r} is not {' or '.join(FLOAT8_DTYPES)}", operand="dtype")
-    gran, _ = parse_granularity(granularity) if isinstance(granularity, str) else granularity
+    gran, _ = _granularity(granularity)
     if gran not in ("per-row", "per-tensor"):
         raise OperandError(f"torchao's Float8FakeQuantizeConfig takes per-row or per-tensor, not {gran} (torchao: "
                            "Expected PerRow or PerTensor granularity)", operand="granularity")

@@ -1,8 +1,9 @@
 """One figure per layer of a run file (``qgcli plot staircase|ste|hist|channels RUN -o DIR/``).
 
-:func:`plan` lists the groups a plot can draw (TensorFlow fake-quant groups; ``channels``: the per-channel
-ones) as picklable :class:`LayerFigure` tasks, with each group's attributes unless an option was typed, and
-the groups it cannot draw with the reason.  :func:`draw` draws one (in this process); :func:`write_all`
+:func:`plan` lists the groups a plot can draw (TensorFlow fake-quant groups; PyTorch's and QuantizeV2's on
+their own grids, for staircase and ste; the block formats per block; ``channels``: the per-channel ones) as
+picklable :class:`LayerFigure` tasks, with each group's attributes unless an option was typed, and the groups
+it cannot draw with the reason.  :func:`draw` draws one (in this process); :func:`write_all`
 draws them all into ``DIR/``, on worker processes (``spawn``/``forkserver``, never a plain fork of this
 possibly threaded process) when there are enough, and names each file after its group path through
 :func:`qgcli.storage.paths.group_file_paths` (``index.json`` beside them when a name had to change).  The figures
@@ -51,8 +52,9 @@ class LayerFigure:
     axis: int
     literals: Tuple[Tuple[str, str], ...] = ()
     options: Tuple[Tuple[str, object], ...] = ()  # max_points, channel, bins, log, title, width, height
-    family: Optional[str] = None  # a block format's (drawn per block), else TensorFlow's fake quant
+    family: Optional[str] = None  # a block format's (drawn per block), a family drawn on its own grid, or None
     formats: Tuple[Tuple[str, object], ...] = ()  # the block format's attributes, from the group
+    setup: Tuple[Tuple[str, object], ...] = ()  # a family on its own grid: its plot_setup (attributes resolved)
 
 
 def plan(target, kind, options=None, *, plot_options=(), layer=None):
@@ -97,6 +99,13 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
                                      narrow_range=False, axis=-1, options=tuple(dict(plot_options).items()),
                                      family=l.family, formats=tuple(family.group_formats(l.attrs).items())))
             continue
+        if hasattr(family, "plot_setup"):  # a family drawn on its own grid (PyTorch's, QuantizeV2's)
+            tasks.append(LayerFigure(
+                file=file, path=l.path, op=l.op, kind=kind, variant="", num_bits=8, narrow_range=False, axis=-1,
+                literals=tuple(groups.literal_specs(l).items()), options=tuple(dict(plot_options).items()),
+                family=family.NAME, setup=tuple(family.plot_setup(lambda name, default: _attr(
+                    l, options, name, default)).items())))
+            continue
         variant = l.variant or "vars"
         tasks.append(LayerFigure(
             file=file, path=l.path, op=l.op, kind=kind, variant=variant,
@@ -113,8 +122,15 @@ def _why_not(layer, kind):
     if hasattr(registry.of(layer), "block_view"):
         return None if kind in ("hist", "channels") else f"plot {kind} draws TensorFlow's fake quant; a {layer.op} " \
             "group is drawn per block by plot hist and plot channels"
+    kinds = getattr(registry.of(layer), "PLOT_KINDS", None)
+    if kinds is not None:  # a family drawn on its own grid: staircase and ste
+        return None if kind in kinds else (f"plot {kind} draws TensorFlow's fake-quant grids; {layer.op} groups: "
+                                           f"plot {' / '.join(kinds)}")
     if not getattr(registry.of(layer), "CHANNEL_ANALYSIS", False):
-        return f"{layer.op or 'this group'} is not one of TensorFlow's fake-quant ops (plot {kind} draws those)"
+        if layer.kind == registry.FAKE_QUANT:
+            return f"plot {kind} does not draw {layer.op} groups yet (report, fakequant and fakequant-grad run them)"
+        return (f"{layer.op or 'this group'} is not one of the fake-quant ops plot {kind} draws (TensorFlow's, "
+                "PyTorch's, QuantizeV2)")
     if kind == "channels" and layer.variant != "per-channel":
         return "plot channels draws per-channel groups only"
     return None
@@ -141,11 +157,17 @@ def draw(task):
     from qgcli.report import plots
 
     container = _container(task.file)
-    if task.family is not None:
+    family = None if task.family is None else registry.family(task.family)
+    if hasattr(family, "block_view"):
         return _draw_blocks(task, container)
-    operands = Operands.in_group(container, task.file, task.path, dict(task.literals), literal_ok=("min", "max"))
+    literal_ok = getattr(family, "LITERAL_OK", ("min", "max"))
+    operands = Operands.in_group(container, task.file, task.path, dict(task.literals), literal_ok=literal_ok)
     try:
-        _, x, mn, mx, variant = load_fake_quant_operands(operands, task.variant, with_gradients=False)
+        if family is not None:
+            x, mn, mx, own = family.plot_operands(operands, dict(task.setup))
+        else:
+            _, x, mn, mx, variant = load_fake_quant_operands(operands, task.variant, with_gradients=False)
+            own = {"variant": variant}
         g = operands.get("gradients", required=False) if task.kind in ("ste", "channels") else None
     finally:
         operands.close()
@@ -158,7 +180,7 @@ def draw(task):
     if task.kind == "channels":
         fig = plots.channels(x, mn, mx, gradients=g, **common)
     else:
-        common.update(variant=variant, channel=kw.get("channel"))
+        common.update(channel=kw.get("channel"), **own)
         if task.kind == "hist":
             fig = plots.hist(x, mn, mx, bins=kw.get("bins", 100), log=kw.get("log", False), **common)
         elif task.kind == "ste":

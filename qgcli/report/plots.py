@@ -170,6 +170,121 @@ def _scalar(value, name):
     return float(value)
 
 
+@dataclass(frozen=True)
+class TorchGrid:
+    """PyTorch's grid as the plots draw grids (the duck type of :class:`qgcli.ops.Grid`): levels
+    ``(q - zero_point) * scale`` for ``q`` in ``[quant_min, quant_max]``; nothing is nudged, so its ends are the
+    range.  ``scale``/``zero_point`` 0-d (per tensor) or one per channel."""
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    quant_min: int
+    quant_max: int
+
+    passthrough = narrow_range = has_raw_range = False
+    bounds_label = "grid ends (quant_min|max - zero_point) * scale"
+
+    @property
+    def per_channel(self):
+        return np.ndim(self.scale) == 1
+
+    @property
+    def num_bits(self):
+        return int(np.ceil(np.log2(self.quant_max - self.quant_min + 1)))
+
+    @property
+    def _z(self):  # the zero point PyTorch's per-tensor op uses: a float one truncated toward zero
+        z = np.asarray(self.zero_point)
+        return np.trunc(z.astype(np.float64)) if z.dtype.kind == "f" else z.astype(np.float64)
+
+    @property
+    def quant_zero(self):
+        return (self._z - self.quant_min).astype(np.float32)
+
+    @property
+    def nudged_min(self):
+        return ((self.quant_min - self._z) * np.asarray(self.scale, np.float64)).astype(np.float32)
+
+    @property
+    def nudged_max(self):
+        return ((self.quant_max - self._z) * np.asarray(self.scale, np.float64)).astype(np.float32)
+
+    min, max = nudged_min, nudged_max
+
+    def forward(self, v):
+        """PyTorch's per-tensor fake quant of ``v`` on this grid."""
+        return ts.fake_quantize_per_tensor_affine(v, self.scale, self.zero_point, self.quant_min, self.quant_max)
+
+    def words(self):
+        def fmt(v):
+            return _fmt(v) if np.ndim(v) == 0 else f"{np.size(v)} channels"
+        return (f"PyTorch [{self.quant_min}, {self.quant_max}], scale {fmt(self.scale)}, zero point "
+                f"{fmt(self.zero_point)}: [{fmt(self.nudged_min)}, {fmt(self.nudged_max)}], "
+                f"{self.quant_max - self.quant_min + 1} levels")
+
+    def summary(self):
+        def plain(a):
+            return np.asarray(a, np.float64).tolist()
+        return {"op": "fake_quantize_per_" + ("channel" if self.per_channel else "tensor") + "_affine",
+                "quant_min": self.quant_min, "quant_max": self.quant_max, "scale": plain(self.scale),
+                "zero_point": plain(self.zero_point), "lo": plain(self.nudged_min), "hi": plain(self.nudged_max)}
+
+
+def torch_data(inputs, scale, zero_point, quant_min, quant_max, *, axis=None, gradients=None):
+    """:class:`FakeQuantData` of PyTorch's ``fake_quantize_per_{tensor,channel}_affine``
+    (:mod:`qgcli.ops.torch_semantics`): outputs, its STE mask (the gradient op fed with ones) and, with
+    ``gradients``, the backprops; ``axis`` None per tensor, else the channel axis (moved last)."""
+    x = np.asarray(as_float32(to_numpy(inputs), "inputs", np))
+    g = None if gradients is None else np.asarray(as_float32(to_numpy(gradients), "gradients", np))
+    ones = np.ones_like(x)
+    if axis is None:
+        args = (scale, zero_point, quant_min, quant_max)
+        outputs = ts.fake_quantize_per_tensor_affine(x, *args)
+        mask = ts.fake_quantize_per_tensor_affine_gradient(ones, x, *args)
+        backprops = None if g is None else ts.fake_quantize_per_tensor_affine_gradient(g, x, *args)
+    else:
+        args = (scale, zero_point, axis, quant_min, quant_max)
+        outputs = ts.fake_quantize_per_channel_affine(x, *args)
+        mask = ts.fake_quantize_per_channel_affine_gradient(ones, x, *args)
+        backprops = None if g is None else ts.fake_quantize_per_channel_affine_gradient(g, x, *args)
+        x, outputs, mask = (np.moveaxis(to_numpy(a), axis, -1) for a in (x, outputs, mask))
+        backprops = None if backprops is None else np.moveaxis(to_numpy(backprops), axis, -1)
+    grid = TorchGrid(np.asarray(to_numpy(scale)), np.asarray(to_numpy(zero_point)), int(quant_min), int(quant_max))
+    op = f"torch.fake_quantize_per_{'tensor' if axis is None else 'channel'}_affine"
+    return FakeQuantData("torch", op, grid, to_numpy(x), to_numpy(outputs), to_numpy(mask),
+                         None if backprops is None else to_numpy(backprops), _torch_mask_range(grid))
+
+
+def _torch_mask_range(grid, ulps=64):
+    """``(lo, hi)``: the least and the greatest float32 input whose PyTorch mask is 1, per channel (last axis),
+    found by the op itself on the ``ulps`` float32 neighbours of each rounding edge (a half step beyond the
+    grid's ends); None where the edge is not among them."""
+    z, s = grid._z, np.asarray(grid.scale, np.float64)
+    ends = []
+    for approx, direction in (((grid.quant_min - z - 0.5) * s, -1), ((grid.quant_max - z + 0.5) * s, 1)):
+        near = [np.atleast_1d(np.float32(approx))]
+        for toward in (-np.inf, np.inf):
+            v = near[0]
+            for _ in range(ulps):
+                v = np.nextafter(v, np.float32(toward))
+                near.append(v)
+        x = np.sort(np.stack(near), axis=0)  # (2 * ulps + 1, channels)
+        if grid.per_channel:
+            mask = ts.fake_quantize_per_channel_affine_gradient(np.ones_like(x), x, grid.scale, grid.zero_point, 1,
+                                                               grid.quant_min, grid.quant_max)
+        else:
+            mask = ts.fake_quantize_per_tensor_affine_gradient(np.ones_like(x), x, grid.scale, grid.zero_point,
+                                                               grid.quant_min, grid.quant_max)
+        mask = np.asarray(mask) > 0
+        # The edge lies inside the samples: the outermost sample masked 0, the innermost 1.
+        outer, inner = (mask[0], mask[-1]) if direction < 0 else (mask[-1], mask[0])
+        if outer.any() or not inner.all():
+            return None
+        pick = np.argmax(mask, axis=0) if direction < 0 else mask.shape[0] - 1 - np.argmax(mask[::-1], axis=0)
+        ends.append(x[pick, np.arange(x.shape[1])])
+    return tuple(e.reshape(()) if not grid.per_channel else e for e in ends)
+
+
 def grid_levels(grid):
     """The values the forward op can output on a per-tensor ``grid``, ascending (float32).
 
@@ -386,10 +501,14 @@ def _exact_staircase(view, xs, ys):
     what is drawn is the op's function, or nothing)."""
     grid, variant = view.grid, view.data.variant
     finite = np.isfinite(xs)
-    if not isinstance(grid, Grid) or variant not in TF_OPS or not finite.any():
+    if not finite.any():
         return None
     attrs = dict(num_bits=int(grid.num_bits), narrow_range=bool(grid.narrow_range))
-    if variant == "args":  # Args multiplies by 1/scale, Vars and PerChannel divide: the edges differ by ulps
+    if hasattr(grid, "forward"):  # a grid that evaluates its own op (PyTorch's)
+        forward = grid.forward
+    elif not isinstance(grid, Grid) or variant not in TF_OPS:
+        return None
+    elif variant == "args":  # Args multiplies by 1/scale, Vars and PerChannel divide: the edges differ by ulps
         def forward(v):
             return ops.fake_quant_with_min_max_args(v, float(grid.min), float(grid.max), **attrs)
     else:
@@ -426,7 +545,7 @@ def _mark_bounds(ax, grid, orientation="v"):
     """Raw bounds dashed grey, nudged bounds dotted green (vertical lines on the x axis)."""
     line = ax.axvline if orientation == "v" else ax.axhline
     handles = []
-    for k, value in enumerate((grid.min, grid.max)):
+    for k, value in enumerate((grid.min, grid.max) if getattr(grid, "has_raw_range", True) else ()):
         h = line(float(value), color=C_RAW, ls="--", lw=1.0, gid="raw_bound",
                  label="raw min/max" if k == 0 else "_nolegend_")
         handles.append(h)
@@ -434,7 +553,7 @@ def _mark_bounds(ax, grid, orientation="v"):
         h = line(float(value), color=C_NUDGED, ls=":", lw=1.6, gid="nudged_bound",
                  label=getattr(grid, "bounds_label", "nudged min/max") if k == 0 else "_nolegend_")
         handles.append(h)
-    return handles[0], handles[2]
+    return (handles[0], handles[2]) if len(handles) == 4 else (handles[0],)
 
 
 def _staircase_axes(ax, view, max_points):
@@ -478,7 +597,9 @@ def _summary(kind, view, idx, **extra):
             "points": int(idx.size), "channel": view.channel, "grid": _grid_dict(view.grid), **extra}
 
 
-def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None):
+def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None, torch=None):
+    if torch is not None:
+        return _select(torch_data(inputs, gradients=gradients, **torch), channel)
     variant = infer_variant(variant, min, without_min="vars")
     axis = -1 if axis is None else axis
     data = run_variant(variant, inputs, min, max, gradients=gradients, num_bits=num_bits,
@@ -494,20 +615,21 @@ def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, ch
 
 
 def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
-              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None):
+              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None, torch=None):
     """The quantization staircase: inputs vs fake-quantized outputs (the notebook's first figure).
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels marked.
     ``variant``: "args", "vars" or "per-channel" (default: per-channel for vector ``min``, else vars);
     ``channel`` selects one channel of ``axis``, else all elements are drawn flattened.
     ``variant="quantize-dequantize"`` draws the notebook's tf.quantize + tf.dequantize round trip, with
-    ``quantize=dict(dtype=..., mode=..., round_mode=..., ensure_minimum_range=...)``.
+    ``quantize=dict(dtype=..., mode=..., round_mode=..., ensure_minimum_range=...)``.  ``torch=dict(scale=...,
+    zero_point=..., quant_min=..., quant_max=..., axis=None)`` draws PyTorch's op instead (min, max unused).
 
     >>> fig = staircase(np.array([-9.0, -1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
     >>> fig.axes[0].get_lines()[0].get_ydata().tolist()
     [-8.0, 0.0, 4.0]
     """
-    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize)
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize, torch)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
     idx, handles, note = _staircase_axes(ax, view, max_points)
@@ -518,7 +640,7 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
 
 
 def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=False, variant=None, axis=-1,
-        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None):
+        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None, torch=None):
     """The staircase plus the STE gradient function on a red panel of its own below, sharing the x axis (the
     notebook's second figure; on a twin axis its 0 and 1 would fall on level lines and hide them).
 
@@ -526,7 +648,7 @@ def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=F
     1 (inclusive: TF's nudged bounds), after checking every element's mask against it; the op's values at the
     inputs drawn are the red dots (gid ``"mask"``).  With ``gradients``, ``backprops_wrt_input`` in brown (the
     notebook's third figure) on a third panel, sharing the x axis.  ``height``: 4.8 inches, 7.6
-    with ``gradients``.
+    with ``gradients``.  ``torch``: PyTorch's op, as in :func:`staircase` (its mask drawn as points).
 
     >>> fig = ste(np.array([-9.0, -1.0, 5.0], np.float32), -6.0, 6.0, num_bits=2)
     >>> fig.axes[1].get_lines()[0].get_ydata().tolist()
@@ -535,7 +657,7 @@ def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=F
     >>> step.get_gid(), step.get_xdata().tolist()
     ('mask_step', [-9.0, -8.0, -8.0, 4.0, 4.0, 5.0])
     """
-    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize)
+    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize, torch)
     with_bp = view.backprops is not None
     fig = new_figure(width, height if height is not None else (7.6 if with_bp else 4.8))
     grid_spec = fig.add_gridspec(3 if with_bp else 2, 1, height_ratios=[3, 1, 2] if with_bp else [3, 1])

@@ -26,6 +26,25 @@ def describe_arrays(arrays):
     return {name: describe(a) for name, a in arrays.items()}
 
 
+def nonfinite_notes(arrays, xp=None):
+    """One note per array (name -> array) holding NaN or +-inf, with how many of each: what a report leaves
+    out of its finite ranges or clips, said rather than silent."""
+    import numpy as np
+
+    xp = np if xp is None else xp
+    notes = []
+    for name, a in arrays.items():
+        if a is None or getattr(a, "dtype", np.dtype("f4")).kind != "f":
+            continue
+        a = xp.asarray(a)
+        counts = [(int(xp.isnan(a).sum()), "NaN"), (int((a == np.inf).sum()), "+inf"),
+                  (int((a == -np.inf).sum()), "-inf")]
+        found = ", ".join(f"{n} {what}" for n, what in counts if n)
+        if found:
+            notes.append(f"{name} hold non-finite values: {found} (of {int(a.size)} elements)")
+    return notes
+
+
 def json_safe(value):
     """Replace NaN/inf floats (not valid JSON) by None, recursively."""
     import math

@@ -30,19 +30,19 @@ A format is one module with a ``FORMAT`` object; adding one is that module plus 
 import os
 
 from qgcli.errors import FileFormatError
-from qgcli.storage import directory, h5, npy, npz, safetensors, stdio, zarr_store
+from qgcli.storage import directory, h5, npy, npz, pt, safetensors, stdio, zarr_store
 
 #: Stores claimed by name before any other rule (a Zarr store is a directory, but one output).
 STORES = (zarr_store.FORMAT,)
 #: One-file formats, by suffix; stdin streams are told apart by their magic bytes, in this order.
-FILES = (npy.FORMAT, npz.FORMAT, h5.FORMAT, safetensors.FORMAT)
+FILES = (npy.FORMAT, npz.FORMAT, h5.FORMAT, safetensors.FORMAT, pt.FORMAT)
 DIRECTORY = directory.FORMAT
 STDOUT = stdio.FORMAT
 _BY_NAME = {f.name: f for f in STORES + FILES + (DIRECTORY, STDOUT)}
 
 KNOWN_SUFFIXES = tuple(s for f in FILES + STORES for s in f.suffixes)
 _FILE_SUFFIXES = [s for f in FILES for s in f.suffixes]
-_EXPECTED = ", ".join(_FILE_SUFFIXES[:-1]) + " or " + _FILE_SUFFIXES[-1]  # ".npy, .npz, .h5, .hdf5 or .safetensors"
+_EXPECTED = ", ".join(_FILE_SUFFIXES[:-1]) + " or " + _FILE_SUFFIXES[-1]  # ".npy, .npz, .h5, .hdf5, ... or .pth"
 #: Suffixes after which a SPEC may go on with ``:KEY``.
 CONTAINER_SUFFIXES = tuple(s for f in FILES + STORES if f.holds_many for s in f.suffixes)
 
@@ -93,9 +93,9 @@ def sniff(head):
 
 def head_fits(fmt, head):
     """Whether ``head`` (a file's first 8 bytes) can start a file of ``fmt``: its magic, or for a format
-    without one, none of the others' and its own test."""
+    without one, its own test and none of the others' magic but those it shares (a .pt is a zip, as .npz)."""
     found = sniff(head)
-    if found is None and fmt.magic is None and fmt.head_fits(head):
+    if fmt.magic is None and fmt.head_fits(head) and (found is None or found.magic in getattr(fmt, "shared_magic", ())):
         return True
     return found is fmt
 

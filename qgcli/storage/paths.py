@@ -18,6 +18,9 @@ The rules, the same on every platform so that a layout made on Linux opens on Wi
 - Windows device names (``con``, ``nul``, ``com1``, ``lpt9.txt`` ...) get a ``_`` before them;
 - a component is at most :data:`MAX_COMPONENT_BYTES` bytes of UTF-8, suffix included: a longer one keeps its
   start and ends in ``~`` and 16 hex digits of the SHA-256 of the exact name part (stable across runs);
+- a relative path longer than :data:`MAX_PATH_BYTES` keeps as many of its leading folders as leave room for a
+  full-length file name, and its last component ends in ``~`` and 16 hex digits of the SHA-256 of the whole
+  exact name (the index maps it back);
 - paths that then clash, compared as a case-insensitive file system compares them (Unicode NFC, casefold),
   with each other, with a folder of another path or with :data:`INDEX_NAME`, are told apart by ``~`` and 8
   hex digits of the SHA-256 of the whole exact name, added to the last component; which name keeps the plain
@@ -40,6 +43,9 @@ from collections.abc import Mapping
 from qgcli import __version__
 
 MAX_COMPONENT_BYTES = 255
+#: Longest relative path, in bytes of UTF-8: deep group paths of long names would pass Linux's 4096-byte PATH_MAX
+#: (and macOS's 1024) once joined; this leaves DIR itself 256 bytes on macOS.
+MAX_PATH_BYTES = 768
 INDEX_NAME = "index.json"
 INDEX_SCHEMA = 1
 _FORBIDDEN = set('\\/<>:"|?*')
@@ -95,6 +101,21 @@ def _parts(path):
     if isinstance(path, bytes):
         path = path.decode("utf-8", "surrogateescape")
     return [p for p in str(path).split("/") if p] or [""]
+
+
+def _shortened(name, folders, suffix, max_bytes):
+    """``(folders, path)`` for a name whose path is over :data:`MAX_PATH_BYTES`: the leading folders that leave
+    room for a file name of ``max_bytes``, then the last part tagged with the digest of the whole name."""
+    kept, size = [], max_bytes
+    for folder in folders.split("/") if folders else []:
+        size += len(folder.encode("utf-8")) + 1
+        if size > MAX_PATH_BYTES:
+            break
+        kept.append(folder)
+    leaf = safe_component(_parts(name)[-1], suffix=suffix, tag="~" + _digest(str(name))[:_LONG_TAG],
+                          max_bytes=max_bytes)
+    kept = "/".join(kept)
+    return kept, f"{kept}/{leaf}" if kept else leaf
 
 
 class FileLayout(Mapping):
@@ -187,6 +208,9 @@ def group_file_paths(group_paths, *, suffix="", reserved=(INDEX_NAME,), max_byte
              for n in names}
     leaf = {n: safe_component(_parts(n)[-1], suffix=suffix, max_bytes=max_bytes) for n in names}
     paths = {n: f"{plain[n]}/{leaf[n]}" if plain[n] else leaf[n] for n in names}
+    for n in names:
+        if len(paths[n].encode("utf-8")) > MAX_PATH_BYTES:
+            plain[n], paths[n] = _shortened(n, plain[n], suffix, max_bytes)
     # Folders are never renamed (renaming one would move other names' files), so they are taken first.
     taken = {_key(r): None for r in reserved}
     for n in names:

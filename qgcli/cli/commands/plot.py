@@ -18,6 +18,7 @@ from qgcli.cli.options import (
     narrow_range_option,
     num_bits_option,
     operand_group,
+    opt,
     option_group,
     qdq_options,
     quantize_options,
@@ -58,15 +59,15 @@ def _operand_options(*, gradients_help=None, channel=True, variants=PLOT_VARIANT
         f = attribute_group(
             num_bits_option(),
             narrow_range_option(),
-            click.option("--variant", type=click.Choice(variants), default=None,
-                         help="TF op family; default: per-channel when min/max are vectors, else vars." + (
-                             f" {QD_VARIANT}: the notebook's tf.quantize + tf.dequantize (--dtype, --mode...)."
-                             if QD_VARIANT in variants else "") + (
-                             " quantize-and-dequantize-v4/-v3/-v2: TF's QuantizeAndDequantize (--signed-input, "
-                             "--range-given, --round-mode; --axis K per slice)." if QDQ_VARIANTS[0] in variants
-                             else "")),
-            click.option("--axis", type=int, default=None,
-                         help="Channel axis (TF: the last axis, -1) for per-channel min/max and --channel."),
+            opt("--variant", type=click.Choice(variants), default=None,
+                help="TF op family; default: per-channel when min/max are vectors, else vars." + (
+                    f" {QD_VARIANT}: the notebook's tf.quantize + tf.dequantize (--dtype, --mode...)."
+                    if QD_VARIANT in variants else "") + (
+                    " quantize-and-dequantize-v4/-v3/-v2: TF's QuantizeAndDequantize (--signed-input, "
+                    "--range-given, --round-mode; --axis K per slice)." if QDQ_VARIANTS[0] in variants
+                    else "")),
+            opt("--axis", type=int, default=None,
+                help="Channel axis (TF: the last axis, -1) for per-channel min/max and --channel."),
         )(f)
         specs = [bundle_argument(), spec_option("inputs", "Forward inputs (TF operand 'inputs').")]
         if gradients_help:
@@ -86,19 +87,19 @@ def _figure_options(width, height, height_default="1 + 2.4 per panel"):
     """-o FIG, --force, --dpi, --title, --width, --height, --json, --quiet, --device as ``figure``."""
     return option_group(
         "figure", _figure,
-        click.option("-o", "--output", "destination", metavar="FIG", required=True,
-                     help="Figure file, or - for stdout; the format follows the extension: .png, .svg or .pdf."),
-        click.option("--format", "format", type=click.Choice(["png", "svg", "pdf"]), default=None,
-                     help="Figure format, over the extension  [default: from FIG; png on stdout]"),
+        opt("-o", "--output", "destination", metavar="FIG", required=True,
+            help="Figure file, or - for stdout; the format follows the extension: .png, .svg or .pdf."),
+        opt("--format", "format", type=click.Choice(["png", "svg", "pdf"]), default=None,
+            help="Figure format, over the extension  [default: from FIG; png on stdout]"),
         force_option("Replace an existing figure file."),
-        click.option("--dpi", type=click.IntRange(10, 1200), default=100, show_default=True,
-                     help="Pixels per inch (PNG size = width x height x dpi)."),
-        click.option("--title", default=None, help="Replace the title (the default names the op and grid)."),
-        click.option("--width", type=click.FloatRange(1, 50), default=width, show_default=True,
-                     help="Figure width in inches."),
-        click.option("--height", type=click.FloatRange(1, 50), default=height, show_default=height is not None,
-                     help="Figure height in inches." + ("" if height is not None else
-                                                        f"  [default: {height_default}]")),
+        opt("--dpi", type=click.IntRange(10, 1200), default=100, show_default=True,
+            help="Pixels per inch (PNG size = width x height x dpi)."),
+        opt("--title", default=None, help="Replace the title (the default names the op and grid)."),
+        opt("--width", type=click.FloatRange(1, 50), default=width, show_default=True,
+            help="Figure width in inches."),
+        opt("--height", type=click.FloatRange(1, 50), default=height, show_default=height is not None,
+            help="Figure height in inches." + ("" if height is not None else
+                                               f"  [default: {height_default}]")),
         json_option(),
         quiet_option(),
         device_option(),
@@ -630,7 +631,7 @@ Examples:
 @attribute_group(
     num_bits_option(),
     narrow_range_option(),
-    click.option("--axis", type=int, default=None, help="Channel axis of the per-channel groups (over the groups')."),
+    opt("--axis", type=int, default=None, help="Channel axis of the per-channel groups (over the groups')."),
 )
 @click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Draw the K worst layers only.")
 @_figure_options(None, None)

@@ -16,6 +16,7 @@ from qgcli.cli.options import (
     hdf5_bound_options,
     narrow_range_option,
     num_bits_option,
+    opt,
     option_group,
     refuse_missing_bundle,
     run_file_target,
@@ -24,7 +25,7 @@ from qgcli.cli.options import (
     torchao_options,
     typed_overrides,
 )
-from qgcli.report.summaries import dump_json, number, stdout_console
+from qgcli.report.summaries import dump_json, nonfinite_notes, number, stdout_console
 from qgcli.report.text import counted
 from qgcli.cli.options import fail_on_option, gate, refuse_conditions, table_options
 
@@ -282,21 +283,21 @@ Examples:
 @attribute_group(
     num_bits_option(),
     narrow_range_option(),
-    click.option("--variant", type=click.Choice(["args", "vars", "per-channel", *QDQ_VARIANTS]), default=None,
-                 help="TF op family; default: per-channel when min/max are vectors, else vars. "
-                      "quantize-and-dequantize-v4/-v3/-v2: TF's QuantizeAndDequantize (--signed-input, "
-                      "--range-given, --round-mode; --axis K: one range per slice, -1 per tensor)."),
-    click.option("--axis", type=int, default=None, help="Channel axis for the per-channel variant (TF: -1)."),
+    opt("--variant", type=click.Choice(["args", "vars", "per-channel", *QDQ_VARIANTS]), default=None,
+        help="TF op family; default: per-channel when min/max are vectors, else vars. "
+             "quantize-and-dequantize-v4/-v3/-v2: TF's QuantizeAndDequantize (--signed-input, "
+             "--range-given, --round-mode; --axis K: one range per slice, -1 per tensor)."),
+    opt("--axis", type=int, default=None, help="Channel axis for the per-channel variant (TF: -1)."),
 )
 @option_group(
     "qdq", lambda round_mode=None, **flags: (_qdq_flags(**flags), round_mode),
-    click.option("--signed-input/--no-signed-input", "signed_input", default=None,
-                 help="Signed grid [default: signed] (--variant quantize-and-dequantize-v*)."),
-    click.option("--range-given/--no-range-given", "range_given", default=None,
-                 help="Clamp to --min/--max instead of the data's range [default: not given; V3: given] "
-                      "(--variant quantize-and-dequantize-v*)."),
-    click.option("--round-mode", type=click.Choice(["HALF_TO_EVEN", "HALF_UP"]), default=None,
-                 help="Rounding [default: HALF_TO_EVEN] (--variant quantize-and-dequantize-v4/-v2)."),
+    opt("--signed-input/--no-signed-input", "signed_input", default=None,
+        help="Signed grid [default: signed] (--variant quantize-and-dequantize-v*)."),
+    opt("--range-given/--no-range-given", "range_given", default=None,
+        help="Clamp to --min/--max instead of the data's range [default: not given; V3: given] "
+             "(--variant quantize-and-dequantize-v*)."),
+    opt("--round-mode", type=click.Choice(["HALF_TO_EVEN", "HALF_UP"]), default=None,
+        help="Rounding [default: HALF_TO_EVEN] (--variant quantize-and-dequantize-v4/-v2)."),
 )
 @click.option("--top", type=click.IntRange(min=1), default=None, metavar="K", help="Show the K worst channels only.")
 @click.option("--sort", "sort", type=click.Choice(["worst", "blocked", "clipped", "sqnr", "gain", "channel"]),
@@ -451,6 +452,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             if value is not None and str(value.dtype) != "float32":
                 notes.append(f"{name} is {value.dtype}; computed in float32 as TensorFlow does")
         xp, (g_dev, x_dev) = to_device([g_raw, x_raw], device)
+        notes += nonfinite_notes({"inputs": x_dev, "gradients": g_dev}, xp)
         from qgcli.ops.analysis import channel_report
 
         steps = 5 + len(percentiles)
@@ -471,6 +473,10 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         from qgcli.families.qdq import OPS, report_notes
 
         notes += report_notes(variant, result)
+    else:
+        from qgcli.families.tf_fake_quant import range_warnings
+
+        notes += range_warnings(result.grid)
     raw = {"inputs": x_raw, "gradients": g_raw, "min": mn, "max": mx}
     described = describe_arrays({k: v for k, v in raw.items() if v is not None and hasattr(v, "dtype")})
     for k, v in described.items():

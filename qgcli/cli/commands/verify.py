@@ -16,7 +16,7 @@ Examples:
 """
 
 
-@click.command(epilog=_EXAMPLE)
+@click.command(epilog=_EXAMPLE, short_help="A captured run file recomputed: qgcli vs the framework, per layer.")
 @click.argument("run", metavar="RUN", type=click.Path(dir_okay=False))
 @click.option("--rtol", type=click.FloatRange(min=0.0), default=1e-5, show_default=True,
               help="Largest difference allowed, relative to the largest reference value, for batch-norm outputs "
