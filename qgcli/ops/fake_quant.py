@@ -102,6 +102,34 @@ class Grid:
         usable = ~self.passthrough
         return bool(np.any((self.scale[usable] < _FLUSH_SCALE) if self.per_channel else (usable and self.scale < _FLUSH_SCALE)))
 
+    @functools.cached_property
+    def kernel(self):
+        """What the blocked kernels take of this grid, derived once per grid (a cached grid serves every
+        call with its range): the forward's parameters and flag, the gradient's mask bounds, the
+        passthrough mask (None where no channel is 0..0) and the compiled kernels' tables of them."""
+        from qgcli.ops import blocked
+
+        passthrough = self.passthrough if self.passthrough.any() else None
+        forward = (self.nudged_min, self.nudged_max, self.scale, self.inv_scale, self.quant_zero, passthrough)
+        depth = self.min.size if self.per_channel else 1
+        bounds = (self.mask_lo, self.mask_hi, passthrough)
+        return _Kernel(forward, self.needs_flush(), bounds, _frozen(blocked._table(forward, depth)),
+                       _frozen(blocked._table(bounds, depth)))
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    forward: tuple
+    flush: bool
+    bounds: tuple
+    forward_table: np.ndarray
+    bounds_table: np.ndarray
+
+
+def _frozen(a):
+    a.setflags(write=False)
+    return a
+
 
 def nudge(min, max, *, num_bits=8, narrow_range=False):
     """TensorFlow's ``Nudge()``: the grid for a raw range, scalar or per channel (float32, FTZ/DAZ).
@@ -220,9 +248,38 @@ def _normalise_axis(axis, ndim):
 
 
 def _prepare_per_tensor(inputs, min, max, num_bits, narrow_range, xp):
-    grid = nudge(_range_operand(min, "min", 0, xp), _range_operand(max, "max", 0, xp),
-                 num_bits=num_bits, narrow_range=narrow_range)
-    _check_ranges(grid)
+    return _checked_grid(_range_operand(min, "min", 0, xp), _range_operand(max, "max", 0, xp), num_bits,
+                         narrow_range)
+
+
+# Ranges of up to this many channels have their checked grid cached (32 grids of 1024 channels: ~3 MB).
+_CACHED_CHANNELS = 1024
+
+
+def _checked_grid(mn, mx, num_bits, narrow_range):
+    """The grid of float32 ranges ``mn``/``mx`` (same shape), nudged and checked by :func:`_check_ranges`
+    once per range and attribute set: a repeated call (a layer's fixed range, the same op on many tensors)
+    takes the grid it got before, read-only, with its kernel tables (:attr:`Grid.kernel`)."""
+    quant_range(num_bits, narrow_range)  # validated before they become a cache key
+    if mn.size > _CACHED_CHANNELS:
+        grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
+        _check_ranges(grid)
+        return grid
+    return _cached_grid(mn.tobytes(), mx.tobytes(), mn.shape, int(num_bits), bool(narrow_range))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_grid(mn_bytes, mx_bytes, shape, num_bits, narrow_range):
+    mn, mx = (np.frombuffer(b, _F32).reshape(shape) for b in (mn_bytes, mx_bytes))
+    grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
+    _check_ranges(grid)  # raises: nothing is cached
+    return _read_only(grid)
+
+
+def _read_only(grid):
+    for value in vars(grid).values():
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)
     return grid
 
 
@@ -240,9 +297,7 @@ def _prepare_per_channel(inputs, min, max, num_bits, narrow_range, axis, xp):
             raise OperandError(
                 f"has {arr.shape[0]} entries but inputs have {depth} channels on axis {axis}", operand=name
             )
-    grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
-    _check_ranges(grid)
-    return grid, axis
+    return _checked_grid(mn, mx, num_bits, narrow_range), axis
 
 
 # --- element-wise work: blocked NumPy kernels on the CPU, fused CUDA kernels on CuPy arrays ------------
@@ -254,9 +309,8 @@ def _quantize(x, grid, divide, xp):
     if xp is np:
         from qgcli.ops import blocked
 
-        params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
-        passthrough = grid.passthrough if grid.passthrough.any() else None
-        return blocked.quantize(x2, (*params, passthrough), divide, grid.needs_flush()).reshape(x.shape)
+        k = grid.kernel
+        return blocked.quantize(x2, k.forward, divide, k.flush, table=k.forward_table).reshape(x.shape)
 
     return cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape)
 
@@ -285,10 +339,9 @@ def _backprops(gradients, x, grid, xp, *, reduce, out=None):
     if xp is np:
         from qgcli.ops import blocked
 
-        lo, hi = grid.mask_bounds()
-        passthrough = grid.passthrough if grid.passthrough.any() else None
+        k = grid.kernel
         rows_out = None if out is None else out.reshape(g2.shape)
-        res = blocked.backprops(g2, x2, lo, hi, passthrough, reduce=reduce, kind=kind, out=rows_out)
+        res = blocked.backprops(g2, x2, *k.bounds, reduce=reduce, kind=kind, out=rows_out, table=k.bounds_table)
     else:
         from qgcli.ops import cuda
 
@@ -324,11 +377,7 @@ def _args_grid(min, max, num_bits, narrow_range):
 def _attribute_grid(mn, mx, num_bits, narrow_range):
     """Args ranges are attributes, fixed when TF builds the op, and so is their grid: nudge them once
     (a third of a small tensor's time).  The shared grid's arrays are made read-only."""
-    grid = nudge(_F32(mn), _F32(mx), num_bits=num_bits, narrow_range=narrow_range)
-    for value in vars(grid).values():
-        if isinstance(value, np.ndarray):
-            value.setflags(write=False)
-    return grid
+    return _read_only(nudge(_F32(mn), _F32(mx), num_bits=num_bits, narrow_range=narrow_range))
 
 
 def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False):
