@@ -21,7 +21,7 @@ def test_a_repeated_range_reuses_one_read_only_grid():
     first, _ = fq._prepare_per_channel(x, lo, hi, 8, False, -1, np)
     again, _ = fq._prepare_per_channel(x, lo.copy(), hi.copy(), 8, False, -1, np)
     assert again is first
-    assert not first.scale.flags.writeable and not first.kernel.forward_table.flags.writeable
+    assert not first.scale.flags.writeable and not first.forward_kernel[2].flags.writeable
     other, _ = fq._prepare_per_channel(x, lo, hi, 4, False, -1, np)  # another attribute set: another grid
     assert other is not first and float(other.scale[0]) != float(first.scale[0])
 

@@ -205,6 +205,47 @@ def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind, out=None, table=None
     return (dx, *finish_sums(p, sums_min, sums_max, passthrough))
 
 
+def fused(g2, x2, params, divide, flush, bounds, *, reduce, kind, out=None, tables=(None, None)):
+    """The forward (:func:`quantize`) and the gradient (:func:`backprops`) of the same rows in one pass over
+    ``x2`` and ``g2``: ``(outputs, dx)``, with ``reduce`` ``(outputs, dx, dmin, dmax)``, each the bits the two
+    give apart.  ``bounds``: ``(lo, hi, passthrough)``; ``tables``: :func:`_table` of ``params`` and of
+    ``bounds`` where the caller keeps them; ``out``: as :func:`backprops` takes it."""
+    rows, depth = x2.shape
+    lib = native.library()
+    if lib is None or rows == 0:  # the NumPy kernels: the two passes (the same bits)
+        outputs = quantize(x2, params, divide, flush, table=tables[0])
+        res = backprops(g2, x2, *bounds, reduce=reduce, kind=kind, out=out, table=tables[1])
+        return (outputs, *res) if reduce else (outputs, res)
+    forward_table, bounds_table = (_table(v, depth) if t is None else t for v, t in zip((params, bounds), tables))
+    outputs = np.empty_like(x2)
+    dx = np.empty_like(g2) if out is None else out
+    g_at, x_at, dx_at, out_at, p_at, b_at = (native.address(a, _F32)
+                                             for a in (g2, x2, dx, outputs, forward_table, bounds_table))
+    modes = int(divide), int(flush)
+    if not reduce:
+        def run(rng):
+            offset = 4 * rng[0] * depth
+            lib.qg_fused(g_at + offset, x_at + offset, dx_at + offset, out_at + offset, rng[1] - rng[0], depth,
+                         p_at, b_at, *modes)
+
+        _map(run, _row_ranges(rows, depth))
+        return outputs, dx
+    p = reduction.plan(rows, kind=kind)
+
+    def run_leaves(block):
+        r0, lengths, lengths_at = block
+        offset = 4 * r0 * depth
+        sums = np.empty((2, len(lengths), depth), _F32)
+        if lib.qg_fused_leaves(g_at + offset, x_at + offset, dx_at + offset, out_at + offset, depth, len(lengths),
+                               lengths_at, p_at, b_at, native.address(sums, _F32), *modes):
+            raise MemoryError("no memory for the per-channel sums of a gradient block")
+        return sums
+
+    parts = _map(run_leaves, _native_leaf_blocks(p.leaves, depth))
+    sums = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    return (outputs, dx, *finish_sums(p, sums[0], sums[1], bounds[2]))
+
+
 def finish_sums(plan, sums_min, sums_max, passthrough):
     """Add leaf sums along the plan; min == max == 0 channels get 0, as TF writes."""
     depth = sums_min.shape[1]

@@ -103,27 +103,27 @@ class Grid:
         return bool(np.any((self.scale[usable] < _FLUSH_SCALE) if self.per_channel else (usable and self.scale < _FLUSH_SCALE)))
 
     @functools.cached_property
-    def kernel(self):
-        """What the blocked kernels take of this grid, derived once per grid (a cached grid serves every
-        call with its range): the forward's parameters and flag, the gradient's mask bounds, the
-        passthrough mask (None where no channel is 0..0) and the compiled kernels' tables of them."""
+    def forward_kernel(self):
+        """What the blocked forward kernel takes of this grid, derived once per grid (a cached grid serves
+        every call with its range): ``(parameters, flush, the compiled kernel's table of them)``; the
+        passthrough mask is None where no channel is 0..0."""
         from qgcli.ops import blocked
 
         passthrough = self.passthrough if self.passthrough.any() else None
-        forward = (self.nudged_min, self.nudged_max, self.scale, self.inv_scale, self.quant_zero, passthrough)
-        depth = self.min.size if self.per_channel else 1
-        bounds = (self.mask_lo, self.mask_hi, passthrough)
-        return _Kernel(forward, self.needs_flush(), bounds, _frozen(blocked._table(forward, depth)),
-                       _frozen(blocked._table(bounds, depth)))
+        params = (self.nudged_min, self.nudged_max, self.scale, self.inv_scale, self.quant_zero, passthrough)
+        return params, self.needs_flush(), _frozen(blocked._table(params, self._depth))
 
+    @functools.cached_property
+    def gradient_kernel(self):
+        """The gradient's ``(mask bounds lo, hi, passthrough or None)`` and their compiled table, once per grid."""
+        from qgcli.ops import blocked
 
-@dataclass(frozen=True)
-class _Kernel:
-    forward: tuple
-    flush: bool
-    bounds: tuple
-    forward_table: np.ndarray
-    bounds_table: np.ndarray
+        bounds = (self.mask_lo, self.mask_hi, self.passthrough if self.passthrough.any() else None)
+        return bounds, _frozen(blocked._table(bounds, self._depth))
+
+    @property
+    def _depth(self):
+        return self.min.size if self.per_channel else 1
 
 
 def _frozen(a):
@@ -259,7 +259,7 @@ _CACHED_CHANNELS = 1024
 def _checked_grid(mn, mx, num_bits, narrow_range):
     """The grid of float32 ranges ``mn``/``mx`` (same shape), nudged and checked by :func:`_check_ranges`
     once per range and attribute set: a repeated call (a layer's fixed range, the same op on many tensors)
-    takes the grid it got before, read-only, with its kernel tables (:attr:`Grid.kernel`)."""
+    takes the grid it got before, read-only, with its kernel tables (:attr:`Grid.forward_kernel`, :attr:`Grid.gradient_kernel`)."""
     quant_range(num_bits, narrow_range)  # validated before they become a cache key
     if mn.size > _CACHED_CHANNELS:
         grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
@@ -309,8 +309,8 @@ def _quantize(x, grid, divide, xp):
     if xp is np:
         from qgcli.ops import blocked
 
-        k = grid.kernel
-        return blocked.quantize(x2, k.forward, divide, k.flush, table=k.forward_table).reshape(x.shape)
+        params, flush, table = grid.forward_kernel
+        return blocked.quantize(x2, params, divide, flush, table=table).reshape(x.shape)
 
     return cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape)
 
@@ -339,9 +339,9 @@ def _backprops(gradients, x, grid, xp, *, reduce, out=None):
     if xp is np:
         from qgcli.ops import blocked
 
-        k = grid.kernel
+        bounds, table = grid.gradient_kernel
         rows_out = None if out is None else out.reshape(g2.shape)
-        res = blocked.backprops(g2, x2, *k.bounds, reduce=reduce, kind=kind, out=rows_out, table=k.bounds_table)
+        res = blocked.backprops(g2, x2, *bounds, reduce=reduce, kind=kind, out=rows_out, table=table)
     else:
         from qgcli.ops import cuda
 
@@ -353,6 +353,32 @@ def _backprops(gradients, x, grid, xp, *, reduce, out=None):
     if not grid.per_channel:
         dmin, dmax = dmin.reshape(()), dmax.reshape(())
     return dx, dmin, dmax
+
+
+def _fused(gradients, x, grid, divide, xp, *, reduce, out=None):
+    """The forward and the gradient of ``x`` (channels last) in one pass over ``x`` and ``gradients``:
+    ``(outputs, dx)`` or, with ``reduce``, ``(outputs, dx, dmin, dmax)``; each the bits of :func:`_quantize`
+    and :func:`_backprops`, which CuPy arrays run one after the other."""
+    if xp is not np:
+        outputs = _quantize(x, grid, divide, xp)
+        res = _backprops(gradients, x, grid, xp, reduce=reduce, out=out)
+        return (outputs, *res) if reduce else (outputs, res)
+    from qgcli.ops import blocked
+
+    depth = x.shape[-1] if grid.per_channel else 1
+    g2 = np.ascontiguousarray(gradients).reshape(-1, depth)
+    x2 = np.ascontiguousarray(x).reshape(-1, depth)
+    params, flush, forward_table = grid.forward_kernel
+    bounds, bounds_table = grid.gradient_kernel
+    res = blocked.fused(g2, x2, params, divide, flush, bounds, reduce=reduce, kind="chip" if grid.per_channel else "flat",
+                        out=None if out is None else out.reshape(g2.shape), tables=(forward_table, bounds_table))
+    outputs, dx = res[0].reshape(x.shape), deliver(res[1].reshape(x.shape), out)
+    if not reduce:
+        return outputs, dx
+    dmin, dmax = res[2:]
+    if not grid.per_channel:
+        dmin, dmax = dmin.reshape(()), dmax.reshape(())
+    return outputs, dx, dmin, dmax
 
 
 def _check_out(out, gradients, inputs, xp):
@@ -469,3 +495,60 @@ def fake_quant_with_min_max_vars_per_channel_gradient(
         return _backprops(g, x, grid, xp, reduce=True, out=out)
     dx, dmin, dmax = _backprops(_channel_last(g, axis), _channel_last(x, axis), grid, xp, reduce=True)
     return deliver(xp.ascontiguousarray(xp.moveaxis(dx, -1, axis)), out), dmin, dmax
+
+
+# --- forward and gradient in one pass ------------------------------------------------------------------
+# What a training step's fake-quant node computes (and what verify, compare-semantics, the capture checks and
+# the monitor's reference need): the op's outputs and its gradient of the same inputs.  One pass reads
+# ``inputs`` and ``gradients`` once and writes both, where the two ops would read ``inputs`` twice; every
+# output is the bits the two ops give.
+
+def fake_quant_with_min_max_args_and_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8,
+                                              narrow_range=False, out=None):
+    """:func:`fake_quant_with_min_max_args` and :func:`fake_quant_with_min_max_args_gradient` in one pass:
+    ``(outputs, backprops)``.  ``out``: where the backprops go, as in the gradient op.
+
+    >>> g, x = np.ones(3, np.float32), np.array([-0.75, -0.25, 0.25], np.float32)
+    >>> fake_quant_with_min_max_args_and_gradient(g, x, -1.0, 0.5, num_bits=2)
+    (array([-0.5,  0. ,  0.5], dtype=float32), array([1., 1., 1.], dtype=float32))
+    """
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    out = _check_out(out, g, x, xp)
+    return _fused(g, x, _args_grid(min, max, num_bits, narrow_range), False, xp, reduce=False, out=out)
+
+
+def fake_quant_with_min_max_vars_and_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False,
+                                              out=None):
+    """:func:`fake_quant_with_min_max_vars` and :func:`fake_quant_with_min_max_vars_gradient` in one pass:
+    ``(outputs, backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``.  ``out``: as in the gradient op.
+
+    >>> x = np.array([-7.0, -6.0, -1.0, 1.0, 6.0], np.float32)
+    >>> y, dx, dmin, dmax = fake_quant_with_min_max_vars_and_gradient(np.ones_like(x), x, -6.0, 6.0, num_bits=2)
+    >>> y.tolist(), dx.tolist(), float(dmin), float(dmax)
+    ([-8.0, -4.0, 0.0, 0.0, 4.0], [1.0, 1.0, 1.0, 1.0, 0.0], 0.0, 1.0)
+    """
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    out = _check_out(out, g, x, xp)
+    grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
+    return _fused(g, x, grid, True, xp, reduce=True, out=out)
+
+
+def fake_quant_with_min_max_vars_per_channel_and_gradient(gradients, inputs, min, max, *, num_bits=8,
+                                                          narrow_range=False, axis=-1, out=None):
+    """:func:`fake_quant_with_min_max_vars_per_channel` and its gradient in one pass: ``(outputs,
+    backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the last two per channel.  ``out``: as in
+    the gradient op."""
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    out = _check_out(out, g, x, xp)
+    grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
+    if axis == x.ndim - 1:
+        return _fused(g, x, grid, False, xp, reduce=True, out=out)
+    y, dx, dmin, dmax = _fused(_channel_last(g, axis), _channel_last(x, axis), grid, False, xp, reduce=True)
+    back = lambda a: xp.ascontiguousarray(xp.moveaxis(a, -1, axis))  # noqa: E731
+    return back(y), deliver(back(dx), out), dmin, dmax

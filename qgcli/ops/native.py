@@ -13,13 +13,15 @@ import threading
 import numpy as np
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-ABI_VERSION = 7  # qg_abi_version() of the C file these signatures describe
+ABI_VERSION = 8  # qg_abi_version() of the C file these signatures describe
 # Arrays are passed as raw addresses (see address()): ctypes' own array checks cost more than a small op.
 _SIGNATURES = {
     "qg_nudge": (None, [_P, _P, _I64, _F, _F, _P]),
     "qg_quantize": (None, [_P, _P, _I64, _I64, _P, _INT, _INT]),
     "qg_backprop": (None, [_P, _P, _P, _I64, _I64, _P]),
     "qg_backprop_leaves": (_INT, [_P, _P, _P, _I64, _I64, _P, _P, _P]),
+    "qg_fused": (_INT, [_P, _P, _P, _P, _I64, _I64, _P, _P, _INT, _INT]),
+    "qg_fused_leaves": (_INT, [_P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _INT, _INT]),
     "qg_clip_stats": (None, [_P, _P, _I64, _I64, _P, _P, _P]),
     "qg_bn_sums": (None, [_P, _P, _I64, _I64, _I64, _P, _P]),
     "qg_bn_dx": (None, [_P, _P, _P, _I64, _I64, _I64, _P, _INT]),
