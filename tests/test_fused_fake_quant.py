@@ -99,3 +99,35 @@ def test_bad_operands_are_refused_as_the_gradient_op_refuses_them():
     with pytest.raises(OperandError) as err:
         ops.fake_quant_with_min_max_args_and_gradient(x, x, out=x[:1])
     assert err.value.operand == "out"
+
+
+def test_verify_and_compare_semantics_take_one_fused_pass(tmp_path, monkeypatch):
+    """Where both the forward and the gradient are needed the fused op runs: with the forward op alone made
+    to fail, verify still passes a layer whose reference holds both, and compare-semantics still answers."""
+    from click.testing import CliRunner
+
+    from qgcli.capture.runfile_writer import RunFileWriter
+    from qgcli.cli import main
+    from qgcli.ops import torch_semantics
+
+    g, x = _salted((6, 8), 6)
+    x[np.isnan(x)] = 0.5
+    lo, hi = np.float32(-1.0), np.float32(0.8)
+    reference = dict(zip(("outputs", "backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"),
+                         (ops.fake_quant_with_min_max_vars(x, lo, hi),
+                          *ops.fake_quant_with_min_max_vars_gradient(g, x, lo, hi))))
+    path = str(tmp_path / "run.h5")
+    with RunFileWriter(path) as w:
+        w.add("net/q", "FakeQuantWithMinMaxVars", {"inputs": x, "min": lo, "max": hi, "gradients": g},
+              {"num_bits": 8, "narrow_range": False}, reference)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the forward op ran on its own")
+
+    monkeypatch.setattr(ops, "fake_quant_with_min_max_vars", refused)
+    monkeypatch.setattr("qgcli.ops.fake_quant.fake_quant_with_min_max_vars", refused)
+    r = CliRunner().invoke(main, ["verify", path])
+    assert r.exit_code == 0 and "1 of 1 layers pass" in r.stdout, r.output
+    both = torch_semantics.compare_with_tensorflow(x, lo, hi, gradients=g)
+    assert _bits(both["outputs_tf"]) == _bits(reference["outputs"])
+    assert _bits(both["backprops_wrt_input_tf"]) == _bits(reference["backprops_wrt_input"])
