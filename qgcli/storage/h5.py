@@ -7,6 +7,7 @@ The low-level helpers live in :mod:`qgcli.storage.hdf5` (walk, guard, contiguous
 """
 import contextlib
 import io as _io
+import os
 
 import numpy as np
 
@@ -207,28 +208,33 @@ def read_attributes(obj):
 
 
 def read_attributes_many(objs):
-    """:func:`read_attributes` of each of ``objs`` (a run file's groups), with every scalar string attribute
-    of all of them read in one guarded batch (one round trip to :mod:`qgcli.storage.hdf5.guard`'s worker thread)."""
-    from h5py import h5a
+    """:func:`read_attributes` of each of ``objs`` (h5py objects, or their low-level ids: a run file's groups,
+    a listing's objects), with every scalar string attribute of all of them read in one guarded batch (one
+    round trip to :mod:`qgcli.storage.hdf5.guard`'s worker thread)."""
+    from h5py import h5a, h5f, h5o
+    from h5py._objects import ObjectID
 
     outs, strings = [], []  # strings: (dict, key, AttrID)
     for obj in objs:
         out = {}
         outs.append(out)
-        for key in _attribute_names(obj.id):
+        oid = obj if isinstance(obj, ObjectID) else obj.id
+        if not h5o.get_info(oid).num_attrs:  # most objects have none: one call, not the attribute table's walk
+            continue
+        for key in _attribute_names(oid):
             key_text = key.decode("utf-8", "surrogateescape")
             try:
-                attr = h5a.open(obj.id, key)
+                attr = h5a.open(oid, key)
                 dtype = attr.dtype
                 if dtype.kind == "O":
                     out[key_text] = f"<{object_kind(dtype)}: not read>"
                     if attr.shape == ():
                         # the file's name only for the first (the message of a stuck read names it)
-                        strings.append((out, key_text, attr, None if strings else obj.file.filename))
+                        strings.append((out, key_text, attr, None if strings else os.fsdecode(h5f.get_name(oid))))
                 elif dtype.kind in "biuf" and dtype.subdtype is None and attr.shape == ():
                     out[key_text] = _scalar_attribute(attr, dtype)  # what obj.attrs[key] gives, opened once
                 else:
-                    value = obj.attrs[key]
+                    value = (obj if oid is not obj else _wrapped(oid)).attrs[key]
                     out[key_text] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
             except FileFormatError:
                 raise
@@ -247,6 +253,16 @@ def read_attributes_many(objs):
             elif value is not None:
                 out[key_text] = value
     return outs
+
+
+def _wrapped(oid):
+    """The h5py object of a low-level id (read-only), for the rare attribute h5py's own reader reads."""
+    import h5py
+    from h5py import h5i
+
+    kind = h5i.get_type(oid)
+    return h5py.Group(oid) if kind == h5i.GROUP else (h5py.Dataset(oid, readonly=True) if kind == h5i.DATASET
+                                                      else h5py.Datatype(oid))
 
 
 def _attribute_names(oid):
