@@ -5,6 +5,8 @@ with ``--json``; progress and notes go to stderr.  The JSON layout is documented
 output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value does not
 exist (never NaN).
 """
+import functools
+
 import click
 
 from qgcli.cli.options import hdf5_bound_options
@@ -91,7 +93,8 @@ def tensor_stats(array):
     out["max"] = as_number(values.max())
     block = 1 << 22
     with np.errstate(over="ignore", invalid="ignore"):
-        mean = values.mean(dtype=np.float64)
+        # values.mean(dtype=float64) without its wrapper: the same float64 sum, divided by the count
+        mean = np.add.reduce(values, axis=None, dtype=np.float64) / values.size
         # std without a float64 copy of huge inputs: E[(x - mean)^2] blockwise.
         flat = values.reshape(-1)
         if flat.size <= block:  # one block (a run file's small tensors: no loop, no slice)
@@ -190,7 +193,7 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
             elif kind == "dataset":
                 obj = node.obj  # its DatasetID
                 shape, file_dtype = obj.shape, obj.dtype  # each an HDF5 round trip: asked once
-                numpy_dtype = str(file_dtype)
+                numpy_dtype = _dtype_name(file_dtype)
                 dtype = ("bfloat16" if file_dtype.kind == "u" and tagged_bfloat16(h5py.Dataset(obj, readonly=True))
                          else numpy_dtype)
                 datasets.append({"path": name, "shape": shape, "dtype": dtype, "attributes": None, "error": None})
@@ -212,6 +215,12 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
             if layer is not None:
                 layers.append(layer)
     return groups, datasets, links
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype):
+    """``str(dtype)``, once per dtype (NumPy builds the name anew on every call; a listing asks for thousands)."""
+    return str(dtype)
 
 
 def _read_open(dsid, name, label, shape, dtype):
