@@ -63,3 +63,18 @@ def test_many_channels_are_not_cached_but_equal(monkeypatch):
     out = ops.fake_quant_with_min_max_vars_per_channel(x, lo, hi)
     monkeypatch.setenv("QGCLI_NATIVE", "0")
     assert ops.fake_quant_with_min_max_vars_per_channel(x, lo, hi).tobytes() == out.tobytes()
+
+
+@pytest.mark.parametrize("n,kind", [(9000, "flat"), (100_352, "flat"), (50_151, "flat"), (44_801, "chip"),
+                                    (300_000, "chip")])
+def test_compiled_tree_adds_as_numpy_does(n, kind, monkeypatch):
+    from qgcli.ops import native, reduction
+
+    if native.library() is None:
+        pytest.skip("the compiled kernels are not built")
+    p = reduction.plan(n, kind=kind)
+    sums = (np.random.default_rng(n).standard_normal((len(p.leaves), 3)) * 1e3).astype(np.float32)
+    sums[0, 0], sums[-1, 1] = np.inf, -0.0
+    compiled = reduction.combine(p, sums, np)
+    monkeypatch.setenv("QGCLI_NATIVE", "0")
+    assert compiled.tobytes() == reduction.combine(p, sums, np).tobytes()

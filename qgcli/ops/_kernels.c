@@ -341,6 +341,17 @@ int qg_fused(const float *g, const float *restrict x, float *dx, float *restrict
 #undef QG_CALL
 }
 
+/* Eigen's tree over leaf sums (reduction.combine): values is [rows][cols] float32, the leaf sums first and a
+ * zero row last; each step (target, left, right), in the order given (by height), sets row target to
+ * (0 + left) + right, each add rounded to float32 as NumPy's float32 arrays round it. */
+void qg_combine(float *restrict values, int64_t cols, const int64_t *restrict steps, int64_t n_steps) {
+    for (int64_t s = 0; s < n_steps; ++s) {
+        float *t = values + steps[3 * s] * cols;
+        const float *l = values + steps[3 * s + 1] * cols, *r = values + steps[3 * s + 2] * cols;
+        for (int64_t c = 0; c < cols; ++c) t[c] = (0.0f + l[c]) + r[c];
+    }
+}
+
 /* Summary statistics of a block ([rows][depth]; bounds as in qg_backprop; g may be NULL), added to
  * counts ([3][depth]: x below lo, x above hi, x NaN; none on passthrough channels) and mass ([2][depth]:
  * sum |g| over finite g, and the part of it where x is not inside [lo, hi]), in float64.

@@ -23,6 +23,7 @@ _SIGNATURES = {
     "qg_fused": (_INT, [_P, _P, _P, _P, _I64, _I64, _P, _P, _INT, _INT]),
     "qg_fused_leaves": (_INT, [_P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _INT, _INT]),
     "qg_clip_stats": (None, [_P, _P, _I64, _I64, _P, _P, _P]),
+    "qg_combine": (None, [_P, _I64, _P, _I64]),
     "qg_bn_sums": (None, [_P, _P, _I64, _I64, _I64, _P, _P]),
     "qg_bn_dx": (None, [_P, _P, _P, _I64, _I64, _I64, _P, _INT]),
     "qg_lzf_compress": (_I64, [_P, _I64, _P, _I64, _I64]),
