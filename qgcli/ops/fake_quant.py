@@ -381,6 +381,14 @@ def _fused(gradients, x, grid, divide, xp, *, reduce, out=None):
     return outputs, dx, dmin, dmax
 
 
+def _gradient_operands(gradients, inputs, out):
+    """``(xp, gradients, inputs, out)`` checked as every gradient op checks them, in TensorFlow's order."""
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    return xp, g, x, _check_out(out, g, x, xp)
+
+
 def _check_out(out, gradients, inputs, xp):
     return check_out(out, xp, shape=inputs.shape, dtype=_F32, reused=gradients, reused_name="gradients",
                      others=(inputs,))
@@ -423,10 +431,7 @@ def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, 
 
     ``out``: where to write the backprops (returned), as in :func:`fake_quant_with_min_max_vars_gradient`.
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     return _backprops(g, x, _args_grid(min, max, num_bits, narrow_range), xp, reduce=False, out=out)
 
 
@@ -458,10 +463,7 @@ def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bi
     >>> dx is g, g, float(dmax)
     (True, array([1., 1., 0.], dtype=float32), 1.0)
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
     return _backprops(g, x, grid, xp, reduce=True, out=out)
 
@@ -486,10 +488,7 @@ def fake_quant_with_min_max_vars_per_channel_gradient(
     Returns ``(backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the latter two with one entry per
     channel.  ``out``: as in :func:`fake_quant_with_min_max_vars_gradient`.
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
     if axis == x.ndim - 1:
         return _backprops(g, x, grid, xp, reduce=True, out=out)
@@ -512,10 +511,7 @@ def fake_quant_with_min_max_args_and_gradient(gradients, inputs, min=-6.0, max=6
     >>> fake_quant_with_min_max_args_and_gradient(g, x, -1.0, 0.5, num_bits=2)
     (array([-0.5,  0. ,  0.5], dtype=float32), array([1., 1., 1.], dtype=float32))
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     return _fused(g, x, _args_grid(min, max, num_bits, narrow_range), False, xp, reduce=False, out=out)
 
 
@@ -529,10 +525,7 @@ def fake_quant_with_min_max_vars_and_gradient(gradients, inputs, min, max, *, nu
     >>> y.tolist(), dx.tolist(), float(dmin), float(dmax)
     ([-8.0, -4.0, 0.0, 0.0, 4.0], [1.0, 1.0, 1.0, 1.0, 0.0], 0.0, 1.0)
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
     return _fused(g, x, grid, True, xp, reduce=True, out=out)
 
@@ -542,10 +535,7 @@ def fake_quant_with_min_max_vars_per_channel_and_gradient(gradients, inputs, min
     """:func:`fake_quant_with_min_max_vars_per_channel` and its gradient in one pass: ``(outputs,
     backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the last two per channel.  ``out``: as in
     the gradient op."""
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
     if axis == x.ndim - 1:
         return _fused(g, x, grid, False, xp, reduce=True, out=out)
