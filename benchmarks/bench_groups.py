@@ -1,13 +1,17 @@
 """Thousands of groups: qgcli inspect / report / fakequant-grad against a plain h5py script (issue 27).
 
-    python benchmarks/bench_groups.py [--groups 2000 20000 200000] [--nested 500 1000 2000] [--repeat 3]
-                                      [--keep DIR] [--only inspect report ...]
+    python benchmarks/bench_groups.py [--groups 2000 20000 200000] [--nested 500 1000 2000]
+                                      [--small 2000 20000] [--repeat 3] [--keep DIR] [--only inspect report ...]
 
-Builds, seeded, in a temporary folder (or DIR, kept and reused), the two files of issue 27 as run files:
+Builds, seeded, in a temporary folder (or DIR, kept and reused), the two files of issue 27 as run files and
+the many-small-groups file of issue 42:
 
 * ``flat_N.h5``: N groups side by side, each one FakeQuantWithMinMaxArgs layer holding a (2,) float32
   ``inputs`` and its ``gradients`` (the issue's one dataset, and the gradient fakequant-grad needs);
-* ``nested_N.h5``: N groups nested one inside the other, the same layer at the bottom.
+* ``nested_N.h5``: N groups nested one inside the other, the same layer at the bottom;
+* ``small_N.h5``: N groups side by side, each holding one (2,) float32 dataset and nothing else (no
+  attributes, no layer: ``inspect`` only).  Its floor is h5py's own ``visititems`` reading every dataset
+  (``d[()]``), nothing more, for ``inspect`` and ``inspect --no-stats`` alike.
 
 Each command runs as a subprocess (``python -m qgcli ...``, output to /dev/null, so start-up, the JSON writing
 and peak RSS are the real ones) alternated with its *h5py floor*, a plain script doing the least equivalent
@@ -48,6 +52,16 @@ def make_flat(path, groups, seed=0):
             g["gradients"] = rng.standard_normal(2).astype(np.float32)
 
 
+def make_small(path, groups, seed=0):
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        for i in range(groups):
+            f.create_group(f"g{i:07d}")["x"] = rng.standard_normal(2).astype(np.float32)
+
+
 def make_nested(path, groups, seed=0):
     import h5py
     import numpy as np
@@ -76,6 +90,11 @@ def _walk(f):
 def floor(command, path, out):
     import h5py
 
+    if command == "read":  # h5py's own visit, reading every dataset
+        with h5py.File(path, "r") as f:
+            arrays = []
+            f.visititems(lambda name, obj: arrays.append((name, obj[()])) if isinstance(obj, h5py.Dataset) else None)
+        return arrays
     with h5py.File(path, "r") as f:
         groups, datasets = _walk(f)
         listing = [(name, dict(g.attrs)) for name, g in groups]
@@ -119,14 +138,14 @@ def _timed(argv, env=None):
     return seconds, int(r.stderr.strip().splitlines()[-1]) / 1024
 
 
-def measure(file, command, repeat, tmp, depth):
+def measure(file, command, repeat, tmp, depth, floor_command=None):
     out = os.path.join(tmp, "out.h5")
     words = command.split()
     qgcli = [sys.executable, "-m", "qgcli", *words, file, *(("--json",) if words[0] != "fakequant-grad" else
                                                             ("-o", out, "--force", "-q")),
              "--max-depth", str(max(512, depth + 1))]
-    floor_cmd = [sys.executable, os.path.abspath(__file__), "--floor", command.replace(" --no-stats", "-no-stats"),
-                 file, os.path.join(tmp, "floor.h5")]
+    floor_cmd = [sys.executable, os.path.abspath(__file__), "--floor",
+                 floor_command or command.replace(" --no-stats", "-no-stats"), file, os.path.join(tmp, "floor.h5")]
     mine, base, rss, floor_rss = [], [], [], []
     for _ in range(repeat):  # alternated, so that load on the machine hits both alike
         s, peak = _timed(floor_cmd)
@@ -148,8 +167,9 @@ def slope(points):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--groups", type=int, nargs="+", default=[2000, 20000, 200000])
-    parser.add_argument("--nested", type=int, nargs="+", default=[2000])
+    parser.add_argument("--groups", type=int, nargs="*", default=[2000, 20000, 200000])
+    parser.add_argument("--nested", type=int, nargs="*", default=[2000])
+    parser.add_argument("--small", type=int, nargs="*", default=[2000, 20000])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--keep", help="build the files in DIR (kept; reused when present)")
     parser.add_argument("--only", nargs="+", choices=COMMANDS)
@@ -157,7 +177,7 @@ def main():
     args = parser.parse_args()
     if args.floor:
         command, path, out = args.floor
-        floor("inspect-no-stats" if command == "inspect-no-stats" else command, path, out)
+        floor(command, path, out)
         return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,16 +185,19 @@ def main():
         os.makedirs(where, exist_ok=True)
         files = [(f"flat_{n}.h5", n, make_flat, 1) for n in args.groups]
         files += [(f"nested_{n}.h5", n, make_nested, n) for n in args.nested]
+        files += [(f"small_{n}.h5", n, make_small, 1) for n in args.small]
         print("| file | command | qgcli s | floor s | ratio | qgcli peak RSS MiB | floor peak RSS MiB |")
         print("|---|---|---|---|---|---|---|")
         for name, n, make, depth in files:
             path = os.path.join(where, name)
             if not os.path.exists(path):
                 make(path, n)
+            small = name.startswith("small_")
             for command in COMMANDS:
-                if args.only and command not in args.only:
+                if args.only and command not in args.only or small and not command.startswith("inspect"):
                     continue
-                mine, base, rss, floor_rss = measure(path, command, args.repeat, tmp, depth)
+                mine, base, rss, floor_rss = measure(path, command, args.repeat, tmp, depth,
+                                                     "read" if small else None)
                 rows.append((name, n, command, mine, base))
                 print(f"| {name} | {command} | {mine:.2f} | {base:.2f} | {mine / base:.2f}x | {rss:.0f} | {floor_rss:.0f} |",
                       flush=True)

@@ -158,8 +158,10 @@ def qgcli_callables(d):
         "bn_grad": lambda: ops.fused_batch_norm_grad(g, x, d["bn_scale"], d["bn_mean"], d["bn_var"],
                                                      epsilon=EPSILON, data_format="NHWC", is_training=True),
     }
-    calls["fq_vars_fwd+grad"] = lambda: (calls["fq_vars"](), calls["fq_vars_grad"]())
-    calls["fq_per_channel_fwd+grad"] = lambda: (calls["fq_per_channel"](), calls["fq_per_channel_grad"]())
+    # qgcli's forward + gradient is one fused pass (the two ops' bits)
+    calls["fq_vars_fwd+grad"] = lambda: ops.fake_quant_with_min_max_vars_and_gradient(g, x, mn, mx, num_bits=NUM_BITS)
+    calls["fq_per_channel_fwd+grad"] = lambda: ops.fake_quant_with_min_max_vars_per_channel_and_gradient(
+        g, x, pmn, pmx, num_bits=NUM_BITS)
     return calls
 
 

@@ -3,7 +3,9 @@
     python benchmarks/bench_runfile.py [--groups 500] [--repeat 5]
 
 Prints the time (median of --repeat, the ops and the CLI alternated) of the ops alone (the library calls on arrays already in memory), of the CLI over the run
-file (in-process, so interpreter start-up is not counted), and the overhead per group beyond the ops.
+file (in-process, so interpreter start-up is not counted), and the overhead per group beyond the ops; then
+the same in CPU time (``time.process_time``, the minimum of --repeat: on a machine shared with other work
+the CPU time a run took moves less than its wall time).
 """
 import argparse
 import os
@@ -15,13 +17,11 @@ import time
 from weight_runs import make_weight_run
 
 
-def best(fn, repeat=3):
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def timed(fn):
+    """(wall, CPU) seconds of one call."""
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def main():
@@ -60,11 +60,13 @@ def main():
         for name, op_fn, cli_fn in (("fakequant-grad", grad_ops, grad_cli), ("report", report_ops, report_cli)):
             ops_times, cli_times = [], []
             for _ in range(args.repeat):  # alternated, so that load on the machine hits both alike
-                ops_times.append(best(op_fn, 1))
-                cli_times.append(best(cli_fn, 1))
-            t_ops, t_cli = statistics.median(ops_times), statistics.median(cli_times)
+                ops_times.append(timed(op_fn))
+                cli_times.append(timed(cli_fn))
+            t_ops, t_cli = (statistics.median(t[0] for t in times) for times in (ops_times, cli_times))
+            c_ops, c_cli = (min(t[1] for t in times) for times in (ops_times, cli_times))
             print(f"{name:15s} {n} groups: ops {t_ops * 1e3:8.1f} ms, CLI {t_cli * 1e3:8.1f} ms, "
-                  f"overhead {(t_cli - t_ops) / n * 1e3:.2f} ms/group")
+                  f"overhead {(t_cli - t_ops) / n * 1e3:.2f} ms/group; CPU: ops {c_ops * 1e3:8.1f} ms, "
+                  f"CLI {c_cli * 1e3:8.1f} ms, overhead {(c_cli - c_ops) / n * 1e3:.2f} ms/group", flush=True)
     return 0
 
 

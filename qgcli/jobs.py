@@ -200,6 +200,7 @@ class FakeQuantJob(NamedTuple):
     grad_factor: Any = None  # LSQ's g: a float, "auto" or None
     torchao: Any = None  # torchao: a qgcli.ops.torchao_semantics config
     formats: Optional[Mapping[str, Any]] = None  # mx / nvfp4 / onnx: the op's attributes, resolved
+    forward_too: bool = False  # with gradients, the forward's outputs as well (TensorFlow's family: one fused pass)
 
     @property
     def large_operands(self):

@@ -58,3 +58,18 @@ def test_unserialisable_values_raise_the_default_s_error():
         mine({"x": object()})
     with pytest.raises(TypeError, match="keys must be"):
         mine({(1, 2): 1})
+
+
+nan_leaves = leaves | st.floats()  # NaN and infinities too
+nan_documents = st.recursive(nan_leaves, lambda inner: st.lists(inner, max_size=5) | st.tuples(inner, inner)
+                             | st.dictionaries(keys, inner, max_size=5), max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(nan_documents)
+def test_nan_as_null_writes_what_json_safe_then_write_writes(doc):
+    from qgcli.report.summaries import json_safe
+
+    buf = io.StringIO()
+    json_out.write(doc, buf, default=_json_default, nan_as_null=True)
+    assert buf.getvalue() == stdlib(json_safe(doc))

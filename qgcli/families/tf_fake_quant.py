@@ -65,13 +65,14 @@ def load_fake_quant_operands(operands, variant, *, with_gradients):
 
 
 def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp, overwrite=False,
-                   statistics=True):
+                   statistics=True, forward_too=False):
     """Call the op for ``variant``; returns (outputs dict, grid, clipping statistics, or None without
     ``statistics``).
 
     ``overwrite``: ``gradients`` is this job's own array and nothing reads it afterwards, so the backprops may
     take its buffer (no second tensor-sized array to allocate and fault in); the statistics, which need the
-    gradients, are taken before the op.
+    gradients, are taken before the op.  ``forward_too``: with gradients, the forward's ``outputs`` as well,
+    from the fused op (one pass over inputs and gradients).
     """
 
     attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
@@ -94,7 +95,11 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
             x_last, g_last = (None if a is None else xp.moveaxis(a, axis, -1) for a in (x, g))
         stats = clip_statistics(x_last, grid, g_last)
     out = g if overwrite and can_take(g, x) else None
+    forward_too = forward_too and g is not None
     if variant == "args":
+        if forward_too:
+            y, dx = ops.fake_quant_with_min_max_args_and_gradient(g, x, lo, hi, out=out, **attrs)
+            return {"outputs": y, "backprops": dx}, grid, stats
         if g is None:
             outputs = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)}
         else:
@@ -102,10 +107,15 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
         return outputs, grid, stats
     if variant == "vars":
         forward, gradient = ops.fake_quant_with_min_max_vars, ops.fake_quant_with_min_max_vars_gradient
+        both = ops.fake_quant_with_min_max_vars_and_gradient
     else:
         attrs["axis"] = axis
         forward = ops.fake_quant_with_min_max_vars_per_channel
         gradient = ops.fake_quant_with_min_max_vars_per_channel_gradient
+        both = ops.fake_quant_with_min_max_vars_per_channel_and_gradient
+    if forward_too:
+        res = both(g, x, mn, mx, out=out, **attrs)
+        return dict(zip(("outputs", "backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res)), grid, stats
     if g is None:
         return {"outputs": forward(x, mn, mx, **attrs)}, grid, stats
     res = gradient(g, x, mn, mx, out=out, **attrs)
@@ -179,7 +189,8 @@ def compute(job, operands):
     # The figure draws the gradients, so they are only overwritten without one.
     outputs, grid, stats = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=job.num_bits,
                                           narrow_range=job.narrow_range, axis=axis, xp=xp,
-                                          overwrite=not job.output.plot, statistics=job.output.shows_summary)
+                                          overwrite=not job.output.plot, statistics=job.output.shows_summary,
+                                          forward_too=job.forward_too)
     attrs = {"op": op, "variant": variant, "num_bits": job.num_bits, "narrow_range": job.narrow_range}
     if variant == "per-channel":
         attrs["axis"] = -1 if axis is None else axis

@@ -117,20 +117,62 @@ static inline float qg_above(float g, float x, float hi) { return qg_flush(g) * 
  * g is read once, into a local, before dx at the same place is written, and ivdep tells the vectoriser that
  * no iteration reads what another writes (without it, gcc would check for overlap at run time and run the
  * aliased case scalar). */
-void qg_backprop(const float *g, const float *restrict x, float *dx, int64_t rows, int64_t depth,
-                 const float *restrict bounds) {
+/* The forward's parameters ([6][depth] rows as qg_quantize takes them) with `divide` and `flush` constant:
+ * the fused kernels below write the forward's outputs in the same pass as the gradient (`fwd` 1), or not
+ * (`fwd` 0: the gradient alone, the forward's code compiled away). */
+typedef struct {
+    const float *nmin, *nmax, *scale, *inv, *qz, *passthrough;
+} qg_fparams;
+
+static inline qg_fparams qg_fparams_of(const float *params, int64_t depth) {
+    qg_fparams f = {params, params + depth, params + 2 * depth, params + 3 * depth, params + 4 * depth,
+                    params + 5 * depth};
+    return f;
+}
+
+#define QG_FWD(xv, c) qg_forward(xv, f.nmin[c], f.nmax[c], f.scale[c], f.inv[c], f.qz[c], f.passthrough[c], \
+                                 divide, flush)
+/* one value per row: the parameters held in locals (f1 = qg_scalars(f)), out of the loops */
+typedef struct {
+    float nmin, nmax, scale, inv, qz, passthrough;
+} qg_fscalars;
+static inline qg_fscalars qg_scalars(qg_fparams f, const int fwd) {
+    qg_fscalars v = {0};
+    if (fwd) v = (qg_fscalars){f.nmin[0], f.nmax[0], f.scale[0], f.inv[0], f.qz[0], f.passthrough[0]};
+    return v;
+}
+#define QG_FWD1(xv) qg_forward(xv, f1.nmin, f1.nmax, f1.scale, f1.inv, f1.qz, f1.passthrough, divide, flush)
+
+static inline __attribute__((always_inline)) void qg_backprop_rows(
+    const float *g, const float *restrict x, float *dx, float *restrict out, int64_t rows, int64_t depth,
+    const float *restrict bounds, qg_fparams f, const int fwd, const int divide, const int flush) {
     const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
     if (depth == 1) {
+        const qg_fscalars f1 = qg_scalars(f, fwd);
 #pragma GCC ivdep
-        for (int64_t k = 0; k < rows; ++k) dx[k] = qg_dx(g[k], x[k], lo[0], hi[0], passthrough[0]);
+        for (int64_t k = 0; k < rows; ++k) {
+            float gv = g[k], xv = x[k];
+            if (fwd) out[k] = QG_FWD1(xv);
+            dx[k] = qg_dx(gv, xv, lo[0], hi[0], passthrough[0]);
+        }
         return;
     }
     for (int64_t r = 0; r < rows; ++r) {
         const float *gr = g + r * depth, *xr = x + r * depth;
-        float *dr = dx + r * depth;
+        float *dr = dx + r * depth, *restrict orow = fwd ? out + r * depth : NULL;
 #pragma GCC ivdep
-        for (int64_t c = 0; c < depth; ++c) dr[c] = qg_dx(gr[c], xr[c], lo[c], hi[c], passthrough[c]);
+        for (int64_t c = 0; c < depth; ++c) {
+            float gv = gr[c], xv = xr[c];
+            if (fwd) orow[c] = QG_FWD(xv, c);
+            dr[c] = qg_dx(gv, xv, lo[c], hi[c], passthrough[c]);
+        }
     }
+}
+
+void qg_backprop(const float *g, const float *restrict x, float *dx, int64_t rows, int64_t depth,
+                 const float *restrict bounds) {
+    qg_fparams none = {0};
+    qg_backprop_rows(g, x, dx, NULL, rows, depth, bounds, none, 0, 0, 0);
 }
 
 /* Eigen's end of a leaf: p0 = ((acc0 + acc1) + acc2) + acc3 lane by lane (0 without a 32-value body),
@@ -142,14 +184,18 @@ static inline float qg_leaf_total(const float *restrict p0, float tail) {
 }
 
 /* One value per row (per-tensor gradient, or a single channel): a leaf is `length` consecutive values. */
-static void qg_leaf_flat(const float *g, const float *restrict x, float *dx, int64_t length,
-                         float lo, float hi, float passthrough, float *restrict sum_min, float *restrict sum_max) {
+static inline __attribute__((always_inline)) void qg_leaf_flat(
+    const float *g, const float *restrict x, float *dx, float *restrict out, int64_t length, float lo, float hi,
+    float passthrough, float *restrict sum_min, float *restrict sum_max, qg_fparams f, const int fwd,
+    const int divide, const int flush) {
     float acc_min[32] = {0}, acc_max[32] = {0};
     int64_t body = length / 32 * 32, whole = length / 8 * 8;
+    const qg_fscalars f1 = qg_scalars(f, fwd);
     for (int64_t j = 0; j < body; j += 32)
 #pragma GCC ivdep
         for (int s = 0; s < 32; ++s) {
             float gv = g[j + s], xv = x[j + s];
+            if (fwd) out[j + s] = QG_FWD1(xv);
             dx[j + s] = qg_dx(gv, xv, lo, hi, passthrough);
             acc_min[s] += qg_below(gv, xv, lo);
             acc_max[s] += qg_above(gv, xv, hi);
@@ -162,6 +208,7 @@ static void qg_leaf_flat(const float *g, const float *restrict x, float *dx, int
     float t_min = 0.0f, t_max = 0.0f;
     for (int64_t j = body; j < length; ++j) {
         float gv = g[j], xv = x[j];
+        if (fwd) out[j] = QG_FWD1(xv);
         dx[j] = qg_dx(gv, xv, lo, hi, passthrough);
         float b = qg_below(gv, xv, lo), a = qg_above(gv, xv, hi);
         if (j < whole) {
@@ -177,10 +224,11 @@ static void qg_leaf_flat(const float *g, const float *restrict x, float *dx, int
 }
 
 /* Rows of `depth` channels: the same packet sums, down each column.  `acc` holds 2 * 41 * depth floats. */
-static void qg_leaf_columns(const float *g, const float *restrict x, float *dx, int64_t length,
-                            int64_t depth, const float *restrict lo, const float *restrict hi,
-                            const float *restrict passthrough, float *restrict acc, float *restrict sums_min,
-                            float *restrict sums_max) {
+static inline __attribute__((always_inline)) void qg_leaf_columns(
+    const float *g, const float *restrict x, float *dx, float *restrict out, int64_t length, int64_t depth,
+    const float *restrict lo, const float *restrict hi, const float *restrict passthrough, float *restrict acc,
+    float *restrict sums_min, float *restrict sums_max, qg_fparams f, const int fwd, const int divide,
+    const int flush) {
     float *restrict acc_min = acc, *acc_max = acc + 32 * depth;           /* [32][depth] each */
     float *restrict p_min = acc + 64 * depth, *p_max = acc + 72 * depth;  /* [8][depth] each */
     float *restrict t_min = acc + 80 * depth, *t_max = acc + 81 * depth;  /* [depth] each */
@@ -189,9 +237,11 @@ static void qg_leaf_columns(const float *g, const float *restrict x, float *dx, 
     for (int64_t j = 0; j < body; ++j) {
         const float *gr = g + j * depth, *restrict xr = x + j * depth;
         float *dr = dx + j * depth, *am = acc_min + (j & 31) * depth, *ax = acc_max + (j & 31) * depth;
+        float *restrict orow = fwd ? out + j * depth : NULL;
 #pragma GCC ivdep
         for (int64_t c = 0; c < depth; ++c) {
             float gv = gr[c], xv = xr[c];
+            if (fwd) orow[c] = QG_FWD(xv, c);
             dr[c] = qg_dx(gv, xv, lo[c], hi[c], passthrough[c]);
             am[c] += qg_below(gv, xv, lo[c]);
             ax[c] += qg_above(gv, xv, hi[c]);
@@ -207,12 +257,13 @@ static void qg_leaf_columns(const float *g, const float *restrict x, float *dx, 
             }
     for (int64_t j = body; j < length; ++j) {
         const float *gr = g + j * depth, *restrict xr = x + j * depth;
-        float *dr = dx + j * depth;
+        float *dr = dx + j * depth, *restrict orow = fwd ? out + j * depth : NULL;
         float *restrict pm = j < whole ? p_min + (j & 7) * depth : t_min;
         float *restrict pa = j < whole ? p_max + (j & 7) * depth : t_max;
 #pragma GCC ivdep
         for (int64_t c = 0; c < depth; ++c) {
             float gv = gr[c], xv = xr[c];
+            if (fwd) orow[c] = QG_FWD(xv, c);
             dr[c] = qg_dx(gv, xv, lo[c], hi[c], passthrough[c]);
             pm[c] += qg_below(gv, xv, lo[c]);
             pa[c] += qg_above(gv, xv, hi[c]);
@@ -233,25 +284,72 @@ static void qg_leaf_columns(const float *g, const float *restrict x, float *dx, 
  * and each leaf's Eigen sums of the below/above products into sums ([2][n_leaves][depth]); bounds as in
  * qg_backprop (dx may be g).
  * Returns 0, or -1 when scratch memory could not be allocated. */
-int qg_backprop_leaves(const float *g, const float *restrict x, float *dx, int64_t depth,
-                       int64_t n_leaves, const int64_t *restrict lengths, const float *restrict bounds,
-                       float *restrict sums) {
+static inline __attribute__((always_inline)) int qg_leaves(
+    const float *g, const float *restrict x, float *dx, float *restrict out, int64_t depth, int64_t n_leaves,
+    const int64_t *restrict lengths, const float *restrict bounds, float *restrict sums, qg_fparams f,
+    const int fwd, const int divide, const int flush) {
     const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
     float *sums_min = sums, *sums_max = sums + n_leaves * depth;
     float *restrict acc = NULL;
     if (depth > 1 && !(acc = malloc(sizeof(float) * 82 * (size_t)depth))) return -1;
     for (int64_t i = 0; i < n_leaves; ++i) {
         if (depth == 1)
-            qg_leaf_flat(g, x, dx, lengths[i], lo[0], hi[0], passthrough[0], sums_min + i, sums_max + i);
+            qg_leaf_flat(g, x, dx, out, lengths[i], lo[0], hi[0], passthrough[0], sums_min + i, sums_max + i, f,
+                         fwd, divide, flush);
         else
-            qg_leaf_columns(g, x, dx, lengths[i], depth, lo, hi, passthrough, acc, sums_min + i * depth,
-                            sums_max + i * depth);
+            qg_leaf_columns(g, x, dx, out, lengths[i], depth, lo, hi, passthrough, acc, sums_min + i * depth,
+                            sums_max + i * depth, f, fwd, divide, flush);
         g += lengths[i] * depth;
         x += lengths[i] * depth;
         dx += lengths[i] * depth;
+        if (fwd) out += lengths[i] * depth;
     }
     free(acc);
     return 0;
+}
+
+int qg_backprop_leaves(const float *g, const float *restrict x, float *dx, int64_t depth,
+                       int64_t n_leaves, const int64_t *restrict lengths, const float *restrict bounds,
+                       float *restrict sums) {
+    qg_fparams none = {0};
+    return qg_leaves(g, x, dx, NULL, depth, n_leaves, lengths, bounds, sums, none, 0, 0, 0);
+}
+
+/* --- fused forward + gradient: one pass reads x and g and writes the forward's outputs, backprops_wrt_input
+ * and (qg_fused_leaves) the leaf sums; each output the same bits as qg_quantize and qg_backprop(_leaves)
+ * give apart.  params as in qg_quantize, bounds as in qg_backprop; dx may be g, out is an array of its own. */
+#define QG_FUSED_MODES(call)                                      \
+    if (divide && flush) return call(1, 1);                       \
+    if (divide) return call(1, 0);                                \
+    if (flush) return call(0, 1);                                 \
+    return call(0, 0);
+
+int qg_fused_leaves(const float *g, const float *restrict x, float *dx, float *restrict out, int64_t depth,
+                    int64_t n_leaves, const int64_t *restrict lengths, const float *restrict params,
+                    const float *restrict bounds, float *restrict sums, int divide, int flush) {
+    qg_fparams f = qg_fparams_of(params, depth);
+#define QG_CALL(d, fl) qg_leaves(g, x, dx, out, depth, n_leaves, lengths, bounds, sums, f, 1, d, fl)
+    QG_FUSED_MODES(QG_CALL)
+#undef QG_CALL
+}
+
+int qg_fused(const float *g, const float *restrict x, float *dx, float *restrict out, int64_t rows, int64_t depth,
+             const float *restrict params, const float *restrict bounds, int divide, int flush) {
+    qg_fparams f = qg_fparams_of(params, depth);
+#define QG_CALL(d, fl) (qg_backprop_rows(g, x, dx, out, rows, depth, bounds, f, 1, d, fl), 0)
+    QG_FUSED_MODES(QG_CALL)
+#undef QG_CALL
+}
+
+/* Eigen's tree over leaf sums (reduction.combine): values is [rows][cols] float32, the leaf sums first and a
+ * zero row last; each step (target, left, right), in the order given (by height), sets row target to
+ * (0 + left) + right, each add rounded to float32 as NumPy's float32 arrays round it. */
+void qg_combine(float *restrict values, int64_t cols, const int64_t *restrict steps, int64_t n_steps) {
+    for (int64_t s = 0; s < n_steps; ++s) {
+        float *t = values + steps[3 * s] * cols;
+        const float *l = values + steps[3 * s + 1] * cols, *r = values + steps[3 * s + 2] * cols;
+        for (int64_t c = 0; c < cols; ++c) t[c] = (0.0f + l[c]) + r[c];
+    }
 }
 
 /* Summary statistics of a block ([rows][depth]; bounds as in qg_backprop; g may be NULL), added to

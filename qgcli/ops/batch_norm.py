@@ -290,8 +290,9 @@ def channel_sums(dy3, x3, mean, acb, xp):
                            acb[1], acb[2], address(mean64, _F64), address(sums, _F64))
             return sums
 
-        total = np.zeros((2, acb[1]), _F64)
-        for part in _map(run, _native_chunks(acb)):  # added in chunk order: the same bits on any thread count
+        parts = _map(run, _native_chunks(acb))
+        total = parts[0]  # as 0.0 + parts[0]: a sum started at +0.0 is never -0.0
+        for part in parts[1:]:  # added in chunk order: the same bits on any thread count
             total += part
         return total[0], total[1]
     sum_dy = xp.zeros(acb[1], _F64)
@@ -461,9 +462,10 @@ def x_backprop_blocks(dy3, x3, dx3, acb, coefs, xp, *, to_odd=False):
         from qgcli.ops.blocked import _map
         address = native.address
 
-        zeros = np.zeros(acb[1], _F64)
-        table = np.stack([zeros if v is None else v.astype(_F64)
-                          for v in (coefs.coef1, coefs.coef2, coefs.dy_mean, coefs.mean)])
+        table = np.zeros((4, acb[1]), _F64)
+        for row, v in zip(table, (coefs.coef1, coefs.coef2, coefs.dy_mean, coefs.mean)):
+            if v is not None:
+                row[...] = v
         row = 4 * acb[1] * acb[2]
 
         def run(a):

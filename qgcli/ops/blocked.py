@@ -12,6 +12,7 @@ Gradient blocks are aligned with the leaves of the Eigen reduction plan (:mod:`q
 ``backprop_wrt_min/max`` come from leaf sums computed block by block and combined at the end: no
 full-size ``g * mask`` temporary ever exists.
 """
+import functools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -138,18 +139,19 @@ def _has_subnormal(a):
     return bool(small.any()) and bool(np.any(small & (magnitude != 0)))
 
 
-def quantize(x2, params, divide, flush):
+def quantize(x2, params, divide, flush, *, table=None):
     """Fake-quantize ``x2`` ([rows, channels] float32, C-contiguous) with per-channel or scalar params.
 
     ``params``: nudged_min, nudged_max, scale, inv_scale, quant_zero, passthrough (broadcastable on the
-    last axis).  Returns a new array.
+    last axis); ``table``: :func:`_table` of them, where the caller keeps it.  Returns a new array.
     """
     nmin, nmax, scale, inv, qz, passthrough = params
     out = np.empty_like(x2)
     lib = native.library()
     if lib is not None:
         rows, depth = x2.shape
-        table = _table((nmin, nmax, scale, inv, qz, passthrough), depth)
+        if table is None:
+            table = _table(params, depth)
         x_at, out_at, table_at = (native.address(a, _F32) for a in (x2, out, table))
 
         def run_native(rng):
@@ -184,22 +186,64 @@ def quantize(x2, params, divide, flush):
     return out
 
 
-def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind, out=None):
+def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind, out=None, table=None):
     """``g * inside`` and, with ``reduce``, Eigen-order column sums of ``g * below`` and ``g * above``.
 
     ``g2``/``x2``: [rows, channels] float32, C-contiguous; ``lo``/``hi``: DAZ-adjusted mask bounds;
     ``passthrough``: boolean per channel (min == max == 0) or None; ``out``: where ``g * inside`` goes
-    (shaped as ``g2``; it may be ``g2`` itself), or None for a new array.
+    (shaped as ``g2``; it may be ``g2`` itself), or None for a new array; ``table``: :func:`_table` of
+    ``(lo, hi, passthrough)``, where the caller keeps it.
     """
     rows, depth = x2.shape
     if rows == 0:
         dx = np.empty_like(g2) if out is None else out
         return (dx, np.zeros(depth, _F32), np.zeros(depth, _F32)) if reduce else dx
     if not reduce:
-        return backprop_rows(g2, x2, lo, hi, passthrough, out=out)[0]
+        return backprop_rows(g2, x2, lo, hi, passthrough, out=out, table=table)[0]
     p = reduction.plan(rows, kind=kind)
-    dx, sums_min, sums_max = backprop_rows(g2, x2, lo, hi, passthrough, leaves=p.leaves, out=out)
+    dx, sums_min, sums_max = backprop_rows(g2, x2, lo, hi, passthrough, leaves=p.leaves, out=out, table=table)
     return (dx, *finish_sums(p, sums_min, sums_max, passthrough))
+
+
+def fused(g2, x2, params, divide, flush, bounds, *, reduce, kind, out=None, tables=(None, None)):
+    """The forward (:func:`quantize`) and the gradient (:func:`backprops`) of the same rows in one pass over
+    ``x2`` and ``g2``: ``(outputs, dx)``, with ``reduce`` ``(outputs, dx, dmin, dmax)``, each the bits the two
+    give apart.  ``bounds``: ``(lo, hi, passthrough)``; ``tables``: :func:`_table` of ``params`` and of
+    ``bounds`` where the caller keeps them; ``out``: as :func:`backprops` takes it."""
+    rows, depth = x2.shape
+    lib = native.library()
+    if lib is None or rows == 0:  # the NumPy kernels: the two passes (the same bits)
+        outputs = quantize(x2, params, divide, flush, table=tables[0])
+        res = backprops(g2, x2, *bounds, reduce=reduce, kind=kind, out=out, table=tables[1])
+        return (outputs, *res) if reduce else (outputs, res)
+    forward_table, bounds_table = (_table(v, depth) if t is None else t for v, t in zip((params, bounds), tables))
+    outputs = np.empty_like(x2)
+    dx = np.empty_like(g2) if out is None else out
+    g_at, x_at, dx_at, out_at, p_at, b_at = (native.address(a, _F32)
+                                             for a in (g2, x2, dx, outputs, forward_table, bounds_table))
+    modes = int(divide), int(flush)
+    if not reduce:
+        def run(rng):
+            offset = 4 * rng[0] * depth
+            lib.qg_fused(g_at + offset, x_at + offset, dx_at + offset, out_at + offset, rng[1] - rng[0], depth,
+                         p_at, b_at, *modes)
+
+        _map(run, _row_ranges(rows, depth))
+        return outputs, dx
+    p = reduction.plan(rows, kind=kind)
+
+    def run_leaves(block):
+        r0, lengths, lengths_at = block
+        offset = 4 * r0 * depth
+        sums = np.empty((2, len(lengths), depth), _F32)
+        if lib.qg_fused_leaves(g_at + offset, x_at + offset, dx_at + offset, out_at + offset, depth, len(lengths),
+                               lengths_at, p_at, b_at, native.address(sums, _F32), *modes):
+            raise MemoryError("no memory for the per-channel sums of a gradient block")
+        return sums
+
+    parts = _map(run_leaves, _native_leaf_blocks(p.leaves, depth))
+    sums = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    return (outputs, dx, *finish_sums(p, sums[0], sums[1], bounds[2]))
 
 
 def finish_sums(plan, sums_min, sums_max, passthrough):
@@ -212,14 +256,16 @@ def finish_sums(plan, sums_min, sums_max, passthrough):
     return dmin, dmax
 
 
-def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None, out=None):
+def backprop_rows(g2, x2, lo, hi, passthrough, *, leaves=None, out=None, table=None):
     """``(dx, leaf sums below, leaf sums above)`` for these rows; ``leaves`` (absolute ``(start, length)``,
     tiling exactly these rows) or None for ``dx`` alone; ``dx`` is ``out`` (which may be ``g2``) if given."""
     rows, depth = x2.shape
     dx = np.empty_like(g2) if out is None else out
     lib = native.library()
     if lib is not None:
-        return _backprop_rows_native(lib, g2, x2, dx, lo, hi, passthrough, leaves)
+        if table is None:
+            table = _table((lo, hi, passthrough), depth)
+        return _backprop_rows_native(lib, g2, x2, dx, table, leaves)
     in_place = np.may_share_memory(dx, g2)
     keep = None if passthrough is None else ~passthrough
     if leaves:
@@ -274,9 +320,8 @@ def _table(values, depth):
     return table
 
 
-def _backprop_rows_native(lib, g2, x2, dx, lo, hi, passthrough, leaves):
+def _backprop_rows_native(lib, g2, x2, dx, bounds, leaves):
     rows, depth = x2.shape
-    bounds = _table((lo, hi, passthrough), depth)
     g_at, x_at, dx_at, bounds_at = (native.address(a, _F32) for a in (g2, x2, dx, bounds))
     if not leaves:
         def run_dx(rng):
@@ -289,17 +334,29 @@ def _backprop_rows_native(lib, g2, x2, dx, lo, hi, passthrough, leaves):
     first = leaves[0][0]
 
     def run(block):
-        r0, _, block_leaves = block
+        r0, lengths, lengths_at = block
         offset = 4 * (r0 - first) * depth
-        lengths = np.array([length for _, length in block_leaves], np.int64)
-        sums = np.empty((2, len(block_leaves), depth), _F32)
+        sums = np.empty((2, len(lengths), depth), _F32)
         if lib.qg_backprop_leaves(g_at + offset, x_at + offset, dx_at + offset, depth, len(lengths),
-                                  native.address(lengths, np.int64), bounds_at, native.address(sums, _F32)):
+                                  lengths_at, bounds_at, native.address(sums, _F32)):
             raise MemoryError("no memory for the per-channel sums of a gradient block")
         return sums
 
-    sums = np.concatenate(_map(run, _leaf_blocks(leaves, depth)), axis=1)
+    parts = _map(run, _native_leaf_blocks(tuple(leaves), depth))
+    sums = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     return dx, sums[0], sums[1]
+
+
+@functools.lru_cache(maxsize=32)
+def _native_leaf_blocks(leaves, depth):
+    """:func:`_leaf_blocks` as the compiled kernel takes them, once per set of leaves: ``(row0, lengths,
+    the lengths' address)`` (the cache keeps each read-only lengths array alive)."""
+    blocks = []
+    for r0, _, block_leaves in _leaf_blocks(leaves, depth):
+        lengths = np.array([length for _, length in block_leaves], np.int64)
+        lengths.setflags(write=False)
+        blocks.append((r0, lengths, lengths.__array_interface__["data"][0]))
+    return tuple(blocks)
 
 
 def _leaf_blocks(leaves, depth):

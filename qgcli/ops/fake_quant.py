@@ -102,6 +102,34 @@ class Grid:
         usable = ~self.passthrough
         return bool(np.any((self.scale[usable] < _FLUSH_SCALE) if self.per_channel else (usable and self.scale < _FLUSH_SCALE)))
 
+    @functools.cached_property
+    def forward_kernel(self):
+        """What the blocked forward kernel takes of this grid, derived once per grid (a cached grid serves
+        every call with its range): ``(parameters, flush, the compiled kernel's table of them)``; the
+        passthrough mask is None where no channel is 0..0."""
+        from qgcli.ops import blocked
+
+        passthrough = self.passthrough if self.passthrough.any() else None
+        params = (self.nudged_min, self.nudged_max, self.scale, self.inv_scale, self.quant_zero, passthrough)
+        return params, self.needs_flush(), _frozen(blocked._table(params, self._depth))
+
+    @functools.cached_property
+    def gradient_kernel(self):
+        """The gradient's ``(mask bounds lo, hi, passthrough or None)`` and their compiled table, once per grid."""
+        from qgcli.ops import blocked
+
+        bounds = (self.mask_lo, self.mask_hi, self.passthrough if self.passthrough.any() else None)
+        return bounds, _frozen(blocked._table(bounds, self._depth))
+
+    @property
+    def _depth(self):
+        return self.min.size if self.per_channel else 1
+
+
+def _frozen(a):
+    a.setflags(write=False)
+    return a
+
 
 def nudge(min, max, *, num_bits=8, narrow_range=False):
     """TensorFlow's ``Nudge()``: the grid for a raw range, scalar or per channel (float32, FTZ/DAZ).
@@ -220,9 +248,38 @@ def _normalise_axis(axis, ndim):
 
 
 def _prepare_per_tensor(inputs, min, max, num_bits, narrow_range, xp):
-    grid = nudge(_range_operand(min, "min", 0, xp), _range_operand(max, "max", 0, xp),
-                 num_bits=num_bits, narrow_range=narrow_range)
-    _check_ranges(grid)
+    return _checked_grid(_range_operand(min, "min", 0, xp), _range_operand(max, "max", 0, xp), num_bits,
+                         narrow_range)
+
+
+# Ranges of up to this many channels have their checked grid cached (32 grids of 1024 channels: ~3 MB).
+_CACHED_CHANNELS = 1024
+
+
+def _checked_grid(mn, mx, num_bits, narrow_range):
+    """The grid of float32 ranges ``mn``/``mx`` (same shape), nudged and checked by :func:`_check_ranges`
+    once per range and attribute set: a repeated call (a layer's fixed range, the same op on many tensors)
+    takes the grid it got before, read-only, with its kernel tables (:attr:`Grid.forward_kernel`, :attr:`Grid.gradient_kernel`)."""
+    quant_range(num_bits, narrow_range)  # validated before they become a cache key
+    if mn.size > _CACHED_CHANNELS:
+        grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
+        _check_ranges(grid)
+        return grid
+    return _cached_grid(mn.tobytes(), mx.tobytes(), mn.shape, int(num_bits), bool(narrow_range))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_grid(mn_bytes, mx_bytes, shape, num_bits, narrow_range):
+    mn, mx = (np.frombuffer(b, _F32).reshape(shape) for b in (mn_bytes, mx_bytes))
+    grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
+    _check_ranges(grid)  # raises: nothing is cached
+    return _read_only(grid)
+
+
+def _read_only(grid):
+    for value in vars(grid).values():
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)
     return grid
 
 
@@ -240,9 +297,7 @@ def _prepare_per_channel(inputs, min, max, num_bits, narrow_range, axis, xp):
             raise OperandError(
                 f"has {arr.shape[0]} entries but inputs have {depth} channels on axis {axis}", operand=name
             )
-    grid = nudge(mn, mx, num_bits=num_bits, narrow_range=narrow_range)
-    _check_ranges(grid)
-    return grid, axis
+    return _checked_grid(mn, mx, num_bits, narrow_range), axis
 
 
 # --- element-wise work: blocked NumPy kernels on the CPU, fused CUDA kernels on CuPy arrays ------------
@@ -254,9 +309,8 @@ def _quantize(x, grid, divide, xp):
     if xp is np:
         from qgcli.ops import blocked
 
-        params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
-        passthrough = grid.passthrough if grid.passthrough.any() else None
-        return blocked.quantize(x2, (*params, passthrough), divide, grid.needs_flush()).reshape(x.shape)
+        params, flush, table = grid.forward_kernel
+        return blocked.quantize(x2, params, divide, flush, table=table).reshape(x.shape)
 
     return cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape)
 
@@ -285,10 +339,9 @@ def _backprops(gradients, x, grid, xp, *, reduce, out=None):
     if xp is np:
         from qgcli.ops import blocked
 
-        lo, hi = grid.mask_bounds()
-        passthrough = grid.passthrough if grid.passthrough.any() else None
+        bounds, table = grid.gradient_kernel
         rows_out = None if out is None else out.reshape(g2.shape)
-        res = blocked.backprops(g2, x2, lo, hi, passthrough, reduce=reduce, kind=kind, out=rows_out)
+        res = blocked.backprops(g2, x2, *bounds, reduce=reduce, kind=kind, out=rows_out, table=table)
     else:
         from qgcli.ops import cuda
 
@@ -300,6 +353,40 @@ def _backprops(gradients, x, grid, xp, *, reduce, out=None):
     if not grid.per_channel:
         dmin, dmax = dmin.reshape(()), dmax.reshape(())
     return dx, dmin, dmax
+
+
+def _fused(gradients, x, grid, divide, xp, *, reduce, out=None):
+    """The forward and the gradient of ``x`` (channels last) in one pass over ``x`` and ``gradients``:
+    ``(outputs, dx)`` or, with ``reduce``, ``(outputs, dx, dmin, dmax)``; each the bits of :func:`_quantize`
+    and :func:`_backprops`, which CuPy arrays run one after the other."""
+    if xp is not np:
+        outputs = _quantize(x, grid, divide, xp)
+        res = _backprops(gradients, x, grid, xp, reduce=reduce, out=out)
+        return (outputs, *res) if reduce else (outputs, res)
+    from qgcli.ops import blocked
+
+    depth = x.shape[-1] if grid.per_channel else 1
+    g2 = np.ascontiguousarray(gradients).reshape(-1, depth)
+    x2 = np.ascontiguousarray(x).reshape(-1, depth)
+    params, flush, forward_table = grid.forward_kernel
+    bounds, bounds_table = grid.gradient_kernel
+    res = blocked.fused(g2, x2, params, divide, flush, bounds, reduce=reduce, kind="chip" if grid.per_channel else "flat",
+                        out=None if out is None else out.reshape(g2.shape), tables=(forward_table, bounds_table))
+    outputs, dx = res[0].reshape(x.shape), deliver(res[1].reshape(x.shape), out)
+    if not reduce:
+        return outputs, dx
+    dmin, dmax = res[2:]
+    if not grid.per_channel:
+        dmin, dmax = dmin.reshape(()), dmax.reshape(())
+    return outputs, dx, dmin, dmax
+
+
+def _gradient_operands(gradients, inputs, out):
+    """``(xp, gradients, inputs, out)`` checked as every gradient op checks them, in TensorFlow's order."""
+    xp = array_module(gradients, inputs)
+    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
+    _check_same_shape(g, x)
+    return xp, g, x, _check_out(out, g, x, xp)
 
 
 def _check_out(out, gradients, inputs, xp):
@@ -324,11 +411,7 @@ def _args_grid(min, max, num_bits, narrow_range):
 def _attribute_grid(mn, mx, num_bits, narrow_range):
     """Args ranges are attributes, fixed when TF builds the op, and so is their grid: nudge them once
     (a third of a small tensor's time).  The shared grid's arrays are made read-only."""
-    grid = nudge(_F32(mn), _F32(mx), num_bits=num_bits, narrow_range=narrow_range)
-    for value in vars(grid).values():
-        if isinstance(value, np.ndarray):
-            value.setflags(write=False)
-    return grid
+    return _read_only(nudge(_F32(mn), _F32(mx), num_bits=num_bits, narrow_range=narrow_range))
 
 
 def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False):
@@ -348,10 +431,7 @@ def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, 
 
     ``out``: where to write the backprops (returned), as in :func:`fake_quant_with_min_max_vars_gradient`.
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     return _backprops(g, x, _args_grid(min, max, num_bits, narrow_range), xp, reduce=False, out=out)
 
 
@@ -383,10 +463,7 @@ def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bi
     >>> dx is g, g, float(dmax)
     (True, array([1., 1., 0.], dtype=float32), 1.0)
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
     return _backprops(g, x, grid, xp, reduce=True, out=out)
 
@@ -411,12 +488,57 @@ def fake_quant_with_min_max_vars_per_channel_gradient(
     Returns ``(backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the latter two with one entry per
     channel.  ``out``: as in :func:`fake_quant_with_min_max_vars_gradient`.
     """
-    xp = array_module(gradients, inputs)
-    g, x = as_float32(gradients, "gradients", xp), as_float32(inputs, "inputs", xp)
-    _check_same_shape(g, x)
-    out = _check_out(out, g, x, xp)
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
     grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
     if axis == x.ndim - 1:
         return _backprops(g, x, grid, xp, reduce=True, out=out)
     dx, dmin, dmax = _backprops(_channel_last(g, axis), _channel_last(x, axis), grid, xp, reduce=True)
     return deliver(xp.ascontiguousarray(xp.moveaxis(dx, -1, axis)), out), dmin, dmax
+
+
+# --- forward and gradient in one pass ------------------------------------------------------------------
+# What a training step's fake-quant node computes (and what verify, compare-semantics, the capture checks and
+# the monitor's reference need): the op's outputs and its gradient of the same inputs.  One pass reads
+# ``inputs`` and ``gradients`` once and writes both, where the two ops would read ``inputs`` twice; every
+# output is the bits the two ops give.
+
+def fake_quant_with_min_max_args_and_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8,
+                                              narrow_range=False, out=None):
+    """:func:`fake_quant_with_min_max_args` and :func:`fake_quant_with_min_max_args_gradient` in one pass:
+    ``(outputs, backprops)``.  ``out``: where the backprops go, as in the gradient op.
+
+    >>> g, x = np.ones(3, np.float32), np.array([-0.75, -0.25, 0.25], np.float32)
+    >>> fake_quant_with_min_max_args_and_gradient(g, x, -1.0, 0.5, num_bits=2)
+    (array([-0.5,  0. ,  0.5], dtype=float32), array([1., 1., 1.], dtype=float32))
+    """
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
+    return _fused(g, x, _args_grid(min, max, num_bits, narrow_range), False, xp, reduce=False, out=out)
+
+
+def fake_quant_with_min_max_vars_and_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False,
+                                              out=None):
+    """:func:`fake_quant_with_min_max_vars` and :func:`fake_quant_with_min_max_vars_gradient` in one pass:
+    ``(outputs, backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``.  ``out``: as in the gradient op.
+
+    >>> x = np.array([-7.0, -6.0, -1.0, 1.0, 6.0], np.float32)
+    >>> y, dx, dmin, dmax = fake_quant_with_min_max_vars_and_gradient(np.ones_like(x), x, -6.0, 6.0, num_bits=2)
+    >>> y.tolist(), dx.tolist(), float(dmin), float(dmax)
+    ([-8.0, -4.0, 0.0, 0.0, 4.0], [1.0, 1.0, 1.0, 1.0, 0.0], 0.0, 1.0)
+    """
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
+    grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
+    return _fused(g, x, grid, True, xp, reduce=True, out=out)
+
+
+def fake_quant_with_min_max_vars_per_channel_and_gradient(gradients, inputs, min, max, *, num_bits=8,
+                                                          narrow_range=False, axis=-1, out=None):
+    """:func:`fake_quant_with_min_max_vars_per_channel` and its gradient in one pass: ``(outputs,
+    backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the last two per channel.  ``out``: as in
+    the gradient op."""
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
+    grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
+    if axis == x.ndim - 1:
+        return _fused(g, x, grid, False, xp, reduce=True, out=out)
+    y, dx, dmin, dmax = _fused(_channel_last(g, axis), _channel_last(x, axis), grid, False, xp, reduce=True)
+    back = lambda a: xp.ascontiguousarray(xp.moveaxis(a, -1, axis))  # noqa: E731
+    return back(y), deliver(back(dx), out), dmin, dmax

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qgcli.ops import native
+
 PACKET = 8  # float32 lanes of an AVX packet
 LEAF = PACKET * 1024  # Eigen's kLeafSize, in values
 # TensorCostModel<ThreadPoolDevice>: threads = (n * cost - startup) / per_thread + 0.9, capped.
@@ -118,8 +120,13 @@ def combine(plan, sums, xp):
     n_nodes = sum(len(level[0]) for level in plan.levels)
     values = xp.zeros((n_leaves + n_nodes + 1, columns), f32)
     values[:n_leaves] = sums
-    for targets, lefts, rights in plan.levels:
-        values[targets] = (f32(0) + values[lefts]) + values[rights]
+    lib = native.for_arrays(xp, values)
+    if lib is not None and plan.levels:  # the tree in one compiled call: the same adds in the same order
+        steps = _steps(plan)
+        lib.qg_combine(native.address(values, f32), columns, native.address(steps, np.int64), len(steps))
+    else:
+        for targets, lefts, rights in plan.levels:
+            values[targets] = (f32(0) + values[lefts]) + values[rights]
     if not plan.sharded:
         return values[plan.roots[0]]
     tail, *shards = plan.roots
@@ -127,6 +134,23 @@ def combine(plan, sums, xp):
     for root in shards:
         acc = acc + values[root]
     return acc
+
+
+_STEPS = {}  # id(plan) -> (plan, its steps): plans are few and cached (_plan), so this stays small
+
+
+def _steps(plan):
+    """The plan's tree as rows (target, left, right) in height order, as qg_combine takes them (once per plan)."""
+    entry = _STEPS.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        steps = np.concatenate([np.stack(level, axis=1) for level in plan.levels]).astype(np.int64)
+        # a missing right half is row -1, the zero row, to NumPy: its index for C
+        steps[steps < 0] = len(plan.leaves) + len(steps)
+        steps.setflags(write=False)
+        if len(_STEPS) > 64:
+            _STEPS.clear()
+        entry = _STEPS[id(plan)] = (plan, np.ascontiguousarray(steps))
+    return entry[1]
 
 
 def leaf_sums(a, leaves, xp):

@@ -568,14 +568,25 @@ def compare_with_tensorflow(inputs, min, max, *, num_bits=8, narrow_range=False,
     x = as_float32(inputs, "inputs", xp)
     per_channel = np.ndim(to_numpy(min)) == 1
     quant_min, quant_max = fq.quant_range(num_bits, narrow_range)
+    attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
+    g = None if gradients is None else as_float32(gradients, "gradients", xp)
+    if g is not None and g.shape != x.shape:
+        raise OperandError(f"shape {list(g.shape)} differs from inputs shape {list(x.shape)}", operand="gradients")
+    tf_grad = None
     if per_channel:
         axis = _normalise_axis(-1 if axis is None else axis, x.ndim)
-        tf_out = fq.fake_quant_with_min_max_vars_per_channel(x, min, max, num_bits=num_bits,
-                                                             narrow_range=narrow_range, axis=axis)
+        if g is None:
+            tf_out = fq.fake_quant_with_min_max_vars_per_channel(x, min, max, axis=axis, **attrs)
+        else:  # TensorFlow's forward and gradient in one pass
+            tf_out, tf_grad = fq.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, min, max, axis=axis,
+                                                                                     **attrs)[:2]
         grid, _ = fq._prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
         xl = xp.moveaxis(x, axis, -1)
     else:
-        tf_out = fq.fake_quant_with_min_max_vars(x, min, max, num_bits=num_bits, narrow_range=narrow_range)
+        if g is None:
+            tf_out = fq.fake_quant_with_min_max_vars(x, min, max, **attrs)
+        else:
+            tf_out, tf_grad = fq.fake_quant_with_min_max_vars_and_gradient(g, x, min, max, **attrs)[:2]
         grid = fq._prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
         xl = x
     tf_mask = fq._masks(xl, grid, xp)[0]
@@ -606,15 +617,7 @@ def compare_with_tensorflow(inputs, min, max, *, num_bits=8, narrow_range=False,
         "mask_tf": tf_mask.astype(xp.uint8), "mask_torch": pt_mask.astype(xp.uint8),
         "forward_reason": fwd_reason, "mask_reason": mask_reason,
     }
-    if gradients is not None:
-        g = as_float32(gradients, "gradients", xp)
-        if g.shape != x.shape:
-            raise OperandError(f"shape {list(g.shape)} differs from inputs shape {list(x.shape)}", operand="gradients")
-        tf_grad = (fq.fake_quant_with_min_max_vars_per_channel_gradient(g, x, min, max, num_bits=num_bits,
-                                                                        narrow_range=narrow_range, axis=axis)[0]
-                   if per_channel else
-                   fq.fake_quant_with_min_max_vars_gradient(g, x, min, max, num_bits=num_bits,
-                                                            narrow_range=narrow_range)[0])
+    if g is not None:
         with _quiet(xp):
             out["backprops_wrt_input_tf"] = tf_grad
             out["backprops_wrt_input_torch"] = xp.multiply(g, pt_mask, dtype=_F32)

@@ -14,8 +14,13 @@ _int_repr = int.__repr__
 _BLOCK = 8192  # pieces per write
 
 
-def write(doc, stream, *, default):
-    """Write ``doc`` to ``stream`` as ``json.dump(doc, stream, indent=2, allow_nan=False, default=default)``."""
+def write(doc, stream, *, default, nan_as_null=False):
+    """Write ``doc`` to ``stream`` as ``json.dump(doc, stream, indent=2, allow_nan=False, default=default)``.
+
+    ``nan_as_null``: a NaN or infinite value (not a key) is written as ``null``, what writing
+    ``summaries.json_safe(doc)`` gives, without a copy of the document made first (a 20,000-group listing
+    spent a tenth of its time there)."""
+    number = _number_or_null if nan_as_null else _number
     out = []
     indents = ["\n"]
 
@@ -37,7 +42,7 @@ def write(doc, stream, *, default):
         elif t is int:
             out.append(_int_repr(o))
         elif t is float:
-            out.append(_number(o))
+            out.append(number(o))
         elif t is list or t is tuple:
             array(o, level)
         elif t is dict:
@@ -47,7 +52,7 @@ def write(doc, stream, *, default):
         elif isinstance(o, int):
             out.append(_int_repr(o))
         elif isinstance(o, float):
-            out.append(_number(o))
+            out.append(number(o))
         elif isinstance(o, (list, tuple)):
             array(o, level)
         elif isinstance(o, dict):
@@ -105,6 +110,10 @@ def _number(o):
     if math.isfinite(o):
         return _float_repr(o)
     raise ValueError("Out of range float values are not JSON compliant: " + repr(o))
+
+
+def _number_or_null(o):
+    return _float_repr(o) if math.isfinite(o) else "null"
 
 
 def _key(key):

@@ -99,21 +99,19 @@ def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow
     attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
     if variant == "args":
         lo, hi = (_scalar(v, name) for v, name in ((min, "min"), (max, "max")))
-        outputs = ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)
-        mask = ops.fake_quant_with_min_max_args_gradient(ones, x, lo, hi, **attrs)
+        # the forward and the mask (the gradient of ones) in one pass
+        outputs, mask = ops.fake_quant_with_min_max_args_and_gradient(ones, x, lo, hi, **attrs)
         backprops = None if g is None else ops.fake_quant_with_min_max_args_gradient(g, x, lo, hi, **attrs)
         grid = ops.nudge(np.float32(lo), np.float32(hi), **attrs)
         mask_range = _nudged_range(grid)
     elif variant == "vars":
-        outputs = ops.fake_quant_with_min_max_vars(x, min, max, **attrs)
-        mask = ops.fake_quant_with_min_max_vars_gradient(ones, x, min, max, **attrs)[0]
+        outputs, mask = ops.fake_quant_with_min_max_vars_and_gradient(ones, x, min, max, **attrs)[:2]
         backprops = None if g is None else ops.fake_quant_with_min_max_vars_gradient(g, x, min, max, **attrs)[0]
         grid = ops.nudge(min, max, **attrs)
         mask_range = _nudged_range(grid)
     elif variant == "per-channel":
         pc = dict(attrs, axis=axis)
-        outputs = ops.fake_quant_with_min_max_vars_per_channel(x, min, max, **pc)
-        mask = ops.fake_quant_with_min_max_vars_per_channel_gradient(ones, x, min, max, **pc)[0]
+        outputs, mask = ops.fake_quant_with_min_max_vars_per_channel_and_gradient(ones, x, min, max, **pc)[:2]
         backprops = None if g is None else ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, min, max, **pc)[0]
         grid = ops.nudge(min, max, **attrs)
         mask_range = _nudged_range(grid)

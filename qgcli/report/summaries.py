@@ -119,7 +119,7 @@ def dump_json(doc, *, safe=True):
 
         captured.append(json.loads(json.dumps(json_safe(doc) if safe else doc, default=_json_default)))
         return
-    json_out.write(json_safe(doc) if safe else doc, sys.stdout, default=_json_default)
+    json_out.write(doc, sys.stdout, default=_json_default, nan_as_null=safe)  # json_safe(doc)'s bytes
     sys.stdout.write("\n")
 
 

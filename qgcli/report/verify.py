@@ -29,7 +29,7 @@ import numpy as np
 from qgcli.backend import to_numpy
 from qgcli.errors import QgcliError
 from qgcli.execution.dispatch import runner_for
-from qgcli.families import groups, registry
+from qgcli.families import groups, registry, tf_fake_quant
 from qgcli.jobs import OutputOptions, RunFileJob
 from qgcli.report.summaries import json_safe
 from qgcli.storage import runfile
@@ -191,11 +191,14 @@ def _verify_layer(container, handle, path, layer, rtol):
             commands.append("fakequant")
         if "gradients" in layer.datasets and set(reference) - {"outputs"}:
             commands.append("fakequant-grad")
-    computed = {}
     for command in commands:
         problem = _validate(layer, command)
         if problem:
             return _failed(row, problem)
+    if commands == ["fakequant", "fakequant-grad"]:
+        commands = ["fakequant+grad"]  # one run where the family computes both in one pass (else the two)
+    computed = {}
+    for command in commands:
         try:
             computed.update(_run(container, path, layer, command))
         except Exception as exc:  # noqa: BLE001 - a layer that qgcli refuses is a failed layer, not a crash
@@ -323,7 +326,13 @@ def _validate(layer, command):
 
 
 def _run(container, path, layer, command):
-    """qgcli's outputs of ``layer`` under ``command`` (NumPy arrays by output name)."""
+    """qgcli's outputs of ``layer`` under ``command`` (NumPy arrays by output name); "fakequant+grad": both
+    commands' outputs, from one fused run where the family has one (TensorFlow's fake quant with its STE)."""
+    if command == "fakequant+grad":
+        both = _run(container, path, layer, "fakequant-grad+outputs")
+        return both if "outputs" in both else {**_run(container, path, layer, "fakequant"), **both}
+    forward_too = command == "fakequant-grad+outputs"
+    command = "fakequant-grad" if forward_too else command
     estimator, grad_factor = None, None
     if layer.attrs.get("estimator") == "lsq" and command == "fakequant-grad":
         from qgcli.ops.estimators import parse_estimator
@@ -334,6 +343,8 @@ def _run(container, path, layer, command):
     run = RunFileJob(command=command, target=path, output=output, estimator=estimator, grad_factor=grad_factor)
     specs = groups.operand_specs(layer)  # e.g. FakeQuantWithMinMaxArgs's min/max, group attributes
     job, _ = groups.job_from_group(run, layer, specs, output)
+    if forward_too and getattr(job, "family", None) == tf_fake_quant.NAME:  # the STE, not an estimator
+        job = job._replace(forward_too=True)
     runner = runner_for(job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK)
     try:

@@ -7,6 +7,7 @@ The low-level helpers live in :mod:`qgcli.storage.hdf5` (walk, guard, contiguous
 """
 import contextlib
 import io as _io
+import os
 
 import numpy as np
 
@@ -27,46 +28,57 @@ class NoSuchObject(FileFormatError):
 _MAX_SOFT_LINKS = 16  # HDF5's own limit on soft-link hops (H5L_NUM_LINKS)
 
 
-def resolve(handle, key, label):
+def resolve(handle, key, label, *, low_level=False):
     """The object at ``key``, walking the path one link at a time so that nothing outside the file is opened.
 
     Hard links are followed, soft links by their target path within the file (at most 16 hops, so a
-    cycle ends), and an external link is refused before HDF5 would open the file it names.
+    cycle ends), and an external link is refused before HDF5 would open the file it names.  The walk goes
+    through HDF5's object ids (``h5o.open``, a third of the cost of h5py's ``group[name]``, which looks up
+    the file's mode for every dataset); the object found is wrapped as h5py's ``group[name]`` wraps it, or,
+    with ``low_level``, returned as its id (a run file's small operands are read from it straight away).
     """
     import h5py
-    from h5py import h5l
+    from h5py import h5g, h5l, h5o
 
     if isinstance(key, bytes):  # a link name that is not UTF-8 (h5py hands those out as bytes)
         key = key.decode("utf-8", "surrogateescape")
     todo = [p for p in reversed(key.split("/")) if p and p != "."]
-    node, hops = handle, 0
+    node, hops = handle.id, 0
     try:
         while todo:
             part = todo.pop()
             name = part.encode("utf-8", "surrogateescape")
-            if not isinstance(node, h5py.Group) or not node.id.links.exists(name):
+            if not isinstance(node, h5g.GroupID) or not node.links.exists(name):
                 raise NoSuchObject(f"{label}: has no dataset {key!r}")
-            kind = node.id.links.get_info(name).type
+            kind = node.links.get_info(name).type
             if kind == h5l.TYPE_EXTERNAL:
-                target = node.id.links.get_val(name)[0].decode("utf-8", "replace")
+                target = node.links.get_val(name)[0].decode("utf-8", "replace")
                 raise FileFormatError(f"{label}: {key!r} is an external link to {target}; qgcli does not follow it")
             if kind == h5l.TYPE_SOFT:
                 hops += 1
                 if hops > _MAX_SOFT_LINKS:
                     raise FileFormatError(f"{label}: {key!r} goes through more than {_MAX_SOFT_LINKS} soft links")
-                target = node.id.links.get_val(name).decode("utf-8", "surrogateescape")
+                target = node.links.get_val(name).decode("utf-8", "surrogateescape")
                 if target.startswith("/"):
-                    node = handle
+                    node = handle.id
                 todo.extend(p for p in reversed(target.split("/")) if p and p != ".")
                 continue
             if kind != h5l.TYPE_HARD:
                 raise FileFormatError(f"{label}: {key!r} is a user-defined link; qgcli does not follow it")
-            node = node[name]
+            node = h5o.open(node, name)
+        if low_level:
+            return node
+        if node is handle.id:
+            return handle
+        if isinstance(node, h5g.GroupID):
+            return h5py.Group(node)
+        if isinstance(node, h5py.h5d.DatasetID):
+            return h5py.Dataset(node, readonly=(handle.file.mode == "r"))
+        return h5py.Datatype(node)
     except QgcliError:
         raise
     except CORRUPT_FILE_ERRORS as exc:
         raise FileFormatError(f"{label}: cannot resolve {key!r}: {reason(exc)}") from None
-    return node
 
 
 def checked_at(handle, key, label):
@@ -219,28 +231,33 @@ def read_attributes(obj):
 
 
 def read_attributes_many(objs):
-    """:func:`read_attributes` of each of ``objs`` (a run file's groups), with every scalar string attribute
-    of all of them read in one guarded batch (one round trip to :mod:`qgcli.storage.hdf5.guard`'s worker thread)."""
-    from h5py import h5a
+    """:func:`read_attributes` of each of ``objs`` (h5py objects, or their low-level ids: a run file's groups,
+    a listing's objects), with every scalar string attribute of all of them read in one guarded batch (one
+    round trip to :mod:`qgcli.storage.hdf5.guard`'s worker thread)."""
+    from h5py import h5a, h5f, h5o
+    from h5py._objects import ObjectID
 
     outs, strings = [], []  # strings: (dict, key, AttrID)
     for obj in objs:
         out = {}
         outs.append(out)
-        for key in _attribute_names(obj.id):
+        oid = obj if isinstance(obj, ObjectID) else obj.id
+        if not h5o.get_info(oid).num_attrs:  # most objects have none: one call, not the attribute table's walk
+            continue
+        for key in _attribute_names(oid):
             key_text = key.decode("utf-8", "surrogateescape")
             try:
-                attr = h5a.open(obj.id, key)
+                attr = h5a.open(oid, key)
                 dtype = attr.dtype
                 if dtype.kind == "O":
                     out[key_text] = f"<{object_kind(dtype)}: not read>"
                     if attr.shape == ():
                         # the file's name only for the first (the message of a stuck read names it)
-                        strings.append((out, key_text, attr, None if strings else obj.file.filename))
+                        strings.append((out, key_text, attr, None if strings else os.fsdecode(h5f.get_name(oid))))
                 elif dtype.kind in "biuf" and dtype.subdtype is None and attr.shape == ():
                     out[key_text] = _scalar_attribute(attr, dtype)  # what obj.attrs[key] gives, opened once
                 else:
-                    value = obj.attrs[key]
+                    value = (obj if oid is not obj else _wrapped(oid)).attrs[key]
                     out[key_text] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
             except FileFormatError:
                 raise
@@ -259,6 +276,16 @@ def read_attributes_many(objs):
             elif value is not None:
                 out[key_text] = value
     return outs
+
+
+def _wrapped(oid):
+    """The h5py object of a low-level id (read-only), for the rare attribute h5py's own reader reads."""
+    import h5py
+    from h5py import h5i
+
+    kind = h5i.get_type(oid)
+    return h5py.Group(oid) if kind == h5i.GROUP else (h5py.Dataset(oid, readonly=True) if kind == h5i.DATASET
+                                                      else h5py.Datatype(oid))
 
 
 def _attribute_names(oid):

@@ -5,6 +5,8 @@ with ``--json``; progress and notes go to stderr.  The JSON layout is documented
 output of inspect and report"); keys are always present, in a fixed order, with ``null`` where a value does not
 exist (never NaN).
 """
+import functools
+
 import click
 
 from qgcli.cli.options import hdf5_bound_options
@@ -68,7 +70,14 @@ def tensor_stats(array):
         return out
     if kind == "b":
         a = a.astype(np.uint8)
-    if kind in "fc":
+    finite = None
+    if kind == "f":
+        # one pass where every value is finite (the usual case), a second only to tell NaN from Inf
+        finite = np.isfinite(a)
+        bad = a.size - int(np.count_nonzero(finite))
+        out["nan"] = int(np.count_nonzero(np.isnan(a))) if bad else 0
+        out["inf"] = bad - out["nan"]
+    elif kind == "c":  # a complex value may be NaN and Inf at once
         out["nan"] = int(np.count_nonzero(np.isnan(a)))
         out["inf"] = int(np.count_nonzero(np.isinf(a)))
     else:
@@ -76,21 +85,26 @@ def tensor_stats(array):
     out["zeros"] = int(a.size - np.count_nonzero(a))
     if kind == "c" or a.size == 0:
         return out
-    values = a if out["nan"] == out["inf"] == 0 else a[np.isfinite(a)]
+    values = a if out["nan"] == out["inf"] == 0 else a[np.isfinite(a) if finite is None else finite]
     if values.size == 0:
         return out
     as_number = int if kind in "iu" else float
     out["min"] = as_number(values.min())
     out["max"] = as_number(values.max())
+    block = 1 << 22
     with np.errstate(over="ignore", invalid="ignore"):
-        mean = values.mean(dtype=np.float64)
+        # values.mean(dtype=float64) without its wrapper: the same float64 sum, divided by the count
+        mean = np.add.reduce(values, axis=None, dtype=np.float64) / values.size
         # std without a float64 copy of huge inputs: E[(x - mean)^2] blockwise.
         flat = values.reshape(-1)
-        acc = 0.0
-        block = 1 << 22
-        for start in range(0, flat.size, block):
-            d = flat[start:start + block].astype(np.float64) - mean
-            acc += float(np.dot(d, d))
+        if flat.size <= block:  # one block (a run file's small tensors: no loop, no slice)
+            d = flat.astype(np.float64) - mean
+            acc = float(np.dot(d, d))
+        else:
+            acc = 0.0
+            for start in range(0, flat.size, block):
+                d = flat[start:start + block].astype(np.float64) - mean
+                acc += float(np.dot(d, d))
         std = (acc / flat.size) ** 0.5
     out["mean"] = float(mean) if np.isfinite(mean) else None
     out["std"] = float(std) if np.isfinite(std) else None
@@ -164,7 +178,7 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
     path = io.BytesIO(source) if isinstance(source, bytes) else source  # bytes: an HDF5 stream from stdin
     with deferred(), h5py.File(path, "r") as f:
         groups.append({"path": "/", "attributes": _attributes(f)})  # before the walk, which may fail after it
-        for node in h5walk.walk(f, label=label):
+        for node in h5walk.walk(f, label=label, datasets="ids"):  # datasets as ids: h5py's wrapper where needed
             # A name that is not UTF-8 ends the listing with the decoding error, as h5py's path check ends it.
             name, kind = node.raw.decode("utf-8"), node.kind
             if kind in ("external", "soft", "hard"):
@@ -177,10 +191,11 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
                 pending.append((groups[-1], node.obj, True))
                 children["/" + name] = []
             elif kind == "dataset":
-                obj = node.obj
+                obj = node.obj  # its DatasetID
                 shape, file_dtype = obj.shape, obj.dtype  # each an HDF5 round trip: asked once
-                numpy_dtype = str(file_dtype)
-                dtype = "bfloat16" if file_dtype.kind == "u" and tagged_bfloat16(obj) else numpy_dtype
+                numpy_dtype = _dtype_name(file_dtype)
+                dtype = ("bfloat16" if file_dtype.kind == "u" and tagged_bfloat16(h5py.Dataset(obj, readonly=True))
+                         else numpy_dtype)
                 datasets.append({"path": name, "shape": shape, "dtype": dtype, "attributes": None, "error": None})
                 if reads is not None and shape is not None and reads[1](name):
                     datasets[-1]["read"] = _read_open(obj, name, reads[0], shape, file_dtype)
@@ -202,15 +217,24 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
     return groups, datasets, links
 
 
-def _read_open(obj, name, label, shape, dtype):
-    """What :func:`_read_entry` reads of a dataset, from the open Dataset (as ``Container.read`` reads it);
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype):
+    """``str(dtype)``, once per dtype (NumPy builds the name anew on every call; a listing asks for thousands)."""
+    return str(dtype)
+
+
+def _read_open(dsid, name, label, shape, dtype):
+    """What :func:`_read_entry` reads of a dataset, from the open DatasetID (as ``Container.read`` reads it);
     ``shape`` and ``dtype``: the walk's, so that a small plain dataset is read in one low-level call."""
+    import h5py
+
     from qgcli.storage import h5
     from qgcli.errors import FileFormatError
 
-    array = h5.read_plain_dataset(obj.id, shape, dtype)
+    array = h5.read_plain_dataset(dsid, shape, dtype)
     if array is None:
         try:
+            obj = h5py.Dataset(dsid, readonly=True)
             array = h5.read_dataset_node(h5.checked_dataset(obj, name, label), name, label)
         except FileFormatError as exc:
             return None, None, None, str(exc)
