@@ -809,7 +809,7 @@ void qg_onnx_int(const float *restrict x, uint8_t *restrict q, float *restrict y
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 8; }
+int qg_abi_version(void) { return 9; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {
