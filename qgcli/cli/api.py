@@ -32,7 +32,7 @@ def run(command, *arguments, **options):
     ``--no-`` form where there is one; a list or tuple is joined with commas (``min=[-1, -2]``); ``None`` is left
     out.  Nothing is printed on stderr unless the command warns.
     """
-    from qgcli.cli.main import main
+    from qgcli.cli.app import main
     from qgcli.report.summaries import CAPTURED
 
     words = command.split()

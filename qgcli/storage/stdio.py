@@ -74,7 +74,7 @@ class StdoutFormat:
 def write_all(stream, data):
     """Write all of ``data`` to a binary stream and flush it.  A pipe whose reader went away can take part of a
     large write and return a short count (no error yet); the next write then raises BrokenPipeError, which the
-    CLI turns into exit 141 (:mod:`qgcli.cli.main`), where one ``write`` would silently end the output early."""
+    CLI turns into exit 141 (:mod:`qgcli.cli.app`), where one ``write`` would silently end the output early."""
     view = memoryview(data)
     while view:
         written = stream.write(view)
