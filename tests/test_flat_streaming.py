@@ -10,7 +10,9 @@ Peak RSS is the child's own ``VmHWM`` at exit, read in the child: ``os.wait4``'s
 starts from the parent's resident size at the fork (Linux carries it across ``exec``), so under a pytest
 process that holds TensorFlow it reads the parent, not the command."""
 import io
+import json
 import os
+import struct
 import subprocess
 import sys
 import zipfile
@@ -224,3 +226,34 @@ def test_a_member_whose_npy_header_outruns_its_zip_entry_is_truncated(tmp_path):
 
     with pytest.raises(FileFormatError, match="truncated"):
         _flat(tmp_path / "b.npz", "inputs")
+
+
+def test_bf16_safetensors_stream_as_the_tagged_hdf5_bfloat16_runs_in_memory(tmp_path, cli):
+    """BF16 is streamed as its uint16 codes tagged bfloat16, as qgcli keeps bfloat16 in HDF5: bn-grad over the
+    limit from a .safetensors file gives the bits of bn-grad in memory on the tagged .h5 of the same codes."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    pytest.importorskip("safetensors")
+    rng = np.random.default_rng(7)
+    x, dy = (rng.standard_normal((2048, 8, 8, 32), dtype=np.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
+    stats = {"scale": np.full(32, 0.75, np.float32), "reserve_space_1": x.astype(np.float32).mean((0, 1, 2)),
+             "reserve_space_2": x.astype(np.float32).var((0, 1, 2))}
+    with h5py.File(tmp_path / "bf.h5", "w") as f:
+        for name, value in (("x", x), ("y_backprop", dy)):
+            f.create_dataset(name, data=value.view(np.uint16)).attrs["dtype"] = "bfloat16"
+        for name, value in stats.items():
+            f[name] = value
+            np.save(tmp_path / f"{name}.npy", value)
+    header = json.dumps({"x": {"dtype": "BF16", "shape": list(x.shape), "data_offsets": [0, x.nbytes]},
+                         "y_backprop": {"dtype": "BF16", "shape": list(dy.shape),
+                                        "data_offsets": [x.nbytes, 2 * x.nbytes]}}).encode()
+    (tmp_path / "bf.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + x.tobytes() + dy.tobytes())
+    r = cli("bn-grad", tmp_path / "bf.h5", "-o", tmp_path / "memory.h5", "-q")
+    assert r.exit_code == 0, r.output
+    r = cli("bn-grad", "--x", f"{tmp_path}/bf.safetensors:x", "--y-backprop", f"{tmp_path}/bf.safetensors:y_backprop",
+            *(a for name in stats for a in (f"--{name.replace('_', '-')}", tmp_path / f"{name}.npy")),
+            "-o", tmp_path / "streamed.h5", "-q", "--memory-limit", "2M", "--json")
+    assert r.exit_code == 0, r.output
+    assert "streamed from disk" in r.output
+    _same_bits(_outputs(tmp_path / "streamed.h5"), _outputs(tmp_path / "memory.h5"))
+    with h5py.File(tmp_path / "streamed.h5") as f:
+        assert f["x_backprop"].attrs["dtype"] == "bfloat16"
