@@ -114,9 +114,10 @@ def safetensors_tensor(path, key, label):
     dtype = np.dtype(SAFETENSORS_DTYPES[entry["dtype"]])
     shape = tuple(int(d) for d in entry["shape"])
     begin, end = (int(v) for v in entry["data_offsets"])
-    if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-        raise FileFormatError(f"{label}: {key!r} holds {end - begin} bytes, not the "
-                              f"{int(np.prod(shape, dtype=np.int64)) * dtype.itemsize} its shape {list(shape)} needs")
+    needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end - begin != needed:
+        raise FileFormatError(f"{label}: {key!r} holds {end - begin} bytes, not the {needed} its shape "
+                              f"{list(shape)} needs")
     if not dtype.isnative:
         return None
     attrs = {"dtype": "bfloat16"} if entry["dtype"] == "BF16" else None

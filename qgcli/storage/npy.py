@@ -112,8 +112,6 @@ class NpyFormat:
     def flat(self, source, key, label):
         """The array as plain bytes at an offset of its file (:class:`qgcli.storage.flat.FlatTensor`, unread);
         None for a stream, or where it is not plain bytes."""
-        from qgcli.storage import flat
-
         return None if isinstance(source, bytes) else flat.npy(source, label)
 
     def header(self, handle, key):

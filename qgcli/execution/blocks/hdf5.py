@@ -2,9 +2,9 @@
 
 Blocks of the first axis are read from the input datasets (into reused buffers, one block ahead where the
 data lie as plain bytes: a contiguous HDF5 dataset, or an .npy file, a stored .npz member or a .safetensors
-tensor, :mod:`qgcli.storage.flat`, which stream here the same way), computed with the same kernels as the in-memory path and written straight into
-the output dataset (whole chunk rows, compressed on a thread pool), so peak memory is a few blocks whatever
-the tensor's size.  The math is the block driver's (:mod:`qgcli.execution.blocks.leaves`,
+tensor, :mod:`qgcli.storage.flat`, which stream here the same way), computed with the same kernels as the
+in-memory path and written straight into the output dataset (whole chunk rows, compressed on a thread
+pool), so peak memory is a few blocks whatever the tensor's size.  The math is the block driver's (:mod:`qgcli.execution.blocks.leaves`,
 :mod:`qgcli.execution.blocks.two_pass`); this module reads and writes.
 """
 import numpy as np
