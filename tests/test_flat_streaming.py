@@ -2,53 +2,20 @@
 
 They are plain bytes at a known offset of their file (:mod:`qgcli.storage.flat`): the block executor reads
 row blocks of them with os.preadv, never the whole tensor.  Each trial runs the real command in a subprocess
-with 64 MiB tensors and ``--memory-limit 16M``, and compares every output bit
-for bit with the in-memory run of the same command.  A compressed .npz member cannot be streamed: still
-refused in one line (tests/test_declared_sizes.py).
-
-Peak RSS is the child's own ``VmHWM`` at exit, read in the child: ``os.wait4``'s ``ru_maxrss`` of a child
-starts from the parent's resident size at the fork (Linux carries it across ``exec``), so under a pytest
-process that holds TensorFlow it reads the parent, not the command."""
+with 64 MiB tensors and ``--memory-limit 16M``, measures its own peak RSS (``VmHWM``, see
+``test_declared_sizes.LAUNCH``) and compares every output bit for bit with the in-memory run of the same
+command.  A compressed .npz member cannot be streamed: still refused in one line (tests/test_declared_sizes.py)."""
 import io
 import json
 import os
 import struct
-import subprocess
-import sys
 import zipfile
 
 import h5py
 import numpy as np
 import pytest
 
-from test_declared_sizes import MIB, _env
-
-#: Runs qgcli's CLI and writes the process's peak resident size (kB, from /proc/self/status) where
-#: QGCLI_TEST_PEAK says, however the CLI exits.
-_LAUNCH = """
-import os, sys
-try:
-    from qgcli.cli import main
-    main(args=sys.argv[1:], prog_name="qgcli")
-finally:
-    with open("/proc/self/status") as status:
-        peak = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
-    with open(os.environ["QGCLI_TEST_PEAK"], "w") as out:
-        out.write(peak)
-"""
-
-
-def qgcli(*args, cwd):
-    """Run ``qgcli ARGS`` in a subprocess: ``(exit code, stderr lines, its own peak RSS in MiB)``."""
-    if not os.path.exists("/proc/self/status"):
-        pytest.skip("peak RSS is read from /proc")
-    peak = os.path.join(cwd, ".peak")
-    done = subprocess.run([sys.executable, "-c", _LAUNCH, *map(str, args)], cwd=cwd, capture_output=True,
-                          env=dict(_env(), QGCLI_TEST_PEAK=peak), timeout=300)
-    with open(peak) as fh:
-        mib = int(fh.read()) / 1024
-    os.remove(peak)
-    return done.returncode, done.stderr.decode().strip().splitlines(), mib
+from test_declared_sizes import MIB, qgcli
 
 #: Peak RSS a streamed run may add to the same command's on a tiny input: the limit, and as much again
 #: for the reused read buffers, the read-ahead and the output's chunk writer, all sized from it.
@@ -100,7 +67,7 @@ def _same_bits(a, b):
 
 
 def _run(folder, out, *args, limit=None):
-    code, lines, rss = qgcli(*args, "-o", out, "-q", *(("--memory-limit", limit) if limit else ()), cwd=folder)
+    code, _, lines, rss, _ = qgcli(*args, "-o", out, "-q", *(("--memory-limit", limit) if limit else ()), cwd=folder)
     assert code == 0, lines
     return rss
 
@@ -208,7 +175,7 @@ def test_a_truncated_npy_over_the_limit_is_one_line(tmp_path):
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (64 * MIB,)})
     (tmp_path / "t.npy").write_bytes(header.getvalue() + b"\0" * 4096)
-    code, lines, _ = qgcli("fakequant-grad", "--inputs", "t.npy", "--gradients", "t.npy", "--min", "-1",
+    code, _, lines, _, _ = qgcli("fakequant-grad", "--inputs", "t.npy", "--gradients", "t.npy", "--min", "-1",
                                    "--max", "1", "-o", "out.h5", "--memory-limit", "16M", cwd=tmp_path)
     assert code == 2 and len(lines) == 1 and "truncated" in lines[0], lines
     assert not os.path.exists(tmp_path / "out.h5")
