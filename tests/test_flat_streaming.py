@@ -224,3 +224,11 @@ def test_bf16_safetensors_stream_as_the_tagged_hdf5_bfloat16_runs_in_memory(tmp_
     _same_bits(_outputs(tmp_path / "streamed.h5"), _outputs(tmp_path / "memory.h5"))
     with h5py.File(tmp_path / "streamed.h5") as f:
         assert f["x_backprop"].attrs["dtype"] == "bfloat16"
+
+
+def test_a_streamed_npy_needs_an_h5_output(folder):
+    code, _, lines, rss, _ = qgcli("fakequant-grad", "--inputs", "x.npy", "--gradients", "g.npy", "--min", "-1",
+                                   "--max", "1", "-o", "refused.npz", "--memory-limit", "16M", cwd=folder)
+    assert code == 2 and lines == ["Error: --output: the inputs need about 256.0 MiB, more than --memory-limit "
+                                   "(16.0 MiB); streaming writes .h5 outputs only"], lines
+    assert not os.path.exists(folder / "refused.npz") and rss < 100

@@ -109,8 +109,8 @@ def plan(job, operands, *, streams, mode=None):
             raise OperandError(f"declares {declared / 2**30:.1f} GiB but stores {stored / 2**30:.3f} GiB; "
                                "refusing to stream unwritten data", operand=name)
     if output == "-" or io.output_kind(output) != "h5":
-        raise OutputError(f"the inputs need about {needed / 2**30:.1f} GiB, more than --memory-limit "
-                          f"({budget / 2**30:.1f} GiB); streaming writes .h5 outputs only", operand="--output")
+        raise OutputError(f"the inputs need about {_size(needed)}, more than --memory-limit ({_size(budget)}); "
+                          "streaming writes .h5 outputs only", operand="--output")
     out_bytes = int(datasets["x" if "x" in datasets else "inputs"].size) * 4
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(output))).free
     if free < out_bytes:
