@@ -94,11 +94,13 @@ class Operands:
         """Operand ``name`` as plain bytes at an offset of its file (:class:`qgcli.storage.flat.FlatTensor`,
         unread, closed with the operands): an .npy file, a stored .npz member, a .safetensors tensor; None
         otherwise (HDF5: :meth:`dataset`; a compressed member, stdin, a literal: read whole)."""
+        from qgcli.storage import formats
+
         try:
             if name in self._specs:
                 spec = self._specs[name]
-                if spec.path is None:
-                    return None  # a literal, or stdin (read once, whole)
+                if spec.path is None or not hasattr(formats.for_input(spec.path), "flat"):
+                    return None  # a literal, stdin (read once, whole), HDF5, a store
                 container = self._io.Container.open(spec.path, self.stdin)
                 self._opened.append(container)
                 key = spec.key or (name if container.format.holds_many and container.has(name) else None)
