@@ -46,8 +46,9 @@ def need(tensors):
 
 
 def sizes(arrays):
-    """``(element count, itemsize)`` of arrays or unread datasets (anything with ``size`` and ``dtype``)."""
-    return [(a.size, a.dtype.itemsize) for a in arrays]
+    """``(element count, itemsize)`` of arrays or unread datasets (anything with ``size`` and ``dtype``; an HDF5
+    dataset with a null dataspace has no size: nothing to read, and its reader refuses it)."""
+    return [(a.size or 0, a.dtype.itemsize) for a in arrays]
 
 
 def shapes_fit(datasets, names, budget):
