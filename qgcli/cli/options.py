@@ -495,9 +495,9 @@ def output_options(*, plot=False):
         opt("-o", "--output", "output", metavar="OUT", required=True, help=OUTPUT_HELP),
         force_option(),
         opt("--memory-limit", metavar="SIZE", default=None,
-            help="Stream HDF5 inputs block by block when they need more than SIZE (e.g. 2G, 25%); "
-                 "default: a quarter of the machine's memory. A mode that cannot stream refuses a "
-                 "limit below its inputs."),
+            help="Stream HDF5, .npy, stored .npz and .safetensors inputs block by block when they need more "
+                 "than SIZE (e.g. 2G, 25%); default: a quarter of the machine's memory. A mode or input that "
+                 "cannot stream refuses a limit below its inputs."),
         opt("--compression", type=click.Choice(["gzip", "lzf"]), default=None,
             help="Compress HDF5 outputs (chunked datasets), in every mode."),
     ]

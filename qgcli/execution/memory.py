@@ -46,8 +46,9 @@ def need(tensors):
 
 
 def sizes(arrays):
-    """``(element count, itemsize)`` of arrays or unread datasets (anything with ``size`` and ``dtype``)."""
-    return [(a.size, a.dtype.itemsize) for a in arrays]
+    """``(element count, itemsize)`` of arrays or unread datasets (anything with ``size`` and ``dtype``; an HDF5
+    dataset with a null dataspace has no size: nothing to read, and its reader refuses it)."""
+    return [(a.size or 0, a.dtype.itemsize) for a in arrays]
 
 
 def shapes_fit(datasets, names, budget):
@@ -68,11 +69,12 @@ def shapes_fit(datasets, names, budget):
 
 
 def plan(job, operands, *, streams, mode=None):
-    """``(datasets, budget)`` when the job's large operands must be streamed from HDF5, else None (it works in
-    memory).
+    """``(datasets, budget)`` when the job's large operands must be streamed from disk, else None (it works in
+    memory).  They stream from HDF5 datasets and from files that hold them as plain bytes at an offset
+    (.npy, stored .npz members, .safetensors: :mod:`qgcli.storage.flat`).
 
     A job that cannot stream (``mode`` says why: its family, or the GPU) is refused when an explicit
-    ``--memory-limit`` is below what its HDF5 inputs need; without the option it works in memory as always.
+    ``--memory-limit`` is below what its inputs need; without the option it works in memory as always.
     """
     from qgcli.storage import io
 
@@ -83,7 +85,9 @@ def plan(job, operands, *, streams, mode=None):
     datasets, whole = {}, {}
     for name in job.large_operands:
         ds = operands.dataset(name)
-        if ds is None:  # not an HDF5 dataset: read whole
+        if ds is None:  # .npy, a stored .npz member, .safetensors: plain bytes at an offset, streamed as well
+            ds = operands.flat(name)
+        if ds is None:  # a compressed .npz member, stdin: read whole
             whole[name] = operands.declared(name)
         else:
             datasets[name] = ds
@@ -98,14 +102,16 @@ def plan(job, operands, *, streams, mode=None):
                          "them from disk (only TensorFlow's fake-quant ops and bn-grad stream, on the CPU); raise "
                          "--memory-limit or drop it", operand="--memory-limit")
     for name, ds in datasets.items():
+        if not hasattr(ds, "id"):
+            continue  # plain bytes of a file, which holds them all (qgcli.storage.flat)
         declared, stored = int(ds.size) * ds.dtype.itemsize, ds.id.get_storage_size()
         if ds.compression is None and stored < declared // 2:
             # A file can declare terabytes and store nothing: reading it would stream fill values for hours.
             raise OperandError(f"declares {declared / 2**30:.1f} GiB but stores {stored / 2**30:.3f} GiB; "
                                "refusing to stream unwritten data", operand=name)
     if output == "-" or io.output_kind(output) != "h5":
-        raise OutputError(f"the inputs need about {needed / 2**30:.1f} GiB, more than --memory-limit "
-                          f"({budget / 2**30:.1f} GiB); streaming writes .h5 outputs only", operand="--output")
+        raise OutputError(f"the inputs need about {_size(needed)}, more than --memory-limit ({_size(budget)}); "
+                          "streaming writes .h5 outputs only", operand="--output")
     out_bytes = int(datasets["x" if "x" in datasets else "inputs"].size) * 4
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(output))).free
     if free < out_bytes:
@@ -115,7 +121,7 @@ def plan(job, operands, *, streams, mode=None):
 
 
 def _check_whole(limit, budget, streamable, whole, operands):
-    """Operands that are not HDF5 datasets (.npy, .npz, .safetensors, stdin) are read whole: under an explicit
+    """Operands that cannot be streamed (a compressed .npz member, stdin) are read whole: under an explicit
     ``--memory-limit`` their size, from their headers, must fit it with the others (``streamable``), else the job
     is refused in one line (exit 2) before anything is read.  Without the option they are read as always
     (a file declaring more than the machine's memory is refused by its reader)."""
@@ -126,8 +132,9 @@ def _check_whole(limit, budget, streamable, whole, operands):
         return
     names = ", ".join(f"{name} ({operands.sources.get(name) or name})" for name in whole)
     raise QgcliError(f"the inputs need about {_size(needed)}, more than {_size(budget)}, and {names} "
-                     "cannot be streamed from disk (only HDF5 datasets stream, and Zarr stores in blocks); convert "
-                     "it to .h5 or .zarr, or raise --memory-limit", operand="--memory-limit")
+                     "cannot be streamed from disk (a compressed .npz member or stdin is read whole; HDF5, .npy, "
+                     "stored .npz members and .safetensors stream, Zarr stores run in blocks); convert it to .h5, "
+                     ".npy or .zarr, or raise --memory-limit", operand="--memory-limit")
 
 
 def _size(n):

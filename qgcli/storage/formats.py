@@ -13,9 +13,11 @@ A format is one module with a ``FORMAT`` object; adding one is that module plus 
     Whether a SPEC may name one of its tensors with ``:KEY``; whether it has groups, links and run-file
     layers (``inspect`` walks those).
 ``open(source)`` -> handle; ``names(handle, label)``, ``read(handle, key, label)``, ``has(handle, key, label)``;
-``dataset(handle, key, label)``
+``dataset(handle, key, label)``, ``flat(source, key, label)``
     Reading, for :class:`qgcli.storage.io.Container` (``source``: a path, or the bytes of a stdin stream;
-    ``dataset`` an unread HDF5 dataset for streaming).  A store opens its own container: ``open_container(path)``.
+    ``dataset`` an unread HDF5 dataset for streaming, ``flat`` a tensor that is plain bytes at an offset of
+    its file, also for streaming: :mod:`qgcli.storage.flat`).  A store opens its own container:
+    ``open_container(path)``.
 ``attributes(handle, label)``, ``header(handle, key)``, ``size(path)`` (optional)
     What ``inspect`` shows besides the tensors: the file's own attributes, a tensor's shape and dtype from
     its header when its data cannot be read, the bytes of a store.

@@ -177,6 +177,19 @@ class Container:
             return None
         return self.format.dataset(self._opened(), key, self.label)
 
+    def flat(self, key):
+        """The tensor under ``key`` as plain bytes at an offset of the file (:class:`qgcli.storage.flat.FlatTensor`,
+        unread, for streaming; the caller closes it); None where the format, a stream or the member (a
+        compressed .npz member) does not hold it so."""
+        if not hasattr(self.format, "flat") or not isinstance(self._source, str):
+            return None
+        if key is None and self.format.holds_many:
+            names = self.names()
+            if len(names) != 1:
+                return None  # reading it says which to name
+            key = names[0]
+        return self.format.flat(self._source, key, self.label)
+
     def has(self, key):
         return self.format.has(self._opened(), key, self.label)
 

@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 
 from qgcli.errors import FileFormatError, OutputError, QgcliError
-from qgcli.storage import atomic, targets
+from qgcli.storage import atomic, flat, targets
 from qgcli.storage.checks import CORRUPT_FILE_ERRORS, check_memory, reason
 
 MAGIC = b"\x93NUMPY"
@@ -108,6 +108,11 @@ class NpyFormat:
 
     def has(self, handle, key, label):
         return False
+
+    def flat(self, source, key, label):
+        """The array as plain bytes at an offset of its file (:class:`qgcli.storage.flat.FlatTensor`, unread);
+        None for a stream, or where it is not plain bytes."""
+        return None if isinstance(source, bytes) else flat.npy(source, label)
 
     def header(self, handle, key):
         """``(shape, dtype)`` from the .npy header alone (nothing unpickled, no data read); (None, None) if

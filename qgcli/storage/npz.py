@@ -2,12 +2,13 @@
 reader, never by ``np.load``) and written in ``np.savez``'s layout."""
 import contextlib
 import io as _io
+import struct
 import zipfile
 
 import numpy as np
 
 from qgcli.errors import FileFormatError, QgcliError
-from qgcli.storage import atomic, npy, targets
+from qgcli.storage import atomic, flat, npy, targets
 from qgcli.storage.checks import CORRUPT_FILE_ERRORS, reason
 from qgcli.storage.sinks import FlatSink
 
@@ -75,6 +76,35 @@ def read_member(zf, member, key, label):
         raise FileFormatError(f"{what} cannot be read: {reason(exc)}") from None
 
 
+#: Bytes of a zip entry's local header before its file name (APPNOTE 4.3.7).
+_LOCAL_HEADER = 30
+
+
+def stored_member(path, key, label):
+    """Member ``key`` of the .npz file ``path`` as a :class:`qgcli.storage.flat.FlatTensor` where it is stored
+    (not compressed, not encrypted) and its .npy is plain bytes; else None."""
+    with open(path, "rb") as raw, zipfile.ZipFile(raw) as zf:
+        member = members(zf).get(key)
+        if member is None:
+            return None
+        info = zf.getinfo(member)
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+            return None
+        what = f"{label}: key {key!r}"
+        check_member(zf, info, what)
+        raw.seek(info.header_offset)
+        local = raw.read(_LOCAL_HEADER)  # ends with the lengths of the name and extra field the data follow
+        if len(local) != _LOCAL_HEADER or local[:4] != b"PK\x03\x04":
+            raise FileFormatError(f"{what}: corrupt: no zip entry at offset {info.header_offset}")
+        start = info.header_offset + _LOCAL_HEADER + sum(struct.unpack_from("<HH", local, 26))
+        raw.seek(start)
+        tensor = flat.npy_at(raw, path, f"{label}:{key}")
+        if tensor is not None and tensor.offset + tensor.size * tensor.dtype.itemsize > start + info.file_size:
+            tensor.close()
+            raise FileFormatError(f"{what}: truncated: its .npy header promises more data than its zip entry holds")
+        return tensor
+
+
 @contextlib.contextmanager
 def writing(fh):
     """``with writing(fh) as put``: ``put(key, array)`` adds ``key.npy``.  np.savez's layout, with the zip file
@@ -111,6 +141,11 @@ class NpzFormat:
 
     def has(self, handle, key, label):
         return key in members(handle)
+
+    def flat(self, source, key, label):
+        """Member ``key`` as plain bytes at an offset of the file (:class:`qgcli.storage.flat.FlatTensor`,
+        unread) where it is stored; None for a stream or a compressed member (inflated only in order)."""
+        return None if isinstance(source, bytes) else stored_member(source, key, label)
 
     def header(self, handle, key):
         """Shape and dtype from the member's .npy header (never unpickling anything); (None, None) if

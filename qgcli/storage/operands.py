@@ -90,6 +90,35 @@ class Operands:
             raise self._error(name, str(exc)) from None
         return None
 
+    def flat(self, name):
+        """Operand ``name`` as plain bytes at an offset of its file (:class:`qgcli.storage.flat.FlatTensor`,
+        unread, closed with the operands): an .npy file, a stored .npz member, a .safetensors tensor; None
+        otherwise (HDF5: :meth:`dataset`; a compressed member, stdin, a literal: read whole)."""
+        from qgcli.storage import formats
+
+        try:
+            if name in self._specs:
+                spec = self._specs[name]
+                if spec.path is None or not hasattr(formats.for_input(spec.path), "flat"):
+                    return None  # a literal, stdin (read once, whole), HDF5, a store
+                container = self._io.Container.open(spec.path, self.stdin)
+                self._opened.append(container)
+                key = spec.key or (name if container.format.holds_many and container.has(name) else None)
+                tensor, source = container.flat(key), spec.text
+            elif self._bundle_container is not None and hasattr(self._bundle_container, "flat") \
+                    and self._bundle_container.has(name):
+                tensor, source = self._bundle_container.flat(name), f"{self.bundle_text}:{name}"
+            else:
+                return None
+        except FileFormatError as exc:
+            raise self._error(name, str(exc)) from None
+        except OSError as exc:
+            raise self._error(name, f"cannot read: {exc.strerror or exc}") from None
+        if tensor is not None:
+            self._opened.append(tensor)
+            self.sources[name] = source
+        return tensor
+
     def declared(self, name):
         """``(element count, itemsize)`` of operand ``name`` from its file's header alone (no data read), or
         None where that cannot be told (a literal, a format without one, an unreadable header: reading it

@@ -157,5 +157,11 @@ class SafetensorsFormat:
         yield FlatSink(arrays.__setitem__)
         atomic.atomic_write(dest, lambda tmp: write(tmp, arrays))
 
+    def flat(self, source, key, label):
+        """Tensor ``key`` as plain bytes at its header's offsets (:mod:`qgcli.storage.flat`), unread."""
+        from qgcli.storage import flat
+
+        return flat.safetensors_tensor(source, key, label)
+
 
 FORMAT = SafetensorsFormat()

@@ -7,8 +7,9 @@ The family says what the blocks compute: its ``block_setup(job, operands, tensor
 bn-grad's per-channel sums then ``x_backprop``, :mod:`~qgcli.execution.blocks.two_pass`) with its
 parameters; its ``block_summary`` renders the result.  The source says how blocks are read and written:
 
-- :mod:`~qgcli.execution.blocks.hdf5`: HDF5 datasets streamed in order into an .h5 output (read ahead,
-  reused buffers, chunk rows compressed on a thread pool): :func:`run_streamed`;
+- :mod:`~qgcli.execution.blocks.hdf5`: HDF5 datasets, and tensors that are plain bytes at an offset of a
+  file (.npy, stored .npz members, .safetensors: :mod:`qgcli.storage.flat`), streamed in order into an .h5
+  output (read ahead, reused buffers, chunk rows compressed on a thread pool): :func:`run_streamed`;
 - :mod:`~qgcli.execution.blocks.zarr`: Zarr arrays as independent blocks writing their own output chunks,
   here or as tasks on a Dask cluster: :func:`qgcli.execution.blocks.zarr.plan_for`.
 """
@@ -30,7 +31,8 @@ class Streamed:
 
 
 def stream(runner, job, operands, datasets, budget):
-    """The :class:`Streamed` plan of ``job`` over its HDF5 ``datasets`` (too large for ``budget``)."""
+    """The :class:`Streamed` plan of ``job`` over its ``datasets`` (HDF5 datasets or flat tensors, too large for
+    ``budget``)."""
     from qgcli.execution.blocks import hdf5
 
     setup = runner.block_setup(job, operands, datasets)

@@ -1,9 +1,10 @@
-"""The HDF5 block source: tensors larger than the memory budget streamed block by block, in order.
+"""The HDF5 block source: tensors larger than the memory budget streamed block by block, in order, into an .h5.
 
 Blocks of the first axis are read from the input datasets (into reused buffers, one block ahead where the
-data lie as plain bytes), computed with the same kernels as the in-memory path and written straight into
-the output dataset (whole chunk rows, compressed on a thread pool), so peak memory is a few blocks whatever
-the tensor's size.  The math is the block driver's (:mod:`qgcli.execution.blocks.leaves`,
+data lie as plain bytes: a contiguous HDF5 dataset, or an .npy file, a stored .npz member or a .safetensors
+tensor, :mod:`qgcli.storage.flat`, which stream here the same way), computed with the same kernels as the
+in-memory path and written straight into the output dataset (whole chunk rows, compressed on a thread
+pool), so peak memory is a few blocks whatever the tensor's size.  The math is the block driver's (:mod:`qgcli.execution.blocks.leaves`,
 :mod:`qgcli.execution.blocks.two_pass`); this module reads and writes.
 """
 import numpy as np
@@ -79,7 +80,7 @@ class _Reader:
 
     def __init__(self, ds, step, *, buffers=1):
         self.ds, self.rows = ds, ds.shape[0]
-        self.where = h5_contiguous.extent(ds) if ds.size else None
+        self.where = _extent(ds) if ds.size else None
         self.what = f"dataset {ds.name!r}"  # the thread reading ahead must not call HDF5 (not thread-safe)
         shape = (min(step, ds.shape[0]),) + tuple(ds.shape[1:])
         self.buffers = [np.empty(shape, ds.dtype) for _ in range(buffers + (self.where is not None))]
@@ -120,6 +121,12 @@ class _Reader:
 
             abandon([self.ahead[2]])
             self.ahead = None
+
+
+def _extent(ds):
+    """Where the bytes of ``ds`` lie: an HDF5 dataset's (None where h5py must read it), or those of a file that
+    holds the tensor as plain bytes (:class:`qgcli.storage.flat.FlatTensor`: always)."""
+    return ds.extent() if hasattr(ds, "extent") else h5_contiguous.extent(ds)
 
 
 def _rows(block, depth):
