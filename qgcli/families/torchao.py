@@ -3,8 +3,6 @@ with dynamic qparams, their full autograd input gradient, and the split of that 
 straight-through part, the scale path and torch's rounding (per tensor in the summary, per block in
 ``qgcli report --semantics torchao``).  The math is :mod:`qgcli.ops.torchao_semantics`.
 """
-import csv
-import sys
 
 import numpy as np
 
@@ -433,15 +431,6 @@ def render_report(console, doc, limit):
     for note in doc["notes"]:
         print_items(console, f"[yellow]note:[/] {markup(note)}")
     print_items(console, f"[bold]{markup(doc['verdict'])}[/]")
-
-
-def write_report_csv(doc):
-    writer = csv.writer(sys.stdout, lineterminator="\n")
-    writer.writerow(ROW_KEYS)
-    for r in doc["rows"]:
-        writer.writerow(["" if r[k] is None else "x".join(map(str, r[k])) if isinstance(r[k], list) else
-                         repr(r[k]) if isinstance(r[k], float) else str(r[k]).lower() if isinstance(r[k], bool)
-                         else r[k] for k in ROW_KEYS])
 
 
 # --- qgcli report's row of a run-file group -----------------------------------------------------------------
