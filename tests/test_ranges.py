@@ -257,3 +257,71 @@ def test_documented_snippet_loads_into_a_torch_ao_model(tmp_path, monkeypatch):
     model.apply(tq.disable_observer)
     y = model(x)  # the model runs on the loaded ranges
     assert torch.isfinite(y).all()
+
+
+# --- torchao: an IntxFakeQuantizer's own scale / zero_point ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torchao_run(tmp_path_factory):
+    """One captured torchao QAT model (int4 weights per group of 32, int8 per-token activations, float8 per
+    row), shared by the torchao tests (tests/test_capture_torchao.py's model)."""
+    pytest.importorskip("torchao")
+    import test_capture_torchao as tct
+
+    from qgcli.capture.torch import capture
+
+    torch = tct.torch
+    model = tct._model()
+    path = str(tmp_path_factory.mktemp("torchao") / "run.h5")
+    with capture(model, path):
+        torch.nn.functional.cross_entropy(model(torch.randn(2, 4, 16)).reshape(8, 8),
+                                          torch.randint(0, 8, (8,))).backward()
+    dest = tmp_path_factory.mktemp("torchao_ranges") / "ranges.h5"
+    r = _cli("report", path, "--ranges-out", dest, "--range-method", "mse", "-q")
+    assert r.exit_code == 0, r.output
+    return model, path, str(dest)
+
+
+def _static(quantizer, scale, zero_point):
+    """torchao's IntxFakeQuantizer with its scale / zero_point set (not recomputed from the data)."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    fq = copy.deepcopy(quantizer)
+    fq.config = dataclasses.replace(fq.config, is_dynamic=False)
+    fq.scale, fq.zero_point = torch.from_numpy(scale), torch.from_numpy(zero_point)
+    return fq
+
+
+def test_torchao_groups_get_their_quantizers_own_qparams(torchao_run, tmp_path):
+    import torch
+
+    model, run, dest = torchao_run
+    with h5py.File(dest, "r") as f, h5py.File(run, "r") as r:
+        assert sorted(json.loads(f.attrs["skipped"])[i]["path"] for i in range(2)) == [
+            "4/activation_fake_quantizer", "4/weight_fake_quantizer"]  # float8: no range to write
+        for name, quantizer in (("2/weight_fake_quantizer", model[2].weight_fake_quantizer),
+                                ("2/activation_fake_quantizer", model[2].activation_fake_quantizer)):
+            g = f[name]
+            assert g.attrs["op"] == "torchao.IntxFakeQuantizer" and g.attrs["range_method"] == "mse"
+            scale, zp = g["scale"][()], g["zero_point"][()]
+            assert scale.shape == r[name]["reference/scale"].shape and zp.dtype == np.int32
+            x = torch.from_numpy(r[name]["inputs"][()])
+            own = float(((quantizer(x) - x) ** 2).sum())  # torchao's dynamic qparams: the data's whole range
+            fq = _static(quantizer, scale, zp)
+            assert float(((fq(x) - x) ** 2).sum()) <= own  # mse: never worse than the range of the data
+            if "weight" in name:
+                assert not np.array_equal(scale, r[name]["reference/scale"][()])  # some group clips outliers
+            # the loaded quantizer's gradient is what fakequant-grad --ranges computes, bit for bit
+            out = tmp_path / f"{name.replace('/', '_')}.h5"
+            res = _cli("fakequant-grad", f"{run}:{name}", "--ranges", dest, "-o", out, "-q")
+            assert res.exit_code == 0, res.output
+            xg = x.clone().requires_grad_(True)
+            fq(xg).backward(torch.from_numpy(r[name]["gradients"][()]))
+            with h5py.File(out, "r") as o:
+                got = o[name]["backprops_wrt_input"][()] if name in o else o["backprops_wrt_input"][()]
+                assert np.array_equal(got, xg.grad.numpy())
+                stored = o[name] if name in o else o
+                assert np.array_equal(stored["scale"][()], scale) and np.array_equal(stored["zero_point"][()], zp)
