@@ -128,24 +128,21 @@ def _torch_group(layer, operands, options, percentiles, method):
     counts = fin.sum(axis=0)
     ordered = np.sort(np.where(fin, cols, np.nan), axis=0)
     num_bits = max(1, int(np.ceil(np.log2(quant_max - quant_min + 1))))
-    best, best_err = None, None
-    for lo, hi in candidates(method, ordered, counts, percentiles,
-                             lambda o, c, q: column_percentiles(o, c, q), num_bits):
-        s, z = torch_qparams(lo, hi, quant_min, quant_max)
-        if axis is None:
-            s, z = s.reshape(()), z.reshape(())
-        view = ts.quantized_view(x, s, z, quant_min, quant_max, axis=axis)
-        out = np.asarray(view.outputs, np.float64).reshape(-1, cols.shape[1])
-        ref = np.asarray(view.inputs, np.float64).reshape(-1, cols.shape[1])
-        with np.errstate(all="ignore"):
-            err = np.where(np.isfinite(ref), (out - ref) ** 2, 0.0).sum(axis=0)
-        if best is None:
-            best, best_err = [np.atleast_1d(s).copy(), np.atleast_1d(z).copy()], err
-        else:  # per channel, the earlier candidate on a tie
-            better = err < best_err
-            best[0][better], best[1][better] = np.atleast_1d(s)[better], np.atleast_1d(z)[better]
-            best_err = np.where(better, err, best_err)
-    s, z = best
+
+    def scored():
+        for lo, hi in candidates(method, ordered, counts, percentiles,
+                                 lambda o, c, q: column_percentiles(o, c, q), num_bits):
+            s, z = torch_qparams(lo, hi, quant_min, quant_max)
+            if axis is None:
+                s, z = s.reshape(()), z.reshape(())
+            view = ts.quantized_view(x, s, z, quant_min, quant_max, axis=axis)
+            out = np.asarray(view.outputs, np.float64).reshape(-1, cols.shape[1])
+            ref = np.asarray(view.inputs, np.float64).reshape(-1, cols.shape[1])
+            with np.errstate(all="ignore"):
+                err = np.where(np.isfinite(ref), (out - ref) ** 2, 0.0).sum(axis=0)
+            yield (s, z), err
+
+    s, z = _least_error(scored())
     if axis is None:
         s, z = s.reshape(()), z.reshape(())
     attrs = {"op": layer.op, "quant_min": quant_min, "quant_max": quant_max, "range_method": method}
@@ -164,24 +161,37 @@ def _torchao_group(layer, operands, config, percentiles, method):
     blocks = x.reshape(int(np.prod(shape)), -1)  # its blocks: rows of consecutive values (torchao_semantics)
     fin = np.isfinite(blocks.T)
     ordered = np.sort(np.where(fin, blocks.T, np.nan), axis=0)
-    best, best_err = None, None
-    for lo, hi in candidates(method, ordered, fin.sum(axis=0), percentiles,
-                             lambda o, c, q: column_percentiles(o, c, q), tao.bit_width(config.dtype)):
-        s, z = tao.range_qparams(lo, hi, config)
-        out = np.asarray(tao.fake_quantize(x, config, qparams=(s, z)).outputs, np.float64).reshape(blocks.shape)
-        with np.errstate(all="ignore"):
-            err = np.where(np.isfinite(blocks), (out - blocks) ** 2, 0.0).sum(axis=1)
-        if best is None:
-            best, best_err = [s.ravel().copy(), z.ravel().copy()], err
-        else:  # per block, the earlier candidate on a tie
-            better = err < best_err
-            best[0][better], best[1][better] = s.ravel()[better], z.ravel()[better]
-            best_err = np.where(better, err, best_err)
-    s, z = (a.reshape(shape) for a in best)
+
+    def scored():
+        for lo, hi in candidates(method, ordered, fin.sum(axis=0), percentiles,
+                                 lambda o, c, q: column_percentiles(o, c, q), tao.bit_width(config.dtype)):
+            s, z = tao.range_qparams(lo, hi, config)
+            out = np.asarray(tao.fake_quantize(x, config, qparams=(s, z)).outputs, np.float64).reshape(blocks.shape)
+            with np.errstate(all="ignore"):
+                err = np.where(np.isfinite(blocks), (out - blocks) ** 2, 0.0).sum(axis=1)
+            yield (s, z), err
+
+    s, z = (a.reshape(shape) for a in _least_error(scored()))
     attrs = {k: v for k, v in layer.attrs.items() if k not in ("framework", "module", "torchao_version")}
     attrs["range_method"] = method
     zero_point = z.astype(np.int32) if config.zero_point_precision == "int32" else z.astype(np.float32)
     return attrs, {"scale": s.astype(np.float32), "zero_point": zero_point}
+
+
+def _least_error(scored):
+    """Per channel (block), the parameters of the candidate with the least error, the earlier one on a tie:
+    ``scored`` yields ``((scale, zero_point), error per channel)``; returns the 1-d arrays."""
+    best, best_err = None, None
+    for params, err in scored:
+        params = [np.atleast_1d(a).ravel() for a in params]
+        if best is None:
+            best, best_err = [a.copy() for a in params], err
+            continue
+        better = err < best_err
+        for kept, new in zip(best, params):
+            kept[better] = new[better]
+        best_err = np.where(better, err, best_err)
+    return best
 
 
 def write(dest, written, skipped, *, source, method):

@@ -306,7 +306,8 @@ Examples:
                    "docs/inspect-report.md.")
 @click.option("--ranges-out", "ranges_out", metavar="FILE.h5", default=None,
               help="Run files: write each quantizer's suggested range at its group path, in its own parameters "
-                   "(TensorFlow min/max, PyTorch scale/zero_point), for fakequant-grad RUN --ranges FILE.h5.")
+                   "(TensorFlow min/max, PyTorch and torchao scale/zero_point), for fakequant-grad RUN --ranges "
+                   "FILE.h5.")
 @click.option("--tensorboard", "tensorboard", metavar="LOGDIR", default=None,
               help="Run files: also write TensorBoard event files under LOGDIR (scalars per layer and statistic at "
                    "the file's step numbers, aggregate curves; pip install 'qgcli[tensorboard]').")
