@@ -59,29 +59,43 @@ def test_kl_is_tensorrts_entropy_calibration():
     assert r.row(0)["suggested_min"] == 0 and r.row(0)["suggested_max"] > 0
 
 
+def _write_ranges(dest, method, target=RUN):
+    r = _cli("report", target, "--ranges-out", dest, "--range-method", method, "--json")
+    assert r.exit_code == 0, r.output
+    return str(dest), json.loads(r.stdout), r.stderr
+
+
+#: The KL search costs about 0.15 s of CPU per channel (2048 bins, 1921 candidate ranges): the quick run writes
+#: the KL ranges of one step's head (a per-tensor TF and a torch group); the whole file's (38 channels) is slow.
+KL_HEAD = f"{RUN}:step_000100/head"
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     out = {}
     for method in ranges.METHODS:
         dest = tmp_path_factory.mktemp(method) / "ranges.h5"
-        r = _cli("report", RUN, "--ranges-out", dest, "--range-method", method, "--json")
-        assert r.exit_code == 0, r.output
-        assert f"wrote the {method} ranges of 8 quantizers to {dest} (2 groups without" in r.stderr
-        out[method] = (str(dest), json.loads(r.stdout))
+        out[method] = _write_ranges(dest, method, KL_HEAD if method == "kl" else RUN)
     return out
 
 
-@pytest.mark.parametrize("method", ranges.METHODS)
-def test_tf_ranges_are_reports_suggested_ranges(written, method):
-    dest, doc = written[method]
+def _check_written(dest, doc, method, stderr=None):
+    """The file holds report's suggested range of each quantizer, at its group path, in its own parameters."""
     rows = {row["path"]: row for row in doc["layers"]}
+    whole = PER_CHANNEL in rows
+    if stderr is not None:
+        assert (f"wrote the {method} ranges of 8 quantizers to {dest} (2 groups without" in stderr if whole else
+                f"wrote the {method} ranges of 2 quantizers to {dest}" in stderr)
     with h5py.File(dest, "r") as f:
         assert f.attrs["format"] == "qgcli-ranges" and f.attrs["range_method"] == method
-        for path in PER_TENSOR:
+        for path in PER_TENSOR if whole else PER_TENSOR[1:]:
             g = f[path]
             assert g["min"].shape == () and g["min"].dtype == np.float32
             assert float(g["min"][()]) == np.float32(rows[path]["suggested_min"])
             assert float(g["max"][()]) == np.float32(rows[path]["suggested_max"])
+        assert ("scale" in f[TORCH_GROUP]) and (PER_CHANNEL in f) == whole
+        if not whole:
+            return
         per_channel = f[PER_CHANNEL]
         lo, hi = per_channel["min"][()], per_channel["max"][()]
         assert per_channel.attrs["op"] == "FakeQuantWithMinMaxVarsPerChannel"
@@ -91,6 +105,19 @@ def test_tf_ranges_are_reports_suggested_ranges(written, method):
     assert hi.tolist() == [np.float32(r["suggested_max"]) for r in layer["rows"]]
     assert [e["path"] for e in json.loads(_attrs(dest)["skipped"])] == ["step_000100/backbone/conv1/bn",
                                                                         "step_000200/backbone/conv1/bn"]
+
+
+@pytest.mark.parametrize("method", ranges.METHODS)
+def test_tf_ranges_are_reports_suggested_ranges(written, method):
+    dest, doc, stderr = written[method]
+    _check_written(dest, doc, method, stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("QGCLI_LONG", "") in ("", "0"), reason="38 KL searches: set QGCLI_LONG=1")
+def test_kl_ranges_of_the_whole_run_file(tmp_path):
+    dest, doc, stderr = _write_ranges(tmp_path / "ranges.h5", "kl")
+    _check_written(dest, doc, "kl", stderr)
 
 
 def _attrs(dest):
@@ -124,7 +151,7 @@ def test_torch_qparams_are_torch_ao_observers():
 
 def test_torch_group_ranges_least_error_under_torchs_quantizer(written):
     torch = pytest.importorskip("torch")
-    dest, _ = written["mse"]
+    dest = written["mse"][0]
     with h5py.File(RUN, "r") as run, h5py.File(dest, "r") as f:
         x = torch.from_numpy(run[TORCH_GROUP]["inputs"][()])
         g = f[TORCH_GROUP]
@@ -147,7 +174,7 @@ def test_torch_group_ranges_least_error_under_torchs_quantizer(written):
 
 
 def test_fakequant_grad_applies_the_ranges(written, tmp_path):
-    dest, doc = written["percentile"]
+    dest, doc, _ = written["percentile"]
     with_ranges, plain = tmp_path / "with.h5", tmp_path / "plain.h5"
     r = _cli("fakequant-grad", RUN, "--ranges", dest, "-o", with_ranges)
     assert r.exit_code == 0, r.output
@@ -172,7 +199,7 @@ def test_fakequant_grad_applies_the_ranges(written, tmp_path):
 
 
 def test_refusals(written, tmp_path):
-    dest, _ = written["percentile"]
+    dest = written["percentile"][0]
     per_channel = os.path.join(ROOT, "samples", "per_channel.h5")
     r = _cli("report", per_channel, "--ranges-out", tmp_path / "x.h5")
     assert r.exit_code == 2 and "'--ranges-out'" in r.stderr and not (tmp_path / "x.h5").exists()
@@ -230,3 +257,71 @@ def test_documented_snippet_loads_into_a_torch_ao_model(tmp_path, monkeypatch):
     model.apply(tq.disable_observer)
     y = model(x)  # the model runs on the loaded ranges
     assert torch.isfinite(y).all()
+
+
+# --- torchao: an IntxFakeQuantizer's own scale / zero_point ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torchao_run(tmp_path_factory):
+    """One captured torchao QAT model (int4 weights per group of 32, int8 per-token activations, float8 per
+    row), shared by the torchao tests (tests/test_capture_torchao.py's model)."""
+    pytest.importorskip("torchao")
+    import test_capture_torchao as tct
+
+    from qgcli.capture.torch import capture
+
+    torch = tct.torch
+    model = tct._model()
+    path = str(tmp_path_factory.mktemp("torchao") / "run.h5")
+    with capture(model, path):
+        torch.nn.functional.cross_entropy(model(torch.randn(2, 4, 16)).reshape(8, 8),
+                                          torch.randint(0, 8, (8,))).backward()
+    dest = tmp_path_factory.mktemp("torchao_ranges") / "ranges.h5"
+    r = _cli("report", path, "--ranges-out", dest, "--range-method", "mse", "-q")
+    assert r.exit_code == 0, r.output
+    return model, path, str(dest)
+
+
+def _static(quantizer, scale, zero_point):
+    """torchao's IntxFakeQuantizer with its scale / zero_point set (not recomputed from the data)."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    fq = copy.deepcopy(quantizer)
+    fq.config = dataclasses.replace(fq.config, is_dynamic=False)
+    fq.scale, fq.zero_point = torch.from_numpy(scale), torch.from_numpy(zero_point)
+    return fq
+
+
+def test_torchao_groups_get_their_quantizers_own_qparams(torchao_run, tmp_path):
+    import torch
+
+    model, run, dest = torchao_run
+    with h5py.File(dest, "r") as f, h5py.File(run, "r") as r:
+        assert sorted(json.loads(f.attrs["skipped"])[i]["path"] for i in range(2)) == [
+            "4/activation_fake_quantizer", "4/weight_fake_quantizer"]  # float8: no range to write
+        for name, quantizer in (("2/weight_fake_quantizer", model[2].weight_fake_quantizer),
+                                ("2/activation_fake_quantizer", model[2].activation_fake_quantizer)):
+            g = f[name]
+            assert g.attrs["op"] == "torchao.IntxFakeQuantizer" and g.attrs["range_method"] == "mse"
+            scale, zp = g["scale"][()], g["zero_point"][()]
+            assert scale.shape == r[name]["reference/scale"].shape and zp.dtype == np.int32
+            x = torch.from_numpy(r[name]["inputs"][()])
+            own = float(((quantizer(x) - x) ** 2).sum())  # torchao's dynamic qparams: the data's whole range
+            fq = _static(quantizer, scale, zp)
+            assert float(((fq(x) - x) ** 2).sum()) <= own  # mse: never worse than the range of the data
+            if "weight" in name:
+                assert not np.array_equal(scale, r[name]["reference/scale"][()])  # some group clips outliers
+            # the loaded quantizer's gradient is what fakequant-grad --ranges computes, bit for bit
+            out = tmp_path / f"{name.replace('/', '_')}.h5"
+            res = _cli("fakequant-grad", f"{run}:{name}", "--ranges", dest, "-o", out, "-q")
+            assert res.exit_code == 0, res.output
+            xg = x.clone().requires_grad_(True)
+            fq(xg).backward(torch.from_numpy(r[name]["gradients"][()]))
+            with h5py.File(out, "r") as o:
+                got = o[name]["backprops_wrt_input"][()] if name in o else o["backprops_wrt_input"][()]
+                assert np.array_equal(got, xg.grad.numpy())
+                stored = o[name] if name in o else o
+                assert np.array_equal(stored["scale"][()], scale) and np.array_equal(stored["zero_point"][()], zp)

@@ -9,7 +9,7 @@ from qgcli.cli.options import gate
 
 
 def show_history(history, *, step=None, as_json=False, html=None, force=False, tensorboard=None, fail_on=(),
-                 quiet=False, baseline=None):
+                 quiet=False, baseline=None, tables=(None, None)):
     """``trend`` (and ``report`` of a history): the table or JSON on stdout, the page and events if asked, then
     the ``--fail-on`` gate; ``baseline``: another history, compared as ``qgcli diff BASELINE HISTORY`` does (the
     document's ``baseline`` section, the changes in the page, its verdict after the table)."""
@@ -17,10 +17,13 @@ def show_history(history, *, step=None, as_json=False, html=None, force=False, t
     from qgcli.monitor.trends import trend as trend_of
     from qgcli.report.summaries import dump_json
 
+    from qgcli.report import table_out
+
     if html is not None:
         from qgcli.storage.outputs import check_figure_output
 
         check_figure_output(html, inputs=[history], force=force, option="--html", format="html")  # before the work
+    table_out.check(*tables, force=force, inputs=[history], as_json=as_json)
     read = read_history(history)
     doc = {"command": "trend", "history": history, **trend_of(read)}
     steps = doc["steps"]
@@ -38,8 +41,15 @@ def show_history(history, *, step=None, as_json=False, html=None, force=False, t
             click.echo(f"wrote TensorBoard events to {tensorboard}", err=True)
     if html is not None:
         _write_page(html, force, doc, history)
+    if tables != (None, None):  # --csv / --parquet: the rows of the page's table (qgcli.report.history_table)
+        from qgcli.report.history_table import KEYS, last_samples
+
+        table_out.write(last_samples(doc, step), KEYS, csv=tables[0], parquet=tables[1], force=force,
+                        inputs=[history])
     if as_json:
         dump_json(doc)
+    elif "-" in tables:
+        pass  # the table went to stdout as CSV or Parquet
     else:
         for line in table_lines(doc, step):
             click.echo(line)

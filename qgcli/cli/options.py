@@ -392,6 +392,22 @@ def json_option(help="Print a machine-readable summary on stdout."):
     return opt("--json", "as_json", is_flag=True, help=help)
 
 
+def table_out_options(with_force=False):
+    """``--csv [FILE]`` and ``--parquet FILE``: the command's table, the records of its ``--json`` document
+    (:mod:`qgcli.report.table_out`); bare ``--csv`` (or ``-``) prints the CSV on stdout instead of the table.
+    ``with_force``: also ``--force`` to replace them, for a command that has no other output."""
+    def decorate(f):
+        if with_force:
+            f = click.option("--force", is_flag=True, help="Replace an existing --csv or --parquet FILE.")(f)
+        f = click.option("--parquet", "parquet", metavar="FILE", default=None,
+                         help="Also write the table as a Parquet file, typed columns (- for stdout; "
+                              "pip install 'qgcli[parquet]').")(f)
+        return click.option("--csv", "csv_out", metavar="FILE", default=None, is_flag=False, flag_value="-",
+                            help="Also write the table as CSV, one row per record of --json (bare --csv, or -: "
+                                 "on stdout instead of the table).")(f)
+    return decorate
+
+
 def fail_on_option(command, also=None):
     """``--fail-on CONDITION,...``: exit 3 after printing when a condition holds (:mod:`qgcli.report.gates`);
     parsed when the command line is, so that a bad condition stops before any work.  ``also``: the gate of

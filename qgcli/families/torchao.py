@@ -3,8 +3,6 @@ with dynamic qparams, their full autograd input gradient, and the split of that 
 straight-through part, the scale path and torch's rounding (per tensor in the summary, per block in
 ``qgcli report --semantics torchao``).  The math is :mod:`qgcli.ops.torchao_semantics`.
 """
-import csv
-import sys
 
 import numpy as np
 
@@ -121,6 +119,15 @@ def mode(job):
     return "--semantics torchao"
 
 
+def ranges_config(layer):
+    """The config of a group whose quantizer's own ``scale`` / ``zero_point`` ``report --ranges-out`` writes
+    (qgcli.report.ranges_out): an integer quantizer's; float8 has none (its scale follows each block's amax)."""
+    config = config_from_attributes(layer.attrs)
+    if isinstance(config, ts.Float8FakeQuantizeConfig):
+        raise QgcliError("torchao's float8 quantizer computes its scale from each block's amax: no range to write")
+    return config
+
+
 def attribute_problem(attrs):
     """A group's config that torchao's quantizers cannot take."""
     try:
@@ -208,7 +215,12 @@ def compute(job, operands):
     config = job.torchao
     inputs, gradients, notes = _load(job, operands, job.with_gradients)
     xp, (gradients, inputs) = to_device([gradients, inputs], job.output.device)
-    res = ts.fake_quantize(inputs, config, gradients)
+    qparams = None
+    if job.operands.get("scale") is not None:  # fakequant-grad RUN --ranges: the quantizer's scale / zero point set
+        qparams = (to_numpy(operands.get("scale")), to_numpy(operands.get("zero_point")))
+        notes.append("scale and zero_point from --ranges (an IntxFakeQuantizer whose qparams are set), not from "
+                     "the data")
+    res = ts.fake_quantize(inputs, config, gradients, qparams)
     out = {"backprops_wrt_input": res.backprops_wrt_input} if job.with_gradients else {"outputs": res.outputs}
     out.update(_stored(res))
     attrs = {"op": config.op, "semantics": "torchao", **{k: ("none" if v is None else v)
@@ -445,15 +457,6 @@ def render_report(console, doc, limit):
     for note in doc["notes"]:
         print_items(console, f"[yellow]note:[/] {markup(note)}")
     print_items(console, f"[bold]{markup(doc['verdict'])}[/]")
-
-
-def write_report_csv(doc):
-    writer = csv.writer(sys.stdout, lineterminator="\n")
-    writer.writerow(ROW_KEYS)
-    for r in doc["rows"]:
-        writer.writerow(["" if r[k] is None else "x".join(map(str, r[k])) if isinstance(r[k], list) else
-                         repr(r[k]) if isinstance(r[k], float) else str(r[k]).lower() if isinstance(r[k], bool)
-                         else r[k] for k in ROW_KEYS])
 
 
 # --- qgcli report's row of a run-file group -----------------------------------------------------------------

@@ -45,6 +45,10 @@ def severity(kind):
     return "error" if kind in ERRORS else "warning"
 
 
+#: A finding's keys, in order (the columns of doctor --csv / --parquet).
+FINDING_KEYS = ("kind", "severity", "layer", "step", "evidence", "advice")
+
+
 def _finding(kind, layer, step, evidence):
     return {"kind": kind, "severity": severity(kind), "layer": layer, "step": step, "evidence": evidence,
             "advice": ADVICE[kind]}

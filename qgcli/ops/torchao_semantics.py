@@ -378,8 +378,24 @@ def _clamp_min(a, lo, xp):
     return xp.where(xp.isnan(a), a, xp.maximum(a, lo))
 
 
-def _intx(xb, gb, c, xp):
-    s, z = _intx_qparams(xb, c, xp)
+def range_qparams(lo, hi, config):
+    """``(scale, zero_point)``, shape (blocks, 1), that torchao's integer quantizer computes for blocks whose
+    smallest value is ``lo`` and largest ``hi`` (one per block): its qparams depend on nothing else.
+
+    >>> c = intx_fake_quantize_config("int4", "per-group:4")
+    >>> s, z = range_qparams(np.float32([-0.5]), np.float32([1.5]), c)
+    >>> float(s[0, 0]), float(z[0, 0])
+    (0.20000000298023224, 0.0)
+    """
+    if isinstance(config, Float8FakeQuantizeConfig):
+        raise OperandError("float8 has no range parameters (its scale is amax / the dtype's max, per block)",
+                           operand="--ranges-out")
+    ends = np.stack([np.asarray(lo, _F32).ravel(), np.asarray(hi, _F32).ravel()], axis=1)
+    return _intx_qparams(ends, config, np)
+
+
+def _intx(xb, gb, c, xp, qparams=None):
+    s, z = _intx_qparams(xb, c, xp) if qparams is None else qparams
     qmin, qmax = dtype_bounds(c.dtype)
     domain = "int" if c.granularity == "per-token" else c.zero_point_domain
     with np.errstate(all="ignore"):
@@ -455,12 +471,21 @@ def _float8(xb, gb, c, xp):
 
 # --- public API ------------------------------------------------------------------------------------------
 
-def _run(inputs, config, gradients=None):
+def _run(inputs, config, gradients=None, qparams=None):
     xp, x, g = _inputs(inputs, gradients)
     xb, scale_shape = _blocks(x, config)
     gb = None if g is None else g.reshape(xb.shape)
-    fn = _float8 if isinstance(config, Float8FakeQuantizeConfig) else _intx
-    y, s, z, inside, grads = fn(xb, gb, config, xp)
+    if qparams is not None:  # static qparams (IntxFakeQuantizer's own scale / zero_point, set or initialised)
+        if isinstance(config, Float8FakeQuantizeConfig):
+            raise OperandError("float8's quantizer takes no scale (it computes it from each block)", operand="scale")
+        s, z = (xp.asarray(np.asarray(a, _F32)) for a in qparams)
+        if s.size != xb.shape[0] or z.size != xb.shape[0]:
+            raise OperandError(f"has {s.size} values, the quantizer's blocks are {xb.shape[0]} (torchao's scale "
+                               f"shape {list(scale_shape)})", operand="scale")
+        y, s, z, inside, grads = _intx(xb, gb, config, xp, (s.reshape(-1, 1), z.reshape(-1, 1)))
+    else:
+        fn = _float8 if isinstance(config, Float8FakeQuantizeConfig) else _intx
+        y, s, z, inside, grads = fn(xb, gb, config, xp)
     res = TorchaoResult(config=config, outputs=y.reshape(x.shape), scale=s.reshape(scale_shape),
                         zero_point=None if z is None else z.reshape(scale_shape), inside=inside.reshape(x.shape),
                         blocks=tuple(xb.shape))
@@ -502,9 +527,11 @@ def float8_fake_quantize_gradient(gradients, inputs, config):
     return _run(inputs, config, gradients)
 
 
-def fake_quantize(inputs, config, gradients=None):
-    """Either quantizer, by the type of ``config``; with ``gradients`` also the input gradient."""
-    return _run(inputs, config, gradients)
+def fake_quantize(inputs, config, gradients=None, qparams=None):
+    """Either quantizer, by the type of ``config``; with ``gradients`` also the input gradient; ``qparams``:
+    the integer quantizer's ``(scale, zero_point)`` (torchao's shapes) instead of those of the data, as an
+    ``IntxFakeQuantizer`` whose ``scale`` / ``zero_point`` are set (static, or range learning) uses them."""
+    return _run(inputs, config, gradients, qparams)
 
 
 def block_statistics(result, xp=None):

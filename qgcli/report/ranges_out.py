@@ -5,13 +5,16 @@ applies them and a few lines load them into the model (docs/inspect-report.md).
 Per group, by family: TensorFlow's fake-quant ops get ``min`` and ``max`` (float32, a scalar or one per
 channel, as the op takes them); PyTorch's ``fake_quantize_per_tensor_affine`` / ``..._per_channel_affine`` get
 ``scale`` (float32) and ``zero_point`` (int32) on the group's ``[quant_min, quant_max]``, from the range as
-``torch.ao``'s observers compute them (:func:`torch_qparams`).  Each group's attributes say the op, the method
-and, for PyTorch, quant_min, quant_max and the axis.  Other groups (torchao, ONNX, MX, batch norms ...) are
-listed in the file's ``skipped`` attribute with the reason.
+``torch.ao``'s observers compute them (:func:`torch_qparams`); torchao's integer quantizers
+(``IntxFakeQuantizer``) get their own ``scale`` and ``zero_point`` in torchao's shapes and precisions, as
+torchao computes them for a block whose smallest and largest values are the suggested range
+(:func:`qgcli.ops.torchao_semantics.range_qparams`).  Each group's attributes say the op, the method and, for
+PyTorch, quant_min, quant_max and the axis; for torchao, the group's config.  Other groups (torchao's float8,
+ONNX, MX, batch norms ...) are listed in the file's ``skipped`` attribute with the reason.
 
 The range is the method's best candidate (:mod:`qgcli.ops.ranges`): for TensorFlow groups exactly the
-``suggested_min/max`` of ``report``; for PyTorch groups the candidate with the least error under PyTorch's own
-fake quant with the parameters written.
+``suggested_min/max`` of ``report``; for PyTorch and torchao groups the candidate with the least error (per
+channel, per block) under the framework's own fake quant with the parameters written.
 """
 import json
 
@@ -37,8 +40,9 @@ def torch_qparams(lo, hi, quant_min, quant_max):
     them (``_calculate_qparams``): the range widened to hold 0, ``scale = (hi - lo) / (quant_max - quant_min)``
     at least float32's eps, ``zero_point = quant_min - round(lo / scale)`` clamped to the integer range.
 
-    >>> torch_qparams(np.float32(-1.0), np.float32(3.0), 0, 255)
-    (array(0.01568628, dtype=float32), array(64, dtype=int32))
+    >>> scale, zero_point = torch_qparams(np.float32(-1.0), np.float32(3.0), 0, 255)
+    >>> float(scale), int(zero_point), scale.dtype.name, zero_point.dtype.name
+    (0.01568627543747425, 64, 'float32', 'int32')
     """
     f32 = np.float32
     lo = np.minimum(np.asarray(lo, f32), f32(0))
@@ -64,7 +68,13 @@ def suggested_ranges(target, *, options=(), percentiles, method="percentile"):
                 continue
             reason = groups.validate(layer, "report")
             fam = registry.of(layer)
-            if reason is None and not getattr(fam, "CHANNEL_ANALYSIS", False) and layer.op not in TORCH_OPS:
+            torchao_config = getattr(fam, "ranges_config", None)
+            if reason is None and torchao_config is not None:
+                try:
+                    torchao_config = torchao_config(layer)
+                except QgcliError as exc:
+                    reason = str(exc)
+            elif (reason is None and not getattr(fam, "CHANNEL_ANALYSIS", False) and layer.op not in TORCH_OPS):
                 reason = "no range parameters qgcli writes for this op (TensorFlow min/max, PyTorch scale/zero point)"
             if reason is not None:
                 skipped.append({"path": layer.path, "op": layer.op, "reason": reason})
@@ -72,7 +82,9 @@ def suggested_ranges(target, *, options=(), percentiles, method="percentile"):
             operands = Operands.in_group(container, path, layer.path, groups.literal_specs(layer),
                                          literal_ok=("min", "max"), known=layer.datasets)
             try:
-                if layer.op in TORCH_OPS:
+                if torchao_config is not None:
+                    written[layer.path] = _torchao_group(layer, operands, torchao_config, percentiles, method)
+                elif layer.op in TORCH_OPS:
                     written[layer.path] = _torch_group(layer, operands, options, percentiles, method)
                 else:
                     written[layer.path] = _tf_group(layer, operands, options, percentiles, method)
@@ -116,30 +128,70 @@ def _torch_group(layer, operands, options, percentiles, method):
     counts = fin.sum(axis=0)
     ordered = np.sort(np.where(fin, cols, np.nan), axis=0)
     num_bits = max(1, int(np.ceil(np.log2(quant_max - quant_min + 1))))
-    best, best_err = None, None
-    for lo, hi in candidates(method, ordered, counts, percentiles,
-                             lambda o, c, q: column_percentiles(o, c, q), num_bits):
-        s, z = torch_qparams(lo, hi, quant_min, quant_max)
-        if axis is None:
-            s, z = s.reshape(()), z.reshape(())
-        view = ts.quantized_view(x, s, z, quant_min, quant_max, axis=axis)
-        out = np.asarray(view.outputs, np.float64).reshape(-1, cols.shape[1])
-        ref = np.asarray(view.inputs, np.float64).reshape(-1, cols.shape[1])
-        with np.errstate(all="ignore"):
-            err = np.where(np.isfinite(ref), (out - ref) ** 2, 0.0).sum(axis=0)
-        if best is None:
-            best, best_err = [np.atleast_1d(s).copy(), np.atleast_1d(z).copy()], err
-        else:  # per channel, the earlier candidate on a tie
-            better = err < best_err
-            best[0][better], best[1][better] = np.atleast_1d(s)[better], np.atleast_1d(z)[better]
-            best_err = np.where(better, err, best_err)
-    s, z = best
+
+    def scored():
+        for lo, hi in candidates(method, ordered, counts, percentiles,
+                                 lambda o, c, q: column_percentiles(o, c, q), num_bits):
+            s, z = torch_qparams(lo, hi, quant_min, quant_max)
+            if axis is None:
+                s, z = s.reshape(()), z.reshape(())
+            view = ts.quantized_view(x, s, z, quant_min, quant_max, axis=axis)
+            out = np.asarray(view.outputs, np.float64).reshape(-1, cols.shape[1])
+            ref = np.asarray(view.inputs, np.float64).reshape(-1, cols.shape[1])
+            with np.errstate(all="ignore"):
+                err = np.where(np.isfinite(ref), (out - ref) ** 2, 0.0).sum(axis=0)
+            yield (s, z), err
+
+    s, z = _least_error(scored())
     if axis is None:
         s, z = s.reshape(()), z.reshape(())
     attrs = {"op": layer.op, "quant_min": quant_min, "quant_max": quant_max, "range_method": method}
     if axis is not None:
         attrs["axis"] = axis
     return attrs, {"scale": s.astype(np.float32), "zero_point": z.astype(np.int32)}
+
+
+def _torchao_group(layer, operands, config, percentiles, method):
+    """An IntxFakeQuantizer's ``scale`` / ``zero_point`` (torchao's shapes): per block, the candidate range whose
+    qparams (as torchao computes them from that range) give the least error under torchao's fake quant."""
+    from qgcli.ops import torchao_semantics as tao
+
+    x = np.asarray(operands.get("inputs"), np.float32)
+    shape = tao.choose_qparams(x, config)[0].shape  # torchao's scale shape
+    blocks = x.reshape(int(np.prod(shape)), -1)  # its blocks: rows of consecutive values (torchao_semantics)
+    fin = np.isfinite(blocks.T)
+    ordered = np.sort(np.where(fin, blocks.T, np.nan), axis=0)
+
+    def scored():
+        for lo, hi in candidates(method, ordered, fin.sum(axis=0), percentiles,
+                                 lambda o, c, q: column_percentiles(o, c, q), tao.bit_width(config.dtype)):
+            s, z = tao.range_qparams(lo, hi, config)
+            out = np.asarray(tao.fake_quantize(x, config, qparams=(s, z)).outputs, np.float64).reshape(blocks.shape)
+            with np.errstate(all="ignore"):
+                err = np.where(np.isfinite(blocks), (out - blocks) ** 2, 0.0).sum(axis=1)
+            yield (s, z), err
+
+    s, z = (a.reshape(shape) for a in _least_error(scored()))
+    attrs = {k: v for k, v in layer.attrs.items() if k not in ("framework", "module", "torchao_version")}
+    attrs["range_method"] = method
+    zero_point = z.astype(np.int32) if config.zero_point_precision == "int32" else z.astype(np.float32)
+    return attrs, {"scale": s.astype(np.float32), "zero_point": zero_point}
+
+
+def _least_error(scored):
+    """Per channel (block), the parameters of the candidate with the least error, the earlier one on a tie:
+    ``scored`` yields ``((scale, zero_point), error per channel)``; returns the 1-d arrays."""
+    best, best_err = None, None
+    for params, err in scored:
+        params = [np.atleast_1d(a).ravel() for a in params]
+        if best is None:
+            best, best_err = [a.copy() for a in params], err
+            continue
+        better = err < best_err
+        for kept, new in zip(best, params):
+            kept[better] = new[better]
+        best_err = np.where(better, err, best_err)
+    return best
 
 
 def write(dest, written, skipped, *, source, method):

@@ -2,7 +2,7 @@
 first."""
 import click
 
-from qgcli.cli.options import fail_on_option, gate, json_option
+from qgcli.cli.options import fail_on_option, gate, json_option, table_out_options
 from qgcli.report.summaries import dump_json, stdout_console
 
 _EXAMPLE = """\b
@@ -21,8 +21,9 @@ Examples:
 @click.option("--step", type=int, default=None, metavar="N",
               help="Two histories: compare at step N (default: the last step both sampled).")
 @json_option("Print one JSON document on stdout: rows with both sides and the change, worst first.")
+@table_out_options(with_force=True)
 @fail_on_option("diff")
-def diff(a, b, top, step, as_json, fail_on):
+def diff(a, b, top, step, as_json, csv_out, parquet, force, fail_on):
     """Compare two run files, A (the baseline) and B (each RUN or RUN:GROUP; a bundle is one layer): per
     layer, by group path, or by layer name at its latest step when the files' steps differ, the change of the
     gradient mass blocked, the clipped shares and the SQNR, worst first.
@@ -32,8 +33,11 @@ def diff(a, b, top, step, as_json, fail_on):
     range and the events so far; a layer that lost its upstream gradient is the worst change."""
     import os
 
+    from qgcli.report import table_out
     from qgcli.report.diff import diff as compare
 
+    inputs = [a.split(":")[0], b.split(":")[0]]
+    table_out.check(csv_out, parquet, force=force, inputs=inputs, as_json=as_json)
     histories = [_is_history(a), _is_history(b)]
     if histories[0] != histories[1]:  # one line, before any work
         other = b if histories[0] else a
@@ -54,9 +58,10 @@ def diff(a, b, top, step, as_json, fail_on):
     doc.update(a=a, b=b)
     if top is not None:
         doc["rows"] = doc["rows"][:top]
+    table_out.write(doc["rows"], csv=csv_out, parquet=parquet, force=force, inputs=inputs)
     if as_json:
         dump_json(doc)
-    else:
+    elif "-" not in (csv_out, parquet):
         _render(stdout_console(), doc)
     gate(doc, fail_on)
 

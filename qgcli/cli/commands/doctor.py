@@ -7,7 +7,7 @@ where first seen, the evidence and what to do.  ``--fail-on error`` (``warning``
 """
 import click
 
-from qgcli.cli.options import fail_on_option, gate, json_option
+from qgcli.cli.options import fail_on_option, gate, json_option, table_out_options
 
 _EXAMPLE = """\b
 Examples:
@@ -24,14 +24,16 @@ Examples:
 @click.option("--html", "html", metavar="FILE", default=None,
               help="Also write one self-contained HTML page: the findings in a sortable table, with their "
                    "evidence and advice (no network needed to open it).")
-@click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
-def doctor(target, fail_on, as_json, html, force):
+@click.option("--force", is_flag=True, help="Replace an existing --html, --csv or --parquet FILE.")
+@table_out_options()
+def doctor(target, fail_on, as_json, html, force, csv_out, parquet):
     """Check the gradient path of a monitored run (a history) or of one captured step (a run file).
 
     A history (written by qgcli.monitor, recognised by content) gets every check; a run file (qgcli.capture)
     the checks one step allows: no_gradient, observer_default, range_collapse, nan, ste_broken.
     """
-    from qgcli.monitor.doctor import diagnose
+    from qgcli.monitor.doctor import diagnose, FINDING_KEYS
+    from qgcli.report import table_out
     from qgcli.report.summaries import dump_json
     import textwrap
 
@@ -41,15 +43,17 @@ def doctor(target, fail_on, as_json, html, force):
         from qgcli.storage.outputs import check_figure_output
 
         check_figure_output(html, inputs=[target], force=force, option="--html", format="html")  # before the work
+    table_out.check(csv_out, parquet, force=force, inputs=[target], as_json=as_json)
     doc = {"command": "doctor", **diagnose(target)}
     if html is not None:
         from qgcli.report import html as pages
 
         pages.write(html, pages.page(doc), force=force, inputs=[target])
     findings = doc["findings"]
+    table_out.write(findings, FINDING_KEYS, csv=csv_out, parquet=parquet, force=force, inputs=[target])
     if as_json:
         dump_json(doc)
-    else:
+    elif "-" not in (csv_out, parquet):
         click.echo(one_line(f"doctor {doc['source']} ({doc['kind']}): {doc['errors']} errors, "
                             f"{doc['warnings']} warnings"))
         for f in findings:

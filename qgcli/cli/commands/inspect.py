@@ -9,7 +9,7 @@ import functools
 
 import click
 
-from qgcli.cli.options import hdf5_bound_options
+from qgcli.cli.options import hdf5_bound_options, table_out_options
 from qgcli.report.summaries import dump_json, number, stdout_console
 from qgcli.report.text import counted
 from qgcli.cli.options import table_options
@@ -488,10 +488,11 @@ Examples:
 @click.argument("files", nargs=-1, required=True, metavar="FILE...", type=click.Path(allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see docs/formats.md).")
 @click.option("--no-stats", is_flag=True, help="Names, shapes and dtypes only (HDF5: reads no data).")
+@table_out_options(with_force=True)
 @click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 @table_options
 @hdf5_bound_options
-def inspect(files, as_json, no_stats, quiet):
+def inspect(files, as_json, csv_out, parquet, force, no_stats, quiet):
     """Show what is in .npy/.npz/.h5 files: every tensor with its shape, dtype, min/max/mean/std over
     finite values, NaN/Inf/zero counts and size; HDF5 groups, attributes and links (never followed).
 
@@ -504,12 +505,19 @@ def inspect(files, as_json, no_stats, quiet):
 
     if sum(1 for f in files if f == "-" or f.startswith("-:")) > 1:
         raise click.BadParameter("stdin (-) can be read only once", param_hint="FILE")
+    from qgcli.report import table_out
+
+    paths = [f.split(":")[0] for f in files if f != "-"]
+    table_out.check(csv_out, parquet, force=force, inputs=paths, as_json=as_json)
     stdin = io.Stdin()
     doc = {"command": "inspect", "schema": INSPECT_SCHEMA, "qgcli_version": __version__, "files": []}
     with Progress("reading", total=0, quiet=quiet) as progress:
         for text in files:
             doc["files"].append(inspect_source(text, stdin, with_stats=not no_stats, progress=progress))
+    # --csv / --parquet: one row per tensor of every file (its file first)
+    table_out.write([{"file": f["file"], **t} for f in doc["files"] for t in f["tensors"]], csv=csv_out,
+                    parquet=parquet, force=force, inputs=paths)
     if as_json:
         dump_json(doc)
-    else:
+    elif "-" not in (csv_out, parquet):
         render_inspect(stdout_console(), doc)

@@ -27,7 +27,7 @@ from qgcli.cli.options import (
 )
 from qgcli.report.summaries import dump_json, nonfinite_notes, number, stdout_console
 from qgcli.report.text import counted
-from qgcli.cli.options import fail_on_option, gate, refuse_conditions, table_options
+from qgcli.cli.options import fail_on_option, gate, refuse_conditions, table_options, table_out_options
 
 REPORT_SCHEMA = 1
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
@@ -248,18 +248,17 @@ def _db(v, mse=None):
     return f"{v:.1f}"
 
 
-def _write_csv(doc):
-    import csv
-    import sys
+def _on_stdout(tables):
+    """Whether --csv or --parquet takes stdout (the table's place)."""
+    return "-" in tables[:2]
 
-    from qgcli.ops.analysis import ROW_KEYS
 
-    keys = list(ROW_KEYS) + ["flagged"]
-    writer = csv.writer(sys.stdout, lineterminator="\n")
-    writer.writerow(keys)
-    for row in doc["rows"]:
-        writer.writerow(["" if row[k] is None else (repr(row[k]) if isinstance(row[k], float) else
-                         str(row[k]).lower() if isinstance(row[k], bool) else row[k]) for k in keys])
+def _write_tables(tables, rows, keys, *, inputs):
+    """--csv / --parquet: ``rows`` of the --json document (qgcli.report.table_out)."""
+    from qgcli.report import table_out
+
+    csv_out, parquet, force = tables
+    table_out.write(rows, keys, csv=csv_out, parquet=parquet, force=force, inputs=inputs)
 
 
 _REPORT_EPILOG = """\b
@@ -309,11 +308,11 @@ Examples:
               callback=_parse_percentiles, metavar="P,...",
               help="Percentiles searched for the suggested range [P(100-p), P(p)]; the best SQNR wins.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (see docs/formats.md).")
-@click.option("--csv", "as_csv", is_flag=True, help="Print one CSV row per channel on stdout.")
+@table_out_options()
 @click.option("--html", "html", metavar="FILE", default=None,
               help="Also write one self-contained HTML page: the verdict, the sortable table, the figures and "
                    "each layer's details (no network needed to open it).")
-@click.option("--force", is_flag=True, help="Replace an existing --html or --ranges-out FILE.")
+@click.option("--force", is_flag=True, help="Replace an existing --html, --csv, --parquet or --ranges-out FILE.")
 @click.option("--range-method", "range_method", type=click.Choice(["percentile", "mse", "kl"]), default="percentile",
               show_default=True,
               help="How the suggested range is found: percentile (the best of --percentiles), mse (alpha*[min,max] "
@@ -321,7 +320,8 @@ Examples:
                    "docs/inspect-report.md.")
 @click.option("--ranges-out", "ranges_out", metavar="FILE.h5", default=None,
               help="Run files: write each quantizer's suggested range at its group path, in its own parameters "
-                   "(TensorFlow min/max, PyTorch scale/zero_point), for fakequant-grad RUN --ranges FILE.h5.")
+                   "(TensorFlow min/max, PyTorch and torchao scale/zero_point), for fakequant-grad RUN --ranges "
+                   "FILE.h5.")
 @click.option("--tensorboard", "tensorboard", metavar="LOGDIR", default=None,
               help="Run files: also write TensorBoard event files under LOGDIR (scalars per layer and statistic at "
                    "the file's step numbers, aggregate curves; pip install 'qgcli[tensorboard]').")
@@ -343,7 +343,8 @@ Examples:
 @torchao_options
 @hdf5_bound_options
 @scheduler_option()
-def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, as_csv, html, force, range_method,
+def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, csv_out, parquet, html, force,
+           range_method,
            ranges_out, tensorboard, baseline, fail_on, quiet, device, layer, semantics, dtype, torchao, scheduler):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
@@ -357,14 +358,16 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     from qgcli.families.tf_fake_quant import TF_OPS, load_fake_quant_operands
     from qgcli.report.summaries import describe_arrays
 
-    if as_json and as_csv:
-        raise click.UsageError("--json and --csv both want stdout; pick one")
+    from qgcli.report import table_out
+
     operands, bundles = operands
+    table_out.check(csv_out, parquet, force=force, inputs=bundles, as_json=as_json)  # before the work
+    tables = (csv_out, parquet, force)  # the table's files (qgcli.report.table_out); "-": stdout
     if len(bundles) == 1 and _is_history(bundles[0]):  # a history from qgcli.monitor: its table, as trend shows it
         if ranges_out is not None or range_method != "percentile":
             raise click.BadParameter("applies to quantizers' data (a run file or a bundle), not a history",
                                      param_hint="'--ranges-out'" if ranges_out is not None else "'--range-method'")
-        return _report_history(bundles[0], operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv,
+        return _report_history(bundles[0], operands, layer, scheduler, semantics, dtype, torchao, as_json, tables,
                                html, force, tensorboard, fail_on, quiet, baseline)
     refuse_conditions(fail_on)
     if attributes.variant not in QDQ_VARIANTS:
@@ -385,7 +388,7 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
                                      param_hint="'--ranges-out'" if ranges_out is not None else
                                      "'--range-method'" if baseline is None else "'--baseline'")
         return _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold,
-                               as_json, as_csv, quiet, device, layer)
+                               as_json, tables, quiet, device, layer)
     if len(bundles) > 1:  # several run files: each a step (or its step groups)
         targets = [run_file_target(operands.__class__(b, operands.specs)) for b in bundles]
         for bundle, target in zip(bundles, targets):
@@ -395,12 +398,12 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         for option, value in (("--layer", layer), ("--ranges-out", ranges_out)):
             if value is not None:
                 raise click.BadParameter("takes one run file as BUNDLE", param_hint=f"'{option}'")
-        return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
+        return _report_layers(targets, typed_overrides(), percentiles, threshold, top, as_json, tables, quiet,
                               device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard,
                               range_method=range_method, baseline=baseline)
     target = run_file_target(operands)
     if target is not None and layer is None:
-        return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, as_csv, quiet,
+        return _report_layers([target], typed_overrides(), percentiles, threshold, top, as_json, tables, quiet,
                               device, scheduler, html=(html, force), fail_on=fail_on, tensorboard=tensorboard,
                               range_method=range_method, ranges_out=ranges_out, baseline=baseline)
     if ranges_out is not None:
@@ -422,12 +425,14 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
             raise click.BadParameter("needs a run file as BUNDLE (groups holding quantizers' operands)",
                                      param_hint="'--layer'")
         from qgcli.report.layers import layer_operands, layer_report
+        from qgcli.storage.runfile import split_target
 
         found = layer_report(target, layer, typed_overrides(), percentiles=percentiles, threshold=threshold,
                              sort=sort, top=top, device=device)
         if found is not None:  # PyTorch's and torchao's groups
             return _report_family_layer(*found, threshold=threshold, sort=sort, top=top, as_json=as_json,
-                                        as_csv=as_csv, quiet=quiet, html=html, force=force, fail_on=fail_on)
+                                        tables=tables, quiet=quiet, html=html, force=force, fail_on=fail_on,
+                                        inputs=[split_target(target)[0]])
         operands, attributes = layer_operands(target, layer, typed_overrides())
     else:
         operands = Operands.of(operands, literal_ok=("min", "max"))
@@ -481,23 +486,25 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     described = describe_arrays({k: v for k, v in raw.items() if v is not None and hasattr(v, "dtype")})
     for k, v in described.items():
         v["source"] = operands.sources.get(k, "default" if variant == "args" and k in ("min", "max") else None)
-    limited = top is None and not as_json and not as_csv and result.channels > _TABLE_ROWS
+    limited = top is None and not as_json and not _on_stdout(tables) and result.channels > _TABLE_ROWS
     doc = build_report_doc(result, op=TF_OPS[variant] if qdq_attrs is None else OPS[variant], attrs=attrs, inputs=described, threshold=threshold,
                            sort=sort, top=_TABLE_ROWS if limited else top, notes=notes)
     if not quiet:
         _print_notes(notes)
-    _show_report(doc, limited, as_json=as_json, as_csv=as_csv, quiet=quiet, html=html, force=force,
+    _show_report(doc, limited, as_json=as_json, tables=tables, quiet=quiet, html=html, force=force,
                  inputs=list(operands.input_paths()), fail_on=fail_on)
 
 
-def _show_report(doc, limited, *, as_json, as_csv, quiet, html, force, inputs, fail_on):
+def _show_report(doc, limited, *, as_json, tables, quiet, html, force, inputs, fail_on):
     """A per-channel report: --html, then JSON, CSV or the table, then the --fail-on gate."""
     if html is not None:
         _write_html(html, force, doc, inputs=inputs)
+    from qgcli.ops.analysis import ROW_KEYS
+
+    _write_tables(tables, doc["rows"], list(ROW_KEYS) + ["flagged"], inputs=inputs)
     if as_json:
         dump_json(doc)
-    elif as_csv:
-        _write_csv(doc)
+    elif _on_stdout(tables):
         if not quiet:
             click.echo(doc["verdict"], err=True)
     else:
@@ -525,13 +532,13 @@ def _check_baseline(baseline, *, history):
                                  param_hint="'--baseline'")
 
 
-def _report_history(history, operands, layer, scheduler, semantics, dtype, torchao, as_json, as_csv, html, force,
+def _report_history(history, operands, layer, scheduler, semantics, dtype, torchao, as_json, tables, html, force,
                     tensorboard, fail_on, quiet, baseline=None):
     """``report HISTORY``: the history's per-layer table, events, page and events files (``qgcli trend``)."""
     from qgcli.cli.history_view import show_history
 
     given_options = [name for name, value in (("--layer", layer), ("--scheduler", scheduler),
-                                              ("--dtype", dtype), ("--csv", as_csv)) if value]
+                                              ("--dtype", dtype)) if value]
     given_options += [f"--{name.replace('_', '-')}" for name in ("gradients", "inputs", "min", "max")
                       if operands.get(name) is not None]
     if semantics != "tf" or torchao.given():
@@ -550,25 +557,25 @@ def _report_history(history, operands, layer, scheduler, semantics, dtype, torch
     if baseline is not None:
         _check_baseline(baseline, history=True)
     show_history(history, as_json=as_json, html=html, force=force, tensorboard=tensorboard, fail_on=fail_on,
-                 quiet=quiet, baseline=baseline)
+                 quiet=quiet, baseline=baseline, tables=tables[:2])
 
 
-def _report_family_layer(kind, found, *, threshold, sort, top, as_json, as_csv, quiet, html, force, fail_on):
+def _report_family_layer(kind, found, *, threshold, sort, top, as_json, tables, quiet, html, force, fail_on, inputs):
     """``report RUN --layer PATH`` of a PyTorch group (the per-channel report on its own grid) or a torchao
     group (its per-block report)."""
     if kind == "blocks":
         if html is not None:
             raise click.BadParameter("is not written for a torchao group's per-block report", param_hint="'--html'")
-        return _show_torchao(found, top, as_json, as_csv, quiet)
+        return _show_torchao(found, top, as_json, tables, quiet, inputs=inputs)
     result, op, attrs, described = found
-    limited = top is None and not as_json and not as_csv and result.channels > _TABLE_ROWS
+    limited = top is None and not as_json and not _on_stdout(tables) and result.channels > _TABLE_ROWS
     doc = build_report_doc(result, op=op, attrs=attrs, inputs=described, threshold=threshold, sort=sort,
                            top=_TABLE_ROWS if limited else top, notes=[])
-    _show_report(doc, limited, as_json=as_json, as_csv=as_csv, quiet=quiet, html=html, force=force, inputs=[],
+    _show_report(doc, limited, as_json=as_json, tables=tables, quiet=quiet, html=html, force=force, inputs=inputs,
                  fail_on=fail_on)
 
 
-def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, as_csv,
+def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, top, sort, threshold, as_json, tables,
                     quiet, device, layer):
     """``--semantics torchao``: one row per block of torchao's quantizer (qgcli.families.torchao)."""
     from qgcli.families import torchao as runner
@@ -586,20 +593,20 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
     config = runner.build_config(dtype, torchao)
     doc = runner.report_doc(operands, config, threshold=threshold, sort="block" if sort == "channel" else sort,
                             top=top, device=device)
-    _show_torchao(doc, top, as_json, as_csv, quiet)
+    _show_torchao(doc, top, as_json, tables, quiet, inputs=list(bundles))
 
 
-def _show_torchao(doc, top, as_json, as_csv, quiet):
+def _show_torchao(doc, top, as_json, tables, quiet, *, inputs):
     """A torchao per-block report (``--semantics torchao``, or a run file's torchao group): notes, then JSON,
     CSV or the table."""
     from qgcli.families import torchao as runner
 
     if not quiet:
         _print_notes(doc["notes"])
+    _write_tables(tables, doc["rows"], runner.ROW_KEYS, inputs=inputs)
     if as_json:
         dump_json(doc)
-    elif as_csv:
-        runner.write_report_csv(doc)
+    elif _on_stdout(tables):
         if not quiet:
             click.echo(doc["verdict"], err=True)
     else:
@@ -610,8 +617,7 @@ def _show_torchao(doc, top, as_json, as_csv, quiet):
 # --- run files: one row per quantizer ----------------------------------------------------------------------
 
 
-
-def _report_layers(targets, options, percentiles, threshold, top, as_json, as_csv, quiet, device, scheduler=None,
+def _report_layers(targets, options, percentiles, threshold, top, as_json, tables, quiet, device, scheduler=None,
                    html=(None, False), fail_on=(), tensorboard=None, range_method="percentile", ranges_out=None,
                    baseline=None):
     import contextlib
@@ -657,19 +663,13 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, as_cs
         write_report(tensorboard, doc)
         if not quiet:
             click.echo(f"wrote TensorBoard events to {tensorboard}", err=True)
+    from qgcli.storage.runfile import split_target
+
+    _write_tables(tables, doc["layers"], list(LAYER_KEYS) + ["flagged"],
+                  inputs=[split_target(t)[0] for t in targets])
     if as_json:
         dump_json(doc)
-    elif as_csv:
-        import csv
-        import sys
-
-        writer = csv.writer(sys.stdout, lineterminator="\n")
-        keys = list(LAYER_KEYS) + ["flagged"]
-        writer.writerow(keys)
-        for row in doc["layers"]:
-            writer.writerow(["" if row[k] is None else repr(row[k]) if isinstance(row[k], float) else
-                             str(row[k]).lower() if isinstance(row[k], bool) else
-                             "x".join(map(str, row[k])) if isinstance(row[k], list) else row[k] for k in keys])
+    elif _on_stdout(tables):
         if not quiet:
             click.echo(doc["verdict"], err=True)
     else:

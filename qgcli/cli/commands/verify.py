@@ -6,7 +6,7 @@ a reduction beyond ``--rtol``), 2 for bad usage or a file that is no run file.
 """
 import click
 
-from qgcli.cli.options import fail_on_option, gate, json_option, scheduler_option, table_options
+from qgcli.cli.options import fail_on_option, gate, json_option, scheduler_option, table_options, table_out_options
 from qgcli.report.summaries import dump_json, number, stdout_console
 
 _EXAMPLE = """\b
@@ -25,17 +25,19 @@ Examples:
 @json_option()
 @click.option("--html", "html", metavar="FILE", default=None,
               help="Also write one self-contained HTML page of the result (the verdict, the sortable table).")
-@click.option("--force", is_flag=True, help="Replace an existing --html FILE.")
+@click.option("--force", is_flag=True, help="Replace an existing --html, --csv or --parquet FILE.")
+@table_out_options()
 @fail_on_option("verify")
 @scheduler_option()
 @table_options
-def verify(run, rtol, top, as_json, html, force, fail_on, scheduler):
+def verify(run, rtol, top, as_json, html, force, csv_out, parquet, fail_on, scheduler):
     """Recompute every layer of run file RUN with qgcli and compare with the framework's own results.
 
     RUN is a run file written by qgcli.capture (or any run file whose groups hold a reference/ subgroup of
     the framework's outputs under qgcli's output names), or one group of it (run.h5:step_000300).
     Per layer: bitwise equal, or the largest difference in ulps and relative to the largest value.
     """
+    from qgcli.report import table_out
     from qgcli.report.verify import verify as verify_run
 
     from qgcli.execution.dispatch import default_scheduler
@@ -44,14 +46,16 @@ def verify(run, rtol, top, as_json, html, force, fail_on, scheduler):
         from qgcli.storage.outputs import check_figure_output
 
         check_figure_output(html, inputs=[run.split(":", 1)[0]], force=force, option="--html", format="html")
+    table_out.check(csv_out, parquet, force=force, inputs=[run.split(":", 1)[0]], as_json=as_json)
     summary = verify_run(run, rtol=rtol, scheduler=scheduler or default_scheduler())
     if html is not None:
         from qgcli.report import html as pages
 
         pages.write(html, pages.page(summary), force=force, inputs=[run.split(":", 1)[0]])
+    table_out.write(summary["layers"], csv=csv_out, parquet=parquet, force=force, inputs=[run.split(":", 1)[0]])
     if as_json:
         dump_json(summary)
-    else:
+    elif "-" not in (csv_out, parquet):
         _render(stdout_console(), summary, top)
     gate(summary, fail_on)
     if not summary["ok"]:
