@@ -124,16 +124,17 @@ def test_one_figure_per_layer_named_by_group_path(cli, tmp_path):
     s = json.loads(r.output)
     from qgcli.report.layer_figures import workers
 
-    assert s["figures"] == 4 and s["workers"] == workers(4)
+    assert s["figures"] == 5 and s["workers"] == workers(5)
     drawn = {d["path"]: d["file"] for d in s["layers"]}
-    assert set(drawn) == {"step_1/net/block/conv/weight_quant", "step_1/net/act", "step_1/net/logits", "step_1/a:b"}
+    assert set(drawn) == {"step_1/net/block/conv/weight_quant", "step_1/net/act", "step_1/net/logits", "step_1/a:b",
+                          "step_1/head/torch_act"}  # PyTorch's group on its own grid
     assert drawn["step_1/net/act"] == str(out / "step_1" / "net" / "act.png")
     assert drawn["step_1/a:b"] == str(out / "step_1" / "a_b.png")
     for file in drawn.values():
         assert _head(file) == PNG
     index = json.loads((out / "index.json").read_text())
     assert {e["name"]: e["path"] for e in index["files"]}["step_1/a:b"] == "step_1/a_b.png"
-    assert {d["path"] for d in s["skipped"]} == {"step_1/head/torch_act", "step_1/net/bn"}
+    assert {d["path"] for d in s["skipped"]} == {"step_1/net/bn"}
     # an existing, non-empty folder needs --force
     r = cli("plot", "staircase", path, "-o", f"{out}/")
     assert r.exit_code == 2 and "--force" in r.output
@@ -174,15 +175,17 @@ def test_layer_figure_is_the_single_bundle_figure(cli, tmp_path):
 
 
 def test_per_layer_figures_in_worker_processes_subprocess(tmp_path):
-    """The sample's six TF groups through the process pool, as a user runs it."""
+    """The sample's six TF groups and two PyTorch groups (on PyTorch's grid) through the process pool, as a
+    user runs it."""
     out = tmp_path / "figs"
     env = {**os.environ, "QGCLI_NO_PROGRESS": "1"}
     proc = subprocess.run([sys.executable, "-m", "qgcli", "plot", "ste", os.path.join(SAMPLES, "run.h5"),
                            "-o", f"{out}/", "--json"], capture_output=True, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()
     s = json.loads(proc.stdout)
-    assert s["figures"] == 6 and s["workers"] == (0 if len(os.sched_getaffinity(0)) < 2 else
-                                                  min(6, len(os.sched_getaffinity(0))))
+    assert s["figures"] == 8 and s["workers"] == (0 if len(os.sched_getaffinity(0)) < 2 else
+                                                  min(8, len(os.sched_getaffinity(0))))
+    assert sum(d["op"].startswith("torch.") for d in s["layers"]) == 2
     for d in s["layers"]:
         assert _head(d["file"]) == PNG
     assert not (out / "index.json").exists()

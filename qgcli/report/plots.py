@@ -70,6 +70,66 @@ class FakeQuantData:
     # (lo, hi): where the op's gradient mask is 1, inclusive (0-d or one per channel, channel last); None when
     # the variant has no such range.  Only used to draw the mask's step edges exactly (checked against ``mask``).
     mask_range: tuple | None = None
+    # Grids whose clipping is not "outside [nudged_min, nudged_max]" (PyTorch tests the rounded integer): the
+    # op's own (below, above) masks, shaped as ``x``; and the upstream gradient, for per-channel blocked shares.
+    clipped: tuple | None = None
+    gradients: np.ndarray | None = None
+
+
+@dataclass
+class LevelGrid:
+    """An integer grid of another framework in :class:`qgcli.ops.Grid`'s vocabulary, for the plots: level
+    ``q`` in ``[quant_min, quant_max]`` is the value ``(q - zero_level) * scale`` (PyTorch: ``zero_level`` is
+    the zero point; torchao's float-domain zero point ``z``: ``mid - z / scale``).  ``min = nudged_min`` and
+    ``max = nudged_max`` are the ends of that range, ``scale`` and ``zero_level`` 0-d or one per slice (channel,
+    block).  ``words`` names the framework's parameters."""
+
+    scale: np.ndarray
+    zero_level: np.ndarray
+    quant_min: int
+    quant_max: int
+    label: str  # e.g. "torch.fake_quantize_per_tensor_affine"
+    slices: str = "channel"
+    num_bits: int = 0
+    narrow_range: bool = False
+    bounds_label: str = "grid range (quant_min/max)"
+    raw_bounds = False  # no raw range besides the grid's own
+
+    def __post_init__(self):
+        self.scale = np.asarray(self.scale, np.float32)
+        self.zero_level = np.asarray(self.zero_level, np.float64)
+        s = self.scale.astype(np.float64)
+        self.nudged_min = self.min = ((self.quant_min - self.zero_level) * s).astype(np.float32)
+        self.nudged_max = self.max = ((self.quant_max - self.zero_level) * s).astype(np.float32)
+        self.quant_zero = self.zero_level - self.quant_min
+        self.passthrough = np.zeros(self.scale.shape, bool)
+        self.num_bits = self.num_bits or int(np.ceil(np.log2(self.quant_max - self.quant_min + 1)))
+
+    @property
+    def per_channel(self):
+        return self.scale.ndim == 1
+
+    def summary(self):
+        plain = lambda a: np.asarray(a, np.float64).tolist()  # noqa: E731
+        return {"op": self.label, "quant_min": self.quant_min, "quant_max": self.quant_max, "scale": plain(self.scale),
+                "zero_point": plain(self.zero_level), "min": plain(self.min), "max": plain(self.max)}
+
+    def words(self):
+        if self.per_channel:
+            return f"{self.label}: {self.scale.size} {self.slices} grids, [{self.quant_min}, {self.quant_max}]"
+        return (f"{self.label}: scale {_fmt(self.scale)}, zero point {_fmt(self.zero_level)}, "
+                f"[{self.quant_min}, {self.quant_max}] -> [{_fmt(self.min)}, {_fmt(self.max)}], "
+                f"{self.quant_max - self.quant_min + 1} levels")
+
+
+def level_data(op, grid, x, outputs, mask, *, backprops=None, gradients=None, below=None, above=None,
+               mask_range=None):
+    """:class:`FakeQuantData` of another framework's fake quant, computed by its family: ``grid`` a
+    :class:`LevelGrid`, the arrays NumPy, channels (blocks) last when the grid has one per slice."""
+    clipped = None if below is None else (np.asarray(below, bool), np.asarray(above, bool))
+    return FakeQuantData("grid", op, grid, *(np.asarray(a, np.float32) for a in (x, outputs, mask)),
+                         None if backprops is None else np.asarray(backprops, np.float32), mask_range, clipped,
+                         None if gradients is None else np.asarray(gradients, np.float32))
 
 
 def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1, quantize=None):
@@ -205,6 +265,7 @@ class _View:
     channel: int | None
     channels: int | None
     mask_range: tuple | None  # (lo, hi) floats of the one grid drawn, else None
+    clipped: tuple | None = None  # the op's own (below, above) masks, flat, where the data carries them
 
 
 def _select(data, channel):
@@ -229,8 +290,9 @@ def _select(data, channel):
             mask_range = tuple(float(b) for b in ends)
         elif channel is not None:
             mask_range = tuple(float(b[channel]) for b in ends)
+    clipped = None if data.clipped is None else tuple(pick(a) for a in data.clipped)
     return _View(data, pick(data.x), pick(data.outputs), pick(data.mask), pick(data.backprops), grid, channel,
-                 depth if per_channel else None, mask_range)
+                 depth if per_channel else None, mask_range, clipped)
 
 
 # --- subsampling ---------------------------------------------------------------------------------------
@@ -300,7 +362,8 @@ def _title(view, what):
         where = f", channel {view.channel}"
     if view.grid is None:
         bits = f"num_bits={view.data.grid.num_bits}{', narrow range' if view.data.grid.narrow_range else ''}"
-        return f"{what}{where}\n{bits}, {view.channels} per-channel grids, flattened (--channel K for one)"
+        slices = getattr(view.data.grid, "slices", "channel")
+        return f"{what}{where}\n{bits}, {view.channels} per-{slices} grids, flattened (--channel K for one)"
     return f"{what}{where}\n{_grid_words(view.grid)}"
 
 
@@ -426,7 +489,7 @@ def _mark_bounds(ax, grid, orientation="v"):
     """Raw bounds dashed grey, nudged bounds dotted green (vertical lines on the x axis)."""
     line = ax.axvline if orientation == "v" else ax.axhline
     handles = []
-    for k, value in enumerate((grid.min, grid.max)):
+    for k, value in enumerate((grid.min, grid.max) if getattr(grid, "raw_bounds", True) else ()):
         h = line(float(value), color=C_RAW, ls="--", lw=1.0, gid="raw_bound",
                  label="raw min/max" if k == 0 else "_nolegend_")
         handles.append(h)
@@ -434,7 +497,7 @@ def _mark_bounds(ax, grid, orientation="v"):
         h = line(float(value), color=C_NUDGED, ls=":", lw=1.6, gid="nudged_bound",
                  label=getattr(grid, "bounds_label", "nudged min/max") if k == 0 else "_nolegend_")
         handles.append(h)
-    return handles[0], handles[2]
+    return tuple(handles[::2])
 
 
 def _staircase_axes(ax, view, max_points):
@@ -478,7 +541,9 @@ def _summary(kind, view, idx, **extra):
             "points": int(idx.size), "channel": view.channel, "grid": _grid_dict(view.grid), **extra}
 
 
-def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None):
+def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None, data=None):
+    if data is not None:  # another framework's fake quant, computed by its family (level_data)
+        return _select(data, channel)
     variant = infer_variant(variant, min, without_min="vars")
     axis = -1 if axis is None else axis
     data = run_variant(variant, inputs, min, max, gradients=gradients, num_bits=num_bits,
@@ -494,7 +559,7 @@ def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, ch
 
 
 def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
-              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None):
+              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None, data=None):
     """The quantization staircase: inputs vs fake-quantized outputs (the notebook's first figure).
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels marked.
@@ -507,7 +572,7 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
     >>> fig.axes[0].get_lines()[0].get_ydata().tolist()
     [-8.0, 0.0, 4.0]
     """
-    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize)
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize, data)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
     idx, handles, note = _staircase_axes(ax, view, max_points)
@@ -518,7 +583,7 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
 
 
 def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=False, variant=None, axis=-1,
-        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None):
+        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None, data=None):
     """The staircase plus the STE gradient function on a red panel of its own below, sharing the x axis (the
     notebook's second figure; on a twin axis its 0 and 1 would fall on level lines and hide them).
 
@@ -535,7 +600,7 @@ def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=F
     >>> step.get_gid(), step.get_xdata().tolist()
     ('mask_step', [-9.0, -8.0, -8.0, 4.0, 4.0, 5.0])
     """
-    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize)
+    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize, data)
     with_bp = view.backprops is not None
     fig = new_figure(width, height if height is not None else (7.6 if with_bp else 4.8))
     grid_spec = fig.add_gridspec(3 if with_bp else 2, 1, height_ratios=[3, 1, 2] if with_bp else [3, 1])
@@ -592,7 +657,7 @@ def _pixels_per_step(fig, step, span):
 
 
 def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
-         bins=100, log=False, title=None, width=6.4, height=4.8):
+         bins=100, log=False, title=None, width=6.4, height=4.8, data=None):
     """Histogram of all inputs with the quantization grid, the clip regions shaded, the clipped shares.
 
     The shares are counted with the op's mask (inclusive, on the nudged bounds); NaN and infinities are
@@ -603,9 +668,13 @@ def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=N
     (0.25, 0.25)
     """
 
-    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel)
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, data=data)
     data = view.data
-    if view.grid is not None:
+    if view.clipped is not None:  # the op's own masks (PyTorch clips the rounded integer, not the float)
+        n = view.x.size
+        stats = {"elements": n, **{k: int(np.count_nonzero(m)) / n if n else 0.0
+                                   for k, m in zip(("clipped_below", "clipped_above"), view.clipped)}}
+    elif view.grid is not None:
         stats = clip_statistics(view.x, view.grid)
     else:  # all channels flattened: each counted against its own grid
         stats = clip_statistics(data.x.reshape(-1, data.x.shape[-1]), data.grid)
@@ -800,6 +869,68 @@ def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False
                          "clipped_below": stats["channel_clipped_below"],
                          "clipped_above": stats["channel_clipped_above"], "grid": _grid_dict(grid),
                          "backprops": gradients is not None}
+    return fig
+
+
+def level_channels(data, *, title=None, width=8.0, height=None):
+    """Per-channel (per-block) view of another framework's fake quant (:func:`level_data`, a grid per slice):
+    the data range against the grid's range, the shares the op itself clips below and above, and, with the
+    upstream gradient, the share of its mass the op's gradient blocks (``1 - sum|backprops| / sum|gradients|``
+    per slice, from the framework's own gradient)."""
+    grid = data.grid
+    if not grid.per_channel:
+        raise OperandError("plot channels draws a grid per channel (or block); this one is per tensor",
+                           operand="inputs")
+    depth = data.x.shape[-1]
+    rows = data.x.reshape(-1, depth)
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(rows), rows, np.nan)
+        data_lo, data_hi = np.fmin.reduce(finite, axis=0), np.fmax.reduce(finite, axis=0)
+    n = rows.shape[0]
+    below, above = (m.reshape(-1, depth).sum(axis=0) / n for m in data.clipped)
+    blocked = None
+    if data.gradients is not None and data.backprops is not None:
+        mass = lambda a: np.nan_to_num(np.abs(a.reshape(-1, depth).astype(np.float64)), posinf=0.0).sum(axis=0)  # noqa: E731
+        total = mass(data.gradients)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            blocked = np.where(total > 0, 1.0 - mass(data.backprops) / total, 0.0)
+    panels = 3 if blocked is not None else 2
+    fig = new_figure(width, height if height is not None else 1.0 + 2.4 * panels)
+    axes = fig.subplots(panels, 1, sharex=True)
+    ax = axes[0]
+    _channel_series(ax, data_hi, bottom=data_lo, color="0.55", alpha=0.8, label="data range (finite)", gid="data_range")
+    _channel_series(ax, grid.nudged_max, bottom=grid.nudged_min, color=C_NUDGED, fill=False,
+                    label=grid.bounds_label, gid="nudged_range")
+    ax.axhline(0, color="k", lw=0.8)
+    _pad_ylim(ax, data_lo, data_hi, grid.nudged_min, grid.nudged_max)
+    ax.set_ylabel("value")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+    ax = axes[1]
+    _channel_series(ax, 100 * above, color=C_CLIP, label="clipped above", gid="clipped_above")
+    _channel_series(ax, -100 * below, color="tab:blue", label="clipped below", gid="clipped_below")
+    ax.axhline(0, color="k", lw=0.8)
+    top = float(np.max(np.concatenate([100 * above, 100 * below, [1.0]])))
+    ax.set_ylim(-1.1 * top, 1.1 * top)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{abs(v):g}")
+    ax.set_ylabel("clipped (%)")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+    if blocked is not None:
+        ax = axes[2]
+        _channel_series(ax, 100 * blocked, color=C_BACKPROPS, label="gradient mass blocked", gid="gradient_blocked")
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("blocked (%)")
+        ax.legend(**_PANEL_LEGEND)
+        ax.grid(True, axis="y", alpha=0.5)
+    _channel_axis(axes[-1], depth, grid.slices)
+    fig.suptitle(_wrapped(fig, title if title is not None else
+                          f"{data.op}: {counted(depth, grid.slices, thousands=True)} x {n:,} values, "
+                          f"[{grid.quant_min}, {grid.quant_max}]", 10), fontsize=10)
+    fig.qgcli_summary = {"plot": "channels", "op": data.op, "channels": int(depth), "elements": int(rows.size),
+                         "points": int(depth), "clipped_below": below.tolist(), "clipped_above": above.tolist(),
+                         "gradient_blocked": None if blocked is None else blocked.tolist(),
+                         "grid": grid.summary(), "backprops": blocked is not None}
     return fig
 
 
