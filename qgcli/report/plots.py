@@ -788,6 +788,31 @@ def _channel_axis(ax, depth, label):
     ax.set_xlabel(label)
 
 
+def _range_and_clip_panels(axes, data_lo, data_hi, grid, range_label, below, above, clip_labels):
+    """The first two per-channel panels: each channel's data range against the grid's [nudged_min,
+    nudged_max]; the shares clipped below (down) and above (up), in percent."""
+    ax = axes[0]
+    _channel_series(ax, data_hi, bottom=data_lo, color="0.55", alpha=0.8, label="data range (finite)", gid="data_range")
+    _channel_series(ax, grid.nudged_max, bottom=grid.nudged_min, color=C_NUDGED, fill=False,
+                    label=range_label, gid="nudged_range")
+    ax.axhline(0, color="k", lw=0.8)
+    _pad_ylim(ax, data_lo, data_hi, grid.nudged_min, grid.nudged_max)
+    ax.set_ylabel("value")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+    ax = axes[1]
+    below, above = 100 * np.asarray(below), 100 * np.asarray(above)
+    _channel_series(ax, above, color=C_CLIP, label=clip_labels[1], gid="clipped_above")
+    _channel_series(ax, -below, color="tab:blue", label=clip_labels[0], gid="clipped_below")
+    ax.axhline(0, color="k", lw=0.8)
+    top = float(np.max(np.concatenate([above, below, [1.0]])))
+    ax.set_ylim(-1.1 * top, 1.1 * top)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{abs(v):g}")
+    ax.set_ylabel("clipped (%)")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+
+
 def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1, title=None,
              width=8.0, height=None):
     """Per-channel view of FakeQuantWithMinMaxVarsPerChannel: ranges, clipped shares, min/max gradients.
@@ -825,27 +850,8 @@ def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False
     panels = 3 if gradients is not None else 2
     fig = new_figure(width, height if height is not None else 1.0 + 2.4 * panels)
     axes = fig.subplots(panels, 1, sharex=True)
-    ax = axes[0]
-    _channel_series(ax, data_hi, bottom=data_lo, color="0.55", alpha=0.8, label="data range (finite)", gid="data_range")
-    _channel_series(ax, grid.nudged_max, bottom=grid.nudged_min, color=C_NUDGED, fill=False,
-                    label="nudged [min, max]", gid="nudged_range")
-    ax.axhline(0, color="k", lw=0.8)
-    _pad_ylim(ax, data_lo, data_hi, grid.nudged_min, grid.nudged_max)
-    ax.set_ylabel("value")
-    ax.legend(**_PANEL_LEGEND)
-    ax.grid(True, axis="y", alpha=0.5)
-    ax = axes[1]
-    below = 100 * np.asarray(stats["channel_clipped_below"])
-    above = 100 * np.asarray(stats["channel_clipped_above"])
-    _channel_series(ax, above, color=C_CLIP, label="above nudged max", gid="clipped_above")
-    _channel_series(ax, -below, color="tab:blue", label="below nudged min", gid="clipped_below")
-    ax.axhline(0, color="k", lw=0.8)
-    top = float(np.max(np.concatenate([above, below, [1.0]])))
-    ax.set_ylim(-1.1 * top, 1.1 * top)
-    ax.yaxis.set_major_formatter(lambda v, _: f"{abs(v):g}")
-    ax.set_ylabel("clipped (%)")
-    ax.legend(**_PANEL_LEGEND)
-    ax.grid(True, axis="y", alpha=0.5)
+    _range_and_clip_panels(axes, data_lo, data_hi, grid, "nudged [min, max]", stats["channel_clipped_below"],
+                           stats["channel_clipped_above"], ("below nudged min", "above nudged max"))
     if gradients is not None:
         ax = axes[2]
         dmin_np, dmax_np = to_numpy(dmin), to_numpy(dmax)
@@ -890,32 +896,16 @@ def level_channels(data, *, title=None, width=8.0, height=None):
     below, above = (m.reshape(-1, depth).sum(axis=0) / n for m in data.clipped)
     blocked = None
     if data.gradients is not None and data.backprops is not None:
-        mass = lambda a: np.nan_to_num(np.abs(a.reshape(-1, depth).astype(np.float64)), posinf=0.0).sum(axis=0)  # noqa: E731
+        def mass(a):
+            return np.nan_to_num(np.abs(a.reshape(-1, depth).astype(np.float64)), posinf=0.0).sum(axis=0)
         total = mass(data.gradients)
         with np.errstate(invalid="ignore", divide="ignore"):
             blocked = np.where(total > 0, 1.0 - mass(data.backprops) / total, 0.0)
     panels = 3 if blocked is not None else 2
     fig = new_figure(width, height if height is not None else 1.0 + 2.4 * panels)
     axes = fig.subplots(panels, 1, sharex=True)
-    ax = axes[0]
-    _channel_series(ax, data_hi, bottom=data_lo, color="0.55", alpha=0.8, label="data range (finite)", gid="data_range")
-    _channel_series(ax, grid.nudged_max, bottom=grid.nudged_min, color=C_NUDGED, fill=False,
-                    label=grid.bounds_label, gid="nudged_range")
-    ax.axhline(0, color="k", lw=0.8)
-    _pad_ylim(ax, data_lo, data_hi, grid.nudged_min, grid.nudged_max)
-    ax.set_ylabel("value")
-    ax.legend(**_PANEL_LEGEND)
-    ax.grid(True, axis="y", alpha=0.5)
-    ax = axes[1]
-    _channel_series(ax, 100 * above, color=C_CLIP, label="clipped above", gid="clipped_above")
-    _channel_series(ax, -100 * below, color="tab:blue", label="clipped below", gid="clipped_below")
-    ax.axhline(0, color="k", lw=0.8)
-    top = float(np.max(np.concatenate([100 * above, 100 * below, [1.0]])))
-    ax.set_ylim(-1.1 * top, 1.1 * top)
-    ax.yaxis.set_major_formatter(lambda v, _: f"{abs(v):g}")
-    ax.set_ylabel("clipped (%)")
-    ax.legend(**_PANEL_LEGEND)
-    ax.grid(True, axis="y", alpha=0.5)
+    _range_and_clip_panels(axes, data_lo, data_hi, grid, grid.bounds_label, below, above,
+                           ("clipped below", "clipped above"))
     if blocked is not None:
         ax = axes[2]
         _channel_series(ax, 100 * blocked, color=C_BACKPROPS, label="gradient mass blocked", gid="gradient_blocked")
