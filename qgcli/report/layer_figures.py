@@ -3,8 +3,8 @@
 :func:`plan` lists the groups a plot can draw (TensorFlow fake-quant groups; the groups of a family with
 ``plot_data``, PyTorch's and torchao's, on their own framework's grid; block formats per block; ``channels``:
 the per-channel ones) as picklable :class:`LayerFigure` tasks, with each group's attributes unless an option
-was typed, and the groups it cannot draw with the reason.  :func:`draw` draws one (in this process); :func:`write_all`
-draws them all into ``DIR/``, on worker processes (``spawn``/``forkserver``, never a plain fork of this
+was typed, and the groups it cannot draw with the reason.  :func:`draw` draws one (in this process);
+:func:`write_all` draws them all into ``DIR/``, on worker processes (``spawn``/``forkserver``, never a plain fork of this
 possibly threaded process) when there are enough, and names each file after its group path through
 :func:`qgcli.storage.paths.group_file_paths` (``index.json`` beside them when a name had to change).  The figures
 go to a hidden staging folder first, so ``DIR`` gets every figure or none.
