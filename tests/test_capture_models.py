@@ -112,6 +112,35 @@ def test_resnet18_eager_qat(tmp_path, runner):
     assert r.exit_code == 0 and "scale/zero_point" in r.output, r.output
 
 
+def test_resnet18_planted_clipping_starves_every_upstream_layer(tmp_path, runner):
+    """A downstream quantizer that clips everything (the logits' FakeQuantize frozen on a grid of float32's
+    smallest scale around 0): every layer upstream gets an all-zero gradient, and report says so on each of
+    them (``upstream_gradient: "zero"``, no blocked share) and names the clipping layer in the verdict."""
+    torch = pytest.importorskip("torch")
+    _quiet()
+    from capture_models import eager_qat_resnet18
+
+    model = eager_qat_resnet18(width=8)
+    model(torch.randn(2, 3, 16, 16))  # the observers see data once
+    logits = model.fc.activation_post_process  # fused: its qparams follow its observer's min/max when frozen
+    logits.disable_observer()
+    logits.activation_post_process.min_val.fill_(-1e-9)
+    logits.activation_post_process.max_val.fill_(1e-9)  # scale: float32's eps, the floor of torch's observer
+    path = str(tmp_path / "resnet.h5")
+    _torch_steps(model, _images(torch, batch=2), path, steps=1, captured=(0,))
+    r = runner.invoke(main, ["report", path, "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    rows = {row["layer"]: row for row in doc["layers"]}
+    cause = rows.pop("fc/activation_post_process")
+    assert cause["upstream_gradient"] == "present" and cause["clipped"] == 1.0
+    assert rows.pop("quant/activation_post_process")["upstream_gradient"] == "absent"  # the input needs none
+    assert len(rows) == 49 and {row["upstream_gradient"] for row in rows.values()} == {"zero"}
+    assert all(row["gradient_blocked"] is None for row in rows.values())
+    assert doc["verdict"].startswith(
+        "Verdict: no gradient reaches 49 layers: step_000000/fc/activation_post_process clips 100%"), doc["verdict"]
+
+
 def test_resnet18_fx_names_each_observer_by_its_node(tmp_path, runner):
     torch = pytest.importorskip("torch")
     _quiet()

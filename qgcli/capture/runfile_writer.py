@@ -35,6 +35,33 @@ _COMPRESS_MIN = 256
 _STAGING = ".qgcli_staging"
 
 _STEP_GROUP = re.compile(r"^(step|epoch|iter)_\d+$")
+#: Bytes written between two hand-backs of freed heap memory to the system (:func:`release_freed_memory`).
+RELEASE_BYTES = 8 << 20
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = []
+
+
+def release_freed_memory():
+    """Hand the heap memory freed since back to the system (glibc: ``malloc_trim(0)``; elsewhere nothing).
+
+    Capture copies every tensor it writes (a few MB each, freed at once); glibc's dynamic mmap threshold then
+    serves such sizes from the heap, whose freed pages stay in the process: without this, a captured
+    ResNet-18 step (batch 8) grew the peak RSS by 340 MB over a plain step's for 18 MB in its largest group."""
+    if not _TRIM:
+        _TRIM.append(_malloc_trim())
+    if _TRIM[0] is not None:
+        _TRIM[0](0)
 
 
 def step_group(step):
@@ -124,6 +151,7 @@ class RunFileWriter:
         self.groups = {}  # path below the step -> staged group name, for the step being written
         self.steps = []  # the steps committed so far
         self.bytes_written = 0
+        self._unreleased = 0  # bytes written since the freed heap memory was last handed back
         self.lock = threading.RLock()  # TensorFlow runs its graph callbacks on several threads
         self._file = None
         self._tmp = None  # the new file's temporary name until its first commit
@@ -206,6 +234,7 @@ class RunFileWriter:
             self.step = step_group(step)
             self.groups = {}
             self._refuse_existing_step()
+        release_freed_memory()  # what the uncaptured steps before left on the heap
 
     def _open(self):
         """The file and the staging group of this step, made on the first group (nothing is written for a
@@ -278,6 +307,13 @@ class RunFileWriter:
         options = self.compression if value.size >= _COMPRESS_MIN else {}
         parent.create_dataset(key, data=value, **options)
         self.bytes_written += value.nbytes
+        self._unreleased += value.nbytes
+
+    def release_memory(self, *, every=RELEASE_BYTES):
+        """:func:`release_freed_memory` once ``every`` bytes were written since it last ran (0: now)."""
+        if self._unreleased >= every:
+            self._unreleased = 0
+            release_freed_memory()
 
     def commit_step(self):
         """Link the step written so far into the file, under its name, and flush it to disk."""
@@ -309,6 +345,7 @@ class RunFileWriter:
                 os.fsync(f.id.get_vfd_handle())
                 os.replace(self._tmp, self.path)
                 self._tmp = None
+            self.release_memory(every=1)  # the step's last copies
 
     def discard_step(self):
         """Forget the step being written: nothing of it is linked (its space in the file stays unused)."""
@@ -376,6 +413,7 @@ class Group:
                 if value is None or (key in GRADIENT_OPERANDS and not w.backward):
                     continue
                 w._dataset(self.h5, key, value)
+            w.release_memory()
 
     def put_reference(self, reference, *, digest=()):
         """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256);
@@ -399,6 +437,7 @@ class Group:
                     d.attrs["dtype"] = value.dtype.str
                 else:
                     w._dataset(r, key, value)
+            w.release_memory()
         return sums
 
     def get(self, key):

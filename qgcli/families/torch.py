@@ -166,33 +166,6 @@ def compute(job, operands):
     return Result(out, attrs, summary)
 
 
-#: What ``qgcli plot RUN -o DIR/`` draws of a group of this family, on PyTorch's own grid
-#: (:mod:`qgcli.report.layer_figures`).
-PLOT_KINDS = ("staircase", "ste")
-
-
-def plot_setup(attr):
-    """The attributes a group's figure needs besides its tensors (plain values: they cross to worker
-    processes); ``attr(name, default)``: the group's attribute, or the option typed for it."""
-    lo, hi = fake_quant.quant_range(int(attr("num_bits", 8)), bool(attr("narrow_range", False)))
-    axis = attr("axis", None)
-    return {"quant_min": int(attr("quant_min", lo)), "quant_max": int(attr("quant_max", hi)),
-            "axis": None if axis is None else int(axis)}
-
-
-def plot_operands(operands, setup):
-    """``(inputs, min, max, keyword arguments)`` of ``plots.staircase``/``ste`` for a group: PyTorch's op on its
-    scale and zero point (``torch=``), the channel axis from the attribute or the scale's length."""
-    x = operands.get("inputs")
-    scale, zero_point = np.asarray(operands.get("scale")), np.asarray(operands.get("zero_point"))
-    axis, _ = torch_layout(scale.shape, np.shape(x), setup["axis"])
-    if axis is None:
-        scale = scale.reshape(())
-        zero_point = zero_point.reshape(()) if zero_point.size == 1 else zero_point
-    return x, None, None, {"torch": dict(scale=scale, zero_point=zero_point, quant_min=setup["quant_min"],
-                                         quant_max=setup["quant_max"], axis=axis)}
-
-
 def _nonfinite_notes(inputs, outputs, forward, xp):
     """PyTorch's fake quant turns NaN and +-inf inputs into finite outputs without a word (NaN to a level, +inf
     to quant_max's per tensor but quant_min's per channel): say how many, and into what.  ``forward()`` gives
@@ -357,3 +330,92 @@ def summation_bound(g, a, name, dy):
     terms = dy * np.abs(term) * gf
     n = dy.size if scale.size == 1 else dy.size // scale.size
     return float(n * 2.0 ** -23 * terms.sum())
+
+
+# --- qgcli plot ste / hist / channels / staircase of a run-file group -------------------------------------------
+
+def plot_problem(layer, kind):
+    """Why ``qgcli plot KIND`` cannot draw the group (None: it can): ``channels`` draws a grid per channel."""
+    shape = layer.datasets.get("scale", ((),))[0]
+    if kind == "channels" and int(np.prod(shape, dtype=np.int64)) <= 1:
+        return "plot channels draws per-channel groups only (this scale is per tensor)"
+    return None
+
+
+def plot_data(attrs, operands, *, with_gradients):
+    """The arguments of :func:`qgcli.report.plots.level_data` for a run-file group, on PyTorch's own grid (its
+    scale, zero point and quant_min/quant_max; half-to-even rounding): the forward op, the gradient function
+    (the gradient op fed with ones), with gradients the op's ``backprops_wrt_input``, the clip masks on the
+    rounded integer, channels last; ``grid`` the keyword arguments of :class:`qgcli.report.plots.LevelGrid`.
+    ``attrs``: the group's attributes (with the options typed over them)."""
+    attr = attrs.get
+    num_bits = int(attr("num_bits", 8))
+    lo, hi = fake_quant.quant_range(num_bits, bool(attr("narrow_range", False)))
+    quant_min, quant_max = ts.check_quant_range(int(attr("quant_min", lo)), int(attr("quant_max", hi)))
+    x = np.asarray(operands.get("inputs"), np.float32)
+    scale = np.asarray(operands.get("scale"), np.float32)
+    zero_point = np.asarray(operands.get("zero_point"))
+    axis_attr = attr("axis", None)
+    axis, _ = torch_layout(scale.shape, x.shape, None if axis_attr is None else int(axis_attr))
+    g = operands.get("gradients", required=False) if with_gradients else None
+    g = None if g is None else np.asarray(g, np.float32)
+    if axis is None:
+        scale, zero_point = scale.reshape(()), zero_point.reshape(())
+        args = (scale, zero_point, quant_min, quant_max)
+        forward, gradient = ts.fake_quantize_per_tensor_affine, ts.fake_quantize_per_tensor_affine_gradient
+    else:
+        args = (scale, zero_point, axis, quant_min, quant_max)
+        forward, gradient = ts.fake_quantize_per_channel_affine, ts.fake_quantize_per_channel_affine_gradient
+    outputs = forward(x, *args)
+    mask = gradient(np.ones_like(x), x, *args)
+    backprops = None if g is None else gradient(g, x, *args)
+    view = ts.quantized_view(x, scale, zero_point, quant_min, quant_max, axis=axis)
+    last = (lambda a: a) if axis is None else (lambda a: None if a is None else np.moveaxis(a, axis, -1))
+    op = _torch_op_name(axis is not None, False)
+    return dict(op=op, grid=dict(scale=scale, zero_level=zero_point, quant_min=quant_min, quant_max=quant_max,
+                                 label=op, num_bits=num_bits),
+                x=last(x), outputs=last(outputs), mask=last(mask), backprops=last(backprops), gradients=last(g),
+                below=np.asarray(view.below), above=np.asarray(view.above),
+                mask_range=_mask_edges(gradient, args, scale.shape, axis))
+
+
+def _ordered(f):
+    """float32 -> int64 keys in the floats' order (and back with :func:`_unordered`)."""
+    i = np.asarray(f, np.float32).view(np.int32).astype(np.int64)
+    return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+
+def _unordered(k):
+    k = np.asarray(k, np.int64)
+    return np.where(k < 0, (-k) | 0x80000000, k).astype(np.uint32).view(np.float32)
+
+
+def _mask_edges(gradient, args, shape, axis):
+    """``(lo, hi)``: the least and the greatest float32 input whose gradient (the op fed with ones) is 1, per
+    channel, found by bisection on the float32 line with the op itself (the mask is one interval: the rounded
+    integer grows with the input); -inf / inf where it reaches the end of the finite floats."""
+    depth = int(np.prod(shape, dtype=np.int64))
+    scale = np.asarray(args[0], np.float64).reshape(-1)
+    zp = np.asarray(args[1], np.float64).reshape(-1)
+    qmin, qmax = args[-2:]
+
+    def inside(values):
+        x = np.asarray(values, np.float32).reshape(1, depth) if axis is not None else np.float32(values[0])
+        a = args if axis is None else args[:2] + (1,) + args[3:]
+        return np.asarray(gradient(np.ones_like(x), x, *a)).reshape(-1) == 1
+
+    centre = np.float32(((qmin + qmax) / 2 - zp) * scale)
+    if not inside(centre).all():
+        return None
+    top = _ordered(np.float32(np.finfo(np.float32).max))
+    edges = []
+    for far in (-top, top):
+        a, b = _ordered(centre), np.full(depth, far, np.int64)  # inside at a; b outside unless the op never clips
+        whole = inside(_unordered(b))
+        for _ in range(33):
+            mid = (a + b) // 2
+            ok = inside(_unordered(mid))
+            a, b = np.where(ok, mid, a), np.where(ok, b, mid)
+        edge = np.where(whole, np.inf if far > 0 else -np.inf, _unordered(a)).astype(np.float32)
+        edges.append(edge.reshape(()) if axis is None else edge)
+    return tuple(edges)

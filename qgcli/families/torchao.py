@@ -498,3 +498,39 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
                worst_channel_clipped=float(clipped[worst].sum()) / length,
                **{k: float(b[k].sum()) / mass if mass else 0.0 for k in ("straight_through", "scale_path", "rounding")})
     return row
+
+
+# --- qgcli plot ste / hist / channels / staircase of a run-file group -------------------------------------------
+
+def plot_problem(layer, kind):
+    """Why ``qgcli plot KIND`` cannot draw the group (None: it can): the integer quantizer is drawn per block."""
+    if layer.op == "torchao.Float8FakeQuantizer":
+        return f"plot {kind} draws integer grids; a torchao float8 group's grid is float8's (see report --layer)"
+    return None
+
+
+def plot_data(attrs, operands, *, with_gradients):
+    """The arguments of :func:`qgcli.report.plots.level_data` for a torchao IntxFakeQuantizer group, on its own
+    config: per block (group, token, channel) the scale and zero point torchao computes from the data, the
+    outputs of torchao's forward, its gradient fed with ones (the gradient function) and, with gradients, fed
+    with them; the blocks last (``--channel K`` draws block K on its own grid)."""
+    config = config_from_attributes(attrs)
+    x = np.asarray(operands.get("inputs"), np.float32)
+    g = operands.get("gradients", required=False) if with_gradients else None
+    g = None if g is None else np.asarray(g, np.float32)
+    res = ts.fake_quantize(x, config, np.ones_like(x))
+    nb, length = res.blocks
+    bp = None if g is None else ts.fake_quantize(x, config, g).backprops_wrt_input
+    blocks = lambda a: None if a is None else np.asarray(to_numpy(a)).reshape(nb, length).T  # noqa: E731
+    qmin, qmax = ts.dtype_bounds(config.dtype)
+    scale = to_numpy(res.scale).reshape(nb).astype(np.float32)
+    z = to_numpy(res.zero_point).reshape(nb).astype(np.float64)
+    domain = "int" if config.granularity == "per-token" else config.zero_point_domain
+    zero_level = z if domain == "int" else (qmax + qmin + 1) / 2 - z / scale.astype(np.float64)
+    inside = blocks(res.inside)
+    xb = blocks(x)
+    v = np.where(inside, 0.0, np.sign(xb - (blocks(res.outputs))))  # outside the grid: below or above
+    return dict(op=config.op, grid=dict(scale=scale, zero_level=zero_level, quant_min=qmin, quant_max=qmax,
+                                        label=f"torchao {config.dtype} {config.granularity_text}", slices="block"),
+                x=xb, outputs=blocks(res.outputs), mask=blocks(res.backprops_wrt_input), backprops=blocks(bp),
+                gradients=blocks(g), below=~inside & (v < 0), above=~inside & (v > 0))

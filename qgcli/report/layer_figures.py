@@ -1,10 +1,11 @@
 """One figure per layer of a run file (``qgcli plot staircase|ste|hist|channels RUN -o DIR/``).
 
-:func:`plan` lists the groups a plot can draw (TensorFlow fake-quant groups; PyTorch's and QuantizeV2's on
-their own grids, for staircase and ste; the block formats per block; ``channels``: the per-channel ones) as
-picklable :class:`LayerFigure` tasks, with each group's attributes unless an option was typed, and the groups
-it cannot draw with the reason.  :func:`draw` draws one (in this process); :func:`write_all`
-draws them all into ``DIR/``, on worker processes (``spawn``/``forkserver``, never a plain fork of this
+:func:`plan` lists the groups a plot can draw (TensorFlow fake-quant groups; the groups of a family with
+``plot_data``, PyTorch's and torchao's, on their own framework's grid; QuantizeV2's round trip for
+staircase and ste; block formats per block; ``channels``:
+the per-channel ones) as picklable :class:`LayerFigure` tasks, with each group's attributes unless an option
+was typed, and the groups it cannot draw with the reason.  :func:`draw` draws one (in this process);
+:func:`write_all` draws them all into ``DIR/``, on worker processes (``spawn``/``forkserver``, never a plain fork of this
 possibly threaded process) when there are enough, and names each file after its group path through
 :func:`qgcli.storage.paths.group_file_paths` (``index.json`` beside them when a name had to change).  The figures
 go to a hidden staging folder first, so ``DIR`` gets every figure or none.
@@ -21,7 +22,7 @@ from typing import Optional, Tuple
 from qgcli.errors import FileFormatError, OutputError, QgcliError
 from qgcli.families import groups, registry
 from qgcli.families.tf_fake_quant import load_fake_quant_operands
-from qgcli.report.layers import _attr
+from qgcli.report.layers import _attr, plain
 from qgcli.signals import raise_pending
 from qgcli.storage import runfile
 from qgcli.storage.figures import save_figure
@@ -99,6 +100,12 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
                                      narrow_range=False, axis=-1, options=tuple(dict(plot_options).items()),
                                      family=l.family, formats=tuple(family.group_formats(l.attrs).items())))
             continue
+        if hasattr(family, "plot_data"):  # another framework's grid, computed by its family at draw time
+            tasks.append(LayerFigure(file=file, path=l.path, op=l.op, kind=kind, variant="", num_bits=0,
+                                     narrow_range=False, axis=-1, options=tuple(dict(plot_options).items()),
+                                     family=l.family,
+                                     formats=tuple({**{k: plain(v) for k, v in l.attrs.items()}, **options}.items())))
+            continue
         if hasattr(family, "plot_setup"):  # a family drawn on its own grid (PyTorch's, QuantizeV2's)
             tasks.append(LayerFigure(
                 file=file, path=l.path, op=l.op, kind=kind, variant="", num_bits=8, narrow_range=False, axis=-1,
@@ -122,6 +129,8 @@ def _why_not(layer, kind):
     if hasattr(registry.of(layer), "block_view"):
         return None if kind in ("hist", "channels") else f"plot {kind} draws TensorFlow's fake quant; a {layer.op} " \
             "group is drawn per block by plot hist and plot channels"
+    if hasattr(registry.of(layer), "plot_data"):
+        return registry.of(layer).plot_problem(layer, kind)
     kinds = getattr(registry.of(layer), "PLOT_KINDS", None)
     if kinds is not None:  # a family drawn on its own grid: staircase and ste
         return None if kind in kinds else (f"plot {kind} draws TensorFlow's fake-quant grids; {layer.op} groups: "
@@ -158,6 +167,8 @@ def draw(task):
 
     container = _container(task.file)
     family = None if task.family is None else registry.family(task.family)
+    if hasattr(family, "plot_data"):
+        return _draw_level_grid(task, container)
     if hasattr(family, "block_view"):
         return _draw_blocks(task, container)
     literal_ok = getattr(family, "LITERAL_OK", ("min", "max"))
@@ -188,6 +199,38 @@ def draw(task):
                             **common)
         else:
             fig = plots.staircase(x, mn, mx, max_points=kw.get("max_points", plots.DEFAULT_MAX_POINTS), **common)
+    if kw.get("title") is None:
+        fig.suptitle(task.path, fontsize=8)
+    fig.qgcli_summary = {**fig.qgcli_summary, "path": task.path, "group_op": task.op}
+    return fig
+
+
+def _draw_level_grid(task, container):
+    """The Figure of a group on its own framework's integer grid (PyTorch's scale/zero_point, torchao's blocks):
+    the numbers from the family's :func:`plot_data`, drawn by the same plots as TensorFlow's."""
+    from qgcli.report import plots
+
+    family = registry.family(task.family)
+    attrs = dict(task.formats)  # the group's attributes, the options typed over them
+    operands = Operands.in_group(container, task.file, task.path, {}, literal_ok=family.LITERAL_OK)
+    try:
+        d = family.plot_data(attrs, operands, with_gradients=task.kind in ("ste", "channels"))
+    finally:
+        operands.close()
+        if not _IN_WORKER:
+            container.close()
+    data = plots.level_data(d.pop("op"), plots.LevelGrid(**d.pop("grid")), **d)
+    kw = dict(task.options)
+    common = dict(title=kw.get("title"), **{k: kw[k] for k in ("width", "height") if kw.get(k) is not None})
+    if task.kind == "channels":
+        fig = plots.level_channels(data, **common)
+    elif task.kind == "hist":
+        fig = plots.hist(None, data=data, bins=kw.get("bins", 100), log=kw.get("log", False),
+                         channel=kw.get("channel"), **common)
+    else:
+        draw = plots.ste if task.kind == "ste" else plots.staircase
+        fig = draw(None, data=data, channel=kw.get("channel"),
+                   max_points=kw.get("max_points", plots.DEFAULT_MAX_POINTS), **common)
     if kw.get("title") is None:
         fig.suptitle(task.path, fontsize=8)
     fig.qgcli_summary = {**fig.qgcli_summary, "path": task.path, "group_op": task.op}

@@ -70,6 +70,66 @@ class FakeQuantData:
     # (lo, hi): where the op's gradient mask is 1, inclusive (0-d or one per channel, channel last); None when
     # the variant has no such range.  Only used to draw the mask's step edges exactly (checked against ``mask``).
     mask_range: tuple | None = None
+    # Grids whose clipping is not "outside [nudged_min, nudged_max]" (PyTorch tests the rounded integer): the
+    # op's own (below, above) masks, shaped as ``x``; and the upstream gradient, for per-channel blocked shares.
+    clipped: tuple | None = None
+    gradients: np.ndarray | None = None
+
+
+@dataclass
+class LevelGrid:
+    """An integer grid of another framework in :class:`qgcli.ops.Grid`'s vocabulary, for the plots: level
+    ``q`` in ``[quant_min, quant_max]`` is the value ``(q - zero_level) * scale`` (PyTorch: ``zero_level`` is
+    the zero point; torchao's float-domain zero point ``z``: ``mid - z / scale``).  ``min = nudged_min`` and
+    ``max = nudged_max`` are the ends of that range, ``scale`` and ``zero_level`` 0-d or one per slice (channel,
+    block).  ``words`` names the framework's parameters."""
+
+    scale: np.ndarray
+    zero_level: np.ndarray
+    quant_min: int
+    quant_max: int
+    label: str  # e.g. "torch.fake_quantize_per_tensor_affine"
+    slices: str = "channel"
+    num_bits: int = 0
+    narrow_range: bool = False
+    bounds_label: str = "grid range (quant_min/max)"
+    raw_bounds = False  # no raw range besides the grid's own
+
+    def __post_init__(self):
+        self.scale = np.asarray(self.scale, np.float32)
+        self.zero_level = np.asarray(self.zero_level, np.float64)
+        s = self.scale.astype(np.float64)
+        self.nudged_min = self.min = ((self.quant_min - self.zero_level) * s).astype(np.float32)
+        self.nudged_max = self.max = ((self.quant_max - self.zero_level) * s).astype(np.float32)
+        self.quant_zero = self.zero_level - self.quant_min
+        self.passthrough = np.zeros(self.scale.shape, bool)
+        self.num_bits = self.num_bits or int(np.ceil(np.log2(self.quant_max - self.quant_min + 1)))
+
+    @property
+    def per_channel(self):
+        return self.scale.ndim == 1
+
+    def summary(self):
+        plain = lambda a: np.asarray(a, np.float64).tolist()  # noqa: E731
+        return {"op": self.label, "quant_min": self.quant_min, "quant_max": self.quant_max, "scale": plain(self.scale),
+                "zero_point": plain(self.zero_level), "min": plain(self.min), "max": plain(self.max)}
+
+    def words(self):
+        if self.per_channel:
+            return f"{self.label}: {self.scale.size} {self.slices} grids, [{self.quant_min}, {self.quant_max}]"
+        return (f"{self.label}: scale {_fmt(self.scale)}, zero point {_fmt(self.zero_level)}, "
+                f"[{self.quant_min}, {self.quant_max}] -> [{_fmt(self.min)}, {_fmt(self.max)}], "
+                f"{self.quant_max - self.quant_min + 1} levels")
+
+
+def level_data(op, grid, x, outputs, mask, *, backprops=None, gradients=None, below=None, above=None,
+               mask_range=None):
+    """:class:`FakeQuantData` of another framework's fake quant, computed by its family: ``grid`` a
+    :class:`LevelGrid`, the arrays NumPy, channels (blocks) last when the grid has one per slice."""
+    clipped = None if below is None else (np.asarray(below, bool), np.asarray(above, bool))
+    return FakeQuantData("grid", op, grid, *(np.asarray(a, np.float32) for a in (x, outputs, mask)),
+                         None if backprops is None else np.asarray(backprops, np.float32), mask_range, clipped,
+                         None if gradients is None else np.asarray(gradients, np.float32))
 
 
 def run_variant(variant, inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1, quantize=None):
@@ -168,121 +228,6 @@ def _scalar(value, name):
     return float(value)
 
 
-@dataclass(frozen=True)
-class TorchGrid:
-    """PyTorch's grid as the plots draw grids (the duck type of :class:`qgcli.ops.Grid`): levels
-    ``(q - zero_point) * scale`` for ``q`` in ``[quant_min, quant_max]``; nothing is nudged, so its ends are the
-    range.  ``scale``/``zero_point`` 0-d (per tensor) or one per channel."""
-
-    scale: np.ndarray
-    zero_point: np.ndarray
-    quant_min: int
-    quant_max: int
-
-    passthrough = narrow_range = has_raw_range = False
-    bounds_label = "grid ends (quant_min|max - zero_point) * scale"
-
-    @property
-    def per_channel(self):
-        return np.ndim(self.scale) == 1
-
-    @property
-    def num_bits(self):
-        return int(np.ceil(np.log2(self.quant_max - self.quant_min + 1)))
-
-    @property
-    def _z(self):  # the zero point PyTorch's per-tensor op uses: a float one truncated toward zero
-        z = np.asarray(self.zero_point)
-        return np.trunc(z.astype(np.float64)) if z.dtype.kind == "f" else z.astype(np.float64)
-
-    @property
-    def quant_zero(self):
-        return (self._z - self.quant_min).astype(np.float32)
-
-    @property
-    def nudged_min(self):
-        return ((self.quant_min - self._z) * np.asarray(self.scale, np.float64)).astype(np.float32)
-
-    @property
-    def nudged_max(self):
-        return ((self.quant_max - self._z) * np.asarray(self.scale, np.float64)).astype(np.float32)
-
-    min, max = nudged_min, nudged_max
-
-    def forward(self, v):
-        """PyTorch's per-tensor fake quant of ``v`` on this grid."""
-        return ts.fake_quantize_per_tensor_affine(v, self.scale, self.zero_point, self.quant_min, self.quant_max)
-
-    def words(self):
-        def fmt(v):
-            return _fmt(v) if np.ndim(v) == 0 else f"{np.size(v)} channels"
-        return (f"PyTorch [{self.quant_min}, {self.quant_max}], scale {fmt(self.scale)}, zero point "
-                f"{fmt(self.zero_point)}: [{fmt(self.nudged_min)}, {fmt(self.nudged_max)}], "
-                f"{self.quant_max - self.quant_min + 1} levels")
-
-    def summary(self):
-        def plain(a):
-            return np.asarray(a, np.float64).tolist()
-        return {"op": "fake_quantize_per_" + ("channel" if self.per_channel else "tensor") + "_affine",
-                "quant_min": self.quant_min, "quant_max": self.quant_max, "scale": plain(self.scale),
-                "zero_point": plain(self.zero_point), "lo": plain(self.nudged_min), "hi": plain(self.nudged_max)}
-
-
-def torch_data(inputs, scale, zero_point, quant_min, quant_max, *, axis=None, gradients=None):
-    """:class:`FakeQuantData` of PyTorch's ``fake_quantize_per_{tensor,channel}_affine``
-    (:mod:`qgcli.ops.torch_semantics`): outputs, its STE mask (the gradient op fed with ones) and, with
-    ``gradients``, the backprops; ``axis`` None per tensor, else the channel axis (moved last)."""
-    x = np.asarray(as_float32(to_numpy(inputs), "inputs", np))
-    g = None if gradients is None else np.asarray(as_float32(to_numpy(gradients), "gradients", np))
-    ones = np.ones_like(x)
-    if axis is None:
-        args = (scale, zero_point, quant_min, quant_max)
-        outputs = ts.fake_quantize_per_tensor_affine(x, *args)
-        mask = ts.fake_quantize_per_tensor_affine_gradient(ones, x, *args)
-        backprops = None if g is None else ts.fake_quantize_per_tensor_affine_gradient(g, x, *args)
-    else:
-        args = (scale, zero_point, axis, quant_min, quant_max)
-        outputs = ts.fake_quantize_per_channel_affine(x, *args)
-        mask = ts.fake_quantize_per_channel_affine_gradient(ones, x, *args)
-        backprops = None if g is None else ts.fake_quantize_per_channel_affine_gradient(g, x, *args)
-        x, outputs, mask = (np.moveaxis(to_numpy(a), axis, -1) for a in (x, outputs, mask))
-        backprops = None if backprops is None else np.moveaxis(to_numpy(backprops), axis, -1)
-    grid = TorchGrid(np.asarray(to_numpy(scale)), np.asarray(to_numpy(zero_point)), int(quant_min), int(quant_max))
-    op = f"torch.fake_quantize_per_{'tensor' if axis is None else 'channel'}_affine"
-    return FakeQuantData("torch", op, grid, to_numpy(x), to_numpy(outputs), to_numpy(mask),
-                         None if backprops is None else to_numpy(backprops), _torch_mask_range(grid))
-
-
-def _torch_mask_range(grid, ulps=64):
-    """``(lo, hi)``: the least and the greatest float32 input whose PyTorch mask is 1, per channel (last axis),
-    found by the op itself on the ``ulps`` float32 neighbours of each rounding edge (a half step beyond the
-    grid's ends); None where the edge is not among them."""
-    z, s = grid._z, np.asarray(grid.scale, np.float64)
-    ends = []
-    for approx, direction in (((grid.quant_min - z - 0.5) * s, -1), ((grid.quant_max - z + 0.5) * s, 1)):
-        near = [np.atleast_1d(np.float32(approx))]
-        for toward in (-np.inf, np.inf):
-            v = near[0]
-            for _ in range(ulps):
-                v = np.nextafter(v, np.float32(toward))
-                near.append(v)
-        x = np.sort(np.stack(near), axis=0)  # (2 * ulps + 1, channels)
-        if grid.per_channel:
-            mask = ts.fake_quantize_per_channel_affine_gradient(np.ones_like(x), x, grid.scale, grid.zero_point, 1,
-                                                               grid.quant_min, grid.quant_max)
-        else:
-            mask = ts.fake_quantize_per_tensor_affine_gradient(np.ones_like(x), x, grid.scale, grid.zero_point,
-                                                               grid.quant_min, grid.quant_max)
-        mask = np.asarray(mask) > 0
-        # The edge lies inside the samples: the outermost sample masked 0, the innermost 1.
-        outer, inner = (mask[0], mask[-1]) if direction < 0 else (mask[-1], mask[0])
-        if outer.any() or not inner.all():
-            return None
-        pick = np.argmax(mask, axis=0) if direction < 0 else mask.shape[0] - 1 - np.argmax(mask[::-1], axis=0)
-        ends.append(x[pick, np.arange(x.shape[1])])
-    return tuple(e.reshape(()) if not grid.per_channel else e for e in ends)
-
-
 def grid_levels(grid):
     """The values the forward op can output on a per-tensor ``grid``, ascending (float32).
 
@@ -318,6 +263,7 @@ class _View:
     channel: int | None
     channels: int | None
     mask_range: tuple | None  # (lo, hi) floats of the one grid drawn, else None
+    clipped: tuple | None = None  # the op's own (below, above) masks, flat, where the data carries them
 
 
 def _select(data, channel):
@@ -342,8 +288,9 @@ def _select(data, channel):
             mask_range = tuple(float(b) for b in ends)
         elif channel is not None:
             mask_range = tuple(float(b[channel]) for b in ends)
+    clipped = None if data.clipped is None else tuple(pick(a) for a in data.clipped)
     return _View(data, pick(data.x), pick(data.outputs), pick(data.mask), pick(data.backprops), grid, channel,
-                 depth if per_channel else None, mask_range)
+                 depth if per_channel else None, mask_range, clipped)
 
 
 # --- subsampling ---------------------------------------------------------------------------------------
@@ -413,7 +360,8 @@ def _title(view, what):
         where = f", channel {view.channel}"
     if view.grid is None:
         bits = f"num_bits={view.data.grid.num_bits}{', narrow range' if view.data.grid.narrow_range else ''}"
-        return f"{what}{where}\n{bits}, {view.channels} per-channel grids, flattened (--channel K for one)"
+        slices = getattr(view.data.grid, "slices", "channel")
+        return f"{what}{where}\n{bits}, {view.channels} per-{slices} grids, flattened (--channel K for one)"
     return f"{what}{where}\n{_grid_words(view.grid)}"
 
 
@@ -543,7 +491,7 @@ def _mark_bounds(ax, grid, orientation="v"):
     """Raw bounds dashed grey, nudged bounds dotted green (vertical lines on the x axis)."""
     line = ax.axvline if orientation == "v" else ax.axhline
     handles = []
-    for k, value in enumerate((grid.min, grid.max) if getattr(grid, "has_raw_range", True) else ()):
+    for k, value in enumerate((grid.min, grid.max) if getattr(grid, "raw_bounds", True) else ()):
         h = line(float(value), color=C_RAW, ls="--", lw=1.0, gid="raw_bound",
                  label="raw min/max" if k == 0 else "_nolegend_")
         handles.append(h)
@@ -551,7 +499,7 @@ def _mark_bounds(ax, grid, orientation="v"):
         h = line(float(value), color=C_NUDGED, ls=":", lw=1.6, gid="nudged_bound",
                  label=getattr(grid, "bounds_label", "nudged min/max") if k == 0 else "_nolegend_")
         handles.append(h)
-    return (handles[0], handles[2]) if len(handles) == 4 else (handles[0],)
+    return tuple(handles[::2])
 
 
 def _staircase_axes(ax, view, max_points):
@@ -595,9 +543,9 @@ def _summary(kind, view, idx, **extra):
             "points": int(idx.size), "channel": view.channel, "grid": _grid_dict(view.grid), **extra}
 
 
-def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None, torch=None):
-    if torch is not None:
-        return _select(torch_data(inputs, gradients=gradients, **torch), channel)
+def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize=None, data=None):
+    if data is not None:  # another framework's fake quant, computed by its family (level_data)
+        return _select(data, channel)
     variant = infer_variant(variant, min, without_min="vars")
     axis = -1 if axis is None else axis
     data = run_variant(variant, inputs, min, max, gradients=gradients, num_bits=num_bits,
@@ -613,7 +561,7 @@ def _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, ch
 
 
 def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
-              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None, torch=None):
+              max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8, quantize=None, data=None):
     """The quantization staircase: inputs vs fake-quantized outputs (the notebook's first figure).
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels marked.
@@ -627,7 +575,7 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
     >>> fig.axes[0].get_lines()[0].get_ydata().tolist()
     [-8.0, 0.0, 4.0]
     """
-    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize, torch)
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, quantize, data)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
     idx, handles, note = _staircase_axes(ax, view, max_points)
@@ -638,7 +586,7 @@ def staircase(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, vari
 
 
 def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=False, variant=None, axis=-1,
-        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None, torch=None):
+        channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None, quantize=None, data=None):
     """The staircase plus the STE gradient function on a red panel of its own below, sharing the x axis (the
     notebook's second figure; on a twin axis its 0 and 1 would fall on level lines and hide them).
 
@@ -655,7 +603,7 @@ def ste(inputs, min=-6.0, max=6.0, *, gradients=None, num_bits=8, narrow_range=F
     >>> step.get_gid(), step.get_xdata().tolist()
     ('mask_step', [-9.0, -8.0, -8.0, 4.0, 4.0, 5.0])
     """
-    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize, torch)
+    view = _view(inputs, min, max, gradients, variant, num_bits, narrow_range, axis, channel, quantize, data)
     with_bp = view.backprops is not None
     fig = new_figure(width, height if height is not None else (7.6 if with_bp else 4.8))
     grid_spec = fig.add_gridspec(3 if with_bp else 2, 1, height_ratios=[3, 1, 2] if with_bp else [3, 1])
@@ -712,7 +660,7 @@ def _pixels_per_step(fig, step, span):
 
 
 def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=None, axis=-1, channel=None,
-         bins=100, log=False, title=None, width=6.4, height=4.8):
+         bins=100, log=False, title=None, width=6.4, height=4.8, data=None):
     """Histogram of all inputs with the quantization grid, the clip regions shaded, the clipped shares.
 
     The shares are counted with the op's mask (inclusive, on the nudged bounds); NaN and infinities are
@@ -723,9 +671,13 @@ def hist(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, variant=N
     (0.25, 0.25)
     """
 
-    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel)
+    view = _view(inputs, min, max, None, variant, num_bits, narrow_range, axis, channel, data=data)
     data = view.data
-    if view.grid is not None:
+    if view.clipped is not None:  # the op's own masks (PyTorch clips the rounded integer, not the float)
+        n = view.x.size
+        stats = {"elements": n, **{k: int(np.count_nonzero(m)) / n if n else 0.0
+                                   for k, m in zip(("clipped_below", "clipped_above"), view.clipped)}}
+    elif view.grid is not None:
         stats = clip_statistics(view.x, view.grid)
     else:  # all channels flattened: each counted against its own grid
         stats = clip_statistics(data.x.reshape(-1, data.x.shape[-1]), data.grid)
@@ -839,6 +791,31 @@ def _channel_axis(ax, depth, label):
     ax.set_xlabel(label)
 
 
+def _range_and_clip_panels(axes, data_lo, data_hi, grid, range_label, below, above, clip_labels):
+    """The first two per-channel panels: each channel's data range against the grid's [nudged_min,
+    nudged_max]; the shares clipped below (down) and above (up), in percent."""
+    ax = axes[0]
+    _channel_series(ax, data_hi, bottom=data_lo, color="0.55", alpha=0.8, label="data range (finite)", gid="data_range")
+    _channel_series(ax, grid.nudged_max, bottom=grid.nudged_min, color=C_NUDGED, fill=False,
+                    label=range_label, gid="nudged_range")
+    ax.axhline(0, color="k", lw=0.8)
+    _pad_ylim(ax, data_lo, data_hi, grid.nudged_min, grid.nudged_max)
+    ax.set_ylabel("value")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+    ax = axes[1]
+    below, above = 100 * np.asarray(below), 100 * np.asarray(above)
+    _channel_series(ax, above, color=C_CLIP, label=clip_labels[1], gid="clipped_above")
+    _channel_series(ax, -below, color="tab:blue", label=clip_labels[0], gid="clipped_below")
+    ax.axhline(0, color="k", lw=0.8)
+    top = float(np.max(np.concatenate([above, below, [1.0]])))
+    ax.set_ylim(-1.1 * top, 1.1 * top)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{abs(v):g}")
+    ax.set_ylabel("clipped (%)")
+    ax.legend(**_PANEL_LEGEND)
+    ax.grid(True, axis="y", alpha=0.5)
+
+
 def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False, axis=-1, title=None,
              width=8.0, height=None):
     """Per-channel view of FakeQuantWithMinMaxVarsPerChannel: ranges, clipped shares, min/max gradients.
@@ -876,27 +853,8 @@ def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False
     panels = 3 if gradients is not None else 2
     fig = new_figure(width, height if height is not None else 1.0 + 2.4 * panels)
     axes = fig.subplots(panels, 1, sharex=True)
-    ax = axes[0]
-    _channel_series(ax, data_hi, bottom=data_lo, color="0.55", alpha=0.8, label="data range (finite)", gid="data_range")
-    _channel_series(ax, grid.nudged_max, bottom=grid.nudged_min, color=C_NUDGED, fill=False,
-                    label="nudged [min, max]", gid="nudged_range")
-    ax.axhline(0, color="k", lw=0.8)
-    _pad_ylim(ax, data_lo, data_hi, grid.nudged_min, grid.nudged_max)
-    ax.set_ylabel("value")
-    ax.legend(**_PANEL_LEGEND)
-    ax.grid(True, axis="y", alpha=0.5)
-    ax = axes[1]
-    below = 100 * np.asarray(stats["channel_clipped_below"])
-    above = 100 * np.asarray(stats["channel_clipped_above"])
-    _channel_series(ax, above, color=C_CLIP, label="above nudged max", gid="clipped_above")
-    _channel_series(ax, -below, color="tab:blue", label="below nudged min", gid="clipped_below")
-    ax.axhline(0, color="k", lw=0.8)
-    top = float(np.max(np.concatenate([above, below, [1.0]])))
-    ax.set_ylim(-1.1 * top, 1.1 * top)
-    ax.yaxis.set_major_formatter(lambda v, _: f"{abs(v):g}")
-    ax.set_ylabel("clipped (%)")
-    ax.legend(**_PANEL_LEGEND)
-    ax.grid(True, axis="y", alpha=0.5)
+    _range_and_clip_panels(axes, data_lo, data_hi, grid, "nudged [min, max]", stats["channel_clipped_below"],
+                           stats["channel_clipped_above"], ("below nudged min", "above nudged max"))
     if gradients is not None:
         ax = axes[2]
         dmin_np, dmax_np = to_numpy(dmin), to_numpy(dmax)
@@ -920,6 +878,52 @@ def channels(inputs, min, max, *, gradients=None, num_bits=8, narrow_range=False
                          "clipped_below": stats["channel_clipped_below"],
                          "clipped_above": stats["channel_clipped_above"], "grid": _grid_dict(grid),
                          "backprops": gradients is not None}
+    return fig
+
+
+def level_channels(data, *, title=None, width=8.0, height=None):
+    """Per-channel (per-block) view of another framework's fake quant (:func:`level_data`, a grid per slice):
+    the data range against the grid's range, the shares the op itself clips below and above, and, with the
+    upstream gradient, the share of its mass the op's gradient blocks (``1 - sum|backprops| / sum|gradients|``
+    per slice, from the framework's own gradient)."""
+    grid = data.grid
+    if not grid.per_channel:
+        raise OperandError("plot channels draws a grid per channel (or block); this one is per tensor",
+                           operand="inputs")
+    depth = data.x.shape[-1]
+    rows = data.x.reshape(-1, depth)
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(rows), rows, np.nan)
+        data_lo, data_hi = np.fmin.reduce(finite, axis=0), np.fmax.reduce(finite, axis=0)
+    n = rows.shape[0]
+    below, above = (m.reshape(-1, depth).sum(axis=0) / n for m in data.clipped)
+    blocked = None
+    if data.gradients is not None and data.backprops is not None:
+        def mass(a):
+            return np.nan_to_num(np.abs(a.reshape(-1, depth).astype(np.float64)), posinf=0.0).sum(axis=0)
+        total = mass(data.gradients)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            blocked = np.where(total > 0, 1.0 - mass(data.backprops) / total, 0.0)
+    panels = 3 if blocked is not None else 2
+    fig = new_figure(width, height if height is not None else 1.0 + 2.4 * panels)
+    axes = fig.subplots(panels, 1, sharex=True)
+    _range_and_clip_panels(axes, data_lo, data_hi, grid, grid.bounds_label, below, above,
+                           ("clipped below", "clipped above"))
+    if blocked is not None:
+        ax = axes[2]
+        _channel_series(ax, 100 * blocked, color=C_BACKPROPS, label="gradient mass blocked", gid="gradient_blocked")
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("blocked (%)")
+        ax.legend(**_PANEL_LEGEND)
+        ax.grid(True, axis="y", alpha=0.5)
+    _channel_axis(axes[-1], depth, grid.slices)
+    fig.suptitle(_wrapped(fig, title if title is not None else
+                          f"{data.op}: {counted(depth, grid.slices, thousands=True)} x {n:,} values, "
+                          f"[{grid.quant_min}, {grid.quant_max}]", 10), fontsize=10)
+    fig.qgcli_summary = {"plot": "channels", "op": data.op, "channels": int(depth), "elements": int(rows.size),
+                         "points": int(depth), "clipped_below": below.tolist(), "clipped_above": above.tolist(),
+                         "gradient_blocked": None if blocked is None else blocked.tolist(),
+                         "grid": grid.summary(), "backprops": blocked is not None}
     return fig
 
 
