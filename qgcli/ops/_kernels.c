@@ -646,25 +646,42 @@ uint32_t qg_amax_bits(const float *restrict x, int64_t n) { return qg_amax_bits_
  * NumPy path redoes the run). */
 int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restrict s8, float *restrict y,
                     int64_t blocks, int per_tensor, float t, float inv_t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-        const float *restrict xb = x + b * 16;
-        uint32_t amax_bits = qg_amax_bits_of(xb, 16);
-        if (amax_bits > 0x7F800000u) return 1;
-        float bscale = qg_float(amax_bits) / 6.0f;
-        if (per_tensor) bscale = bscale / t;
-        bscale = bscale < 0x1p-6f ? 0x1p-6f : (bscale > 448.0f ? 448.0f : bscale);
-        uint32_t code = qg_floatx_code(bscale, 4, 3);
-        float s32 = qg_floatx_value(code, 4, 3);
-        float r = per_tensor ? inv_t / s32 : (1.0f / s32) * 1.0f;
-        if (!isfinite(r)) return 1;
-        float s_out = per_tensor ? t * s32 : s32;
-        s8[b] = (uint8_t)code;
-        uint8_t *restrict qb = q + b * 16;
-        float *restrict yb = y + b * 16;
-        for (int i = 0; i < 16; ++i) {
-            uint32_t c = qg_floatx_code(xb[i] * r, 2, 1); /* clip(.., -6, 6): fp4 saturates at 6 anyway */
-            qb[i] = (uint8_t)c;
-            yb[i] = qg_floatx_value(c, 2, 1) * s_out;
+    /* groups of blocks in three loops: the blocks' maxima, their scales (lane-wise across blocks: one block's
+     * scale alone was most of the time), then the elements */
+    enum { GROUP = 64 };
+    uint32_t amax[GROUP], flag[GROUP];
+    float r[GROUP], s_out[GROUP];
+    for (int64_t b0 = 0; b0 < blocks; b0 += GROUP) {
+        const int nb = blocks - b0 < GROUP ? (int)(blocks - b0) : GROUP;
+        const float *restrict xg = x + b0 * 16;
+        for (int b = 0; b < nb; ++b) amax[b] = qg_amax_bits_of(xg + b * 16, 16);
+        for (int b = 0; b < nb; ++b) {
+            uint32_t bad = amax[b] > 0x7F800000u ? 1u : 0u;
+            float bscale = qg_float(amax[b]) / 6.0f;
+            if (per_tensor) bscale = bscale / t;
+            bscale = bscale < 0x1p-6f ? 0x1p-6f : (bscale > 448.0f ? 448.0f : bscale);
+            uint32_t code = qg_floatx_code(bscale, 4, 3);
+            float s32 = qg_floatx_value(code, 4, 3);
+            float rb = per_tensor ? inv_t / s32 : (1.0f / s32) * 1.0f;
+            bad |= fabsf(rb) <= 0x1.fffffep127f ? 0u : 1u; /* not finite */
+            flag[b] = bad;
+            r[b] = rb;
+            s_out[b] = per_tensor ? t * s32 : s32;
+            s8[b0 + b] = (uint8_t)code;
+        }
+        uint32_t bad = 0;
+        for (int b = 0; b < nb; ++b) bad |= flag[b];
+        if (bad) return 1;
+        for (int b = 0; b < nb; ++b) {
+            const float *restrict xb = xg + b * 16;
+            uint8_t *restrict qb = q + (b0 + b) * 16;
+            float *restrict yb = y + (b0 + b) * 16;
+            const float rb = r[b], sb = s_out[b];
+            for (int i = 0; i < 16; ++i) {
+                uint32_t c = qg_floatx_code(xb[i] * rb, 2, 1); /* clip(.., -6, 6): fp4 saturates at 6 anyway */
+                qb[i] = (uint8_t)c;
+                yb[i] = qg_floatx_value(c, 2, 1) * sb;
+            }
         }
     }
     return 0;
