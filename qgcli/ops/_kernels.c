@@ -578,36 +578,47 @@ static inline __attribute__((always_inline)) int qg_mx_run(
     const int emax = fmt == QG_E4M3 ? 8 : fmt == QG_E5M2 ? 15 : fmt == QG_E3M2 ? 4 : fmt == QG_INT8 ? 0 : 2;
     const float fmax = fmt == QG_E4M3 ? 448.0f : fmt == QG_E5M2 ? 57344.0f : fmt == QG_E2M3 ? 7.5f
                      : fmt == QG_E3M2 ? 28.0f : fmt == QG_E2M1 ? 6.0f : 127.0f / 64.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const float *restrict xb = x + b * size;
-        uint32_t amax_bits = qg_amax_bits_of(xb, size);
-        if (amax_bits > 0x7F800000u) return 1; /* NaN: the NumPy path */
-        float f, s_out;
-        codes[b] = (uint8_t)qg_mx_scale(amax_bits, fmax, mbits, emax, mode, &f, &s_out);
-        uint8_t *restrict qb = q + b * size;
-        float *restrict yb = y + b * size;
-        if (fmt == QG_INT8 && codes[b] == 255) { /* an Inf block (s = Inf): x / s is 0 or NaN, both code 0 */
-            memset(qb, 0, (size_t)size);
-            for (int64_t i = 0; i < size; ++i) yb[i] = NAN;
-            continue;
-        }
-        for (int64_t i = 0; i < size; ++i) {
-            /* clamped to +-fmax (fp8, rceil; fp6/fp4 floor saturate in the cast, at fmax: the same codes) */
-            float v = mode == QG_RCEIL ? xb[i] * f : xb[i] / f;
-            uint32_t c;
-            float value;
-            if (fmt == QG_INT8) {
-                float t = qg_clampf(rintf(qg_clampf(v, fmax) * 64.0f), 127.0f); /* not NaN: s is finite here */
-                c = (uint32_t)(int32_t)t;
-                /* the code's value: rint(-0.3) is -0.0, code 0 is +0 (gcc folds a conversion round trip
-                 * into t with AVX2, so the sign is cleared by adding +0, which no flag here lets it drop) */
-                value = (t + 0.0f) * 0x1p-6f;
-            } else {
-                c = qg_floatx_code_clipped(v, ebits, mbits, fmax);
-                value = qg_floatx_value(c, ebits, mbits);
+    /* groups of blocks in three loops: the blocks' maxima, their scales (lane-wise across blocks except
+     * rceil's log2), then the elements */
+    enum { GROUP = 64 };
+    uint32_t amax[GROUP];
+    float factor[GROUP], scale[GROUP];
+    for (int64_t b0 = 0; b0 < blocks; b0 += GROUP) {
+        const int nb = blocks - b0 < GROUP ? (int)(blocks - b0) : GROUP;
+        uint32_t top = 0;
+        for (int b = 0; b < nb; ++b) amax[b] = qg_amax_bits_of(x + (b0 + b) * size, size);
+        for (int b = 0; b < nb; ++b) top = amax[b] > top ? amax[b] : top;
+        if (top > 0x7F800000u) return 1; /* NaN: the NumPy path */
+        for (int b = 0; b < nb; ++b)
+            codes[b0 + b] = (uint8_t)qg_mx_scale(amax[b], fmax, mbits, emax, mode, factor + b, scale + b);
+        for (int b = 0; b < nb; ++b) {
+            const float *restrict xb = x + (b0 + b) * size;
+            const float f = factor[b], s_out = scale[b];
+            uint8_t *restrict qb = q + (b0 + b) * size;
+            float *restrict yb = y + (b0 + b) * size;
+            if (fmt == QG_INT8 && codes[b0 + b] == 255) { /* an Inf block (s = Inf): x / s is 0 or NaN: code 0 */
+                memset(qb, 0, (size_t)size);
+                for (int64_t i = 0; i < size; ++i) yb[i] = NAN;
+                continue;
             }
-            qb[i] = (uint8_t)c;
-            yb[i] = value * s_out;
+            for (int64_t i = 0; i < size; ++i) {
+                /* clamped to +-fmax (fp8, rceil; fp6/fp4 floor saturate in the cast, at fmax: the same codes) */
+                float v = mode == QG_RCEIL ? xb[i] * f : xb[i] / f;
+                uint32_t c;
+                float value;
+                if (fmt == QG_INT8) {
+                    float t = qg_clampf(rintf(qg_clampf(v, fmax) * 64.0f), 127.0f); /* not NaN: s is finite */
+                    c = (uint32_t)(int32_t)t;
+                    /* the code's value: rint(-0.3) is -0.0, code 0 is +0 (gcc folds a conversion round trip
+                     * into t with AVX2, so the sign is cleared by adding +0, which no flag here lets it drop) */
+                    value = (t + 0.0f) * 0x1p-6f;
+                } else {
+                    c = qg_floatx_code_clipped(v, ebits, mbits, fmax);
+                    value = qg_floatx_value(c, ebits, mbits);
+                }
+                qb[i] = (uint8_t)c;
+                yb[i] = value * s_out;
+            }
         }
     }
     return 0;
