@@ -2,7 +2,7 @@
 """Time the MX, NVFP4 and ONNX QuantizeLinear ops (issue 38) against the memory floor, in one run.
 
 The tensor is bench_ops.py's (32, 56, 56, 256) float32 activation (25.7 M elements, 103 MB), seeded.  For each
-op: the best wall time of ``--repeats`` calls and the process CPU time of that call, and both over the floor
+op: the least wall time and the least process CPU time of ``--repeats`` calls, and both over the floor
 measured in the same run, ``np.copyto`` of the tensor into a touched buffer (a copy reads one tensor and writes
 one).  ``x floor``: CPU time over bench_ops.py's floor, the copy scaled to the bytes the op must move
 (``t_copy * bytes / 8``: it reads 4 bytes an element and writes 4 of outputs plus 1 or 2 of codes).  CPU time
@@ -28,14 +28,15 @@ from qgcli.ops import mx, nvfp4, onnx_quantize  # noqa: E402
 
 
 def timed(fn, repeats):
-    best = None
+    """The least wall time and the least CPU time of ``repeats`` calls (each its own minimum: on a shared
+    machine the call with the best wall time is not the one with the best CPU time)."""
+    walls, cpus = [], []
     for _ in range(repeats):
         w, c = time.perf_counter(), time.process_time()
         fn()
-        w, c = time.perf_counter() - w, time.process_time() - c
-        if best is None or w < best[0]:
-            best = (w, c)
-    return best
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return min(walls), min(cpus)
 
 
 def main():

@@ -279,3 +279,81 @@ def test_onnx_integer_matches_the_numpy_path(monkeypatch, dtype, axis):
                                                                                axis=axis or 0))
         assert got.quantized.dtype == want.quantized.dtype and np.array_equal(got.quantized, want.quantized)
         same_bits(got.outputs, want.outputs)
+
+
+def float_grid_inputs(rng, shape, dtype):
+    """Every value of the float type, the midpoints between neighbours (ties), values just off them, random
+    values from far below its smallest subnormal to past its largest value, signed zeros; no NaN or Inf."""
+    import ml_dtypes
+
+    from qgcli.ops import onnx_quantize
+
+    name, fmax = onnx_quantize.FLOAT_TYPES[dtype]
+    grid = np.arange(256 if name.startswith("float8") else 16, dtype=np.uint8).view(getattr(ml_dtypes, name))
+    grid = np.unique(grid.astype(np.float64)[np.isfinite(grid.astype(np.float64))])
+    mids = (grid[1:] + grid[:-1]) / 2
+    special = np.concatenate([grid, mids, np.nextafter(mids.astype(f32), f32(np.inf)),
+                              np.nextafter(mids.astype(f32), f32(-np.inf)), [0.0, -0.0, fmax * 1.03, -fmax * 1.06]])
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-24, 18, shape))).astype(f32)
+    flat = x.reshape(-1)
+    flat[:special.size] = special.astype(f32)
+    return x
+
+
+def _count_native(monkeypatch):
+    from qgcli.ops import onnx_quantize
+
+    ran, real = [], onnx_quantize._native
+    monkeypatch.setattr(onnx_quantize, "_native", lambda *a: ran.append(real(*a) is not None) or real(*a))
+    return ran
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "int4", "float8e4m3fn", "float8e5m2", "float4e2m1"])
+@pytest.mark.parametrize("mode", ["tensor", "axis 0", "axis 2", "blocked 0", "blocked 2"])
+def test_onnx_matches_the_numpy_path(monkeypatch, dtype, mode):
+    """qg_onnx_q for every scale layout (per tensor, per axis, blocked with a partial last block, along the
+    first and the last axis) and the float types: the NumPy path's (ml_dtypes') codes and outputs, bit for bit,
+    on every grid value, tie and overflow; with NaN and Inf the float types fall back to the NumPy path."""
+    from qgcli.ops import onnx_quantize
+
+    rng = np.random.default_rng(len(dtype) + len(mode))
+    shape = (6, 40, 70)
+    integer = dtype in onnx_quantize.INTEGER_TYPES
+    x = hostile(rng, shape, scale=4.0) if integer else float_grid_inputs(rng, shape, dtype)
+    kind, _, axis = mode.partition(" ")
+    axis = int(axis or 0)
+    block = 32 if kind == "blocked" else 0
+    n = {"tensor": 1, "axis": shape[axis]}.get(kind)
+    sshape = () if kind == "tensor" else (n,) if kind == "axis" else tuple(
+        -(-k // block) if i == axis else k for i, k in enumerate(shape))
+    scale = rng.uniform(0.01, 0.5, sshape).astype(f32) if integer else np.exp2(
+        rng.integers(-3, 3, sshape)).astype(f32)
+    zps = [None]
+    if integer:
+        store, lo, hi = onnx_quantize.INTEGER_TYPES[dtype]
+        zps.append(rng.integers(lo, hi + 1, sshape).astype(store))
+    sats = [True] if dtype == "float4e2m1" or integer else [True, False]
+    for z in zps:
+        for saturate in sats:
+            for specials in (False, True):
+                xs = x.copy()
+                if not saturate:  # past half a step above the largest value only NumPy (ml_dtypes) goes
+                    sb, _ = onnx_quantize.broadcast_qparams(shape, scale, dtype=dtype, axis=axis, block_size=block)
+                    limit = f32({"float8e4m3fn": 464, "float8e5m2": 61440}[dtype])
+                    xs[np.abs(xs / sb) >= limit] = 0
+                    xs.reshape(-1)[-1] = -np.nextafter(limit, f32(0)) * sb.reshape(-1)[-1]  # F, not NaN or Inf
+                    at_limit = xs.copy()
+                    at_limit.reshape(-1)[-1] = limit * sb.reshape(-1)[-1]
+                    assert onnx_quantize._native(np, at_limit, dtype, scale, None, axis, block, False) is None
+                if specials:
+                    xs.reshape(-1)[rng.integers(0, x.size, 9)] = np.array([np.nan, np.inf, -np.inf] * 3, f32)
+                ran = _count_native(monkeypatch)
+                with np.errstate(all="ignore"):
+                    got, want = both(monkeypatch, lambda: onnx_quantize.onnx_fake_quantize(
+                        xs, scale, z, dtype=dtype, axis=axis, block_size=block, saturate=saturate))
+                # the kernel ran (and was not redone) wherever there is nothing only NumPy does
+                assert ran[-1] == (integer or not specials)
+                assert got.quantized.dtype == want.quantized.dtype
+                assert np.array_equal(got.quantized.view(np.uint8), want.quantized.view(np.uint8))
+                same_bits(got.outputs, want.outputs)

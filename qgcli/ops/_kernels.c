@@ -676,36 +676,47 @@ static inline __attribute__((always_inline)) int qg_mx_run(
     const int emax = fmt == QG_E4M3 ? 8 : fmt == QG_E5M2 ? 15 : fmt == QG_E3M2 ? 4 : fmt == QG_INT8 ? 0 : 2;
     const float fmax = fmt == QG_E4M3 ? 448.0f : fmt == QG_E5M2 ? 57344.0f : fmt == QG_E2M3 ? 7.5f
                      : fmt == QG_E3M2 ? 28.0f : fmt == QG_E2M1 ? 6.0f : 127.0f / 64.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const float *restrict xb = x + b * size;
-        uint32_t amax_bits = qg_amax_bits_of(xb, size);
-        if (amax_bits > 0x7F800000u) return 1; /* NaN: the NumPy path */
-        float f, s_out;
-        codes[b] = (uint8_t)qg_mx_scale(amax_bits, fmax, mbits, emax, mode, &f, &s_out);
-        uint8_t *restrict qb = q + b * size;
-        float *restrict yb = y + b * size;
-        if (fmt == QG_INT8 && codes[b] == 255) { /* an Inf block (s = Inf): x / s is 0 or NaN, both code 0 */
-            memset(qb, 0, (size_t)size);
-            for (int64_t i = 0; i < size; ++i) yb[i] = NAN;
-            continue;
-        }
-        for (int64_t i = 0; i < size; ++i) {
-            /* clamped to +-fmax (fp8, rceil; fp6/fp4 floor saturate in the cast, at fmax: the same codes) */
-            float v = mode == QG_RCEIL ? xb[i] * f : xb[i] / f;
-            uint32_t c;
-            float value;
-            if (fmt == QG_INT8) {
-                float t = qg_clampf(rintf(qg_clampf(v, fmax) * 64.0f), 127.0f); /* not NaN: s is finite here */
-                c = (uint32_t)(int32_t)t;
-                /* the code's value: rint(-0.3) is -0.0, code 0 is +0 (gcc folds a conversion round trip
-                 * into t with AVX2, so the sign is cleared by adding +0, which no flag here lets it drop) */
-                value = (t + 0.0f) * 0x1p-6f;
-            } else {
-                c = qg_floatx_code_clipped(v, ebits, mbits, fmax);
-                value = qg_floatx_value(c, ebits, mbits);
+    /* groups of blocks in three loops: the blocks' maxima, their scales (lane-wise across blocks except
+     * rceil's log2), then the elements */
+    enum { GROUP = 64 };
+    uint32_t amax[GROUP];
+    float factor[GROUP], scale[GROUP];
+    for (int64_t b0 = 0; b0 < blocks; b0 += GROUP) {
+        const int nb = blocks - b0 < GROUP ? (int)(blocks - b0) : GROUP;
+        uint32_t top = 0;
+        for (int b = 0; b < nb; ++b) amax[b] = qg_amax_bits_of(x + (b0 + b) * size, size);
+        for (int b = 0; b < nb; ++b) top = amax[b] > top ? amax[b] : top;
+        if (top > 0x7F800000u) return 1; /* NaN: the NumPy path */
+        for (int b = 0; b < nb; ++b)
+            codes[b0 + b] = (uint8_t)qg_mx_scale(amax[b], fmax, mbits, emax, mode, factor + b, scale + b);
+        for (int b = 0; b < nb; ++b) {
+            const float *restrict xb = x + (b0 + b) * size;
+            const float f = factor[b], s_out = scale[b];
+            uint8_t *restrict qb = q + (b0 + b) * size;
+            float *restrict yb = y + (b0 + b) * size;
+            if (fmt == QG_INT8 && codes[b0 + b] == 255) { /* an Inf block (s = Inf): x / s is 0 or NaN: code 0 */
+                memset(qb, 0, (size_t)size);
+                for (int64_t i = 0; i < size; ++i) yb[i] = NAN;
+                continue;
             }
-            qb[i] = (uint8_t)c;
-            yb[i] = value * s_out;
+            for (int64_t i = 0; i < size; ++i) {
+                /* clamped to +-fmax (fp8, rceil; fp6/fp4 floor saturate in the cast, at fmax: the same codes) */
+                float v = mode == QG_RCEIL ? xb[i] * f : xb[i] / f;
+                uint32_t c;
+                float value;
+                if (fmt == QG_INT8) {
+                    float t = qg_clampf(rintf(qg_clampf(v, fmax) * 64.0f), 127.0f); /* not NaN: s is finite */
+                    c = (uint32_t)(int32_t)t;
+                    /* the code's value: rint(-0.3) is -0.0, code 0 is +0 (gcc folds a conversion round trip
+                     * into t with AVX2, so the sign is cleared by adding +0, which no flag here lets it drop) */
+                    value = (t + 0.0f) * 0x1p-6f;
+                } else {
+                    c = qg_floatx_code_clipped(v, ebits, mbits, fmax);
+                    value = qg_floatx_value(c, ebits, mbits);
+                }
+                qb[i] = (uint8_t)c;
+                yb[i] = value * s_out;
+            }
         }
     }
     return 0;
@@ -744,67 +755,119 @@ uint32_t qg_amax_bits(const float *restrict x, int64_t n) { return qg_amax_bits_
  * NumPy path redoes the run). */
 int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restrict s8, float *restrict y,
                     int64_t blocks, int per_tensor, float t, float inv_t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-        const float *restrict xb = x + b * 16;
-        uint32_t amax_bits = qg_amax_bits_of(xb, 16);
-        if (amax_bits > 0x7F800000u) return 1;
-        float bscale = qg_float(amax_bits) / 6.0f;
-        if (per_tensor) bscale = bscale / t;
-        bscale = bscale < 0x1p-6f ? 0x1p-6f : (bscale > 448.0f ? 448.0f : bscale);
-        uint32_t code = qg_floatx_code(bscale, 4, 3);
-        float s32 = qg_floatx_value(code, 4, 3);
-        float r = per_tensor ? inv_t / s32 : (1.0f / s32) * 1.0f;
-        if (!isfinite(r)) return 1;
-        float s_out = per_tensor ? t * s32 : s32;
-        s8[b] = (uint8_t)code;
-        uint8_t *restrict qb = q + b * 16;
-        float *restrict yb = y + b * 16;
-        for (int i = 0; i < 16; ++i) {
-            uint32_t c = qg_floatx_code(xb[i] * r, 2, 1); /* clip(.., -6, 6): fp4 saturates at 6 anyway */
-            qb[i] = (uint8_t)c;
-            yb[i] = qg_floatx_value(c, 2, 1) * s_out;
+    /* groups of blocks in three loops: the blocks' maxima, their scales (lane-wise across blocks: one block's
+     * scale alone was most of the time), then the elements */
+    enum { GROUP = 64 };
+    uint32_t amax[GROUP], flag[GROUP];
+    float r[GROUP], s_out[GROUP];
+    for (int64_t b0 = 0; b0 < blocks; b0 += GROUP) {
+        const int nb = blocks - b0 < GROUP ? (int)(blocks - b0) : GROUP;
+        const float *restrict xg = x + b0 * 16;
+        for (int b = 0; b < nb; ++b) amax[b] = qg_amax_bits_of(xg + b * 16, 16);
+        for (int b = 0; b < nb; ++b) {
+            uint32_t bad = amax[b] > 0x7F800000u ? 1u : 0u;
+            float bscale = qg_float(amax[b]) / 6.0f;
+            if (per_tensor) bscale = bscale / t;
+            bscale = bscale < 0x1p-6f ? 0x1p-6f : (bscale > 448.0f ? 448.0f : bscale);
+            uint32_t code = qg_floatx_code(bscale, 4, 3);
+            float s32 = qg_floatx_value(code, 4, 3);
+            float rb = per_tensor ? inv_t / s32 : (1.0f / s32) * 1.0f;
+            bad |= fabsf(rb) <= 0x1.fffffep127f ? 0u : 1u; /* not finite */
+            flag[b] = bad;
+            r[b] = rb;
+            s_out[b] = per_tensor ? t * s32 : s32;
+            s8[b0 + b] = (uint8_t)code;
+        }
+        uint32_t bad = 0;
+        for (int b = 0; b < nb; ++b) bad |= flag[b];
+        if (bad) return 1;
+        for (int b = 0; b < nb; ++b) {
+            const float *restrict xb = xg + b * 16;
+            uint8_t *restrict qb = q + (b0 + b) * 16;
+            float *restrict yb = y + (b0 + b) * 16;
+            const float rb = r[b], sb = s_out[b];
+            for (int i = 0; i < 16; ++i) {
+                uint32_t c = qg_floatx_code(xb[i] * rb, 2, 1); /* clip(.., -6, 6): fp4 saturates at 6 anyway */
+                qb[i] = (uint8_t)c;
+                yb[i] = qg_floatx_value(c, 2, 1) * sb;
+            }
         }
     }
     return 0;
 }
 
-/* ONNX QuantizeLinear + DequantizeLinear to an integer type (onnx_quantize._quantize / _dequantize, the same
- * float32 operations): x as [rows][n][inner], row `row0 + r`'s slice j with scale s[j] and zero point z[j]
- * (z NULL: none); q = NaN ? lo : clamp(rint(x / s) + z, lo, hi), stored in qbytes (1 or 2) bytes, two's
- * complement for the signed types; y = (q - z) * s. */
-static inline __attribute__((always_inline)) void qg_onnx_one(float xv, float sj, float zj, float lo, float hi,
-                                                              int32_t *qv, float *yv) {
-    float v = rintf(xv / sj) + zj;
-    v = v != v ? lo : (v < lo ? lo : (v > hi ? hi : v));
-    *qv = (int32_t)v;
-    *yv = ((float)*qv - zj) * sj;
-}
+/* ONNX QuantizeLinear + DequantizeLinear (onnx_quantize._quantize / _dequantize, the same float32 operations).
+ * Integer types: q = NaN ? lo : clamp(rint(x / s) + z, lo, hi), stored in 1 or 2 bytes (two's complement for
+ * the signed types), y = (q - z) * s.  Float types (saturating e4m3fn / e5m2, e2m1): v = x / s, clamped to
+ * +-F, cast to the nearest code, ties to even (qg_floatx_code_clipped: ml_dtypes' codes on every non-NaN
+ * value up to F), y = value(code) * s.  What ml_dtypes does past F without saturation or to NaN and Inf
+ * (NaN codes, Inf, float4's NaN to -0) is left to the NumPy path: the kernel returns 1 where it met one. */
+enum { QG_ONNX_INT8, QG_ONNX_INT16, QG_ONNX_E4M3, QG_ONNX_E5M2, QG_ONNX_E4M3_RAW, QG_ONNX_E5M2_RAW, QG_ONNX_E2M1 };
 
-void qg_onnx_int(const float *restrict x, uint8_t *restrict q, float *restrict y, int64_t rows, int64_t n,
-                 int64_t inner, const float *restrict s, const float *restrict z, float lo, float hi, int qbytes) {
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < n; ++j) {
-            const float sj = s[j], zj = z ? z[j] : 0.0f;
-            const int64_t at = (r * n + j) * inner;
-            const float *restrict xs = x + at;
-            float *restrict ys = y + at;
-            if (qbytes == 1) {
-                uint8_t *restrict qs = q + at;
-                for (int64_t i = 0; i < inner; ++i) {
-                    int32_t qv;
-                    qg_onnx_one(xs[i], sj, zj, lo, hi, &qv, ys + i);
-                    qs[i] = (uint8_t)qv;
-                }
-            } else {
-                uint16_t *restrict qs = (uint16_t *)q + at;
-                for (int64_t i = 0; i < inner; ++i) {
-                    int32_t qv;
-                    qg_onnx_one(xs[i], sj, zj, lo, hi, &qv, ys + i);
-                    qs[i] = (uint16_t)qv;
-                }
-            }
+static inline __attribute__((always_inline)) int qg_onnx_span(
+    const float *restrict x, uint8_t *restrict q, float *restrict y, int64_t len, const float *restrict s,
+    const float *restrict z, const int vec, float lo, float hi, const int kind) {
+    int bad = 0;
+    for (int64_t i = 0; i < len; ++i) {
+        const float sj = s[vec ? i : 0];
+        float v = x[i] / sj;
+        if (kind <= QG_ONNX_INT16) {
+            const float zj = z ? z[vec ? i : 0] : 0.0f;
+            float w = rintf(v) + zj;
+            w = w != w ? lo : (w < lo ? lo : (w > hi ? hi : w));
+            int32_t qv = (int32_t)w;
+            y[i] = ((float)qv - zj) * sj;
+            if (kind == QG_ONNX_INT8) q[i] = (uint8_t)qv;
+            else ((uint16_t *)q)[i] = (uint16_t)qv;
+        } else {
+            const int eb = kind == QG_ONNX_E4M3 || kind == QG_ONNX_E4M3_RAW ? 4 : kind == QG_ONNX_E2M1 ? 2 : 5;
+            const int mb = eb == 4 ? 3 : eb == 2 ? 1 : 2;
+            const float fmax = eb == 4 ? 448.0f : eb == 2 ? 6.0f : 57344.0f;
+            /* raw: past F ml_dtypes rounds to F up to half a step above it, then to NaN (e4m3fn) or Inf */
+            const float limit = kind == QG_ONNX_E4M3_RAW ? 464.0f : kind == QG_ONNX_E5M2_RAW ? 61440.0f
+                              : kind == QG_ONNX_E2M1 ? INFINITY : 0.0f;
+            bad |= kind == QG_ONNX_E4M3 || kind == QG_ONNX_E5M2 ? v != v : !(fabsf(v) < limit);
+            uint32_t c = qg_floatx_code_clipped(v, eb, mb, fmax);
+            q[i] = (uint8_t)c;
+            y[i] = qg_floatx_value(c, eb, mb) * sj;
         }
     }
+    return bad;
+}
+
+/* x as [rows] rows of row_len elements, each [n] spans of `inner` elements (the last one `tail` long); span
+ * (r, j) takes its scale and zero point (z NULL: none) at r * s_rstride + (j / jdiv) * s_jstride, one for the
+ * span (vec 0) or one per element (vec 1).  Per tensor: n 1, no strides; per axis: span j is the axis' j-th
+ * slice; blocked along the last axis: span j is block j; along another axis: vec, jdiv the block size.
+ * kind: QG_ONNX_*, q's element 1 byte (2 for QG_ONNX_INT16).  Returns 1 where the NumPy path must redo it. */
+int qg_onnx_q(const float *restrict x, uint8_t *restrict q, float *restrict y, int64_t rows, int64_t n,
+              int64_t inner, int64_t tail, int64_t row_len, const float *restrict s, const float *restrict z,
+              int64_t s_rstride, int64_t s_jstride, int64_t jdiv, int vec, float lo, float hi, int kind) {
+    int bad = 0;
+    const int64_t qb = kind == QG_ONNX_INT16 ? 2 : 1;
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t at = r * row_len + j * inner, len = j == n - 1 ? tail : inner;
+            const int64_t k = r * s_rstride + (j / jdiv) * s_jstride;
+            const float *restrict zk = z ? z + k : NULL;
+#define QG_ONNX_CASE(K)                                                                                   \
+    case K:                                                                                               \
+        bad |= vec ? qg_onnx_span(x + at, q + qb * at, y + at, len, s + k, zk, 1, lo, hi, K)              \
+                   : qg_onnx_span(x + at, q + qb * at, y + at, len, s + k, zk, 0, lo, hi, K);             \
+        break;
+            switch (kind) {
+            QG_ONNX_CASE(QG_ONNX_INT8)
+            QG_ONNX_CASE(QG_ONNX_INT16)
+            QG_ONNX_CASE(QG_ONNX_E4M3)
+            QG_ONNX_CASE(QG_ONNX_E5M2)
+            QG_ONNX_CASE(QG_ONNX_E4M3_RAW)
+            QG_ONNX_CASE(QG_ONNX_E5M2_RAW)
+            default: QG_ONNX_CASE(QG_ONNX_E2M1)
+            }
+#undef QG_ONNX_CASE
+        }
+    }
+    return bad;
 }
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable

@@ -30,7 +30,7 @@ _SIGNATURES = {
     "qg_mx_blocks": (_INT, [_P, _P, _P, _P, _I64, _I64, _INT, _INT]),
     "qg_nvfp4_blocks": (_INT, [_P, _P, _P, _P, _I64, _INT, _F, _F]),
     "qg_amax_bits": (ctypes.c_uint32, [_P, _I64]),
-    "qg_onnx_int": (None, [_P, _P, _P, _I64, _I64, _I64, _P, _P, _F, _F, _INT]),
+    "qg_onnx_q": (_INT, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _F, _F, _INT]),
     "qg_cpu_has_avx2": (_INT, []),
     "qg_abi_version": (_INT, []),
 }

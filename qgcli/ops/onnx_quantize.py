@@ -95,9 +95,9 @@ def _float32(a, name, xp):
     return a.astype(_F32, copy=False)
 
 
-def _broadcast(value, shape, axis, block_size, name, xp):
+def _broadcast(value, shape, axis, block_size, name, xp, expand=True):
     """``value`` (scale or zero point) reshaped to broadcast against ``x`` (the reference's ``reshape_input``),
-    or repeated along ``axis`` for blocked quantization."""
+    or repeated along ``axis`` for blocked quantization (``expand``; else checked and left one per block)."""
     if value.ndim == 0 or value.size == 1:
         return value.reshape(())
     if not block_size:
@@ -112,21 +112,24 @@ def _broadcast(value, shape, axis, block_size, name, xp):
     if tuple(value.shape) != expected:
         raise OperandError(f"shape {list(value.shape)} does not fit blocked quantization of x {list(shape)} along "
                            f"axis {axis} with block_size {block_size}: expected {list(expected)}", operand=name)
+    if not expand:
+        return value
     return xp.repeat(value, block_size, axis=axis)[(slice(None),) * axis + (slice(0, shape[axis]),)]
 
 
-def _prepare(x, y_scale, y_zero_point, dtype, axis, block_size):
+def _prepare(x, y_scale, y_zero_point, dtype, axis, block_size, expand=True):
     xp = array_module(x, y_scale) if y_zero_point is None else array_module(x, y_scale, y_zero_point)
     x = xp.asarray(x)
     if x.dtype != _F32:
         raise OperandError(f"dtype {x.dtype}: qgcli's QuantizeLinear takes float32 x (ONNX computes float16 and "
                            "bfloat16 inputs in their own precision)", operand="x")
-    d, sb, zb = _qparams(xp, tuple(x.shape), y_scale, y_zero_point, dtype, axis, block_size)
+    d, sb, zb = _qparams(xp, tuple(x.shape), y_scale, y_zero_point, dtype, axis, block_size, expand)
     return xp, x, d, sb, zb
 
 
-def _qparams(xp, shape, y_scale, y_zero_point, dtype, axis, block_size):
-    """``(dtype, scale, zero point)`` broadcastable against an ``x`` of ``shape`` (zero point None: 0)."""
+def _qparams(xp, shape, y_scale, y_zero_point, dtype, axis, block_size, expand=True):
+    """``(dtype, scale, zero point)`` broadcastable against an ``x`` of ``shape`` (zero point None: 0); blocked
+    ones one per block unless ``expand``."""
     d = _dtype(dtype)
     s = _float32(y_scale, "y_scale", xp)
     if isinstance(block_size, bool) or int(block_size) != block_size or block_size < 0:
@@ -139,7 +142,7 @@ def _qparams(xp, shape, y_scale, y_zero_point, dtype, axis, block_size):
         if not -len(shape) <= axis < len(shape):
             raise OperandError(f"axis {axis} is out of range for x of shape {list(shape)}", operand="axis")
         axis %= len(shape)
-    sb = _broadcast(s, shape, axis, 0 if per_tensor else block_size, "y_scale", xp)
+    sb = _broadcast(s, shape, axis, 0 if per_tensor else block_size, "y_scale", xp, expand)
     zb = None
     if y_zero_point is not None:
         z = xp.asarray(y_zero_point)
@@ -154,7 +157,8 @@ def _qparams(xp, shape, y_scale, y_zero_point, dtype, axis, block_size):
             _, lo, hi = INTEGER_TYPES[d]
             if bool(xp.any((zf != xp.rint(zf)) | (zf < lo) | (zf > hi))):
                 raise OperandError(f"values must be integers in [{lo}, {hi}] for {d}", operand="y_zero_point")
-            zb = _broadcast(zf.astype(_F32), shape, axis, 0 if per_tensor else block_size, "y_zero_point", xp)
+            zb = _broadcast(zf.astype(_F32), shape, axis, 0 if per_tensor else block_size, "y_zero_point", xp,
+                            expand)
     return d, sb, zb
 
 
@@ -255,49 +259,79 @@ def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, 
     >>> onnx_fake_quantize(np.array([1.0, 500.0], np.float32), np.float32(1.0), dtype="float8e4m3fn").outputs
     array([  1., 448.], dtype=float32)
     """
-    xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size)
-    if d in INTEGER_TYPES and not block_size:
-        done = _native_integer(xp, xa, d, sb, zb)
-        if done is not None:
-            return done
+    xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size, expand=False)
+    done = _native(xp, xa, d, sb, zb, axis, block_size, saturate)
+    if done is not None:
+        return done
+    if block_size and sb.ndim:
+        xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size)
     if xp is np and xa.ndim and xa.shape[0] > 1 and xa.size > CHUNK_ELEMENTS:
         return _chunked(xa, d, sb, zb, saturate)
     _, q = _quantize(xp, xa, d, sb, zb, saturate)
     return OnnxFakeQuantResult(_dequantize(xp, q, d, sb, zb), q)
 
 
-def _native_integer(xp, xa, d, sb, zb):
-    """Per tensor or per axis to an integer type in the compiled kernel (the same float32 operations as
-    :func:`_quantize` and :func:`_dequantize`), over runs of rows on the thread pool; None where it does not
-    apply (CuPy, not built, a non-contiguous x)."""
+#: the compiled kernel's kind (qg_onnx_q: QG_ONNX_*) of a float type, saturating and not
+_KERNEL_FLOATS = {("float8e4m3fn", True): 2, ("float8e5m2", True): 3, ("float8e4m3fn", False): 4,
+                  ("float8e5m2", False): 5, ("float4e2m1", True): 6, ("float4e2m1", False): 6}
+
+
+def _layout(shape, sb, axis, block_size):
+    """qg_onnx_q's view of x (rows, n, inner, tail, row_len) and of its scales (s_rstride, s_jstride, jdiv, vec)
+    for a per-tensor, per-axis or (compact) blocked scale ``sb``."""
+    size = int(np.prod(shape))
+    if sb.ndim == 0:
+        inner = shape[-1] if shape else 1
+        return size // inner, 1, inner, inner, inner, 0, 0, 1, 0
+    axis %= len(shape)
+    length, inner = shape[axis], int(np.prod(shape[axis + 1:]))
+    rows = size // (length * inner)
+    if block_size:
+        blocks = sb.shape[axis]
+        if inner == 1:  # block j of each row is span j, with one scale
+            return rows, blocks, block_size, length - (blocks - 1) * block_size, length, blocks, 1, 1, 0
+        return rows, length, inner, inner, length * inner, blocks * inner, inner, block_size, 1
+    if inner == 1:  # the last axis: one span per row, a scale per element
+        return rows, 1, length, length, length, 0, 0, 1, 1
+    return rows, length, inner, inner, length * inner, 0, 1, 1, 0
+
+
+def _native(xp, xa, d, sb, zb, axis, block_size, saturate):
+    """:func:`onnx_fake_quantize` in the compiled kernel (the same float32 operations as :func:`_quantize` and
+    :func:`_dequantize`, the same codes as ml_dtypes' casts), over runs of rows on the thread pool; None where
+    it does not apply (CuPy, not built, an empty x) or met what only the NumPy path does (NaN into a float
+    type, or past its largest value without saturation)."""
     lib = native.for_arrays(xp, xa, sb, zb)
     if lib is None or xa.size == 0:
         return None
-    per_axis = sb.ndim > 0 and sb.size > 1
-    if per_axis:
-        a = next(i for i, n in enumerate(sb.shape) if n != 1)
-        rows, n, inner = int(np.prod(xa.shape[:a])), xa.shape[a], int(np.prod(xa.shape[a + 1:]))
+    rows, n, inner, tail, row_len, s_rstride, s_jstride, jdiv, vec = _layout(xa.shape, sb, axis, block_size)
+    s = np.ascontiguousarray(sb, _F32)
+    z = None if zb is None else np.ascontiguousarray(np.broadcast_to(zb, sb.shape), _F32)
+    if d in INTEGER_TYPES:
+        store, lo, hi = INTEGER_TYPES[d]
+        kind = 0 if np.dtype(store).itemsize == 1 else 1
     else:
-        n, inner = 1, xa.shape[-1] if xa.ndim else 1
-        rows = xa.size // inner
-    s = np.ascontiguousarray(sb.reshape(-1), _F32)
-    z = None if zb is None else np.ascontiguousarray(np.broadcast_to(zb, sb.shape).reshape(-1), _F32)
-    store, lo, hi = INTEGER_TYPES[d]
+        store, lo, hi, kind = np.uint8, 0, 0, _KERNEL_FLOATS[d, bool(saturate)]
     q = np.empty(xa.shape, store)
     y = np.empty(xa.shape, _F32)
-    x_at, y_at = native.address(xa, _F32), native.address(y, _F32)
-    q_at, s_at = q.__array_interface__["data"][0], native.address(s, _F32)
+    x_at, y_at, s_at = native.address(xa, _F32), native.address(y, _F32), native.address(s, _F32)
+    q_at = q.__array_interface__["data"][0]
     z_at = None if z is None else native.address(z, _F32)
-    per_row = n * inner
-    step = max(1, CHUNK_ELEMENTS * 8 // per_row)
+    step = max(1, CHUNK_ELEMENTS * 8 // row_len)
 
     def one(start):
-        stop = min(start + step, rows)
-        lib.qg_onnx_int(x_at + 4 * start * per_row, q_at + q.itemsize * start * per_row,
-                        y_at + 4 * start * per_row, stop - start, n, inner, s_at, z_at, _F32(lo), _F32(hi),
-                        q.itemsize)
+        at = start * row_len
+        return lib.qg_onnx_q(x_at + 4 * at, q_at + q.itemsize * at, y_at + 4 * at, min(step, rows - start), n,
+                             inner, tail, row_len, s_at + 4 * start * s_rstride,
+                             None if z_at is None else z_at + 4 * start * s_rstride, s_rstride, s_jstride, jdiv,
+                             vec, _F32(lo), _F32(hi), kind)
 
-    blocked._map(one, range(0, rows, step))
+    if any(blocked._map(one, range(0, rows, step))):
+        return None
+    if d in FLOAT_TYPES:
+        import ml_dtypes
+
+        q = q.view(getattr(ml_dtypes, FLOAT_TYPES[d][0]))
     return OnnxFakeQuantResult(y, q)
 
 
