@@ -26,6 +26,7 @@ def test_documented_snippet_loads_into_a_tfmot_model(tmp_path, monkeypatch):
     keras = tf.keras
     if not keras.__name__.startswith("tf_keras"):
         pytest.skip("tf.keras is not tf_keras (TensorFlow was imported before TF_USE_LEGACY_KERAS=1)")
+    keras.backend.clear_session()  # layer names without the _N suffixes earlier tests' models leave
     tf.random.set_seed(0)
     model = tfmot.quantization.keras.quantize_model(keras.Sequential(
         [keras.layers.Input((8,)), keras.layers.Dense(6, activation="relu", name="fc1"),
