@@ -233,9 +233,22 @@ class Monitor:
         if layer.framework == "torch.ao" and node is not None:
             node.register_hook(self._node_hook(layer, mask, learnable))
         else:  # torchao: a composite of ops, no one node; the input's gradient from its own tensor hook
-            output.register_hook(lambda dy: self._upstream(layer, dy, mask))
+            seen = {}
+            # a scale computed from the input (dynamic) also passes gradient to each block's extremes: the STE
+            # is compared on the other elements
+            compared = None
+            if mask is not None and getattr(module.config, "is_dynamic", False):
+                compared = _not_extreme(torch, xd, qparams[0].numel())
+
+            def upstream(dy):
+                seen["dy"] = dy
+                self._upstream(layer, dy, mask)
+
+            output.register_hook(upstream)
             if x.requires_grad:
-                _once(x, lambda dx: self._downstream(layer, dx, None, None))
+                _once(x, lambda dx: self._downstream(layer, dx, seen.get("dy"), mask, compared))
+            if learnable:
+                _once(module.scale, lambda g: layer.stats.__setitem__("scale_grad_norm", g.float().norm()))
 
     def _node_hook(self, layer, mask, learnable):
         def hook(grad_inputs, grad_outputs):
@@ -265,7 +278,7 @@ class Monitor:
                 mass = dyf.abs()
                 s["blocked"] = (mass * ~mask).sum() / mass.sum()
 
-    def _downstream(self, layer, dx, dy, mask):
+    def _downstream(self, layer, dx, dy, mask, compared=None):
         torch = self._t
         if dx is None:
             return
@@ -274,6 +287,8 @@ class Monitor:
             layer.stats["dx_norm"] = dxf.norm()
             if dy is not None and mask is not None and mask.shape == dxf.shape == dy.shape:
                 reference = dy.detach().float() * mask
+                if compared is not None:  # only these elements' gradient is the STE's alone
+                    dxf, reference, dy = dxf * compared, reference * compared, dy * compared
                 den = reference.abs().sum()
                 den = torch.where(den > 0, den, dy.detach().float().abs().sum())
                 layer.stats["ste_error"] = (dxf - reference).abs().sum() / den
@@ -368,6 +383,13 @@ def _once(tensor, fn):
         fn(grad)
 
     handle = tensor.register_hook(hook)
+
+
+def _not_extreme(torch, x, blocks):
+    """True where an element of ``x`` is neither the smallest nor the largest of its block (``_codes``'s
+    blocks): a scale computed from the block's min / max passes gradient to those alone."""
+    xb = x.reshape(blocks, -1)
+    return ((xb != xb.amax(1, keepdim=True)) & (xb != xb.amin(1, keepdim=True))).reshape(x.shape)
 
 
 def _combine(per_rank):
