@@ -259,17 +259,69 @@ def test_oscillation(tmp_path):
         def forward(self):
             return self.fq(self.weight)
 
-    model = Weights()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with monitor(model, tmp_path / "h", every=5, optimizer=opt):
-        for _ in range(20):
-            opt.zero_grad()
-            ((model() - model.target) ** 2).sum().backward()
-            opt.step()
+    def run(path, every):
+        model = Weights()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with monitor(model, path, every=every, optimizer=opt):
+            for _ in range(20):
+                opt.zero_grad()
+                ((model() - model.target) ** 2).sum().backward()
+                opt.step()
+        return read_history(path).series("fq")
+
+    s = run(tmp_path / "h", 5)
     f = _first(_doctor(tmp_path / "h"), "oscillation", "fq")
     assert f["step"] == 5 and f["severity"] == "warning"
-    s = read_history(tmp_path / "h").series("fq")
     assert s["oscillating"][-1] == 1 and s["codes_changed"][-1] == 1  # 5 steps between samples: all moved
+    # counted at every step, not at samples: the frequency at step 5 is 1 - 0.99^3 (flips at steps 3, 4, 5)
+    assert s["oscillation_max"][1] == pytest.approx(1 - 0.99 ** 3, rel=1e-5)
+    every_step = run(tmp_path / "every1", 1)
+    assert [every_step["oscillation_max"][i - 1] for i in s["steps"]] == s["oscillation_max"]
+
+
+def test_symmetric_zero_point_reset_every_call_is_no_finding(tmp_path):
+    """A learnable symmetric quantizer's zero point is a parameter that its forward resets to 0: it never
+    changes, by design, and is no range_not_learning (its scale learns)."""
+    from torch.ao.quantization import MovingAverageMinMaxObserver
+    from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
+
+    torch.manual_seed(0)
+    fq = _LearnableFakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=-128, quant_max=127, scale=0.05,
+                                zero_point=0.0, use_grad_scaling=True, dtype=torch.qint8,
+                                qscheme=torch.per_tensor_symmetric)
+    fq.enable_param_learning()
+    _train_lsq(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), fq, nn.Linear(16, 4)), tmp_path / "h")
+    s = read_history(tmp_path / "h").series("2")
+    assert s["zero_point_min"] == s["zero_point_max"] == [0] * 5 and s["scale_median"][0] != s["scale_median"][-1]
+    assert s["in_optimizer"] == [1] * 5 and all(v > 0 for v in s["scale_grad_norm"])
+    assert [f for f in _doctor(tmp_path / "h") if f["severity"] == "error"] == []
+
+
+def test_batch_norm_running_against_batch_statistics(tmp_path):
+    """bn_mean_shift and bn_var_ratio against the running statistics before the step's update (exact at step
+    1: running mean 0, variance 1), and they jump when the inputs' statistics change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(16, 3, generator=g) + 1 for _ in range(12)]
+    with torch.no_grad():
+        h = model[0](data[0])
+    eps = model[1].eps
+    mean_shift = (h.mean(0).abs() / (1 + eps) ** 0.5).mean().item()
+    var_ratio = ((h.var(0, unbiased=False) + eps) / (1 + eps)).log().abs().mean().item()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with monitor(model, tmp_path / "h", every=2, optimizer=opt):
+        for step, x in enumerate(data, start=1):
+            opt.zero_grad()
+            model(x * 20 if step == 12 else x).square().mean().backward()  # the inputs change at step 12
+            opt.step()
+    s = read_history(tmp_path / "h").series("1")
+    assert s["steps"] == [1, 2, 4, 6, 8, 10, 12]
+    assert s["bn_mean_shift"][0] == pytest.approx(mean_shift, rel=1e-5)
+    assert s["bn_var_ratio"][0] == pytest.approx(var_ratio, rel=1e-5)
+    # 20 times the inputs: the batch variance 400 times the running one (log 400 = 6)
+    assert s["bn_var_ratio"][-1] > max(s["bn_var_ratio"][:-1]) + 2 and all(v > 0 for v in s["dy_norm"])
+    assert s["bn_mean_shift"][-1] > 5 * max(s["bn_mean_shift"][:-1])
 
 
 def test_torchao_model(tmp_path):
