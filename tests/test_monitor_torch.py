@@ -276,7 +276,8 @@ def test_oscillation(tmp_path):
     # counted at every step, not at samples: the frequency at step 5 is 1 - 0.99^3 (flips at steps 3, 4, 5)
     assert s["oscillation_max"][1] == pytest.approx(1 - 0.99 ** 3, rel=1e-5)
     every_step = run(tmp_path / "every1", 1)
-    assert [every_step["oscillation_max"][i - 1] for i in s["steps"]] == s["oscillation_max"]
+    # (the same up to float rounding: the frequency's decay is applied lazily, at each sample)
+    assert [every_step["oscillation_max"][i - 1] for i in s["steps"]] == pytest.approx(s["oscillation_max"], rel=1e-6)
 
 
 def test_symmetric_zero_point_reset_every_call_is_no_finding(tmp_path):
