@@ -397,3 +397,59 @@ def test_doctor_on_a_run_file(tmp_path):
         ("observer_default", "conv2/activation_post_process", 7)]
     result = CliRunner().invoke(main, ["doctor", str(tmp_path / "nothing.txt")])
     assert result.exit_code == 2
+
+
+_TRAINER = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from qgcli.monitor.torch import monitor
+sys.path.insert(0, sys.argv[2])
+from test_monitor_torch import _net, _data
+model = _net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = _data(1)[0]
+with monitor(model, sys.argv[1], every=1, optimizer=opt) as mon:
+    while True:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        print(mon.step_count, flush=True)
+"""
+
+
+@pytest.mark.slow  # a training process per kill: ~30 s on 2 busy cores
+@pytest.mark.skipif(__import__("os").environ.get("QGCLI_LONG", "") in ("", "0"), reason="set QGCLI_LONG=1")
+def test_sigkill_of_a_training_process(tmp_path):
+    """A monitored training loop (every=1) SIGKILLed at a random step: every sample it completed is there,
+    whole, and the history reads back (while it ran, too)."""
+    import os
+    import random
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    from contextlib import closing
+
+    rng = random.Random(37)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for attempt in range(2):
+        path = tmp_path / f"killed{attempt}"
+        proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(path), tests], stdout=subprocess.PIPE,
+                                text=True, env=env)
+        want, done = rng.randint(4, 12), 0
+        while done < want:
+            done = int(proc.stdout.readline())
+            if done == 2:
+                assert read_history(path).steps[:2] == [1, 2]  # read while it trains
+        time_to_die = rng.random() * 0.05
+        __import__("time").sleep(time_to_die)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        h = read_history(path)
+        assert h.steps[:done] == list(range(1, done + 1)) and len(h.steps) <= done + 1
+        with closing(sqlite3.connect(path)) as db:
+            counts = {n for _, n in db.execute("select step, count(*) from stats group by step")}
+        assert counts == {len(h.layers)}  # every sample whole: one row per layer
