@@ -128,15 +128,21 @@ class _Watch:
             return 0
         return record
 
-    def _emit(self, name, stats):
-        """In the graph: hand ``stats`` (name -> scalar tensor) to Python when sampling; a dummy int32 tensor."""
+    def _emit(self, name, make_stats):
+        """In the graph: a branch for ``tf.cond`` on the sampling flag that computes ``make_stats()`` (name ->
+        scalar tensor; inside the branch, so nothing of it runs at other steps) and hands it to Python."""
         tf = self.tf
-        names = list(stats)
 
         def out():
+            stats = make_stats()
+            names = list(stats)
             return tf.py_function(self._record(name, names), [tf.cast(stats[n], tf.float32) for n in names],
                                   Tout=tf.int32)
         return out
+
+    def _when_sampling(self, slot, name, make_stats):
+        """``make_stats`` computed and recorded at sample steps only (a dummy tensor to depend on)."""
+        return self.tf.cond(slot["sampling"], self._emit(name, make_stats), lambda: self.tf.constant(0))
 
     def _wrapper(self, attr, original):
         tf = self.tf
@@ -174,11 +180,10 @@ class _Watch:
             done = []
             if role == "weight":
                 done.append(self._oscillation(name, x, geometry))
-            forward = self._emit(name, _forward_stats(tf, x, y, lo, hi, geometry))
-            done.append(tf.cond(self.sampling, forward, lambda: tf.constant(0)))
+            done.append(self._when_sampling(slot, name, lambda: _forward_stats(tf, x, y, lo, hi, geometry)))
             with tf.control_dependencies(done):
                 y = tf.identity(y)
-            slot["mask"] = geometry["mask"](x)
+            slot["mask"] = lambda: geometry["mask"](x)  # built inside the gradient taps' sampling branches
             return self._tap_dy(name, y, slot)
 
         wrapper._qgcli_monitor = True
@@ -192,12 +197,16 @@ class _Watch:
         def identity(t):
             def grad(dy):
                 slot["dy"] = dy
-                mass = tf.abs(dy)
-                stats = {"dy_norm": tf.norm(dy), "dy_zero": tf.reduce_mean(tf.cast(tf.equal(dy, 0), tf.float32)),
-                         "nan_grads": tf.reduce_sum(tf.cast(~tf.math.is_finite(dy), tf.float32)),
-                         "needs_grad": tf.constant(1.0),
-                         "blocked": tf.reduce_sum(mass * (1 - slot["mask"])) / tf.reduce_sum(mass)}
-                done = tf.cond(slot["sampling"], self._emit(name, stats), lambda: tf.constant(0))
+
+                def stats():
+                    mass = tf.abs(dy)
+                    return {"dy_norm": tf.norm(dy),
+                            "dy_zero": tf.reduce_mean(tf.cast(tf.equal(dy, 0), tf.float32)),
+                            "nan_grads": tf.reduce_sum(tf.cast(~tf.math.is_finite(dy), tf.float32)),
+                            "needs_grad": tf.constant(1.0),
+                            "blocked": tf.reduce_sum(mass * (1 - slot["mask"]())) / tf.reduce_sum(mass)}
+
+                done = self._when_sampling(slot, name, stats)
                 with tf.control_dependencies([done]):
                     return tf.identity(dy)
             return tf.identity(t), grad
@@ -210,14 +219,18 @@ class _Watch:
         @tf.custom_gradient
         def identity(t):
             def grad(dx):
-                stats = {"dx_norm": tf.norm(dx)}
                 dy = slot.get("dy")
-                if dy is not None and dy.shape == dx.shape:
-                    reference = dy * slot["mask"]
-                    den = tf.reduce_sum(tf.abs(reference))
-                    den = tf.where(den > 0, den, tf.reduce_sum(tf.abs(dy)))
-                    stats["ste_error"] = tf.reduce_sum(tf.abs(dx - reference)) / den
-                done = tf.cond(slot["sampling"], self._emit(name, stats), lambda: tf.constant(0))
+
+                def stats():
+                    out = {"dx_norm": tf.norm(dx)}
+                    if dy is not None and dy.shape == dx.shape:
+                        reference = dy * slot["mask"]()
+                        den = tf.reduce_sum(tf.abs(reference))
+                        den = tf.where(den > 0, den, tf.reduce_sum(tf.abs(dy)))
+                        out["ste_error"] = tf.reduce_sum(tf.abs(dx - reference)) / den
+                    return out
+
+                done = self._when_sampling(slot, name, stats)
                 with tf.control_dependencies([done]):
                     return tf.identity(dx)
             return tf.identity(t), grad
@@ -231,9 +244,11 @@ class _Watch:
         @tf.custom_gradient
         def identity(low, high):
             def grad(dlow, dhigh):
-                parts = [tf.reshape(tf.cast(g, tf.float32), [-1]) for g in (dlow, dhigh) if g is not None]
-                stats = {"scale_grad_norm": tf.norm(tf.concat(parts, 0)) if parts else tf.constant(0.0)}
-                done = tf.cond(slot["sampling"], self._emit(name, stats), lambda: tf.constant(0))
+                def stats():
+                    parts = [tf.reshape(tf.cast(g, tf.float32), [-1]) for g in (dlow, dhigh) if g is not None]
+                    return {"scale_grad_norm": tf.norm(tf.concat(parts, 0)) if parts else tf.constant(0.0)}
+
+                done = self._when_sampling(slot, name, stats)
                 with tf.control_dependencies([done]):
                     return tf.identity(dlow), tf.identity(dhigh)
             return (tf.identity(low), tf.identity(high)), grad
@@ -260,20 +275,19 @@ class _Watch:
 
         def update():
             move = tf.sign(codes - s["codes"])
-            moved = tf.not_equal(move, 0)
-            flipped = tf.cast(moved & tf.equal(move, -s["direction"]), tf.float32)
+            flipped = tf.nn.relu(-move * s["direction"])  # 1 where the move reverses the last one
             ops = [s["frequency"].assign(s["frequency"] * (1 - m) + m * flipped),
-                   s["direction"].assign(tf.where(moved, move, s["direction"])), s["codes"].assign(codes)]
+                   s["direction"].assign(tf.sign(2 * move + s["direction"])), s["codes"].assign(codes)]
             with tf.control_dependencies(ops):
                 return tf.identity(tf.constant(True))
 
         started = tf.cond(s["started"], update, first)
 
         def sample():
-            stats = {"codes_changed": tf.reduce_mean(tf.cast(tf.not_equal(codes, s["sample"]), tf.float32)),
-                     "oscillating": tf.reduce_mean(tf.cast(s["frequency"] > self.threshold, tf.float32)),
-                     "oscillation_max": tf.reduce_max(s["frequency"])}
-            emitted = self._emit(name, stats)()
+            emitted = self._emit(name, lambda: {
+                "codes_changed": tf.reduce_mean(tf.cast(tf.not_equal(codes, s["sample"]), tf.float32)),
+                "oscillating": tf.reduce_mean(tf.cast(s["frequency"] > self.threshold, tf.float32)),
+                "oscillation_max": tf.reduce_max(s["frequency"])})()
             with tf.control_dependencies([emitted]):
                 assigned = s["sample"].assign(codes)
             with tf.control_dependencies([assigned]):
