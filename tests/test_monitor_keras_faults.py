@@ -2,21 +2,14 @@
 custom tf.function loop for 12 steps (traced once, nothing eager): six independent branches, each with its own
 fault, and `qgcli doctor --json` names the layer, the kind and the step of each."""
 import json
-import os
 import re
 
 import pytest
+from click.testing import CliRunner
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-tf = pytest.importorskip("tensorflow")
-tfmot = pytest.importorskip("tensorflow_model_optimization")
-np = pytest.importorskip("numpy")
-
-from click.testing import CliRunner  # noqa: E402
-
-from qgcli.cli import main  # noqa: E402
-from qgcli.monitor.history import read_history  # noqa: E402
+from qgcli.cli import main
+from qgcli.monitor.history import read_history
+from test_monitor_keras import np, tf, tfmot  # TensorFlow set up for tf_keras (or the module skipped)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 quantizers = tfmot.quantization.keras.quantizers

@@ -14,24 +14,13 @@ from click.testing import CliRunner  # noqa: E402
 from qgcli.cli import main  # noqa: E402
 from qgcli.monitor.history import read_history  # noqa: E402
 from qgcli.monitor.torch import monitor  # noqa: E402
+from test_monitor_torch import _null, _ZeroGrad  # noqa: E402
 
 nn = torch.nn
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 ACT, WEIGHT = "2.activation_fake_quantizer", "2.weight_fake_quantizer"
 UPSTREAM = "0.weight_fake_quantizer"
-
-
-class _ZeroGrad(torch.autograd.Function):
-    """Identity forward, zeros backward: a quantizer whose backward was broken."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return torch.zeros_like(dy)
 
 
 def _net(dynamic=False):
@@ -61,7 +50,7 @@ def _train(model, path, steps=14, every=4, plant=None, leave_out=(), use_monitor
     opt = torch.optim.SGD([{"params": [p for (_, p), r in zip(named, is_range) if not r]},
                            {"params": [p for (_, p), r in zip(named, is_range) if r], "lr": 1e-7}], lr=0.01)
     g = torch.Generator().manual_seed(1)
-    with monitor(model, path, every=every, optimizer=opt) if use_monitor else _Null():
+    with monitor(model, path, every=every, optimizer=opt) if use_monitor else _null():
         for step in range(1, steps + 1):
             if plant:
                 plant(step, model)
@@ -70,14 +59,6 @@ def _train(model, path, steps=14, every=4, plant=None, leave_out=(), use_monitor
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     return model
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _doctor(path):
