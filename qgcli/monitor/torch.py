@@ -162,6 +162,8 @@ class Monitor:
             if layer.role is None:
                 layer.role = "weight" if isinstance(x, torch.nn.Parameter) else "activation"
             sampling = self._sampling()
+            if not sampling and layer.role != "weight":  # between samples only weights are watched (oscillation)
+                return
             with torch.no_grad():
                 qparams = _qparams(torch, layer, module, x)
                 codes = None if qparams is None else _codes(torch, x.detach(), *qparams)
@@ -313,8 +315,8 @@ class Monitor:
             error = torch.sub(dxf, dyf).addcmul_(dyf, outside)
             den = l1 - l1_blocked
             if compared is not None:  # only these elements' gradient is the STE's alone
-                error = error * compared
-                den = (dyf * compared - dyf * outside * compared).abs().sum()
+                error.mul_(compared)
+                den = torch.addcmul(dyf, dyf, outside, value=-1).mul_(compared).abs_().sum()
             den = torch.where(den > 0, den, dyf.abs().sum())
             layer.stats["ste_error"] = error.abs_().sum() / den
 
@@ -429,10 +431,12 @@ def _nonfinite(torch, x, norm):
 
 
 def _not_extreme(torch, x, blocks):
-    """True where an element of ``x`` is neither the smallest nor the largest of its block (``_codes``'s
-    blocks): a scale computed from the block's min / max passes gradient to those alone."""
-    xb = x.reshape(blocks, -1)
-    return ((xb != xb.amax(1, keepdim=True)) & (xb != xb.amin(1, keepdim=True))).reshape(x.shape)
+    """1.0 where an element of ``x`` is neither the smallest nor the largest of its block (``_codes``'s blocks),
+    else 0.0: a scale computed from the block's min / max passes gradient to those alone.  Float arithmetic
+    (``sign(max - x) * sign(x - min)``): comparisons and boolean masks are slower on the CPU."""
+    xb = x.float().reshape(blocks, -1)
+    above_min = torch.sub(xb, xb.amin(1, keepdim=True)).sign_()
+    return torch.sub(xb.amax(1, keepdim=True), xb).sign_().mul_(above_min).reshape(x.shape)
 
 
 def _combine(per_rank):
