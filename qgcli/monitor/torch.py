@@ -296,7 +296,7 @@ class Monitor:
                 return None
             mass = dyf.abs().reshape(-1)
             l1_blocked, l1 = torch.dot(mass, outside.reshape(-1)), mass.sum()
-            s["blocked"] = l1_blocked / l1
+            s["blocked"] = (l1_blocked / l1).clamp_max(1)  # two float32 sums: the ratio may exceed 1 by a rounding
             return l1_blocked, l1, outside
 
     def _downstream(self, layer, dx, dy, blocked, compared=None):
@@ -313,7 +313,7 @@ class Monitor:
             l1_blocked, l1, outside = blocked
             dyf = dy.detach().float()
             error = torch.sub(dxf, dyf).addcmul_(dyf, outside)
-            den = l1 - l1_blocked
+            den = (l1 - l1_blocked).clamp_min(0)
             if compared is not None:  # only these elements' gradient is the STE's alone
                 error.mul_(compared)
                 den = torch.addcmul(dyf, dyf, outside, value=-1).mul_(compared).abs_().sum()
