@@ -1,11 +1,15 @@
-"""What qgcli.monitor.torch costs a training run: wall time with and without the monitor, and history bytes.
+"""What qgcli.monitor costs a training run: time with and without the monitor, and history bytes.
 
-Two models on the CPU: an eager QAT ResNet-18 (torch.ao prepare_qat, 32x32 inputs, batch 32; defined here,
-torchvision is not needed) and a small Llama-style block with torchao QAT (int8 per-token activations, int4
-per-group weights).  Each is trained ``--steps`` steps without the monitor, with ``every=10`` and with
-``every=1``; the three runs are interleaved in ``--rounds`` rounds (the median per configuration is reported)
-so that a busy machine slows them alike.  Goals (issue 37): every=10 at most 1.05x, every=1 at most 1.5x; the
-history grows by a few KB per sample per 100 layers.
+Three models on the CPU: an eager QAT ResNet-18 (torch.ao prepare_qat, 32x32 inputs, batch 32; defined here,
+torchvision is not needed), a small Llama-style block with torchao QAT (int8 per-token activations, int4
+per-group weights), and a tf_keras + TF Model Optimization QAT CNN (32x32, batch 32) trained by ``model.fit``
+with the ``qgcli.monitor.keras.Monitor`` callback.  Each is trained ``--steps`` steps without the monitor,
+with ``every=10`` and with ``every=1``; the three runs are interleaved in ``--rounds`` rounds (the median per
+configuration is reported) so that a busy machine slows them alike.  Both wall time and the process's CPU
+time (all threads: ``time.process_time``) are reported: on a shared machine the CPU time is the steadier.
+The first ``--warmup`` steps (tracing, allocator warm-up, the Keras monitor's retrace) are not timed.  Goals
+(issue 37): every=10 at most 1.05x, every=1 at most 1.5x; the history grows by a few KB per sample per 100
+layers, not with batch size.
 
     python benchmarks/bench_monitor.py --steps 200 --rounds 3
 """
@@ -125,7 +129,15 @@ def llama_qat():
 
 # --- timing -----------------------------------------------------------------------------------------------
 
-def train(make, steps, every, folder):
+def _history_size(path):
+    from qgcli.monitor.history import read_history
+
+    h = read_history(path)
+    return {"bytes": os.path.getsize(path), "samples": len(h.steps), "layers": len(h.layers)}
+
+
+def train(make, steps, every, folder, warmup):
+    """(wall s, CPU s) of ``steps`` steps after ``warmup`` untimed ones, and the history's size."""
     from qgcli.monitor.torch import monitor
 
     model, batch = make()
@@ -133,58 +145,109 @@ def train(make, steps, every, folder):
     g = torch.Generator().manual_seed(1)
     data = [batch(g) for _ in range(min(steps, 8))]
     path = os.path.join(folder, f"h{every}_{time.monotonic_ns()}")
+    clock = {}
 
     def loop():
-        for i in range(steps):
+        for i in range(warmup + steps):
+            if i == warmup:
+                clock["start"] = time.perf_counter(), time.process_time()
             x, y = data[i % len(data)]
             opt.zero_grad()
             out = model(x)
             nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
             opt.step()
+        clock["end"] = time.perf_counter(), time.process_time()
 
-    t0 = time.perf_counter()
     if every is None:
         loop()
-        return time.perf_counter() - t0, None
-    with monitor(model, path, every=every, optimizer=opt) as mon:
-        loop()
-    wall = time.perf_counter() - t0
-    from qgcli.monitor.history import read_history
+        size = None
+    else:
+        with monitor(model, path, every=every, optimizer=opt):
+            loop()
+        size = _history_size(path)
+    (w0, c0), (w1, c1) = clock["start"], clock["end"]
+    return (w1 - w0, c1 - c0), size
 
-    h = read_history(path)
-    layers = len(h.layers)
-    size = os.path.getsize(path)
-    del mon
-    return wall, {"bytes": size, "samples": len(h.steps), "layers": layers}
+
+# --- tf_keras + tfmot, model.fit ----------------------------------------------------------------------------
+
+def keras_fit(steps, every, folder, warmup):
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np
+    import tensorflow as tf
+    import tensorflow_model_optimization as tfmot
+
+    from qgcli.monitor.keras import Monitor
+
+    tf.keras.backend.clear_session()
+    tf.keras.utils.set_random_seed(0)
+    layers = tf.keras.layers
+    stack = [layers.Conv2D(32, 3, padding="same", input_shape=(32, 32, 3)), layers.BatchNormalization(),
+             layers.ReLU()]
+    for width in (64, 128, 128):
+        stack += [layers.Conv2D(width, 3, strides=2, padding="same"), layers.BatchNormalization(), layers.ReLU()]
+    stack += [layers.GlobalAveragePooling2D(), layers.Dense(10)]
+    model = tfmot.quantization.keras.quantize_model(tf.keras.Sequential(stack))
+    model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9),
+                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(1)
+    x = rng.randn(32 * 8, 32, 32, 3).astype("float32")
+    y = rng.randint(0, 10, 32 * 8)
+    total = warmup + steps
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat().take(total)
+    clock = {}
+
+    class Clock(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == warmup - 1:
+                clock["start"] = time.perf_counter(), time.process_time()
+            if batch == total - 1:
+                clock["end"] = time.perf_counter(), time.process_time()
+
+    path = os.path.join(folder, f"k{every}_{time.monotonic_ns()}")
+    callbacks = [Clock()] if every is None else [Monitor(path, every=every), Clock()]
+    model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, callbacks=callbacks)
+    (w0, c0), (w1, c1) = clock["start"], clock["end"]
+    return (w1 - w0, c1 - c0), None if every is None else _history_size(path)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", default="resnet18,llama")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--models", default="resnet18,llama,keras")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     makers = {"resnet18": resnet18_qat, "llama": llama_qat}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps, {args.rounds} rounds")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps after {args.warmup}, "
+          f"{args.rounds} rounds, {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models.split(","):
             times = {None: [], 10: [], 1: []}
             sizes = {}
             for _ in range(args.rounds):
                 for every in times:
-                    wall, size = train(makers[name], args.steps, every, folder)
-                    times[every].append(wall)
+                    if name == "keras":
+                        took, size = keras_fit(args.steps, every, folder, args.warmup)
+                    else:
+                        took, size = train(makers[name], args.steps, every, folder, args.warmup)
+                    times[every].append(took)
                     if size:
                         sizes[every] = size
-            base = statistics.median(times[None])
-            print(f"{name}: without the monitor {base:.2f} s ({1000 * base / args.steps:.1f} ms/step)")
+            wall0 = statistics.median(t[0] for t in times[None])
+            cpu0 = statistics.median(t[1] for t in times[None])
+            print(f"{name}: without the monitor {wall0:.2f} s wall ({1000 * wall0 / args.steps:.1f} ms/step), "
+                  f"{cpu0:.2f} s CPU")
             for every in (10, 1):
-                t = statistics.median(times[every])
+                wall = statistics.median(t[0] for t in times[every])
+                cpu = statistics.median(t[1] for t in times[every])
                 s = sizes[every]
                 per_sample = (s["bytes"] - 4096 * 3) / max(s["samples"], 1)
-                print(f"  every={every:<3} {t:.2f} s  {t / base:.3f}x   history {s['bytes'] / 1024:.0f} KiB, "
-                      f"{s['samples']} samples x {s['layers']} layers: {per_sample / 1024:.1f} KiB per sample, "
+                print(f"  every={every:<3} wall {wall:.2f} s {wall / wall0:.3f}x, CPU {cpu:.2f} s {cpu / cpu0:.3f}x; "
+                      f"history {s['bytes'] / 1024:.0f} KiB, {s['samples']} samples x {s['layers']} layers: "
+                      f"{per_sample / 1024:.2f} KiB per sample, "
                       f"{per_sample / 1024 * 100 / s['layers']:.1f} KiB per sample per 100 layers")
 
 

@@ -259,17 +259,70 @@ def test_oscillation(tmp_path):
         def forward(self):
             return self.fq(self.weight)
 
-    model = Weights()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with monitor(model, tmp_path / "h", every=5, optimizer=opt):
-        for _ in range(20):
-            opt.zero_grad()
-            ((model() - model.target) ** 2).sum().backward()
-            opt.step()
+    def run(path, every):
+        model = Weights()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with monitor(model, path, every=every, optimizer=opt):
+            for _ in range(20):
+                opt.zero_grad()
+                ((model() - model.target) ** 2).sum().backward()
+                opt.step()
+        return read_history(path).series("fq")
+
+    s = run(tmp_path / "h", 5)
     f = _first(_doctor(tmp_path / "h"), "oscillation", "fq")
     assert f["step"] == 5 and f["severity"] == "warning"
-    s = read_history(tmp_path / "h").series("fq")
     assert s["oscillating"][-1] == 1 and s["codes_changed"][-1] == 1  # 5 steps between samples: all moved
+    # counted at every step, not at samples: the frequency at step 5 is 1 - 0.99^3 (flips at steps 3, 4, 5)
+    assert s["oscillation_max"][1] == pytest.approx(1 - 0.99 ** 3, rel=1e-5)
+    every_step = run(tmp_path / "every1", 1)
+    # (the same up to float rounding: the frequency's decay is applied lazily, at each sample)
+    assert [every_step["oscillation_max"][i - 1] for i in s["steps"]] == pytest.approx(s["oscillation_max"], rel=1e-6)
+
+
+def test_symmetric_zero_point_reset_every_call_is_no_finding(tmp_path):
+    """A learnable symmetric quantizer's zero point is a parameter that its forward resets to 0: it never
+    changes, by design, and is no range_not_learning (its scale learns)."""
+    from torch.ao.quantization import MovingAverageMinMaxObserver
+    from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
+
+    torch.manual_seed(0)
+    fq = _LearnableFakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=-128, quant_max=127, scale=0.05,
+                                zero_point=0.0, use_grad_scaling=True, dtype=torch.qint8,
+                                qscheme=torch.per_tensor_symmetric)
+    fq.enable_param_learning()
+    _train_lsq(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), fq, nn.Linear(16, 4)), tmp_path / "h")
+    s = read_history(tmp_path / "h").series("2")
+    assert s["zero_point_min"] == s["zero_point_max"] == [0] * 5 and s["scale_median"][0] != s["scale_median"][-1]
+    assert s["in_optimizer"] == [1] * 5 and all(v > 0 for v in s["scale_grad_norm"])
+    assert [f for f in _doctor(tmp_path / "h") if f["severity"] == "error"] == []
+
+
+def test_batch_norm_running_against_batch_statistics(tmp_path):
+    """bn_mean_shift and bn_var_ratio against the running statistics before the step's update (exact at step
+    1: running mean 0, variance 1), and they jump when the inputs' statistics change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(16, 3, generator=g) + 1 for _ in range(12)]
+    with torch.no_grad():
+        h = model[0](data[0])
+    eps = model[1].eps
+    mean_shift = (h.mean(0).abs() / (1 + eps) ** 0.5).mean().item()
+    var_ratio = ((h.var(0, unbiased=False) + eps) / (1 + eps)).log().abs().mean().item()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with monitor(model, tmp_path / "h", every=2, optimizer=opt):
+        for step, x in enumerate(data, start=1):
+            opt.zero_grad()
+            model(x * 20 if step == 12 else x).square().mean().backward()  # the inputs change at step 12
+            opt.step()
+    s = read_history(tmp_path / "h").series("1")
+    assert s["steps"] == [1, 2, 4, 6, 8, 10, 12]
+    assert s["bn_mean_shift"][0] == pytest.approx(mean_shift, rel=1e-5)
+    assert s["bn_var_ratio"][0] == pytest.approx(var_ratio, rel=1e-5)
+    # 20 times the inputs: the batch variance 400 times the running one (log 400 = 6)
+    assert s["bn_var_ratio"][-1] > max(s["bn_var_ratio"][:-1]) + 2 and all(v > 0 for v in s["dy_norm"])
+    assert s["bn_mean_shift"][-1] > 5 * max(s["bn_mean_shift"][:-1])
 
 
 def test_torchao_model(tmp_path):
@@ -380,3 +433,59 @@ def test_live_tensorboard_events_equal_trends(tmp_path):
     got, want = scalars(live), scalars(tmp_path / "after")
     assert got == want and "gradient_blocked/conv2.activation_post_process" in got
     assert [v for _, v in got["aggregate/share_with_events"]][-1] > 0  # the clipping layer's jump at step 8
+
+
+_TRAINER = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from qgcli.monitor.torch import monitor
+sys.path.insert(0, sys.argv[2])
+from test_monitor_torch import _net, _data
+model = _net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = _data(1)[0]
+with monitor(model, sys.argv[1], every=1, optimizer=opt) as mon:
+    while True:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        print(mon.step_count, flush=True)
+"""
+
+
+@pytest.mark.slow  # a training process per kill: ~30 s on 2 busy cores
+@pytest.mark.skipif(__import__("os").environ.get("QGCLI_LONG", "") in ("", "0"), reason="set QGCLI_LONG=1")
+def test_sigkill_of_a_training_process(tmp_path):
+    """A monitored training loop (every=1) SIGKILLed at a random step: every sample it completed is there,
+    whole, and the history reads back (while it ran, too)."""
+    import os
+    import random
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    from contextlib import closing
+
+    rng = random.Random(37)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for attempt in range(2):
+        path = tmp_path / f"killed{attempt}"
+        proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(path), tests], stdout=subprocess.PIPE,
+                                text=True, env=env)
+        want, done = rng.randint(4, 12), 0
+        while done < want:
+            done = int(proc.stdout.readline())
+            if done == 2:
+                assert read_history(path).steps[:2] == [1, 2]  # read while it trains
+        time_to_die = rng.random() * 0.05
+        __import__("time").sleep(time_to_die)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        h = read_history(path)
+        assert h.steps[:done] == list(range(1, done + 1)) and len(h.steps) <= done + 1
+        with closing(sqlite3.connect(path)) as db:
+            counts = {n for _, n in db.execute("select step, count(*) from stats group by step")}
+        assert counts == {len(h.layers)}  # every sample whole: one row per layer

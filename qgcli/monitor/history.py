@@ -46,7 +46,7 @@ STATS = {
     "zero_point_min": "zero point, smallest channel", "zero_point_max": "zero point, largest channel",
     "range_min": "lower end of the representable range, (quant_min - zero_point) * scale, smallest channel",
     "range_max": "upper end of the representable range, (quant_max - zero_point) * scale, largest channel",
-    "scale_grad_norm": "L2 norm of the gradient of a learnable scale",
+    "scale_grad_norm": "L2 norm of the gradient of a learnable scale (TensorFlow: of a learnable min and max)",
     "zero_point_grad_norm": "L2 norm of the gradient of a learnable zero point",
     "nan_inputs": "NaN or Inf elements in the inputs", "nan_grads": "NaN or Inf elements in the upstream gradient",
     "sqnr_db": "signal-to-quantization-noise ratio of the output against the input, dB",

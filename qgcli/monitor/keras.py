@@ -21,7 +21,9 @@ on a ``sampling`` variable (set in Python between steps), and handed out through
 steps only.  The upstream gradient and the input gradient are seen by identity ``tf.custom_gradient`` taps on
 the op's output and input (values unchanged: passive).  Weight quantizers (inputs read from a variable) keep
 their last integer codes, last move direction and oscillation frequency in variables updated at every step.
-Not monitored: batch norms (use qgcli.capture for one step), Keras 3.
+A learnable range (min and max passed as trainable variables) records its gradient's norm as ``scale_grad_norm``.
+A quantizer sampled before that does not run at a later sample step (a ``tf.cond`` that skips it) is recorded
+there with ``fake_quant_enabled`` 0 only.  Not monitored: batch norms (use qgcli.capture for one step), Keras 3.
 """
 import contextlib
 import inspect
@@ -81,6 +83,10 @@ class _Watch:
                 lid = self.ids.get(name) or self.writer.layer_id(name, kind, role, "tf.quantization", info)
                 self.ids[name] = lid
                 rows[lid] = stats
+            # a quantizer sampled before that did not run at this sample step: its fake quant was skipped
+            # (a tf.cond around it, a retraced step without it)
+            rows.update({lid: {"fake_quant_enabled": 0.0} for name, lid in self.ids.items()
+                         if name not in self.pending})
             self.writer.add_sample(step, rows)
             if self.events is not None:
                 self.events.add_sample(step, dict(self.pending))
@@ -131,15 +137,21 @@ class _Watch:
             return 0
         return record
 
-    def _emit(self, name, stats):
-        """In the graph: hand ``stats`` (name -> scalar tensor) to Python when sampling; a dummy int32 tensor."""
+    def _emit(self, name, make_stats):
+        """In the graph: a branch for ``tf.cond`` on the sampling flag that computes ``make_stats()`` (name ->
+        scalar tensor; inside the branch, so nothing of it runs at other steps) and hands it to Python."""
         tf = self.tf
-        names = list(stats)
 
         def out():
+            stats = make_stats()
+            names = list(stats)
             return tf.py_function(self._record(name, names), [tf.cast(stats[n], tf.float32) for n in names],
                                   Tout=tf.int32)
         return out
+
+    def _when_sampling(self, slot, name, make_stats):
+        """``make_stats`` computed and recorded at sample steps only (a dummy tensor to depend on)."""
+        return self.tf.cond(slot["sampling"], self._emit(name, make_stats), lambda: self.tf.constant(0))
 
     def _wrapper(self, attr, original):
         tf = self.tf
@@ -160,21 +172,27 @@ class _Watch:
                 lo, hi = tf.convert_to_tensor(a["min"]), tf.convert_to_tensor(a["max"])
             role = "weight" if _reads_variable(x) else "activation"
             per_channel = attr.endswith("per_channel")
+            # a learnable range (trainable variables, as tfmot passes them): its gradient's norm
+            learnable = attr != "fake_quant_with_min_max_args" and all(
+                isinstance(v, tf.Variable) and v.trainable for v in (a["min"], a["max"]))
             self.layers.setdefault(name, ("fake_quant", role, {
                 "quant_min": int(narrow), "quant_max": 2 ** bits - 1, "per_channel": per_channel,
-                "num_bits": bits, "narrow_range": narrow, "op": attr}))
-            slot = {}
+                "num_bits": bits, "narrow_range": narrow, "op": attr, "learnable": learnable}))
+            # the gradient taps read the sampling flag as a forward tensor: a variable read in a gradient function
+            # fails under a tf.cond (cond_v2 cannot capture the eager variable's handle there)
+            slot = {"sampling": tf.identity(self.sampling)}
             a["inputs"] = self._tap_dx(name, x, slot)
+            if learnable:
+                a["min"], a["max"] = self._tap_range(name, lo, hi, slot)
             y = original(**a)
             geometry = _nudged(tf, lo, hi, bits, narrow)
             done = []
             if role == "weight":
                 done.append(self._oscillation(name, x, geometry))
-            forward = self._emit(name, _forward_stats(tf, x, y, lo, hi, geometry))
-            done.append(tf.cond(self.sampling, forward, lambda: tf.constant(0)))
+            done.append(self._when_sampling(slot, name, lambda: _forward_stats(tf, x, y, lo, hi, geometry)))
             with tf.control_dependencies(done):
                 y = tf.identity(y)
-            slot["mask"] = geometry["mask"](x)
+            slot["mask"] = lambda: geometry["mask"](x)  # built inside the gradient taps' sampling branches
             return self._tap_dy(name, y, slot)
 
         wrapper._qgcli_monitor = True
@@ -188,12 +206,16 @@ class _Watch:
         def identity(t):
             def grad(dy):
                 slot["dy"] = dy
-                mass = tf.abs(dy)
-                stats = {"dy_norm": tf.norm(dy), "dy_zero": tf.reduce_mean(tf.cast(tf.equal(dy, 0), tf.float32)),
-                         "nan_grads": tf.reduce_sum(tf.cast(~tf.math.is_finite(dy), tf.float32)),
-                         "needs_grad": tf.constant(1.0),
-                         "blocked": tf.reduce_sum(mass * (1 - slot["mask"])) / tf.reduce_sum(mass)}
-                done = tf.cond(self.sampling, self._emit(name, stats), lambda: tf.constant(0))
+
+                def stats():
+                    mass = tf.abs(dy)
+                    return {"dy_norm": tf.norm(dy),
+                            "dy_zero": tf.reduce_mean(tf.cast(tf.equal(dy, 0), tf.float32)),
+                            "nan_grads": tf.reduce_sum(tf.cast(~tf.math.is_finite(dy), tf.float32)),
+                            "needs_grad": tf.constant(1.0),
+                            "blocked": tf.reduce_sum(mass * (1 - slot["mask"]())) / tf.reduce_sum(mass)}
+
+                done = self._when_sampling(slot, name, stats)
                 with tf.control_dependencies([done]):
                     return tf.identity(dy)
             return tf.identity(t), grad
@@ -206,19 +228,41 @@ class _Watch:
         @tf.custom_gradient
         def identity(t):
             def grad(dx):
-                stats = {"dx_norm": tf.norm(dx)}
                 dy = slot.get("dy")
-                if dy is not None and dy.shape == dx.shape:
-                    reference = dy * slot["mask"]
-                    den = tf.reduce_sum(tf.abs(reference))
-                    den = tf.where(den > 0, den, tf.reduce_sum(tf.abs(dy)))
-                    stats["ste_error"] = tf.reduce_sum(tf.abs(dx - reference)) / den
-                done = tf.cond(self.sampling, self._emit(name, stats), lambda: tf.constant(0))
+
+                def stats():
+                    out = {"dx_norm": tf.norm(dx)}
+                    if dy is not None and dy.shape == dx.shape:
+                        reference = dy * slot["mask"]()
+                        den = tf.reduce_sum(tf.abs(reference))
+                        den = tf.where(den > 0, den, tf.reduce_sum(tf.abs(dy)))
+                        out["ste_error"] = tf.reduce_sum(tf.abs(dx - reference)) / den
+                    return out
+
+                done = self._when_sampling(slot, name, stats)
                 with tf.control_dependencies([done]):
                     return tf.identity(dx)
             return tf.identity(t), grad
 
         return identity(x)
+
+    def _tap_range(self, name, lo, hi, slot):
+        """``lo`` and ``hi`` unchanged; their gradient's norm (``scale_grad_norm``) at sample steps."""
+        tf = self.tf
+
+        @tf.custom_gradient
+        def identity(low, high):
+            def grad(dlow, dhigh):
+                def stats():
+                    parts = [tf.reshape(tf.cast(g, tf.float32), [-1]) for g in (dlow, dhigh) if g is not None]
+                    return {"scale_grad_norm": tf.norm(tf.concat(parts, 0)) if parts else tf.constant(0.0)}
+
+                done = self._when_sampling(slot, name, stats)
+                with tf.control_dependencies([done]):
+                    return tf.identity(dlow), tf.identity(dhigh)
+            return (tf.identity(low), tf.identity(high)), grad
+
+        return identity(lo, hi)
 
     def _oscillation(self, name, x, geometry):
         """Every step: this weight quantizer's codes against its last ones (variables made outside any graph)."""
@@ -240,20 +284,19 @@ class _Watch:
 
         def update():
             move = tf.sign(codes - s["codes"])
-            moved = tf.not_equal(move, 0)
-            flipped = tf.cast(moved & tf.equal(move, -s["direction"]), tf.float32)
+            flipped = tf.nn.relu(-move * s["direction"])  # 1 where the move reverses the last one
             ops = [s["frequency"].assign(s["frequency"] * (1 - m) + m * flipped),
-                   s["direction"].assign(tf.where(moved, move, s["direction"])), s["codes"].assign(codes)]
+                   s["direction"].assign(tf.sign(2 * move + s["direction"])), s["codes"].assign(codes)]
             with tf.control_dependencies(ops):
                 return tf.identity(tf.constant(True))
 
         started = tf.cond(s["started"], update, first)
 
         def sample():
-            stats = {"codes_changed": tf.reduce_mean(tf.cast(tf.not_equal(codes, s["sample"]), tf.float32)),
-                     "oscillating": tf.reduce_mean(tf.cast(s["frequency"] > self.threshold, tf.float32)),
-                     "oscillation_max": tf.reduce_max(s["frequency"])}
-            emitted = self._emit(name, stats)()
+            emitted = self._emit(name, lambda: {
+                "codes_changed": tf.reduce_mean(tf.cast(tf.not_equal(codes, s["sample"]), tf.float32)),
+                "oscillating": tf.reduce_mean(tf.cast(s["frequency"] > self.threshold, tf.float32)),
+                "oscillation_max": tf.reduce_max(s["frequency"])})()
             with tf.control_dependencies([emitted]):
                 assigned = s["sample"].assign(codes)
             with tf.control_dependencies([assigned]):
@@ -283,9 +326,17 @@ def _nudged(tf, lo, hi, bits, narrow):
     the inputs: the STE mask (inclusive, on the nudged bounds) and the integer codes."""
     qmin, qmax = float(int(narrow)), float(2 ** bits - 1)
     lo, hi = tf.cast(lo, tf.float32), tf.cast(hi, tf.float32)
-    scale = (hi - lo) / (qmax - qmin)
-    zp_from_min = qmin - lo / scale
-    zp = tf.clip_by_value(tf.floor(zp_from_min + 0.5), qmin, qmax)
+    # the kernel's float32 operations, each done in float64 and rounded back (the same result, float32 having
+    # under half float64's digits): a graph's optimizer turns a float32 division by the constant 255 into a
+    # multiplication by its reciprocal, which moves a zero point of x.5 (a symmetric range) by one
+    f64 = tf.float64
+
+    def f32(t):
+        return tf.cast(t, tf.float32)
+
+    scale = f32(tf.cast(hi - lo, f64) / (qmax - qmin))
+    zp_from_min = f32(qmin - tf.cast(f32(tf.cast(lo, f64) / tf.cast(scale, f64)), f64))
+    zp = f32(tf.clip_by_value(tf.floor(tf.cast(zp_from_min, f64) + 0.5), qmin, qmax))
     nmin, nmax = (qmin - zp) * scale, (qmax - zp) * scale
 
     def mask(x):

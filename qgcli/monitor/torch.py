@@ -71,8 +71,7 @@ class _Layer:
         self.order = None  # first forward call's rank among the layers: the history's layer ids follow it
         self.seen_step = 0
         self.stats = {}
-        # oscillation state of a weight quantizer
-        self.codes = self.direction = self.frequency = self.sample_codes = None
+        self.osc = None  # a weight quantizer's oscillation buffers (see Monitor._track_oscillation)
 
 
 class Monitor:
@@ -175,43 +174,54 @@ class Monitor:
             if layer.role is None:
                 layer.role = "weight" if isinstance(x, torch.nn.Parameter) else "activation"
             sampling = self._sampling()
+            if not sampling and layer.role != "weight":  # between samples only weights are watched (oscillation)
+                return
             with torch.no_grad():
                 qparams = _qparams(torch, layer, module, x)
                 codes = None if qparams is None else _codes(torch, x.detach(), *qparams)
-                if layer.role == "weight" and codes is not None:
-                    self._track_oscillation(layer, codes, qparams, sampling)
                 if sampling:
                     self._forward_stats(layer, module, x, output, qparams, codes)
+                if layer.role == "weight" and codes is not None:  # after: it clamps the codes in place
+                    self._track_oscillation(layer, codes, qparams, sampling)
 
         return hook
 
     def _track_oscillation(self, layer, codes, qparams, sampling):
+        """Every step, in place on integer buffers (comparisons and ``where`` cost more than arithmetic): the
+        move ``s = sign(q - last)``, a flip where ``s * direction == -1``, the direction ``sign(2 s + direction)``
+        (the last nonzero move), and the frequency ``f_t = (1-m) f_(t-1) + m o_t`` kept as ``f / (1-m)^k``
+        so that a step only adds to the flipped weights (rescaled at each sample)."""
         torch = self._t
         qmin, qmax = qparams[2], qparams[3]
-        q = codes.clamp(qmin, qmax).to(torch.int16)
-        if layer.codes is None or layer.codes.shape != q.shape:
-            layer.codes, layer.sample_codes = q, q
-            layer.direction = torch.zeros_like(q, dtype=torch.int8)
-            layer.frequency = torch.zeros_like(q, dtype=torch.float32)
+        small = torch.int16 if -2 ** 15 <= qmin and qmax < 2 ** 15 else torch.int32
+        q = codes.clamp_(qmin, qmax).to(small)
+        osc = layer.osc
+        if osc is None or osc["last"].shape != q.shape:
+            layer.osc = {"last": q, "sample": q.clone(), "move": torch.zeros_like(q), "flip": torch.zeros_like(q),
+                         "direction": torch.zeros_like(q), "frequency": torch.zeros(q.shape, device=q.device),
+                         "decay": 1.0}
+            osc = layer.osc
         else:
-            move = torch.sign(q - layer.codes).to(torch.int8)
-            moved = move != 0
-            flipped = moved & (move == -layer.direction)
-            layer.frequency.mul_(1 - self.momentum).add_(flipped.to(torch.float32), alpha=self.momentum)
-            layer.direction = torch.where(moved, move, layer.direction)
-            layer.codes = q
+            move, flip, direction = osc["move"], osc["flip"], osc["direction"]
+            torch.sub(q, osc["last"], out=move).sign_()
+            torch.mul(move, direction, out=flip).neg_().clamp_min_(0)  # 1 where the move reverses the last one
+            direction.add_(move, alpha=2).sign_()
+            osc["decay"] *= 1 - self.momentum
+            osc["frequency"].add_(flip, alpha=self.momentum / osc["decay"])
+            osc["last"] = q
         if sampling:
-            s = layer.stats
-            s["codes_changed"] = (q != layer.sample_codes).float().mean()
-            s["oscillating"] = (layer.frequency > self.threshold).float().mean()
-            s["oscillation_max"] = layer.frequency.max()
-            layer.sample_codes = q
+            st = layer.stats
+            frequency = osc["frequency"].mul_(osc["decay"])
+            osc["decay"] = 1.0
+            st["codes_changed"] = torch.count_nonzero(torch.sub(q, osc["sample"], out=osc["move"])) / q.numel()
+            st["oscillating"] = torch.count_nonzero(frequency > self.threshold) / q.numel()
+            st["oscillation_max"] = frequency.max()
+            osc["sample"].copy_(q)
 
     def _forward_stats(self, layer, module, x, output, qparams, codes):
         torch = self._t
         s = layer.stats
         xd = x.detach()
-        s["nan_inputs"] = (~torch.isfinite(xd)).sum()
         enabled = _enabled(torch, module)
         s["fake_quant_enabled"] = enabled
         if hasattr(module, "observer_enabled"):
@@ -223,7 +233,8 @@ class Monitor:
             s["in_optimizer"] = float(id(module.scale) in ids)
         active = output is not x and torch.is_tensor(output)
         s["needs_grad"] = float(bool(active and output.requires_grad))
-        mask = None
+        outside = None  # where the STE blocks the gradient (the integer code is clipped)
+        n = xd.numel()
         if qparams is not None:
             scale, zp, qmin, qmax, _ = qparams
             sf, zf = scale.detach().float().flatten(), zp.detach().float().flatten()
@@ -231,33 +242,51 @@ class Monitor:
             s["zero_point_min"], s["zero_point_max"] = zf.min(), zf.max()
             s["range_min"] = ((qmin - zf) * sf).min()
             s["range_max"] = ((qmax - zf) * sf).max()
-            s["clip_low"] = (codes < qmin).float().mean()
-            s["clip_high"] = (codes > qmax).float().mean()
-            mask = (codes >= qmin) & (codes <= qmax)
+            # float arithmetic and sums only (comparisons, boolean masks and count_nonzero are several times
+            # slower on the CPU): sign(codes - clamp(codes)) is -1 clipped low, +1 clipped high, 0 inside
+            side = torch.clamp(codes, qmin, qmax).sub_(codes).neg_().sign_()
+            net = side.sum()
+            outside = side.abs_()  # 1 where the STE blocks the gradient
+            clipped = outside.sum()
+            s["clip_low"], s["clip_high"] = (clipped - net) / (2 * n), (clipped + net) / (2 * n)
+        power = _l2(torch, xd.float())
+        s["nan_inputs"] = _nonfinite(torch, xd, power)
         if not active:
             return
-        out = output.detach()
-        noise = (xd.float() - out.float()).square().sum()
-        s["sqnr_db"] = 10 * torch.log10(xd.float().square().sum() / noise.clamp_min(1e-30))
+        # SQNR from two norms: |x| and |x - out| (one pass each)
+        s["sqnr_db"] = 20 * torch.log10(power / torch.dist(xd.float(), output.detach().float()).clamp_min(1e-30))
         if not output.requires_grad:
             return
         node = output.grad_fn
         if layer.framework == "torch.ao" and node is not None:
-            node.register_hook(self._node_hook(layer, mask, learnable))
+            node.register_hook(self._node_hook(layer, outside, learnable))
         else:  # torchao: a composite of ops, no one node; the input's gradient from its own tensor hook
-            output.register_hook(lambda dy: self._upstream(layer, dy, mask))
-            if x.requires_grad:
-                _once(x, lambda dx: self._downstream(layer, dx, None, None))
+            seen = {}
+            # a scale computed from the input (dynamic) also passes gradient to each block's extremes: the STE
+            # is compared on the other elements
+            compared = None
+            if outside is not None and getattr(module.config, "is_dynamic", False):
+                compared = _not_extreme(torch, xd, qparams[0].numel())
 
-    def _node_hook(self, layer, mask, learnable):
+            def upstream(dy):
+                seen["dy"] = dy
+                seen["blocked"] = self._upstream(layer, dy, outside)
+
+            output.register_hook(upstream)
+            if x.requires_grad:
+                _once(x, lambda dx: self._downstream(layer, dx, seen.get("dy"), seen.get("blocked"), compared))
+            if learnable:
+                _once(module.scale, lambda g: layer.stats.__setitem__("scale_grad_norm", g.float().norm()))
+
+    def _node_hook(self, layer, outside, learnable):
         def hook(grad_inputs, grad_outputs):
             dy = grad_outputs[0] if grad_outputs else None
             if dy is None:
                 return
             with self._t.no_grad():
-                self._upstream(layer, dy, mask)
+                blocked = self._upstream(layer, dy, outside)
                 dx = grad_inputs[0] if grad_inputs else None
-                self._downstream(layer, dx, dy, mask)
+                self._downstream(layer, dx, dy, blocked)
                 if learnable and len(grad_inputs) >= 3:
                     for name, g in (("scale_grad_norm", grad_inputs[1]), ("zero_point_grad_norm", grad_inputs[2])):
                         if g is not None:
@@ -265,30 +294,43 @@ class Monitor:
 
         return hook
 
-    def _upstream(self, layer, dy, mask):
+    def _upstream(self, layer, dy, outside):
+        """The upstream gradient's statistics; returns ``(|dy|'s sum where the STE blocks it, |dy|'s sum,
+        outside)`` for :meth:`_downstream`, or None without a mask."""
         torch = self._t
         with torch.no_grad():
             s = layer.stats
             dyf = dy.detach().float()
-            s["dy_norm"] = dyf.norm()
-            s["dy_zero"] = (dyf == 0).float().mean()
-            s["nan_grads"] = (~torch.isfinite(dyf)).sum()
-            if mask is not None and mask.shape == dyf.shape:
-                mass = dyf.abs()
-                s["blocked"] = (mass * ~mask).sum() / mass.sum()
+            s["dy_norm"] = norm = _l2(torch, dyf)
+            s["dy_zero"] = 1 - torch.sign(dyf).abs_().sum() / max(dyf.numel(), 1)  # faster than count_nonzero
+            s["nan_grads"] = _nonfinite(torch, dyf, norm)
+            if outside is None or outside.shape != dyf.shape:
+                return None
+            mass = dyf.abs().reshape(-1)
+            l1_blocked, l1 = torch.dot(mass, outside.reshape(-1)), mass.sum()
+            s["blocked"] = (l1_blocked / l1).clamp_max(1)  # two float32 sums: the ratio may exceed 1 by a rounding
+            return l1_blocked, l1, outside
 
-    def _downstream(self, layer, dx, dy, mask):
+    def _downstream(self, layer, dx, dy, blocked, compared=None):
+        """The input gradient's norm, and ``ste_error``: sum |dx - dy*mask| / sum |dy*mask|, the mask 1 - outside
+        (``dx - dy + dy*outside``: exactly 0 where dx is the STE's)."""
         torch = self._t
         if dx is None:
             return
         with torch.no_grad():
             dxf = dx.detach().float()
-            layer.stats["dx_norm"] = dxf.norm()
-            if dy is not None and mask is not None and mask.shape == dxf.shape == dy.shape:
-                reference = dy.detach().float() * mask
-                den = reference.abs().sum()
-                den = torch.where(den > 0, den, dy.detach().float().abs().sum())
-                layer.stats["ste_error"] = (dxf - reference).abs().sum() / den
+            layer.stats["dx_norm"] = _l2(torch, dxf)
+            if dy is None or blocked is None or not dxf.shape == dy.shape == blocked[2].shape:
+                return
+            l1_blocked, l1, outside = blocked
+            dyf = dy.detach().float()
+            error = torch.sub(dxf, dyf).addcmul_(dyf, outside)
+            den = (l1 - l1_blocked).clamp_min(0)
+            if compared is not None:  # only these elements' gradient is the STE's alone
+                error.mul_(compared)
+                den = torch.addcmul(dyf, dyf, outside, value=-1).mul_(compared).abs_().sum()
+            den = torch.where(den > 0, den, dyf.abs().sum())
+            layer.stats["ste_error"] = error.abs_().sum() / den
 
     def _bn_pre_hook(self, layer):
         torch = self._t
@@ -313,13 +355,17 @@ class Monitor:
             x = args[0]
             s = layer.stats
             with torch.no_grad():
-                xd = x.detach().float()
-                s["nan_inputs"] = (~torch.isfinite(xd)).sum()
+                xd = x.detach()
+                s["nan_inputs"] = _nonfinite(torch, xd, _l2(torch, xd.float()))
                 s["needs_grad"] = float(bool(output.requires_grad))
                 if running is not None and xd.dim() >= 2:
-                    dims = [d for d in range(xd.dim()) if d != 1]
-                    mean, var = xd.mean(dims), xd.var(dims, unbiased=False)
+                    # the batch statistics from the running ones' update (r' = (1-m) r + m b, the variance
+                    # unbiased): O(channels), not another pass over the activations
+                    n = xd.numel() // xd.shape[1]
+                    m = module.momentum if module.momentum is not None else 1 / float(module.num_batches_tracked)
                     rm, rv = running[0].float(), running[1].float()
+                    mean = (module.running_mean.float() - (1 - m) * rm) / m
+                    var = (module.running_var.float() - (1 - m) * rv) / m * ((n - 1) / n)
                     eps = float(module.eps)
                     s["bn_mean_shift"] = ((mean - rm).abs() / (rv + eps).sqrt()).mean()
                     s["bn_var_ratio"] = ((var + eps) / (rv + eps)).log().abs().mean()
@@ -383,6 +429,29 @@ def _once(tensor, fn):
         fn(grad)
 
     handle = tensor.register_hook(hook)
+
+
+def _l2(torch, x):
+    """The L2 norm of float tensor ``x`` (a dot product: the fastest reduction on the CPU)."""
+    flat = x.reshape(-1)
+    return torch.dot(flat, flat).sqrt()
+
+
+def _nonfinite(torch, x, norm):
+    """NaN / Inf elements of ``x`` whose L2 ``norm`` is given: counted only when the norm is not finite (a check
+    of one number on the CPU; on an accelerator the count, to keep the step free of a synchronisation)."""
+    if norm.device.type == "cpu" and bool(torch.isfinite(norm)):
+        return 0.0
+    return (~torch.isfinite(x)).sum()
+
+
+def _not_extreme(torch, x, blocks):
+    """1.0 where an element of ``x`` is neither the smallest nor the largest of its block (``_codes``'s blocks),
+    else 0.0: a scale computed from the block's min / max passes gradient to those alone.  Float arithmetic
+    (``sign(max - x) * sign(x - min)``): comparisons and boolean masks are slower on the CPU."""
+    xb = x.float().reshape(blocks, -1)
+    above_min = torch.sub(xb, xb.amin(1, keepdim=True)).sign_()
+    return torch.sub(xb.amax(1, keepdim=True), xb).sign_().mul_(above_min).reshape(x.shape)
 
 
 def _combine(per_rank):
@@ -488,11 +557,10 @@ def _codes(torch, x, scale, zp, qmin, qmax, axis):
     like ``x``; torchao's blocks (groups, rows, tokens) are contiguous runs of ``x`` in ``scale``'s order."""
     xf = x.float()
     if axis == "blocks":
-        xb = xf.reshape(scale.numel(), -1)
-        q = torch.round(xb * (1.0 / scale.float().reshape(-1, 1))) + zp.reshape(-1, 1)
-        return q.reshape(x.shape)
+        q = (xf.reshape(scale.numel(), -1) * (1.0 / scale.float().reshape(-1, 1))).round_()
+        return q.add_(zp.reshape(-1, 1)).reshape(x.shape)
     if axis is not None:
         shape = [1] * x.dim()
         shape[axis] = -1
         scale, zp = scale.reshape(shape), zp.reshape(shape)
-    return torch.round(xf * (1.0 / scale.float())) + zp.float()
+    return (xf * (1.0 / scale.float())).round_().add_(zp.float())
