@@ -132,7 +132,7 @@ def test_parquet_on_stdout(files, runner, tmp_path):
     (["--csv", "-", "--parquet", "-"], "--csv and --parquet both want stdout"),
     (["--csv", "{exists}"], "exists; use --force"),
     (["--csv", "{input}"], "is also an input"),
-    (["--parquet", "{missing}/t.parquet"], "does not exist"),
+    (["--csv", "{missing}/t.csv"], "does not exist"),
 ])
 def test_refused_in_one_line_before_the_work(args, message, files, cli, tmp_path):
     exists = tmp_path / "old.csv"

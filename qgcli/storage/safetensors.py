@@ -33,10 +33,10 @@ def write(path, arrays, attrs=None):
     try:
         st.save_file(tensors, path, metadata=metadata or None)
     except SafetensorError as exc:  # the package's Rust I/O errors end in "(os error N)": a full disk is an OSError
-        match = re.search(r"os error (\d+)", str(exc))
+        match = re.search(r"os error (\d+)|code: (\d+)", str(exc))  # newer releases / 0.4's Debug form
         if match is None:
             raise
-        number = int(match.group(1))
+        number = int(match.group(1) or match.group(2))
         raise OSError(number, os.strerror(number), path) from None
 
 
@@ -46,6 +46,19 @@ ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_
              "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz"}
 #: Sub-byte dtypes: several values per byte, and the format names only their width, not their order.
 _PACKED = {"F4": "4-bit", "F6_E2M3": "6-bit", "F6_E3M2": "6-bit"}
+
+
+def _dtypes_newer_than_the_package(path):
+    """The dtypes of a header the package refused that older safetensors releases do not know (the small floats
+    and packed types); empty when the header cannot be read either (then it is damaged)."""
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(min(length, 100_000_000)))
+        dtypes = {entry.get("dtype") for key, entry in header.items() if key != "__metadata__"}
+    except Exception:  # noqa: BLE001 - a damaged header: the package's own message says so
+        return []
+    return sorted(d for d in dtypes if d in ML_DTYPES or d in _PACKED)
 
 
 class _Handle:
@@ -103,6 +116,12 @@ class SafetensorsFormat:
         try:
             return _Handle(source, safe_open(source, framework="np"))
         except Exception as exc:  # noqa: BLE001 - SafetensorError (a Rust error type) and OSError: damaged bytes
+            newer = _dtypes_newer_than_the_package(source)
+            if newer:
+                import safetensors
+
+                raise FileFormatError(f"{source}: holds {', '.join(newer)} tensors, which this safetensors package "
+                                      f"({safetensors.__version__}) cannot open; pip install -U safetensors") from None
             raise FileFormatError(f"{source}: cannot open as safetensors: {exc}") from None
 
     def names(self, handle, label):
