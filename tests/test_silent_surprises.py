@@ -129,3 +129,49 @@ def test_report_says_non_finite_inputs_and_a_range_without_zero(cli, tmp_path):
                for n in json.loads(r.stdout)["notes"])
     r = cli("report", NOTEBOOK, "--json")
     assert json.loads(r.stdout)["notes"] == []
+
+
+def test_tensorflow_clipping_infinities_is_said(cli, tmp_path):
+    # +-inf inputs count as clipped; the note gives how many NaN and +-inf there are and what TensorFlow's op
+    # makes of them (checked against TensorFlow below), on stderr and in --json, not with --quiet.
+    x = np.array([np.nan, np.inf, -np.inf, 0.5, np.inf], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "g.npy", np.ones_like(x))
+    grad = ("fakequant-grad", "--inputs", tmp_path / "x.npy", "--gradients", tmp_path / "g.npy", "--min", "-1",
+            "--max", "1")
+    said = ("inputs hold non-finite values (1 NaN, 2 +inf, 1 -inf of 5 elements): TensorFlow's op outputs NaN for "
+            "NaN and clips +inf and -inf to the nudged range (+inf -> 1.00392, -inf -> -0.996078; counted as "
+            "clipped), with an input gradient of 0")
+    assert _notes(cli, *grad, "--variant", "args", "-o", tmp_path / "a.npy") == [said]
+    assert _notes(cli, *grad, "--variant", "vars", "-o", tmp_path / "v.npz") == [
+        said + "; their dy goes to the gradient of max (+inf) and of min (-inf)"]
+    with np.load(tmp_path / "v.npz") as v:
+        assert v["backprops_wrt_input"].tolist() == [0, 0, 0, 1, 0]
+        assert float(v["backprop_wrt_max"]) == 2 and float(v["backprop_wrt_min"]) == 1
+    r = cli(*grad, "--variant", "vars", "-o", tmp_path / "s.npz")
+    assert r.exit_code == 0 and said in " ".join(r.stderr.split())
+    r = cli(*grad, "--variant", "vars", "-o", tmp_path / "q.npz", "--quiet")
+    assert r.exit_code == 0 and r.stderr == ""
+    # per channel: the edges are each channel's; one sign only
+    np.save(tmp_path / "x2.npy", np.array([[0.5, -np.inf], [0.25, 0.5]], np.float32))
+    notes = _notes(cli, "fakequant", "--inputs", tmp_path / "x2.npy", "--min", "-1,-2", "--max", "1,2",
+                   "-o", tmp_path / "o2.npy")
+    assert notes == ["inputs hold non-finite values (1 -inf of 4 elements): TensorFlow's op clips -inf to the "
+                     "nudged range (-inf -> its channel's nudged min; counted as clipped), with an input gradient "
+                     "of 0; their dy goes to the gradient of min (-inf)"]
+    # finite inputs that clip say nothing of infinities
+    np.save(tmp_path / "x3.npy", np.array([5.0, -5.0, 0.5], np.float32))
+    assert _notes(cli, "fakequant", "--inputs", tmp_path / "x3.npy", "--min", "-1", "--max", "1",
+                  "-o", tmp_path / "o3.npy") == []
+
+
+def test_tensorflow_reference_for_the_infinity_note():
+    tf = __import__("pytest").importorskip("tensorflow")
+    x = tf.constant([np.nan, np.inf, -np.inf, 0.5, np.inf], tf.float32)
+    y = tf.quantization.fake_quant_with_min_max_args(x, -1.0, 1.0).numpy()
+    assert np.isnan(y[0]) and y[1:3].tolist() == [np.float32(1.0039216), np.float32(-0.9960785)]
+    dx = tf.raw_ops.FakeQuantWithMinMaxArgsGradient(gradients=tf.ones(5), inputs=x, min=-1.0, max=1.0).numpy()
+    assert dx.tolist() == [0, 0, 0, 1, 0]
+    dx, dmin, dmax = tf.raw_ops.FakeQuantWithMinMaxVarsGradient(gradients=tf.ones(5), inputs=x,
+                                                                min=tf.constant(-1.0), max=tf.constant(1.0))
+    assert dx.numpy().tolist() == [0, 0, 0, 1, 0] and float(dmin) == 1 and float(dmax) == 2

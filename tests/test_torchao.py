@@ -261,3 +261,88 @@ def test_a_granularity_that_is_not_text_is_refused_naming_it(granularity):
                  lambda: ts.float8_fake_quantize_config("float8_e4m3fn", granularity)):
         with pytest.raises(OperandError, match="^granularity: .* is not per-group:G"):
             make()
+
+
+# --- the verdict weighs the share of exactly-zero input gradient -------------------------------------------
+
+def _torchao_float8_gradient(x, g):
+    """Real torchao's Float8FakeQuantizer (float8_e4m3fn per row): its input gradient for upstream ``g``."""
+    torch = pytest.importorskip("torch")
+    qat = pytest.importorskip("torchao.quantization.qat")
+    from torchao.quantization.granularity import PerRow
+    from torchao.quantization.qat.fake_quantizer import Float8FakeQuantizer
+
+    q = Float8FakeQuantizer(qat.Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow()))
+    xt = torch.tensor(x, requires_grad=True)
+    q(xt).backward(torch.tensor(g))
+    return xt.grad.numpy()
+
+
+@pytest.mark.parametrize("dy_size, mostly_zero", [(1e-4, True), (100.0, False)])
+def test_float8_verdict_weighs_the_share_of_zero_gradient(cli, tmp_path, dy_size, mostly_zero):
+    # A weight's gradient of 1e-4 times a per-row scale of ~0.005 is under 2^-10: float8_e4m3fn's backward
+    # rounds it to 0 (the issue: 248 of 256 weight gradients exactly zero and a verdict "OK").
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    g = (rng.standard_normal((16, 16)) * dy_size).astype(np.float32)
+    dx = _torchao_float8_gradient(x, g)
+    share = float(((dx == 0) & (g != 0)).sum()) / int((g != 0).sum())
+    assert (share > 0.5) is mostly_zero and (share > 0.9 if mostly_zero else share < 0.1)  # the case is what it says
+    path = tmp_path / "b.npz"
+    np.savez(path, inputs=x, gradients=g)
+    opts = ["--semantics", "torchao", "--dtype", "float8_e4m3fn"]
+
+    r = cli("fakequant-grad", path, *opts, "-o", tmp_path / "dx.npz", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    st = doc["statistics"]
+    assert st["zero_gradient"] == share and st["nonzero_upstream_elements"] == int((g != 0).sum())
+    with np.load(tmp_path / "dx.npz") as out:
+        assert_gradient(out["backprops_wrt_input"], dx)
+    said = [n for n in doc["notes"] if "input gradient of exactly 0" in n]
+    assert bool(said) is mostly_zero
+    if mostly_zero:
+        assert f"{st['zero_gradient_elements']} of the {st['nonzero_upstream_elements']} elements" in said[0]
+        assert "2^-10 rounds to 0" in said[0]
+        r = cli("fakequant-grad", path, *opts, "-o", tmp_path / "q.npz", "--quiet")
+        assert r.exit_code == 0 and r.stderr == ""
+        r = cli("fakequant-grad", path, *opts, "-o", tmp_path / "s.npz")
+        assert "input gradient of exactly 0" in r.stderr
+
+    r = cli("report", path, *opts, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["total"]["zero_gradient"] == share
+    assert doc["verdict"].startswith("Verdict: not OK, the input gradient is exactly 0") is mostly_zero
+    assert ("not OK" in doc["verdict"]) is mostly_zero
+    r = cli("report", path, *opts)
+    assert r.exit_code == 0 and ("Verdict: not OK" in r.stdout) is mostly_zero
+
+
+def test_run_file_verdict_weighs_the_share_of_zero_gradient(cli, tmp_path):
+    # `qgcli report RUN` over a torchao float8 group whose gradient is mostly exactly 0: not "OK", flagged,
+    # the share in --json (a hand-written run file; the data's gradient checked against real torchao).
+    from qgcli.capture.runfile_writer import RunFileWriter
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 32)).astype(np.float32)
+    small, large = (rng.standard_normal((8, 32)) * s for s in (1e-4, 100.0))
+    c = ts.float8_fake_quantize_config("float8_e4m3fn", "per-row")
+    attrs = {k: v for k, v in c.attributes().items() if v is not None}
+    path, shares = tmp_path / "run.h5", {}
+    with RunFileWriter(str(path)) as w:
+        for name, g in (("w_small", small), ("w_large", large)):
+            g = g.astype(np.float32)
+            dx = _torchao_float8_gradient(x, g)
+            w.add(name, c.op, {"inputs": x, "gradients": g}, attrs)
+            shares[name] = float(((dx == 0) & (g != 0)).sum()) / int((g != 0).sum())
+    r = cli("report", path, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    rows = {row["path"]: row for row in doc["layers"]}
+    assert rows["w_small"]["zero_gradient"] == shares["w_small"] > 0.9 and rows["w_small"]["flagged"]
+    assert rows["w_large"]["zero_gradient"] == shares["w_large"] < 0.05 and not rows["w_large"]["flagged"]
+    assert doc["verdict"].startswith("Verdict: not OK, 1 layer gets an input gradient of exactly 0")
+    assert f"w_small {100 * shares['w_small']:.1f}%" in doc["verdict"] and "w_large" not in doc["verdict"]
+    r = cli("report", path, "--json", "--fail-on", "any")
+    assert r.exit_code != 0

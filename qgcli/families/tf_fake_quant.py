@@ -7,6 +7,7 @@ STE mask blocks).  In blocks (:func:`block_setup`), the summary gives the grid b
 import numpy as np
 
 from qgcli import ops
+from qgcli.backend import array_module
 from qgcli.errors import OperandError, OptionError
 
 from qgcli.families.common import check_grad_factor, parse_estimator, refuse_quantize_options
@@ -148,11 +149,34 @@ def range_warnings(grid):
     return notes
 
 
-def nan_warnings(stats):
-    """A note when the inputs hold NaN (from the statistics already taken: no extra pass over the data)."""
-    if not stats or not stats.get("nan"):
+def nan_warnings(stats, inputs=None, grid=None, variant=None):
+    """A note when the inputs hold NaN or +-inf: NaN from the statistics already taken; +-inf, which the
+    statistics count as clipped, by a pass over ``inputs`` only when some value clipped on that side."""
+    if not stats:
         return []
-    return [f"inputs hold NaN ({100 * stats['nan']:.2f}% of the elements): their outputs are NaN, as TensorFlow's"]
+    n = stats["elements"]
+    nan = round(stats.get("nan", 0.0) * n)
+    pos = neg = 0
+    if inputs is not None and getattr(inputs, "dtype", None) is not None and inputs.dtype.kind == "f":
+        xp = array_module(inputs)
+        pos = int(xp.count_nonzero(inputs == np.inf)) if stats.get("clipped_above") else 0
+        neg = int(xp.count_nonzero(inputs == -np.inf)) if stats.get("clipped_below") else 0
+    if not (pos or neg):
+        return [] if not nan else [f"inputs hold NaN ({100 * stats['nan']:.2f}% of the elements): their outputs "
+                                   "are NaN, as TensorFlow's"]
+    found = ", ".join(f"{k} {what}" for k, what in ((nan, "NaN"), (pos, "+inf"), (neg, "-inf")) if k)
+    signs = [s for s, k in (("+inf", pos), ("-inf", neg)) if k]
+    if grid is not None and not grid.per_channel:
+        edge = {"+inf": f"{float(grid.nudged_max):g}", "-inf": f"{float(grid.nudged_min):g}"}
+    else:
+        edge = {"+inf": "its channel's nudged max", "-inf": "its channel's nudged min"}
+    to = {"+inf": "max", "-inf": "min"}
+    to_vars = "" if variant == "args" else "; their dy goes to the gradient of " + " and of ".join(
+        f"{to[s]} ({s})" for s in signs)
+    return [f"inputs hold non-finite values ({found} of {n} elements): TensorFlow's op "
+            + ("outputs NaN for NaN and " if nan else "") + "clips " + " and ".join(signs) + " to the nudged range ("
+            + ", ".join(f"{s} -> {edge[s]}" for s in signs) + f"; counted as clipped), with an input gradient of "
+            f"0{to_vars}"]
 
 
 def build_summary(command, op, variant, operands, raw, outputs, grid, stats, attrs, output):
@@ -161,7 +185,7 @@ def build_summary(command, op, variant, operands, raw, outputs, grid, stats, att
         dtype = getattr(value, "dtype", None)
         if dtype is not None and str(dtype) not in ("float32",) and name in ("inputs", "gradients"):
             notes.append(f"{name} is {dtype}; computed in float32 as TensorFlow does")
-    notes += range_warnings(grid) + nan_warnings(stats)
+    notes += range_warnings(grid) + nan_warnings(stats, raw.get("inputs"), grid, variant)
     return json_safe({
         "command": command,
         "op": op,

@@ -15,7 +15,7 @@ from qgcli.jobs import FakeQuantJob, OperandSpecs, Result
 from qgcli.ops import torchao_semantics as ts
 from qgcli.ops.analysis import sqnr_db
 from qgcli.ops.torchao_semantics import block_statistics, FLOAT8_DTYPES, INT_DTYPES, IntxFakeQuantizeConfig
-from qgcli.report.summaries import describe_arrays, json_safe, number, percent
+from qgcli.report.summaries import describe_arrays, json_safe, number, percent, zero_gradient, ZERO_GRADIENT_LIMIT
 from qgcli.report.tables import print_items, print_table
 from qgcli.report.text import counted, markup, printable_doc
 from qgcli.storage.operands import Operands, to_device
@@ -263,7 +263,20 @@ def _notes(res, stats):
     elif res.backprops_wrt_input is not None:
         notes.append("torchao rounds dy * s to float8 in the backward (the cast back of the float8 tensor): "
                      "that rounding is the 'rounding' share")
+    if stats.get("zero_gradient", 0.0) > ZERO_GRADIENT_LIMIT:
+        notes.append(_zero_gradient_note(stats, c))
     return notes
+
+
+def _zero_gradient_note(stats, config):
+    """Why most of the input gradient is exactly 0 (the share above ZERO_GRADIENT_LIMIT)."""
+    said = (f"{stats['zero_gradient_elements']} of the {stats['nonzero_upstream_elements']} elements with a "
+            f"non-zero dy ({percent(stats['zero_gradient'])}) get an input gradient of exactly 0")
+    if isinstance(config, IntxFakeQuantizeConfig):
+        return f"{said}: the mask zeroes the gradient of clipped elements ({percent(stats['clipped'])} clipped)"
+    e = ts.float8_underflow_exponent(config.dtype)
+    return (f"{said}: torchao rounds dy * s to {config.dtype} in the backward, and |dy * s| <= 2^{e} rounds to 0 "
+            f"(a larger loss scale keeps such gradients); {percent(stats['clipped'])} clipped")
 
 
 def statistics(res, gradients, xp):
@@ -288,6 +301,9 @@ def statistics(res, gradients, xp):
     dx, dy = res.backprops_wrt_input, xp.asarray(gradients).astype(np.float32)
     stats["unchanged"] = float(to_numpy((dx == dy).sum())) / n
     stats["zeroed"] = float(to_numpy((dx == 0).sum())) / n
+    # the share the verdict weighs: exactly-zero dx where dy was not (clipping, float8's underflowing backward)
+    stats["zero_gradient"], stats["zero_gradient_elements"], stats["nonzero_upstream_elements"] = \
+        zero_gradient(dx, dy, xp)
     shares = block_rows(res, gradients, xp, b=b)
     shares.sort(key=lambda r: (-(r["scale_path"] or 0.0), -(r["clipped"] or 0.0), r["block"]))
     stats["top_scale_path_blocks"] = [{k: r[k] for k in ("block", "index", "scale_path", "straight_through",
@@ -404,10 +420,15 @@ def report_doc_of(operands, config, *, threshold, sort, top, device):
     flagged = sum(r["flagged"] for r in rows)
     if has_g:
         sp = stats["split"]
-        verdict = (f"Verdict: {flagged} of {len(rows)} blocks take more than {100 * threshold:g}% of their gradient "
+        verdict = (f"{flagged} of {len(rows)} blocks take more than {100 * threshold:g}% of their gradient "
                    f"mass through the scale; over the tensor straight-through {100 * sp['straight_through']:.1f}%, "
                    f"scale path {100 * sp['scale_path']:.1f}%, rounding {100 * sp['rounding']:.1f}%, "
                    f"{100 * stats['gradient_blocked']:.1f}% of |dy| blocked by the mask.")
+        zero = stats["zero_gradient"]
+        verdict = "Verdict: " + verdict if zero <= ZERO_GRADIENT_LIMIT else (
+            f"Verdict: not OK, the input gradient is exactly 0 at {100 * zero:.1f}% of the elements whose dy is not "
+            f"({stats['zero_gradient_elements']} of {stats['nonzero_upstream_elements']}, over the "
+            f"{100 * ZERO_GRADIENT_LIMIT:g}% limit); {verdict}")
     else:
         verdict = (f"Verdict: {flagged} of {len(rows)} blocks clip more than {100 * threshold:g}% of their values "
                    f"({100 * stats['clipped']:.1f}% over the tensor).")
@@ -494,6 +515,7 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     mass = sum(float(b[k].sum()) for k in ("straight_through", "scale_path", "rounding"))
     worst = int(np.argmax(per_block))
     row.update(gradient_blocked=float(blocked.sum()) / total if total else 0.0, worst_channel=worst,
+               zero_gradient=zero_gradient(to_numpy(res.backprops_wrt_input), to_numpy(g).astype(np.float32), np)[0],
                worst_channel_gradient_blocked=float(per_block[worst]),
                worst_channel_clipped=float(clipped[worst].sum()) / length,
                **{k: float(b[k].sum()) / mass if mass else 0.0 for k in ("straight_through", "scale_path", "rounding")})

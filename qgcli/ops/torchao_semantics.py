@@ -239,6 +239,13 @@ def round_to_precision(a, precision, xp):
     raise ValueError(precision)
 
 
+def float8_underflow_exponent(dtype):
+    """e such that a value of magnitude 2^e or less rounds to 0 in ``dtype`` (half its smallest subnormal,
+    ties to even): -10 for float8_e4m3fn, -17 for float8_e5m2."""
+    mant, emin, _ = _FLOAT8[dtype]
+    return emin - mant - 1
+
+
 def _round_float8(c, dtype, xp):
     """float32 ``c`` cast to float8 as torch 2.13's ``.to(float8)`` does, returned as float32: nearest value,
     ties to even; e4m3fn saturates (infinities too) to ±448, e5m2 overflows to ±inf; NaN stays NaN."""

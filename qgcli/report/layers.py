@@ -20,7 +20,7 @@ from qgcli.jobs import FakeQuantAttributes
 from qgcli.ops.analysis import channel_report
 from qgcli.storage import runfile
 from qgcli.storage.operands import GroupView, Operands, to_device
-from qgcli.report.summaries import describe_arrays
+from qgcli.report.summaries import describe_arrays, ZERO_GRADIENT_LIMIT
 
 #: Keys of one layer row, in the order JSON and CSV give them.
 LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "channels", "clipped_below",
@@ -28,7 +28,7 @@ LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "cha
               "suggested_sqnr_db", "suggested_scale", "suggested_zero_point", "worst_channel",
               "worst_channel_gradient_blocked", "worst_channel_clipped", "straight_through", "scale_path", "rounding",
               "upstream_gradient", "flushed", "saturated_scale_blocks", "dynamic_range_bits_median",
-              "dynamic_range_bits_max", "worst_channel_sqnr_db")
+              "dynamic_range_bits_max", "worst_channel_sqnr_db", "zero_gradient")
 
 #: The percentiles ``qgcli report`` searches for a suggested range by default.
 DEFAULT_PERCENTILES = (100.0, 99.99, 99.9, 99.5, 99.0, 98.0, 95.0)
@@ -331,7 +331,7 @@ def layers_document(targets, rows, skipped, *, threshold, percentiles, top=None,
     rows = worst_first(rows)
     for row in rows:
         metric = row["gradient_blocked"] if row["gradient_blocked"] is not None else row["clipped"]
-        row["flagged"] = bool(metric is not None and metric > threshold)
+        row["flagged"] = bool(metric is not None and metric > threshold) or _mostly_zero(row)
     steps, trend = trends(rows)
     return {"command": "report", "schema": LAYERS_SCHEMA, "qgcli_version": __version__, "run_files": list(targets),
             "threshold": threshold, "percentiles": list(percentiles), "steps": steps,
@@ -347,6 +347,15 @@ def layers_verdict(rows, threshold):
     if starved:
         rest = layers_verdict([r for r in rows if r.get("upstream_gradient") != "zero"], threshold)
         return f"Verdict: {starved}; " + rest[len("Verdict: "):]
+    zero = [r for r in rows if _mostly_zero(r)]
+    if zero:
+        rest = layers_verdict([r for r in rows if not _mostly_zero(r)], threshold)[len("Verdict: "):]
+        names = ", ".join(f"{r['path']} {100 * r['zero_gradient']:.1f}%" for r in zero[:3])
+        more = f" and {len(zero) - 3} more" if len(zero) > 3 else ""
+        noun = "layer gets" if len(zero) == 1 else "layers get"
+        rest = "otherwise " + rest[len("OK, "):] if rest.startswith("OK, ") else rest
+        return (f"Verdict: not OK, {len(zero)} {noun} an input gradient of exactly 0 at more than "
+                f"{100 * ZERO_GRADIENT_LIMIT:g}% of the elements whose dy is not: {names}{more}; {rest}")
     if not flagged:
         return f"Verdict: OK, no layer loses more than {100 * threshold:g}% of its gradient mass."
     names = ", ".join(f"{r['path']} {100 * (r['gradient_blocked'] if r['gradient_blocked'] is not None else r['clipped']):.1f}%"
@@ -354,6 +363,11 @@ def layers_verdict(rows, threshold):
     more = f" and {len(flagged) - 3} more" if len(flagged) > 3 else ""
     return (f"Verdict: {len(flagged)} of {len(rows)} layers lose more than {100 * threshold:g}% of their gradient "
             f"mass (or clip more, without gradients): {names}{more}.")
+
+
+def _mostly_zero(row):
+    """A row (torchao's groups) whose input gradient is exactly 0 where dy is not above ZERO_GRADIENT_LIMIT."""
+    return (row.get("zero_gradient") or 0.0) > ZERO_GRADIENT_LIMIT
 
 
 def _no_gradient_clause(rows):

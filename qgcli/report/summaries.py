@@ -14,6 +14,22 @@ from qgcli.storage.dtypes import dtype_name
 CAPTURED = ContextVar("qgcli_captured_documents", default=None)
 
 
+#: The share of a quantizer's elements with a non-zero upstream gradient whose input gradient is exactly 0 above
+#: which a verdict says so (torchao's groups): most of what the loss asks of the tensor then never reaches it,
+#: whatever else the verdict finds. Half, like the other verdict limits a round number a reader can check:
+#: clipping or an underflowing backward (float8's dy * s) above it is no longer a tail but the rule.
+ZERO_GRADIENT_LIMIT = 0.5
+
+
+def zero_gradient(dx, dy, xp):
+    """``(share, zeroed, live)``: of the ``live`` elements whose upstream gradient ``dy`` is finite and non-zero,
+    the ``zeroed`` ones whose input gradient ``dx`` is exactly 0, and their share (0.0 with no live element)."""
+    live = (dy != 0) & xp.isfinite(dy)
+    n = int(live.sum())
+    z = int((live & (dx == 0)).sum())
+    return (z / n if n else 0.0), z, n
+
+
 def describe_arrays(arrays):
     """Shape and dtype of each array, read from the array itself: a CuPy array is not copied to the host."""
     import numpy as np
