@@ -71,8 +71,9 @@ def _streamable(dtype):
     return dtype.kind in "fiu" and dtype.isnative and dtype.fields is None and not dtype.hasobject
 
 
-def _npy_header(fh):
-    """``(shape, fortran_order, dtype)`` of the .npy stream ``fh``, which is left at the first data byte."""
+def npy_header(fh):
+    """``(shape, fortran_order, dtype)`` of the .npy stream ``fh`` from its header (never unpickling anything),
+    ``fh`` left at the first data byte."""
     fmt = np.lib.format
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -83,7 +84,7 @@ def _npy_header(fh):
 def npy_at(fh, path, name):
     """The FlatTensor of the .npy that ``fh`` (a file object of ``path``) is at the first byte of."""
     try:
-        shape, fortran, dtype = _npy_header(fh)
+        shape, fortran, dtype = npy_header(fh)
     except Exception:  # noqa: BLE001 - not a readable header: the whole read says what is wrong
         return None
     if not _streamable(dtype) or (fortran and len(shape) > 1):

@@ -52,11 +52,7 @@ def read_stream(fh, available, what):
 
 def header_of(fh):
     """``(shape, dtype as text)`` of the .npy stream ``fh`` from its header (never unpickling anything)."""
-    fmt = np.lib.format
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        version = fmt.read_magic(fh)
-        shape, _, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(fh)
+    shape, _, dtype = flat.npy_header(fh)
     return shape, str(dtype)
 
 
