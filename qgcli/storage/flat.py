@@ -98,18 +98,29 @@ def npy(path, label):
         return npy_at(fh, path, label)
 
 
-def safetensors_tensor(path, key, label):
-    """Tensor ``key`` of the .safetensors file ``path`` (from the header's ``data_offsets``), or None where its
-    dtype is not one of :data:`SAFETENSORS_DTYPES`."""
+def safetensors_header(path):
+    """``(header length, header as a dict)`` of the .safetensors file ``path``; None when it cannot be read
+    (more than the package accepts, or not JSON)."""
     with open(path, "rb") as fh:
         head = fh.read(8)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else _MAX_HEADER + 1
         if length > _MAX_HEADER:
-            return None  # the package refused it when the file was opened
+            return None
         try:
-            entry = json.loads(fh.read(length)).get(key)
+            header = json.loads(fh.read(length))
         except ValueError:
             return None
+    return (length, header) if isinstance(header, dict) else None
+
+
+def safetensors_tensor(path, key, label):
+    """Tensor ``key`` of the .safetensors file ``path`` (from the header's ``data_offsets``), or None where its
+    dtype is not one of :data:`SAFETENSORS_DTYPES`."""
+    found = safetensors_header(path)
+    if found is None:
+        return None  # the package refused it when the file was opened
+    length, header = found
+    entry = header.get(key)
     if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_DTYPES:
         return None
     dtype = np.dtype(SAFETENSORS_DTYPES[entry["dtype"]])

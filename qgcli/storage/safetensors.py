@@ -2,15 +2,13 @@
 optional dependency); written with the op's string attributes in its metadata.  There is no magic number:
 a file starts with its header's length (8 bytes, little-endian), then JSON."""
 import contextlib
-import json
 import os
 import re
-import struct
 
 import numpy as np
 
 from qgcli.errors import FileFormatError
-from qgcli.storage import atomic, targets
+from qgcli.storage import atomic, flat, targets
 from qgcli.storage.checks import CORRUPT_FILE_ERRORS, check_memory, reason
 from qgcli.storage.sinks import FlatSink
 
@@ -51,13 +49,10 @@ _PACKED = {"F4": "4-bit", "F6_E2M3": "6-bit", "F6_E3M2": "6-bit"}
 def _dtypes_newer_than_the_package(path):
     """The dtypes of a header the package refused that older safetensors releases do not know (the small floats
     and packed types); empty when the header cannot be read either (then it is damaged)."""
-    try:
-        with open(path, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(min(length, 100_000_000)))
-        dtypes = {entry.get("dtype") for key, entry in header.items() if key != "__metadata__"}
-    except Exception:  # noqa: BLE001 - a damaged header: the package's own message says so
-        return []
+    found = flat.safetensors_header(path)
+    if found is None:
+        return []  # a damaged header: the package's own message says so
+    dtypes = {entry.get("dtype") for key, entry in found[1].items() if key != "__metadata__" and isinstance(entry, dict)}
     return sorted(d for d in dtypes if d in ML_DTYPES or d in _PACKED)
 
 
@@ -80,9 +75,9 @@ def read_raw(path, key, type_name, label):
         raise FileFormatError(f"{label}: {key!r} is {type_name}, which this ml_dtypes ({ml_dtypes.__version__}) "
                               "has no type for; pip install -U ml_dtypes")
     dtype = np.dtype(getattr(ml_dtypes, type_name))
+    length, header = flat.safetensors_header(path)  # the package read the same header when it opened the file
+    entry = header[key]
     with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        entry = json.loads(fh.read(length))[key]
         begin, end = (int(v) for v in entry["data_offsets"])
         shape = tuple(int(v) for v in entry["shape"])
         count = int(np.prod(shape, dtype=np.int64))
@@ -178,8 +173,6 @@ class SafetensorsFormat:
 
     def flat(self, source, key, label):
         """Tensor ``key`` as plain bytes at its header's offsets (:mod:`qgcli.storage.flat`), unread."""
-        from qgcli.storage import flat
-
         return flat.safetensors_tensor(source, key, label)
 
 
