@@ -256,7 +256,8 @@ def report_analysis(formats, operands, inputs=None):
         notes.append("NaN inputs quantize to qmin (onnxruntime's saturation; the reference's cast is undefined "
                      "there)")
     a = bf.BlockAnalysis("QuantizeLinear + DequantizeLinear", attributes(f, dtype), bits, x, res.outputs, clipped,
-                         f["block_size"], f["axis"], None, np.asarray(y_scale, np.float64), tuple(notes))
+                         f["block_size"], f["axis"], None, np.asarray(y_scale, np.float32).astype(np.float64),
+                         tuple(notes))
     return a if _whole_blocks(np.shape(x), y_scale, f) else bf.whole_tensor(a)
 
 
