@@ -1,6 +1,6 @@
 """OCP Microscaling fake quant (``--semantics mx``): torchao 0.18's ``to_mx`` then its dequantization, bit for
 bit (the math is :mod:`qgcli.ops.mx`; the formulas, sources and where torchao and the spec differ are in
-docs/formats-mx-nvfp4-onnx.md).
+docs/formats-mx.md).
 
 Operand ``inputs`` (and ``gradients``); outputs ``outputs`` (float32), ``scales`` (the E8M0 codes, uint8, the
 block axis divided by the block size) and ``quantized`` (the element codes; float8 written as its bytes, the

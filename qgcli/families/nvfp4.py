@@ -1,5 +1,5 @@
 """NVFP4 fake quant (``--semantics nvfp4``): torchao 0.18's ``NVFP4Tensor.to_nvfp4(...).dequantize(float32)``,
-bit for bit (the math is :mod:`qgcli.ops.nvfp4`; formulas and sources in docs/formats-mx-nvfp4-onnx.md).
+bit for bit (the math is :mod:`qgcli.ops.nvfp4`; formulas and sources in docs/formats-nvfp4.md).
 
 Blocks of 16 along ``--axis`` (default -1), E4M3 block scales and, unless ``--no-per-tensor-scale``, the FP32
 per-tensor scale ``max|x| / 2688``.  Operand ``inputs`` (and ``gradients``); outputs ``outputs``,

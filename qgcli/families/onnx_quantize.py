@@ -1,6 +1,6 @@
 """ONNX ``QuantizeLinear`` then ``DequantizeLinear`` (``--semantics onnx``, opset 21 and later), bit for bit with
 ``onnx.reference.ReferenceEvaluator`` (the math is :mod:`qgcli.ops.onnx_quantize`; where onnxruntime differs
-is in docs/formats-mx-nvfp4-onnx.md).
+is in docs/formats-onnx.md).
 
 Operands ``x`` (``inputs`` accepted too), ``y_scale``, ``y_zero_point`` (optional) and ``gradients``; attributes
 ``--dtype`` (default uint8, or the zero point's type when one is given, as ONNX takes the output type from it),

@@ -270,6 +270,7 @@ Examples:
   qgcli report samples/per_channel.h5 --top 3 --json | jq '.rows[] | {channel, gradient_blocked}'
   qgcli report samples/notebook.h5 --num-bits 2 --csv > report.csv
   qgcli report --inputs act.npy --gradients grad.npy --min -1,-2 --max 1,2 --sort sqnr
+  qgcli report --inputs w.npy --semantics mx --mx-format mxfp4 --top 5   # per block (also nvfp4, onnx)
 """
 
 
