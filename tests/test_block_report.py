@@ -172,6 +172,11 @@ def test_totals_are_the_run_file_groups_row(cli, tmp_path):
                 "saturated_scale_blocks", "dynamic_range_bits_median", "dynamic_range_bits_max", "worst_channel",
                 "worst_channel_sqnr_db", "worst_channel_clipped")
         assert {k: total[k] for k in keys} == {k: row[k] for k in keys}, path
+        bundle = _report(cli, "--inputs", tmp_path / "x.npy", "--axis", "1", *args)
+        layer = _report(cli, tmp_path / "run.h5", "--layer", path)  # the group's own per-block report
+        assert layer["rows"] == bundle["rows"] and layer["total"] == bundle["total"], path
+    r = cli("report", tmp_path / "run.h5", "--layer", "m", "--sort", "gain")
+    assert r.exit_code == 2 and "--sort" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_csv_table_and_fail_on(cli, tmp_path):

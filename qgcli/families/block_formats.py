@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.families import registry
 from qgcli.families.groups import OVERRIDABLE
 from qgcli.families.torchao import OPTION_NAMES
 from qgcli.jobs import FakeQuantJob, OperandSpecs
@@ -447,6 +448,32 @@ def report_doc(a, *, semantics, inputs, threshold, sort, top):
                       "blocks": total["blocks"], "block_size": total["block_size"], "threshold": threshold,
                       "sort": sort, "top": top, "total": total, "rows": rows if top is None else rows[:top],
                       "verdict": verdict, "notes": list(a.notes)})
+
+
+def report_doc_of(analyse, formats, operands, *, semantics, threshold, sort, top):
+    """:func:`report_doc` of the tensor in open ``operands`` (closed here) under ``formats``: ``analyse`` is the
+    family's ``report_analysis``.  ``report BUNDLE --semantics ...`` and ``report RUN --layer PATH`` of a
+    block-format group both come here."""
+    if sort not in SORTS + ("block",):
+        raise OptionError(f"{sort} does not apply to a block format's report; use {', '.join(SORTS)}",
+                          param_hint="'--sort'")
+    try:
+        a = analyse(formats, operands)
+        x_name = "x" if semantics == "onnx" and operands.has("x") else "inputs"
+        described = describe_arrays({x_name: np.reshape(a.x, np.shape(operands.get(x_name))),
+                                     **{k: operands.get(k) for k in ("y_scale", "y_zero_point")
+                                        if semantics == "onnx" and operands.has(k)}})
+    finally:
+        operands.close()
+    return report_doc(a, semantics=semantics, inputs=described, threshold=threshold,
+                      sort="channel" if sort == "block" else sort, top=top)
+
+
+def layer_report_doc(analyse, layer, operands, *, threshold, sort, top):
+    """``report RUN --layer PATH`` of a block-format group: :func:`report_doc_of` with its attributes."""
+    fam = registry.of(layer)
+    return report_doc_of(analyse, fam.group_formats(layer.attrs), operands, semantics=fam.NAME, threshold=threshold,
+                         sort=sort, top=top)
 
 
 def _block_name(r):

@@ -189,3 +189,8 @@ def report_analysis(formats, operands=None, inputs=None):
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
     """``qgcli report``'s row of an mx group: blocks as channels, saturated elements as clipped, SQNR."""
     return bf.report_row(report_analysis(_group_formats(layer.attrs), inputs=inputs), gradients)
+
+
+def layer_report_doc(layer, operands, *, threshold, sort, top, device):
+    """``qgcli report RUN --layer PATH`` of a group: one row per block, as ``report BUNDLE --semantics`` gives it."""
+    return bf.layer_report_doc(report_analysis, layer, operands, threshold=threshold, sort=sort, top=top)

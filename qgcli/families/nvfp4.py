@@ -170,3 +170,8 @@ def report_analysis(formats, operands=None, inputs=None):
 def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
     """``qgcli report``'s row of an nvfp4 group: blocks as channels, elements at fp4's 6 beyond it as clipped."""
     return bf.report_row(report_analysis(_group_formats(layer.attrs), inputs=inputs), gradients)
+
+
+def layer_report_doc(layer, operands, *, threshold, sort, top, device):
+    """``qgcli report RUN --layer PATH`` of a group: one row per block, as ``report BUNDLE --semantics`` gives it."""
+    return bf.layer_report_doc(report_analysis, layer, operands, threshold=threshold, sort=sort, top=top)

@@ -265,3 +265,8 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     """``qgcli report``'s row of a QuantizeLinear group (:func:`report_analysis`); gradient blocked: none under
     the identity STE."""
     return bf.report_row(report_analysis(_group_formats(layer.attrs), operands), gradients)
+
+
+def layer_report_doc(layer, operands, *, threshold, sort, top, device):
+    """``qgcli report RUN --layer PATH`` of a group: one row per block, as ``report BUNDLE --semantics`` gives it."""
+    return bf.layer_report_doc(report_analysis, layer, operands, threshold=threshold, sort=sort, top=top)

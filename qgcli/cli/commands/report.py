@@ -587,7 +587,9 @@ def _report_family_layer(kind, found, *, threshold, sort, top, as_json, tables, 
     group (its per-block report)."""
     if kind == "blocks":
         if html is not None:
-            raise click.BadParameter("is not written for a torchao group's per-block report", param_hint="'--html'")
+            raise click.BadParameter("is not written for a per-block report", param_hint="'--html'")
+        if found["semantics"] in BLOCK_SEMANTICS:
+            return _show_blocks(found, top, as_json, tables, quiet, inputs=inputs, fail_on=fail_on)
         return _show_torchao(found, top, as_json, tables, quiet, inputs=inputs)
     result, op, attrs, described = found
     limited = top is None and not as_json and not _on_stdout(tables) and result.channels > _TABLE_ROWS
@@ -633,7 +635,6 @@ def _report_blocks(operands, bundles, attributes, qdq, semantics, dtype, torchao
     tensor is reported (the family's ``report_analysis``, qgcli.families.block_formats.report_doc)."""
     from qgcli.families import block_formats, registry
     from qgcli.jobs import EstimatorOptions, FakeQuantOptions, OutputOptions, QuantizeAttributes, SemanticsOptions
-    from qgcli.report.summaries import describe_arrays
     from qgcli.storage.operands import Operands
 
     for option, value in (*others.items(), ("--layer", layer), ("--range-method", given("range_method") or None),
@@ -644,9 +645,6 @@ def _report_blocks(operands, bundles, attributes, qdq, semantics, dtype, torchao
                    "gives ONNX's mask)" if option == "--gradients" else "computes on the CPU"
                    if option == "--device" else "is for TensorFlow's and PyTorch's ranges, or run files")
             raise click.BadParameter(f"does not apply to --semantics {semantics}: {why}", param_hint=f"'{option}'")
-    if sort not in block_formats.SORTS:
-        raise click.BadParameter(f"{sort} does not apply to --semantics {semantics}; use "
-                                 f"{', '.join(block_formats.SORTS)}", param_hint="'--sort'")
     if len(bundles) > 1:
         raise click.BadParameter(f"--semantics {semantics} reports one tensor: give one BUNDLE", param_hint="'BUNDLE'")
     if run_file_target(operands) is not None:
@@ -657,28 +655,27 @@ def _report_blocks(operands, bundles, attributes, qdq, semantics, dtype, torchao
         SemanticsOptions(semantics), EstimatorOptions(), OutputOptions(None, quiet=True), qdq=qdq[0], torchao=torchao,
         formats=formats))
     family = registry.of(job)
-    loaded = Operands.of(job.operands, literal_ok=family.LITERAL_OK)
-    try:
-        analysis = family.report_analysis(job.formats, loaded)
-        names = ("y_scale", "y_zero_point") if semantics == "onnx" else ()
-        x_name = "x" if semantics == "onnx" and loaded.has("x") else "inputs"
-        described = describe_arrays({x_name: analysis.x.reshape(loaded.get(x_name).shape),
-                                     **{k: loaded.get(k) for k in names if loaded.has(k)}})
-    finally:
-        loaded.close()
-    limited = top is None and not as_json and not _on_stdout(tables) and analysis.x.size > 0
-    doc = block_formats.report_doc(analysis, semantics=semantics, inputs=described, threshold=threshold, sort=sort,
-                                   top=top)
+    doc = block_formats.report_doc_of(family.report_analysis, job.formats,
+                                      Operands.of(job.operands, literal_ok=family.LITERAL_OK), semantics=semantics,
+                                      threshold=threshold, sort=sort, top=top)
+    _show_blocks(doc, top, as_json, tables, quiet, inputs=list(bundles), fail_on=fail_on)
+
+
+def _show_blocks(doc, top, as_json, tables, quiet, *, inputs, fail_on):
+    """A block format's per-block report (``--semantics mx / nvfp4 / onnx``, or a run file's group with
+    ``--layer``): notes, then JSON, CSV or the table, then the --fail-on gate."""
+    from qgcli.families import block_formats
+
     if not quiet:
         _print_notes(doc["notes"])
-    _write_tables(tables, doc["rows"], block_formats.ROW_KEYS, inputs=list(bundles))
+    _write_tables(tables, doc["rows"], block_formats.ROW_KEYS, inputs=inputs)
     if as_json:
         dump_json(doc)
     elif _on_stdout(tables):
         if not quiet:
             click.echo(doc["verdict"], err=True)
     else:
-        limited = limited and len(doc["rows"]) > _TABLE_ROWS
+        limited = top is None and len(doc["rows"]) > _TABLE_ROWS
         block_formats.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
     gate(doc, fail_on)
 
