@@ -663,31 +663,26 @@ def _report_blocks(operands, bundles, attributes, qdq, semantics, dtype, torchao
 
 def _show_blocks(doc, top, as_json, tables, quiet, *, inputs, fail_on):
     """A block format's per-block report (``--semantics mx / nvfp4 / onnx``, or a run file's group with
-    ``--layer``): notes, then JSON, CSV or the table, then the --fail-on gate."""
+    ``--layer``), as :func:`_show_per_block` shows it, then the --fail-on gate."""
     from qgcli.families import block_formats
 
-    if not quiet:
-        _print_notes(doc["notes"])
-    _write_tables(tables, doc["rows"], block_formats.ROW_KEYS, inputs=inputs)
-    if as_json:
-        dump_json(doc)
-    elif _on_stdout(tables):
-        if not quiet:
-            click.echo(doc["verdict"], err=True)
-    else:
-        limited = top is None and len(doc["rows"]) > _TABLE_ROWS
-        block_formats.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
+    _show_per_block(block_formats, doc, top, as_json, tables, quiet, inputs=inputs)
     gate(doc, fail_on)
 
 
 def _show_torchao(doc, top, as_json, tables, quiet, *, inputs):
-    """A torchao per-block report (``--semantics torchao``, or a run file's torchao group): notes, then JSON,
-    CSV or the table."""
+    """A torchao per-block report (``--semantics torchao``, or a run file's torchao group)."""
     from qgcli.families import torchao as runner
 
+    _show_per_block(runner, doc, top, as_json, tables, quiet, inputs=inputs)
+
+
+def _show_per_block(family, doc, top, as_json, tables, quiet, *, inputs):
+    """A per-block report of ``family`` (its ``ROW_KEYS`` and ``render_report``): notes, then JSON, CSV or the
+    table."""
     if not quiet:
         _print_notes(doc["notes"])
-    _write_tables(tables, doc["rows"], runner.ROW_KEYS, inputs=inputs)
+    _write_tables(tables, doc["rows"], family.ROW_KEYS, inputs=inputs)
     if as_json:
         dump_json(doc)
     elif _on_stdout(tables):
@@ -695,7 +690,7 @@ def _show_torchao(doc, top, as_json, tables, quiet, *, inputs):
             click.echo(doc["verdict"], err=True)
     else:
         limited = top is None and len(doc["rows"]) > _TABLE_ROWS
-        runner.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
+        family.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
 
 
 # --- run files: one row per quantizer ----------------------------------------------------------------------
