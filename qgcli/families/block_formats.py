@@ -424,6 +424,8 @@ def report_doc(a, *, semantics, inputs, threshold, sort, top):
 
     total, per_block, shape = block_report(a)
     total = {"num_bits": a.num_bits, "blocks": total["channels"], "block_size": int(a.block_size), **total}
+    for key in ("worst_channel", "worst_channel_sqnr_db", "worst_channel_clipped"):  # one block: no worst one
+        total.setdefault(key, None)
     axis = a.axis % np.ndim(a.x) if np.ndim(a.x) else None
     rows = []
     for i in range(total["blocks"]):
