@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from qgcli.errors import OperandError, OptionError, QgcliError
+from qgcli.families import registry
 from qgcli.families.groups import OVERRIDABLE
 from qgcli.families.torchao import OPTION_NAMES
 from qgcli.jobs import FakeQuantJob, OperandSpecs
@@ -205,6 +206,7 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
     shape = scale_shape if scale_shape is not None else (x.shape[:-1] + (x.shape[-1] // block_size,) if x.ndim
                                                          else ())
     order = np.lexsort((np.arange(n_blocks), -per_block["flushed"], sqnr))  # lowest SQNR first
+    per_block["order"] = order
     stats["worst_blocks"] = [block_row(per_block, int(i), shape, ax if x.ndim else None) for i in
                              order[:WORST_BLOCKS] if np.isfinite(sqnr[i]) or per_block["flushed"][i] > 0]
     return stats, per_block, shape
@@ -305,7 +307,7 @@ def render(console, s):
     render_closing_lines(console, s)
 
 
-# --- qgcli report's row of a run-file group ------------------------------------------------------------------------
+# --- qgcli report: a run-file group's row, and one tensor per block ----------------------------------------------
 
 def saturated_elements(x, y, limit):
     """Elements whose dequantized magnitude sits at the format's largest value (``limit``, broadcast against ``y``:
@@ -316,38 +318,240 @@ def saturated_elements(x, y, limit):
         return np.isfinite(x) & np.isfinite(y) & (np.abs(y) == np.asarray(limit, np.float64)) & (np.abs(x) > np.abs(y))
 
 
-def report_row(x, y, clipped, gradients, block_size, axis, passed=None, saturated=None):
-    """``qgcli report``'s row (:data:`qgcli.report.layers.LAYER_KEYS`) of a block-format group: channels are the
-    blocks, clipped the saturated elements (below: negative), SQNR over the tensor, the worst block the one of
-    lowest SQNR (``worst_channel_sqnr_db``), the share of nonzero inputs flushed to zero, the blocks' dynamic
-    range in bits (median, largest) and, with ``saturated`` (per block, shaped like the scales), the share of
+class BlockAnalysis(NamedTuple):
+    """What ``qgcli report`` reads of a block-format tensor (each family's ``report_analysis``), the same for a
+    run-file group and for one tensor (``report BUNDLE --semantics mx|nvfp4|onnx``): ``x`` and ``y`` (inputs and
+    dequantized outputs), ``clipped`` (the elements that saturated), the blocks (``block_size`` along ``axis``;
+    a tensor without blocks is one block of ``x.size``), ``saturated`` (per block, shaped like the scales: the
+    scale at its clamp; None where no scale saturates) and ``scales`` (each block's scale, shaped like the
+    scales; None where there is none per block)."""
+
+    op: str
+    attributes: dict
+    num_bits: int
+    x: Any
+    y: Any
+    clipped: Any
+    block_size: int
+    axis: int
+    saturated: Any = None
+    scales: Any = None
+    notes: tuple = ()
+    whole: bool = False  # the tensor as one block (it has no blocks)
+
+
+def whole_tensor(a):
+    """``a`` with the tensor as one block (ONNX per tensor or per axis, or a partial last block)."""
+    n = max(1, int(np.size(a.x)))
+    return a._replace(x=np.reshape(a.x, (1, -1)), y=np.reshape(a.y, (1, -1)), clipped=np.reshape(a.clipped, (1, -1)),
+                      block_size=n, axis=-1, whole=True,
+                      scales=None if a.scales is None or np.size(a.scales) != 1 else np.reshape(a.scales, (1, 1)))
+
+
+def _in_block_order(a, values):
+    """Per-block ``values`` shaped like the scales, as one vector in the order of :func:`block_statistics`."""
+    v = np.asarray(values)
+    if np.ndim(a.x) and v.ndim == np.ndim(a.x):
+        v = np.moveaxis(v, a.axis % np.ndim(a.x), -1)
+    return v.reshape(-1)
+
+
+def block_report(a, gradients=None, passed=None):
+    """``(row, per_block, shape)`` of :class:`BlockAnalysis` ``a``: ``row`` is ``qgcli report``'s row
+    (:data:`qgcli.report.layers.LAYER_KEYS`): channels are the blocks, clipped the saturated elements (below:
+    negative), SQNR over the tensor, the worst block the one of lowest SQNR (``worst_channel_sqnr_db``), the share
+    of nonzero inputs flushed to zero, the blocks' dynamic range in bits (median, largest) and the share of
     blocks whose scale saturates; ``passed``: the estimator's mask (None: the identity STE passes every
-    element)."""
-    x64 = np.asarray(x, np.float64)
+    element).  ``per_block`` holds :func:`block_statistics`' arrays, ``order`` (worst first), ``clipped`` /
+    ``clipped_below`` (shares per block) and ``scale``."""
+    x64 = np.asarray(a.x, np.float64)
     n = x64.size
+    clipped = np.asarray(a.clipped, bool)
     below = clipped & (x64 < 0)
     row = {"clipped_below": float(below.sum()) / n if n else 0.0,
            "clipped_above": float((clipped & ~below).sum()) / n if n else 0.0}
     row["clipped"] = row["clipped_below"] + row["clipped_above"]
-    stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=saturated)
-    row["channels"] = stats["blocks"]
+    stats, per_block, shape = block_statistics(a.x, a.y, a.block_size, axis=a.axis, saturated=a.saturated)
+    nb = stats["blocks"]
+    row["channels"] = nb
     row["sqnr_db"] = stats["sqnr_db"] if np.isfinite(stats["sqnr_db"]) else None
     row.update(flushed=stats["flushed"], saturated_scale_blocks=stats.get("saturated_scale_blocks"),
                dynamic_range_bits_median=stats["dynamic_range_bits_median"],
                dynamic_range_bits_max=stats["dynamic_range_bits_max"])
-    if stats["blocks"] > 1:
-        worst = int(np.lexsort((np.arange(stats["blocks"]), per_block["sqnr_db"]))[0])
+
+    def blocked(v):
+        return (np.moveaxis(v, a.axis % v.ndim, -1) if v.ndim else v).reshape(nb, -1)
+
+    per_block["clipped"] = blocked(clipped).mean(axis=1) if nb and a.block_size else np.zeros(nb)
+    per_block["clipped_below"] = blocked(below).mean(axis=1) if nb and a.block_size else np.zeros(nb)
+    per_block["scale"] = None if a.scales is None else _in_block_order(a, np.asarray(a.scales, np.float64))
+    if nb > 1:
+        worst = int(per_block["order"][0])
         row["worst_channel_sqnr_db"] = float(per_block["sqnr_db"][worst]) if np.isfinite(
             per_block["sqnr_db"][worst]) else None
-        cb = np.moveaxis(np.asarray(clipped), axis % x64.ndim, -1).reshape(-1, block_size) if x64.ndim else \
-            np.asarray(clipped).reshape(1, -1)
-        row.update(worst_channel=worst, worst_channel_clipped=float(cb[worst].mean()))
+        row.update(worst_channel=worst, worst_channel_clipped=float(per_block["clipped"][worst]))
     if gradients is not None:
         mag = np.abs(np.asarray(gradients, np.float64))
         mag = np.where(np.isfinite(mag), mag, 0.0)
         total = float(mag.sum())
-        blocked = 0.0 if passed is None else float(np.where(passed, 0.0, mag).sum())
-        row["gradient_blocked"] = blocked / total if total else 0.0
+        lost = 0.0 if passed is None else float(np.where(passed, 0.0, mag).sum())
+        row["gradient_blocked"] = lost / total if total else 0.0
         if "worst_channel" in row:
             row["worst_channel_gradient_blocked"] = 0.0 if passed is None else None
-    return row
+    return row, per_block, shape
+
+
+def report_row(a, gradients=None, passed=None):
+    """``qgcli report``'s row of a run-file group (:func:`block_report`), with its ``num_bits``."""
+    return {"num_bits": a.num_bits, **block_report(a, gradients, passed)[0]}
+
+
+#: The schema number of ``report BUNDLE --semantics mx|nvfp4|onnx --json``'s document.
+REPORT_SCHEMA = 1
+#: The rows of that report (one per block), as --json, --csv and --parquet give them.
+ROW_KEYS = ("block", "index", "scale", "flushed", "clipped_below", "clipped_above", "clipped", "saturated_scale",
+            "dynamic_range_bits", "sqnr_db", "flagged")
+SORTS = ("worst", "sqnr", "clipped", "channel")
+
+
+def report_doc(a, *, semantics, inputs, threshold, sort, top):
+    """``report BUNDLE --semantics mx|nvfp4|onnx``: one row per block (:data:`ROW_KEYS`, worst first: lowest
+    SQNR, then most flushed; ``sort`` ``clipped``: most clipped; ``channel``: block order), the totals (the
+    row a run-file group of the same tensor gets, :func:`block_report`), a verdict.  A block is flagged when
+    more than ``threshold`` of its nonzero inputs flush to zero or of its elements clip, or its scale
+    saturates."""
+    from qgcli import __version__
+
+    total, per_block, shape = block_report(a)
+    total = {"num_bits": a.num_bits, "blocks": total["channels"], "block_size": int(a.block_size), **total}
+    for key in ("worst_channel", "worst_channel_sqnr_db", "worst_channel_clipped"):  # one block: no worst one
+        total.setdefault(key, None)
+    axis = a.axis % np.ndim(a.x) if np.ndim(a.x) else None
+    rows = []
+    for i in range(total["blocks"]):
+        r = block_row(per_block, i, () if a.whole else shape, axis)
+        sat = r.pop("saturated")
+        below = float(per_block["clipped_below"][i])
+        scale = None if per_block["scale"] is None else float(per_block["scale"][i])
+        r = {"block": r["block"], "index": r["index"], "scale": scale, "flushed": r["flushed"],
+             "clipped_below": below, "clipped_above": float(per_block["clipped"][i]) - below,
+             "clipped": float(per_block["clipped"][i]), "saturated_scale": sat,
+             "dynamic_range_bits": r["dynamic_range_bits"], "sqnr_db": r["sqnr_db"]}
+        r["flagged"] = bool(r["flushed"] > threshold or r["clipped"] > threshold or sat)
+        rows.append(r)
+    if sort == "clipped":
+        rows.sort(key=lambda r: (-r["clipped"], r["block"]))
+    elif sort != "channel":  # worst, sqnr: the order of block_statistics
+        rows = [rows[int(i)] for i in per_block["order"]]
+    flagged = [r for r in rows if r["flagged"]]
+    verdict = _verdict(total, flagged, threshold)
+    return json_safe({"command": "report", "schema": REPORT_SCHEMA, "qgcli_version": __version__,
+                      "semantics": semantics, "op": a.op, "attributes": a.attributes, "inputs": inputs,
+                      "blocks": total["blocks"], "block_size": total["block_size"], "threshold": threshold,
+                      "sort": sort, "top": top, "total": total, "rows": rows if top is None else rows[:top],
+                      "verdict": verdict, "notes": list(a.notes)})
+
+
+def report_doc_of(analyse, formats, operands, *, semantics, threshold, sort, top):
+    """:func:`report_doc` of the tensor in open ``operands`` (closed here) under ``formats``: ``analyse`` is the
+    family's ``report_analysis``.  ``report BUNDLE --semantics ...`` and ``report RUN --layer PATH`` of a
+    block-format group both come here."""
+    if sort not in SORTS + ("block",):
+        raise OptionError(f"{sort} does not apply to a block format's report; use {', '.join(SORTS)}",
+                          param_hint="'--sort'")
+    try:
+        a = analyse(formats, operands)
+        x_name = "x" if semantics == "onnx" and operands.has("x") else "inputs"
+        described = describe_arrays({x_name: np.reshape(a.x, np.shape(operands.get(x_name))),
+                                     **{k: operands.get(k) for k in ("y_scale", "y_zero_point")
+                                        if semantics == "onnx" and operands.has(k)}})
+    finally:
+        operands.close()
+    return report_doc(a, semantics=semantics, inputs=described, threshold=threshold,
+                      sort="channel" if sort == "block" else sort, top=top)
+
+
+def layer_report_doc(analyse, layer, operands, *, threshold, sort, top):
+    """``report RUN --layer PATH`` of a block-format group: :func:`report_doc_of` with its attributes."""
+    fam = registry.of(layer)
+    return report_doc_of(analyse, fam.group_formats(layer.attrs), operands, semantics=fam.NAME, threshold=threshold,
+                         sort=sort, top=top)
+
+
+def _block_name(r):
+    return "block " + (",".join(map(str, r["index"])) if r["index"] else "all")
+
+
+def _verdict(total, flagged, threshold):
+    thr = f"{100 * threshold:g}%"
+    sqnr = total["sqnr_db"]
+    over = f"SQNR {'exact' if sqnr is None else f'{sqnr:.1f} dB'} over the tensor"
+    if total.get("worst_channel_sqnr_db") is not None:
+        over += f", {total['worst_channel_sqnr_db']:.1f} dB in the worst block"
+    if not flagged:
+        return (f"Verdict: OK, no block flushes or clips more than {thr} of its values or saturates its scale; "
+                f"{over}.")
+    names = ", ".join(_block_name(r) for r in flagged[:3]) + (f" and {len(flagged) - 3} more" if len(flagged) > 3
+                                                                else "")
+    return (f"Verdict: {len(flagged)} of {counted(total['blocks'], 'block')} flagged, more than {thr} of the values "
+            f"flushed to zero or clipped, or the scale saturated ({names}); {over}.")
+
+
+_REPORT_COLS = None
+
+
+def _report_cols():
+    global _REPORT_COLS
+    if _REPORT_COLS is None:
+        from qgcli.report.tables import Col
+
+        # Priority: 0 always shown, higher numbers dropped first to fit the terminal (qgcli.report.tables).
+        _REPORT_COLS = (
+            Col("block", priority=0), Col("scale", priority=1),
+            Col("flushed", help="share of the block's nonzero inputs that come back 0", priority=0),
+            Col("clip<", help="elements saturated below / above", priority=2), Col("clip>", priority=2),
+            Col("sat", help="the block's scale at its clamp", priority=1),
+            Col("range", help="log2 max|x| - log2 min nonzero |x|, bits", priority=1),
+            Col("SQNR", help="dB", priority=0),
+        )
+    return _REPORT_COLS
+
+
+def render_report(console, doc, limit):
+    """The table of :func:`report_doc` (``limit``: rows shown), the totals, the notes and the verdict."""
+    from qgcli.report.summaries import number
+    from qgcli.report.tables import print_table
+
+    doc = printable_doc(doc)
+    fields = " ".join(f"{k}={v}" for k, v in doc["attributes"].items() if v is not None)
+    src = ", ".join(f"{k} {v['shape']} {v['dtype']}" for k, v in doc["inputs"].items())
+    print_items(console, f"[bold]{markup(doc['op'])}[/] {markup(fields)}  {markup(src)}")
+    rows = doc["rows"] if limit is None else doc["rows"][:limit]
+
+    def db(v):
+        return "exact" if v is None else f"{v:.1f}"
+
+    def pct(v):
+        return f"{100 * v:.1f}%"
+
+    cells = [[",".join(map(str, r["index"])) or "all", number(r["scale"], 4), pct(r["flushed"]),
+              pct(r["clipped_below"]), pct(r["clipped_above"]),
+              "-" if r["saturated_scale"] is None else "yes" if r["saturated_scale"] else "",
+              "-" if r["dynamic_range_bits"] is None else f"{r['dynamic_range_bits']:.1f}", db(r["sqnr_db"])]
+             for r in rows]
+    print_table(console, _report_cols(), cells, styles=["red" if r["flagged"] else None for r in rows], choice=True)
+    if len(rows) < len(doc["rows"]) or len(doc["rows"]) < doc["blocks"]:
+        print_items(console, f"... {counted(doc['blocks'] - len(rows), 'more block')} (--top K, --json or --csv "
+                             "for all)")
+    t = doc["total"]
+    parts = [f"all {counted(t['blocks'], 'block')} of {t['block_size']}: flushed to zero {percent(t['flushed'])} of "
+             f"the nonzero inputs", f"clipped {percent(t['clipped_below'])} below, {percent(t['clipped_above'])} above"]
+    if t.get("saturated_scale_blocks") is not None:
+        parts.append(f"scale saturated in {percent(t['saturated_scale_blocks'])} of the blocks")
+    if t.get("dynamic_range_bits_max") is not None:
+        parts.append(f"block dynamic range median {t['dynamic_range_bits_median']:.1f}, largest "
+                     f"{t['dynamic_range_bits_max']:.1f} bits")
+    print_items(console, "; ".join(parts))
+    for note in doc["notes"]:
+        print_items(console, f"[yellow]note:[/] {markup(note)}")
+    print_items(console, f"[bold]{markup(doc['verdict'])}[/]")

@@ -1,6 +1,6 @@
 """OCP Microscaling fake quant (``--semantics mx``): torchao 0.18's ``to_mx`` then its dequantization, bit for
 bit (the math is :mod:`qgcli.ops.mx`; the formulas, sources and where torchao and the spec differ are in
-docs/formats-mx-nvfp4-onnx.md).
+docs/formats-mx.md).
 
 Operand ``inputs`` (and ``gradients``); outputs ``outputs`` (float32), ``scales`` (the E8M0 codes, uint8, the
 block axis divided by the block size) and ``quantized`` (the element codes; float8 written as its bytes, the
@@ -163,14 +163,34 @@ def block_view(formats, operands):
                          saturated=saturated_scales(res.scales, f))
 
 
-def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
-    """``qgcli report``'s row of an mx group: blocks as channels, saturated elements as clipped, SQNR."""
-    f = _group_formats(layer.attrs)
-    x = bf.float32_operand(inputs, "inputs")
+def report_analysis(formats, operands=None, inputs=None):
+    """What ``qgcli report`` reads of the tensor (``inputs``, else ``operands``' ``inputs``) under ``formats``
+    (:class:`qgcli.families.block_formats.BlockAnalysis`): elements beyond F times their block's scale as clipped,
+    the block scales ``2^(E8M0 - 127)`` (NaN for code 255)."""
+    f = formats
+    x = bf.float32_operand(operands.get("inputs") if inputs is None else inputs, "inputs")
     _check(f, tuple(np.shape(x)))
     res = forward(x, f)
     axis, bs = f["axis"] % max(1, np.ndim(x)), int(f["block_size"])
     clipped = bf.saturated_elements(x, res.outputs, ops.FORMATS[f["format"]].max_pos *
                                     _element_scales(res.scales, bs, axis))
-    return {"num_bits": {"fp8": 8, "fpx": 6 if "fp6" in f["format"] else 4, "int8": 8}[ops.FORMATS[f["format"]].kind],
-            **bf.report_row(x, res.outputs, clipped, gradients, bs, axis, saturated=saturated_scales(res.scales, f))}
+    saturated = saturated_scales(res.scales, f)
+    notes = []
+    if saturated.any():
+        notes.append("a saturated scale: E8M0 code 0 (torchao quantizes with 2^-126 and dequantizes with 2^-127: "
+                     "the block comes back halved) or 254/255 (Inf/NaN inputs)")
+    codes = res.scales.astype(np.float64)
+    return bf.BlockAnalysis(f"MX {f['format']}", attributes(f),
+                            {"fp8": 8, "fpx": 6 if "fp6" in f["format"] else 4, "int8": 8}[ops.FORMATS[f["format"]].kind],
+                            x, res.outputs, clipped, bs, axis, saturated,
+                            np.exp2(np.where(codes == 255, np.nan, codes) - 127), tuple(notes))
+
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of an mx group: blocks as channels, saturated elements as clipped, SQNR."""
+    return bf.report_row(report_analysis(_group_formats(layer.attrs), inputs=inputs), gradients)
+
+
+def layer_report_doc(layer, operands, *, threshold, sort, top, device):
+    """``qgcli report RUN --layer PATH`` of a group: one row per block, as ``report BUNDLE --semantics`` gives it."""
+    return bf.layer_report_doc(report_analysis, layer, operands, threshold=threshold, sort=sort, top=top)

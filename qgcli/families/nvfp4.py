@@ -1,5 +1,5 @@
 """NVFP4 fake quant (``--semantics nvfp4``): torchao 0.18's ``NVFP4Tensor.to_nvfp4(...).dequantize(float32)``,
-bit for bit (the math is :mod:`qgcli.ops.nvfp4`; formulas and sources in docs/formats-mx-nvfp4-onnx.md).
+bit for bit (the math is :mod:`qgcli.ops.nvfp4`; formulas and sources in docs/formats-nvfp4.md).
 
 Blocks of 16 along ``--axis`` (default -1), E4M3 block scales and, unless ``--no-per-tensor-scale``, the FP32
 per-tensor scale ``max|x| / 2688``.  Operand ``inputs`` (and ``gradients``); outputs ``outputs``,
@@ -151,12 +151,27 @@ def block_view(formats, operands):
                          BLOCK_SIZE, axis, log2_scales=log2, saturated=saturated_scales(res.block_scales))
 
 
-def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
-    """``qgcli report``'s row of an nvfp4 group: blocks as channels, elements at fp4's 6 beyond it as clipped."""
-    f = _group_formats(layer.attrs)
-    x = bf.float32_operand(inputs, "inputs")
-    res, _ = forward(x, f)
+def report_analysis(formats, operands=None, inputs=None):
+    """What ``qgcli report`` reads of the tensor (``inputs``, else ``operands``' ``inputs``) under ``formats``
+    (:class:`qgcli.families.block_formats.BlockAnalysis`): elements at fp4's 6 beyond it as clipped, the block
+    scales the E4M3 scale times the per-tensor scale."""
+    f = formats
+    x = bf.float32_operand(operands.get("inputs") if inputs is None else inputs, "inputs")
+    axis = check_blocks(tuple(np.shape(x)), f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    res, notes = forward(x, f)
     clipped = ((np.asarray(res.quantized) & 7) == 7) & (np.abs(np.asarray(x, np.float64)) >
                                                         np.abs(np.asarray(res.outputs, np.float64)))
-    return {"num_bits": 4, **bf.report_row(x, res.outputs, clipped, gradients, BLOCK_SIZE, f["axis"],
-                                           saturated=saturated_scales(res.block_scales))}
+    t = 1.0 if res.tensor_scale is None else float(res.tensor_scale)
+    return bf.BlockAnalysis("NVFP4", attributes(f), 4, x, res.outputs, clipped, BLOCK_SIZE, axis,
+                            saturated_scales(res.block_scales), np.asarray(res.block_scales).astype(np.float64) * t,
+                            tuple(notes))
+
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of an nvfp4 group: blocks as channels, elements at fp4's 6 beyond it as clipped."""
+    return bf.report_row(report_analysis(_group_formats(layer.attrs), inputs=inputs), gradients)
+
+
+def layer_report_doc(layer, operands, *, threshold, sort, top, device):
+    """``qgcli report RUN --layer PATH`` of a group: one row per block, as ``report BUNDLE --semantics`` gives it."""
+    return bf.layer_report_doc(report_analysis, layer, operands, threshold=threshold, sort=sort, top=top)

@@ -1,6 +1,6 @@
 """ONNX ``QuantizeLinear`` then ``DequantizeLinear`` (``--semantics onnx``, opset 21 and later), bit for bit with
 ``onnx.reference.ReferenceEvaluator`` (the math is :mod:`qgcli.ops.onnx_quantize`; where onnxruntime differs
-is in docs/formats-mx-nvfp4-onnx.md).
+is in docs/formats-onnx.md).
 
 Operands ``x`` (``inputs`` accepted too), ``y_scale``, ``y_zero_point`` (optional) and ``gradients``; attributes
 ``--dtype`` (default uint8, or the zero point's type when one is given, as ONNX takes the output type from it),
@@ -228,12 +228,13 @@ def block_view(formats, operands):
                          log2_scales=log2 if blocked else log2.reshape(-1))
 
 
-def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
-    """``qgcli report``'s row of a QuantizeLinear group: clipped at qmin / qmax (integer types) or at the largest
-    finite value (float types); the blocks of blocked quantization as channels (else the tensor as one);
-    gradient blocked: none under the identity STE."""
-    f = _group_formats(layer.attrs)
-    x, y_scale, zp, dtype, _ = load(operands, f)
+def report_analysis(formats, operands, inputs=None):
+    """What ``qgcli report`` reads of ``operands`` (x, y_scale, y_zero_point) under ``formats``
+    (:class:`qgcli.families.block_formats.BlockAnalysis`): clipped at qmin / qmax (integer types) or at the
+    largest finite value (float types); the blocks of blocked quantization with whole blocks, else the tensor
+    as one block; no scale saturates (y_scale is given)."""
+    f = formats
+    x, y_scale, zp, dtype, note = load(operands, f)
     res = ops.onnx_fake_quantize(x, y_scale, zp, dtype=dtype, axis=f["axis"], block_size=f["block_size"],
                                  saturate=f["saturate"])
     x64 = np.asarray(x, np.float64)
@@ -250,10 +251,22 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
         with np.errstate(invalid="ignore"):
             clipped = (qf == fmax) & (np.abs(x64) > np.abs(y64))
         bits = 4 if dtype == "float4e2m1" else 8
-    bs = f["block_size"]
-    if _whole_blocks(np.shape(x), y_scale, f):
-        row = bf.report_row(x, res.outputs, clipped, gradients, bs, f["axis"])
-    else:
-        row = bf.report_row(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)), np.reshape(clipped, (1, -1)),
-                            gradients, max(1, int(np.size(x))), -1)
-    return {"num_bits": bits, **row}
+    notes = [note] if note else []
+    if dtype in ops.INTEGER_TYPES and np.isnan(x).any():
+        notes.append("NaN inputs quantize to qmin (onnxruntime's saturation; the reference's cast is undefined "
+                     "there)")
+    a = bf.BlockAnalysis("QuantizeLinear + DequantizeLinear", attributes(f, dtype), bits, x, res.outputs, clipped,
+                         f["block_size"], f["axis"], None, np.asarray(y_scale, np.float32).astype(np.float64),
+                         tuple(notes))
+    return a if _whole_blocks(np.shape(x), y_scale, f) else bf.whole_tensor(a)
+
+
+def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range, device):
+    """``qgcli report``'s row of a QuantizeLinear group (:func:`report_analysis`); gradient blocked: none under
+    the identity STE."""
+    return bf.report_row(report_analysis(_group_formats(layer.attrs), operands), gradients)
+
+
+def layer_report_doc(layer, operands, *, threshold, sort, top, device):
+    """``qgcli report RUN --layer PATH`` of a group: one row per block, as ``report BUNDLE --semantics`` gives it."""
+    return bf.layer_report_doc(report_analysis, layer, operands, threshold=threshold, sort=sort, top=top)

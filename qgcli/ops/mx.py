@@ -40,7 +40,7 @@ Where torchao and the OCP spec differ, qgcli follows torchao:
   to float32 before ``ceil``: for ``d`` just above a power of two ``2^k`` (within about ``2^(k-24)*|k|``) the
   rounded log2 is exactly ``k`` and the scale is ``2^k`` instead of ``2^(k+1)``, so the block saturates
   slightly (values up to ``d * 2^-k * F`` are clamped to F).  The spec's cuBLAS recipe rounds up exactly.
-  qgcli computes the log2 in float64 and rounds it to float32 (see docs/formats-mx-nvfp4-onnx.md for how this
+  qgcli computes the log2 in float64 and rounds it to float32 (see docs/formats-mx.md for how this
   was checked against torch's vectorised and scalar log2).
 * **NaN and Inf.**  A block holding a NaN gets code 255 (the E8M0 NaN) and dequantizes to all NaN.  A block
   holding an Inf (no NaN) is *not* NaN: floor/ceil/even give it the finite code ``255 - emax`` (the Inf

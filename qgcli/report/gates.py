@@ -116,6 +116,12 @@ def parse(text, command, *, option="--fail-on"):
     return conditions
 
 
+def _block(r):
+    """A per-block row's name: ``block`` and its index (``all``: the tensor as one block)."""
+    index = r.get("index")
+    return "block " + (",".join(map(str, index)) if index else "all" if index is not None else str(r["block"]))
+
+
 def failures(doc, conditions):
     """One line per condition that holds: its label, then the rows (by path, layer or kind) where it holds."""
     rows_of = GATES[doc.get("command", "report")][0]
@@ -126,7 +132,8 @@ def failures(doc, conditions):
         for r in rows:
             shown = test(r)
             if shown is not None:
-                name = r.get("path") or r.get("layer") or (f"ch {r['channel']}" if "channel" in r else r.get("kind"))
+                name = r.get("path") or r.get("layer") or (f"ch {r['channel']}" if "channel" in r else
+                                                            _block(r) if "block" in r else r.get("kind"))
                 hits.append(f"{name} ({shown})" if shown else str(name))
         if hits:
             more = f" and {len(hits) - 3} more" if len(hits) > 3 else ""

@@ -292,7 +292,7 @@ def layer_report(target, path, options, *, percentiles, threshold, sort, top, de
         operands.close()
         return None
     if kind == "blocks":
-        if sort in ("sqnr", "gain"):
+        if sort in ("sqnr", "gain") and not hasattr(fam, "report_analysis"):  # torchao's
             operands.close()
             raise OptionError(f"{layer.op} reports no SQNR per block; use worst, blocked, clipped or channel",
                               param_hint="'--sort'")

@@ -8,9 +8,11 @@ does not exist (never NaN).
 import click
 
 from qgcli.cli.options import (
+    ONNX_DTYPES,
     QDQ_VARIANTS,
     TORCHAO_DTYPES,
     attribute_group,
+    block_format_options,
     bundle_argument,
     given,
     hdf5_bound_options,
@@ -31,6 +33,7 @@ from qgcli.cli.options import fail_on_option, gate, refuse_conditions, table_opt
 
 REPORT_SCHEMA = 1
 _TABLE_ROWS = 20  # rows a terminal table shows without --top
+BLOCK_SEMANTICS = ("mx", "nvfp4", "onnx")  # --semantics reported per block (qgcli.families.block_formats)
 # A SPEC is free text (file, file:key, -, literal); click.Path only so that shells complete file names.
 _SPEC = click.Path(allow_dash=True)
 
@@ -267,6 +270,7 @@ Examples:
   qgcli report samples/per_channel.h5 --top 3 --json | jq '.rows[] | {channel, gradient_blocked}'
   qgcli report samples/notebook.h5 --num-bits 2 --csv > report.csv
   qgcli report --inputs act.npy --gradients grad.npy --min -1,-2 --max 1,2 --sort sqnr
+  qgcli report --inputs w.npy --semantics mx --mx-format mxfp4 --top 5   # per block (also nvfp4, onnx)
 """
 
 
@@ -278,6 +282,9 @@ Examples:
     spec_option("inputs", "Forward inputs (TF operand 'inputs').", type=_SPEC),
     spec_option("min", "Range minimum: scalar (vars/args) or one per channel.", type=_SPEC),
     spec_option("max", "Range maximum: scalar (vars/args) or one per channel.", type=_SPEC),
+    spec_option("x", "ONNX QuantizeLinear's 'x' (--semantics onnx; --inputs too).", type=_SPEC),
+    spec_option("y_scale", "ONNX QuantizeLinear's 'y_scale' (--semantics onnx).", type=_SPEC),
+    spec_option("y_zero_point", "ONNX QuantizeLinear's 'y_zero_point' (--semantics onnx).", type=_SPEC),
 )
 @attribute_group(
     num_bits_option(),
@@ -336,16 +343,22 @@ Examples:
               help="Compute with NumPy (cpu) or CuPy (gpu).")
 @click.option("--layer", "layer", metavar="PATH", default=None,
               help="Run file: the per-channel report of the group PATH (default: one row per quantizer).")
-@click.option("--semantics", type=click.Choice(["tf", "torchao"]), default="tf", show_default=True,
+@click.option("--semantics", type=click.Choice(["tf", "torchao", *BLOCK_SEMANTICS]), default="tf", show_default=True,
               help="tf: TensorFlow's fake quant on --min/--max; torchao: torchao's QAT quantizer (--dtype, "
-                   "--granularity ...), one row per block, the gradient split into straight-through and scale path.")
-@click.option("--dtype", type=click.Choice(TORCHAO_DTYPES), default=None, help="torchao's dtype (--semantics torchao).")
+                   "--granularity ...), one row per block, the gradient split into straight-through and scale path; "
+                   "mx, nvfp4, onnx: the block format (options as fakequant's), one row per block: flushed to "
+                   "zero, clipped, saturated scale, dynamic range, SQNR.")
+@click.option("--dtype", type=click.Choice(tuple(dict.fromkeys(TORCHAO_DTYPES + ONNX_DTYPES))), default=None,
+              help="torchao's dtype (--semantics torchao); QuantizeLinear's output type (--semantics onnx) [default: "
+                   "uint8, or the zero point's].")
 @torchao_options
+@block_format_options
 @hdf5_bound_options
 @scheduler_option()
 def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json, csv_out, parquet, html, force,
            range_method,
-           ranges_out, tensorboard, baseline, fail_on, quiet, device, layer, semantics, dtype, torchao, scheduler):
+           ranges_out, tensorboard, baseline, fail_on, quiet, device, layer, semantics, dtype, torchao, formats,
+           scheduler):
     """Per channel (or per tensor): what a fake-quant range does to the data and to its gradient.
 
     Data range against the raw and nudged range, shares clipped below/above, the share of upstream
@@ -370,6 +383,12 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
         return _report_history(bundles[0], operands, layer, scheduler, semantics, dtype, torchao, as_json, tables,
                                html, force, tensorboard, fail_on, quiet, baseline)
     refuse_conditions(fail_on)
+    if semantics in BLOCK_SEMANTICS:
+        return _report_blocks(operands, bundles, attributes, qdq, semantics, dtype, torchao, formats, top, sort,
+                              threshold, as_json, tables, quiet, device, layer, fail_on,
+                              {"--html": html, "--ranges-out": ranges_out, "--tensorboard": tensorboard,
+                               "--baseline": baseline, "--scheduler": scheduler})
+    _refuse_block_options(operands, formats, semantics)
     if attributes.variant not in QDQ_VARIANTS:
         for option, value in (("--signed-input", qdq[0].signed_input), ("--range-given", qdq[0].range_given),
                               ("--round-mode", qdq[1])):
@@ -382,6 +401,9 @@ def report(operands, attributes, qdq, top, sort, threshold, percentiles, as_json
     if baseline is not None:
         _check_baseline(baseline, history=False)
     if semantics == "torchao" or dtype is not None or torchao.given():
+        if dtype is not None and dtype not in TORCHAO_DTYPES:
+            raise click.BadParameter(f"{dtype} is a QuantizeLinear type: it applies to --semantics onnx",
+                                     param_hint="'--dtype'")
         run_file_target(operands)  # a run file's torchao groups carry their config: refuses these options
         if ranges_out is not None or range_method != "percentile" or baseline is not None:
             raise click.BadParameter("does not apply to --semantics torchao (torchao's quantizer picks its scale)",
@@ -565,7 +587,9 @@ def _report_family_layer(kind, found, *, threshold, sort, top, as_json, tables, 
     group (its per-block report)."""
     if kind == "blocks":
         if html is not None:
-            raise click.BadParameter("is not written for a torchao group's per-block report", param_hint="'--html'")
+            raise click.BadParameter("is not written for a per-block report", param_hint="'--html'")
+        if found["semantics"] in BLOCK_SEMANTICS:
+            return _show_blocks(found, top, as_json, tables, quiet, inputs=inputs, fail_on=fail_on)
         return _show_torchao(found, top, as_json, tables, quiet, inputs=inputs)
     result, op, attrs, described = found
     limited = top is None and not as_json and not _on_stdout(tables) and result.channels > _TABLE_ROWS
@@ -596,14 +620,69 @@ def _report_torchao(operands, bundles, attributes, semantics, dtype, torchao, to
     _show_torchao(doc, top, as_json, tables, quiet, inputs=list(bundles))
 
 
+def _refuse_block_options(operands, formats, semantics):
+    """--semantics tf / torchao: the block formats' options and operands do not apply."""
+    for option, value in (*formats.given().items(), ("--x", operands.get("x")),
+                          ("--y-scale", operands.get("y_scale")), ("--y-zero-point", operands.get("y_zero_point"))):
+        if value is not None:
+            raise click.BadParameter(f"only applies to --semantics mx / nvfp4 / onnx, not {semantics}",
+                                     param_hint=f"'{option}'")
+
+
+def _report_blocks(operands, bundles, attributes, qdq, semantics, dtype, torchao, formats, top, sort, threshold,
+                   as_json, tables, quiet, device, layer, fail_on, others):
+    """``--semantics mx / nvfp4 / onnx``: one row per block of one tensor, as a run-file group of the same
+    tensor is reported (the family's ``report_analysis``, qgcli.families.block_formats.report_doc)."""
+    from qgcli.families import block_formats, registry
+    from qgcli.jobs import EstimatorOptions, FakeQuantOptions, OutputOptions, QuantizeAttributes, SemanticsOptions
+    from qgcli.storage.operands import Operands
+
+    for option, value in (*others.items(), ("--layer", layer), ("--range-method", given("range_method") or None),
+                          ("--percentiles", given("percentiles") or None), ("--device", device != "cpu" or None),
+                          ("--gradients", operands.get("gradients"))):
+        if value is not None:
+            why = ("the identity STE of these formats passes every gradient (fakequant-grad --estimator masked-ste "
+                   "gives ONNX's mask)" if option == "--gradients" else "computes on the CPU"
+                   if option == "--device" else "is for TensorFlow's and PyTorch's ranges, or run files")
+            raise click.BadParameter(f"does not apply to --semantics {semantics}: {why}", param_hint=f"'{option}'")
+    if len(bundles) > 1:
+        raise click.BadParameter(f"--semantics {semantics} reports one tensor: give one BUNDLE", param_hint="'BUNDLE'")
+    if run_file_target(operands) is not None:
+        raise click.BadParameter("a run file's groups name their format: report them without --semantics",
+                                 param_hint="'--semantics'")
+    job = registry.job_from_options(FakeQuantOptions(
+        "report", False, operands, attributes, QuantizeAttributes(dtype=dtype, round_mode=qdq[1]),
+        SemanticsOptions(semantics), EstimatorOptions(), OutputOptions(None, quiet=True), qdq=qdq[0], torchao=torchao,
+        formats=formats))
+    family = registry.of(job)
+    doc = block_formats.report_doc_of(family.report_analysis, job.formats,
+                                      Operands.of(job.operands, literal_ok=family.LITERAL_OK), semantics=semantics,
+                                      threshold=threshold, sort=sort, top=top)
+    _show_blocks(doc, top, as_json, tables, quiet, inputs=list(bundles), fail_on=fail_on)
+
+
+def _show_blocks(doc, top, as_json, tables, quiet, *, inputs, fail_on):
+    """A block format's per-block report (``--semantics mx / nvfp4 / onnx``, or a run file's group with
+    ``--layer``), as :func:`_show_per_block` shows it, then the --fail-on gate."""
+    from qgcli.families import block_formats
+
+    _show_per_block(block_formats, doc, top, as_json, tables, quiet, inputs=inputs)
+    gate(doc, fail_on)
+
+
 def _show_torchao(doc, top, as_json, tables, quiet, *, inputs):
-    """A torchao per-block report (``--semantics torchao``, or a run file's torchao group): notes, then JSON,
-    CSV or the table."""
+    """A torchao per-block report (``--semantics torchao``, or a run file's torchao group)."""
     from qgcli.families import torchao as runner
 
+    _show_per_block(runner, doc, top, as_json, tables, quiet, inputs=inputs)
+
+
+def _show_per_block(family, doc, top, as_json, tables, quiet, *, inputs):
+    """A per-block report of ``family`` (its ``ROW_KEYS`` and ``render_report``): notes, then JSON, CSV or the
+    table."""
     if not quiet:
         _print_notes(doc["notes"])
-    _write_tables(tables, doc["rows"], runner.ROW_KEYS, inputs=inputs)
+    _write_tables(tables, doc["rows"], family.ROW_KEYS, inputs=inputs)
     if as_json:
         dump_json(doc)
     elif _on_stdout(tables):
@@ -611,7 +690,7 @@ def _show_torchao(doc, top, as_json, tables, quiet, *, inputs):
             click.echo(doc["verdict"], err=True)
     else:
         limited = top is None and len(doc["rows"]) > _TABLE_ROWS
-        runner.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
+        family.render_report(stdout_console(), dict(doc, notes=[]), _TABLE_ROWS if limited else None)
 
 
 # --- run files: one row per quantizer ----------------------------------------------------------------------
