@@ -139,14 +139,15 @@ def _has_subnormal(a):
     return bool(small.any()) and bool(np.any(small & (magnitude != 0)))
 
 
-def quantize(x2, params, divide, flush, *, table=None):
+def quantize(x2, params, divide, flush, *, table=None, out=None):
     """Fake-quantize ``x2`` ([rows, channels] float32, C-contiguous) with per-channel or scalar params.
 
     ``params``: nudged_min, nudged_max, scale, inv_scale, quant_zero, passthrough (broadcastable on the
-    last axis); ``table``: :func:`_table` of them, where the caller keeps it.  Returns a new array.
+    last axis); ``table``: :func:`_table` of them, where the caller keeps it; ``out``: where the outputs go
+    (shaped as ``x2``, C order; it may be ``x2`` itself), or None for a new array.  Returns ``out``.
     """
     nmin, nmax, scale, inv, qz, passthrough = params
-    out = np.empty_like(x2)
+    out = np.empty_like(x2) if out is None else out
     lib = native.library()
     if lib is not None:
         rows, depth = x2.shape

@@ -302,17 +302,19 @@ def _prepare_per_channel(inputs, min, max, num_bits, narrow_range, axis, xp):
 
 # --- element-wise work: blocked NumPy kernels on the CPU, fused CUDA kernels on CuPy arrays ------------
 
-def _quantize(x, grid, divide, xp):
-    """Forward fake quantization of float32 ``x`` (channels on the last axis for per-channel grids)."""
+def _quantize(x, grid, divide, xp, out=None):
+    """Forward fake quantization of float32 ``x`` (channels on the last axis for per-channel grids), into
+    ``out`` (checked by :func:`_check_forward_out`) when given."""
     depth = x.shape[-1] if grid.per_channel else 1
     x2 = xp.ascontiguousarray(x).reshape(-1, depth)
     if xp is np:
         from qgcli.ops import blocked
 
         params, flush, table = grid.forward_kernel
-        return blocked.quantize(x2, params, divide, flush, table=table).reshape(x.shape)
+        rows_out = None if out is None else out.reshape(x2.shape)
+        return deliver(blocked.quantize(x2, params, divide, flush, table=table, out=rows_out).reshape(x.shape), out)
 
-    return cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape)
+    return deliver(cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape), out)
 
 
 def _masks(x, grid, xp):
@@ -394,6 +396,14 @@ def _check_out(out, gradients, inputs, xp):
                      others=(inputs,))
 
 
+def _forward_operands(inputs, out):
+    """``(xp, inputs, out)`` checked as every forward op checks them: ``out`` may be ``inputs`` itself (float32,
+    C order: the outputs overwrite them) or an array sharing no memory with them."""
+    xp = array_module(inputs)
+    x = as_float32(inputs, "inputs", xp)
+    return xp, x, check_out(out, xp, shape=x.shape, dtype=_F32, reused=x, reused_name="inputs", others=())
+
+
 # --- the six TensorFlow ops ------------------------------------------------------------------------
 
 def _args_grid(min, max, num_bits, narrow_range):
@@ -414,15 +424,22 @@ def _attribute_grid(mn, mx, num_bits, narrow_range):
     return _read_only(nudge(_F32(mn), _F32(mx), num_bits=num_bits, narrow_range=narrow_range))
 
 
-def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False):
+def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, out=None):
     """TensorFlow's ``FakeQuantWithMinMaxArgs``: fake-quantize ``inputs`` on the nudged grid of [min, max].
+
+    ``out``: a writeable C-contiguous float32 array shaped as ``inputs`` (same device) to write the outputs
+    into; it is returned.  It may be ``inputs`` itself, which is then overwritten, or a buffer kept from call
+    to call (a fresh tensor-sized result costs its page faults on every call); otherwise it must share no
+    memory with ``inputs``.  The same for every forward op.
 
     >>> fake_quant_with_min_max_args(np.array([-0.75, -0.25, 0.25], np.float32), -1.0, 0.5, num_bits=2)
     array([-0.5,  0. ,  0.5], dtype=float32)
+    >>> x = np.array([-0.75, -0.25, 0.25], np.float32)
+    >>> fake_quant_with_min_max_args(x, -1.0, 0.5, num_bits=2, out=x) is x, x
+    (True, array([-0.5,  0. ,  0.5], dtype=float32))
     """
-    xp = array_module(inputs)
-    x = as_float32(inputs, "inputs", xp)
-    return _quantize(x, _args_grid(min, max, num_bits, narrow_range), False, xp)
+    xp, x, out = _forward_operands(inputs, out)
+    return _quantize(x, _args_grid(min, max, num_bits, narrow_range), False, xp, out)
 
 
 def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False,
@@ -435,16 +452,16 @@ def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, 
     return _backprops(g, x, _args_grid(min, max, num_bits, narrow_range), xp, reduce=False, out=out)
 
 
-def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=False):
+def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=False, out=None):
     """TensorFlow's ``FakeQuantWithMinMaxVars``: like Args with scalar tensors ``min``/``max``; divides by ``scale``.
+    ``out``: as in :func:`fake_quant_with_min_max_args`.
 
     >>> fake_quant_with_min_max_vars(np.array([-6.0, -1.0, 1.0, 6.0], np.float32), -6.0, 6.0, num_bits=2)
     array([-4.,  0.,  0.,  4.], dtype=float32)
     """
-    xp = array_module(inputs)
-    x = as_float32(inputs, "inputs", xp)
+    xp, x, out = _forward_operands(inputs, out)
     grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
-    return _quantize(x, grid, True, xp)
+    return _quantize(x, grid, True, xp, out)
 
 
 def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False, out=None):
@@ -468,16 +485,19 @@ def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bi
     return _backprops(g, x, grid, xp, reduce=True, out=out)
 
 
-def fake_quant_with_min_max_vars_per_channel(inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1):
+def fake_quant_with_min_max_vars_per_channel(inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1,
+                                             out=None):
     """TensorFlow's ``FakeQuantWithMinMaxVarsPerChannel``: one grid per channel of ``axis`` (TF: the last axis).
 
-    ``min``/``max`` have one entry per channel; any input rank >= 1 works, as TF's kernel.
+    ``min``/``max`` have one entry per channel; any input rank >= 1 works, as TF's kernel.  ``out``: as in
+    :func:`fake_quant_with_min_max_args`.
     """
-    xp = array_module(inputs)
-    x = as_float32(inputs, "inputs", xp)
+    xp, x, out = _forward_operands(inputs, out)
     grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
-    out = _quantize(_channel_last(x, axis), grid, False, xp)
-    return xp.ascontiguousarray(xp.moveaxis(out, -1, axis)) if axis != x.ndim - 1 else out
+    if axis == x.ndim - 1:
+        return _quantize(x, grid, False, xp, out)
+    y = _quantize(_channel_last(x, axis), grid, False, xp)
+    return deliver(xp.ascontiguousarray(xp.moveaxis(y, -1, axis)), out)
 
 
 def fake_quant_with_min_max_vars_per_channel_gradient(
