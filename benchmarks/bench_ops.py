@@ -10,7 +10,7 @@ median wall time (after warm-up, at least ``--repeats`` timed calls) and ratios 
   writes one).  ``x floor`` is qgcli's time over that.
 * **out=**: qgcli again with its tensor-sized output written into a buffer kept from call to call (``out=``,
   touched once before timing), where the fresh-output column allocates it on every call and pays its page
-  faults.  The fused rows keep ``backprops_wrt_input``'s buffer; their forward outputs stay fresh.
+  faults (the fused rows keep both of theirs: ``out=`` and ``outputs_out=``).
 * **TensorFlow** (``tf.raw_ops``, eager, results forced with ``.numpy()``) and **PyTorch** (CPU) on the same
   tensors.  Each framework is used in-process when it imports in this interpreter; otherwise
   ``--tf-python`` / ``--torch-python`` name an interpreter (a throwaway venv) in which this script re-runs
@@ -153,6 +153,8 @@ def qgcli_callables(d, kept=False):
     def out(name):
         return buffers.setdefault(name, np.zeros_like(x)) if kept else None
 
+    y_out = out("outputs of fwd+grad")  # the fused rows' second output (their ops run one at a time)
+
     mn, mx = np.float32(ARGS_MIN), np.float32(ARGS_MAX)
     pmn, pmx = d["pc_min"], d["pc_max"]
     calls = {
@@ -172,9 +174,10 @@ def qgcli_callables(d, kept=False):
             out=o),
         # qgcli's forward + gradient is one fused pass (the two ops' bits)
         "fq_vars_fwd+grad": lambda o=out("fq_vars_fwd+grad"): ops.fake_quant_with_min_max_vars_and_gradient(
-            g, x, mn, mx, num_bits=NUM_BITS, out=o),
+            g, x, mn, mx, num_bits=NUM_BITS, out=o, outputs_out=y_out),
         "fq_per_channel_fwd+grad": lambda o=out("fq_per_channel_fwd+grad"):
-            ops.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, pmn, pmx, num_bits=NUM_BITS, out=o),
+            ops.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, pmn, pmx, num_bits=NUM_BITS, out=o,
+                                                                      outputs_out=y_out),
     }
     return calls
 
@@ -689,8 +692,7 @@ def main(argv=None):
     print()
     print(table(rows))
     print("\nqgcli s: a fresh output array per call (what a plain call does); out= s: the tensor-sized output "
-          "written into a buffer kept from call to call (the fused rows: backprops_wrt_input's; their outputs "
-          "stay fresh). TF, PyTorch and every ratio but 'out= x floor' are of the fresh column.")
+          "written into a buffer kept from call to call (the fused rows: both of theirs). TF, PyTorch and every ratio but 'out= x floor' are of the fresh column.")
     print("\nPyTorch column: " + "; ".join(f"{o[0]} = {o[4]}" for o in OPS if o[4] and o[0] in args.ops)
           + ". Rows without a PyTorch counterpart show '-'.")
     if checks:

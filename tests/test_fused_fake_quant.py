@@ -145,6 +145,38 @@ def test_forward_out_on_another_channel_axis_and_its_refusals():
         ops.fake_quant_with_min_max_vars(x.astype(np.float64), -1.0, 1.0, out=x.astype(np.float64))
 
 
+@pytest.mark.parametrize("native", ["", "0"])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_fused_outputs_out_takes_the_forward_outputs(axis, native, monkeypatch):
+    """``outputs_out=`` (issue 42): the fused ops write their forward outputs into a kept buffer, the bits of
+    the plain call, beside ``out=`` the gradients or a kept backprops buffer; any overlap is refused."""
+    monkeypatch.setenv("QGCLI_NATIVE", native)
+    g, x = _salted((33, 5), 8)
+    lo, hi = np.linspace(-3, -1, x.shape[axis], dtype=F32), np.linspace(1, 4, x.shape[axis], dtype=F32)
+    calls = [
+        (ops.fake_quant_with_min_max_vars_per_channel_and_gradient, (lo, hi), {"axis": axis, "num_bits": 5}),
+        (ops.fake_quant_with_min_max_vars_and_gradient, (F32(-2.0), F32(3.0)), {"num_bits": 4}),
+        (ops.fake_quant_with_min_max_args_and_gradient, (-2.0, 3.0), {"narrow_range": True}),
+    ]
+    for op, ranges, kw in calls:
+        want = op(g, x, *ranges, **kw)
+        y_kept = np.full_like(x, 9.0)
+        got = op(g, x, *ranges, outputs_out=y_kept, **kw)
+        assert got[0] is y_kept
+        _same(got, want)
+        mine_g, y_kept = g.copy(), np.full_like(x, 9.0)
+        got = op(mine_g, x, *ranges, out=mine_g, outputs_out=y_kept, **kw)
+        assert got[0] is y_kept and got[1] is mine_g
+        _same(got, want)
+        kept_dx = np.zeros_like(x)
+        for bad in (x, g, kept_dx, x.reshape(-1)[:0], np.zeros((33, 5), np.float64)):
+            before = [a.copy() for a in (g, x)]
+            with pytest.raises(OperandError) as err:
+                op(g, x, *ranges, out=kept_dx, outputs_out=bad, **kw)
+            assert err.value.operand == "outputs_out"
+            assert _bits(g) == _bits(before[0]) and _bits(x) == _bits(before[1])
+
+
 def test_bad_operands_are_refused_as_the_gradient_op_refuses_them():
     x = np.zeros((2, 3), F32)
     with pytest.raises(OperandError, match="differs from inputs shape"):
