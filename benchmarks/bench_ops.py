@@ -167,8 +167,8 @@ def qgcli_callables(d, kept=False):
             g, x, mn, mx, num_bits=NUM_BITS, out=o),
         "fq_per_channel": lambda o=out("fq_per_channel"): ops.fake_quant_with_min_max_vars_per_channel(
             x, pmn, pmx, num_bits=NUM_BITS, out=o),
-        "fq_per_channel_grad": lambda o=out("fq_per_channel_grad"): ops.fake_quant_with_min_max_vars_per_channel_gradient(
-            g, x, pmn, pmx, num_bits=NUM_BITS, out=o),
+        "fq_per_channel_grad": lambda o=out("fq_per_channel_grad"):
+            ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, pmn, pmx, num_bits=NUM_BITS, out=o),
         "bn_grad": lambda o=out("bn_grad"): ops.fused_batch_norm_grad(
             g, x, d["bn_scale"], d["bn_mean"], d["bn_var"], epsilon=EPSILON, data_format="NHWC", is_training=True,
             out=o),
@@ -692,7 +692,8 @@ def main(argv=None):
     print()
     print(table(rows))
     print("\nqgcli s: a fresh output array per call (what a plain call does); out= s: the tensor-sized output "
-          "written into a buffer kept from call to call (the fused rows: both of theirs). TF, PyTorch and every ratio but 'out= x floor' are of the fresh column.")
+          "written into a buffer kept from call to call (the fused rows: both of theirs). TF, PyTorch and every "
+          "ratio but 'out= x floor' are of the fresh column.")
     print("\nPyTorch column: " + "; ".join(f"{o[0]} = {o[4]}" for o in OPS if o[4] and o[0] in args.ops)
           + ". Rows without a PyTorch counterpart show '-'.")
     if checks:
