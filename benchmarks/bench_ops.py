@@ -8,6 +8,9 @@ median wall time (after warm-up, at least ``--repeats`` timed calls) and ratios 
 * **floor**: ``np.copyto`` of one tensor, scaled to the bytes the op must at least move:
   ``floor = t_copy(one tensor) * (tensors read + tensors written) / 2`` (a copy reads one tensor and
   writes one).  ``x floor`` is qgcli's time over that.
+* **out=**: qgcli again with its tensor-sized output written into a buffer kept from call to call (``out=``,
+  touched once before timing), where the fresh-output column allocates it on every call and pays its page
+  faults (the fused rows keep both of theirs: ``out=`` and ``outputs_out=``).
 * **TensorFlow** (``tf.raw_ops``, eager, results forced with ``.numpy()``) and **PyTorch** (CPU) on the same
   tensors.  Each framework is used in-process when it imports in this interpreter; otherwise
   ``--tf-python`` / ``--torch-python`` name an interpreter (a throwaway venv) in which this script re-runs
@@ -139,29 +142,43 @@ def copy_time(shape, repeats, min_time):
 
 # ---------------------------------------------------------------------------------------------- qgcli
 
-def qgcli_callables(d):
-    """The qgcli op calls on data ``d``: name -> (function, function returning the outputs to compare)."""
+def qgcli_callables(d, kept=False):
+    """The qgcli op calls on data ``d``: name -> function.  ``kept``: each op writes its tensor-sized output
+    into a buffer of its own allocated (and touched) here once, ``out=``, instead of a fresh array per call."""
     from qgcli import ops
 
     x, g = d["x"], d["g"]
+    buffers = {}
+
+    def out(name):
+        return buffers.setdefault(name, np.zeros_like(x)) if kept else None
+
+    y_out = out("outputs of fwd+grad")  # the fused rows' second output (their ops run one at a time)
+
     mn, mx = np.float32(ARGS_MIN), np.float32(ARGS_MAX)
     pmn, pmx = d["pc_min"], d["pc_max"]
     calls = {
-        "fq_args": lambda: ops.fake_quant_with_min_max_args(x, ARGS_MIN, ARGS_MAX, num_bits=NUM_BITS),
-        "fq_args_grad": lambda: ops.fake_quant_with_min_max_args_gradient(g, x, ARGS_MIN, ARGS_MAX,
-                                                                          num_bits=NUM_BITS),
-        "fq_vars": lambda: ops.fake_quant_with_min_max_vars(x, mn, mx, num_bits=NUM_BITS),
-        "fq_vars_grad": lambda: ops.fake_quant_with_min_max_vars_gradient(g, x, mn, mx, num_bits=NUM_BITS),
-        "fq_per_channel": lambda: ops.fake_quant_with_min_max_vars_per_channel(x, pmn, pmx, num_bits=NUM_BITS),
-        "fq_per_channel_grad": lambda: ops.fake_quant_with_min_max_vars_per_channel_gradient(
-            g, x, pmn, pmx, num_bits=NUM_BITS),
-        "bn_grad": lambda: ops.fused_batch_norm_grad(g, x, d["bn_scale"], d["bn_mean"], d["bn_var"],
-                                                     epsilon=EPSILON, data_format="NHWC", is_training=True),
+        "fq_args": lambda o=out("fq_args"): ops.fake_quant_with_min_max_args(x, ARGS_MIN, ARGS_MAX,
+                                                                             num_bits=NUM_BITS, out=o),
+        "fq_args_grad": lambda o=out("fq_args_grad"): ops.fake_quant_with_min_max_args_gradient(
+            g, x, ARGS_MIN, ARGS_MAX, num_bits=NUM_BITS, out=o),
+        "fq_vars": lambda o=out("fq_vars"): ops.fake_quant_with_min_max_vars(x, mn, mx, num_bits=NUM_BITS, out=o),
+        "fq_vars_grad": lambda o=out("fq_vars_grad"): ops.fake_quant_with_min_max_vars_gradient(
+            g, x, mn, mx, num_bits=NUM_BITS, out=o),
+        "fq_per_channel": lambda o=out("fq_per_channel"): ops.fake_quant_with_min_max_vars_per_channel(
+            x, pmn, pmx, num_bits=NUM_BITS, out=o),
+        "fq_per_channel_grad": lambda o=out("fq_per_channel_grad"):
+            ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, pmn, pmx, num_bits=NUM_BITS, out=o),
+        "bn_grad": lambda o=out("bn_grad"): ops.fused_batch_norm_grad(
+            g, x, d["bn_scale"], d["bn_mean"], d["bn_var"], epsilon=EPSILON, data_format="NHWC", is_training=True,
+            out=o),
+        # qgcli's forward + gradient is one fused pass (the two ops' bits)
+        "fq_vars_fwd+grad": lambda o=out("fq_vars_fwd+grad"): ops.fake_quant_with_min_max_vars_and_gradient(
+            g, x, mn, mx, num_bits=NUM_BITS, out=o, outputs_out=y_out),
+        "fq_per_channel_fwd+grad": lambda o=out("fq_per_channel_fwd+grad"):
+            ops.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, pmn, pmx, num_bits=NUM_BITS, out=o,
+                                                                      outputs_out=y_out),
     }
-    # qgcli's forward + gradient is one fused pass (the two ops' bits)
-    calls["fq_vars_fwd+grad"] = lambda: ops.fake_quant_with_min_max_vars_and_gradient(g, x, mn, mx, num_bits=NUM_BITS)
-    calls["fq_per_channel_fwd+grad"] = lambda: ops.fake_quant_with_min_max_vars_per_channel_and_gradient(
-        g, x, pmn, pmx, num_bits=NUM_BITS)
     return calls
 
 
@@ -476,7 +493,7 @@ def fmt_r(v):
     return "-" if v is None else f"{v:.2f}"
 
 
-def build_rows(sizes, ops, qg, floor, tf, torch):
+def build_rows(sizes, ops, qg, floor, tf, torch, qg_out=None):
     rows = []
     for size in sizes:
         for name in ops:
@@ -486,7 +503,9 @@ def build_rows(sizes, ops, qg, floor, tf, torch):
             t = (tf or {}).get("times", {}).get(name, {}).get(size)
             p = (torch or {}).get("times", {}).get(name, {}).get(size)
             qs = q["median"] if q else None
+            k = (qg_out or {}).get(name, {}).get(size)
             rows.append({
+                "qgcli_out_s": k["median"] if k else None, "x_floor_out": k["median"] / fl if k else None,
                 "op": name, "size": size, "shape": list(SIZES[size]), "qgcli_s": qs,
                 "floor_s": fl, "x_floor": qs / fl if qs else None,
                 "tf_s": t["median"] if t else None, "qgcli_over_tf": qs / t["median"] if (t and qs) else None,
@@ -499,8 +518,10 @@ def build_rows(sizes, ops, qg, floor, tf, torch):
 
 
 def table(rows):
-    head = ["op", "size", "qgcli s", "floor s", "x floor", "TF s", "qgcli/TF", "torch s", "qgcli/torch"]
-    body = [[r["op"], r["size"], fmt_s(r["qgcli_s"]), fmt_s(r["floor_s"]), fmt_r(r["x_floor"]), fmt_s(r["tf_s"]),
+    head = ["op", "size", "qgcli s", "floor s", "x floor", "out= s", "out= x floor", "TF s", "qgcli/TF", "torch s",
+            "qgcli/torch"]
+    body = [[r["op"], r["size"], fmt_s(r["qgcli_s"]), fmt_s(r["floor_s"]), fmt_r(r["x_floor"]),
+             fmt_s(r.get("qgcli_out_s")), fmt_r(r.get("x_floor_out")), fmt_s(r["tf_s"]),
              fmt_r(r["qgcli_over_tf"]), fmt_s(r["torch_s"]), fmt_r(r["qgcli_over_torch"])] for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -580,7 +601,7 @@ def main(argv=None):
     if check_dir:
         os.makedirs(check_dir)
     notes, runners, infos = [], {}, {}
-    times = {"qgcli": {}, "tf": {}, "torch": {}}
+    times = {"qgcli": {}, "qgcli_out": {}, "tf": {}, "torch": {}}
     floor = {}
     try:
         print(f"# bench_ops: qgcli {__version__}, NumPy {np.__version__}, Python {platform.python_version()}, "
@@ -598,10 +619,12 @@ def main(argv=None):
             for size in args.sizes:
                 _keep_best(floor, "copy", size, copy_time(SIZES[size], args.repeats, args.min_time))
                 d = load_data(data_dir, size)
-                calls = qgcli_callables(d)
+                calls, kept = qgcli_callables(d), qgcli_callables(d, kept=True)
                 for name in args.ops:
                     _keep_best(times["qgcli"], name, size, measure(calls[name], args.repeats, args.min_time))
-                    line = f"  round {rnd + 1} {size:<5} {name:<24} qgcli {times['qgcli'][name][size]['median']:.4g}"
+                    _keep_best(times["qgcli_out"], name, size, measure(kept[name], args.repeats, args.min_time))
+                    line = (f"  round {rnd + 1} {size:<5} {name:<24} qgcli {times['qgcli'][name][size]['median']:.4g}"
+                            f" out= {times['qgcli_out'][name][size]['median']:.4g}")
                     for kind, runner in runners.items():
                         if runner is None:
                             continue
@@ -616,7 +639,7 @@ def main(argv=None):
                             _keep_best(times[kind], name, size, reply)
                             line += f" | {kind} {reply['median']:.4g}"
                     print(line, file=sys.stderr)
-                del calls, d
+                del calls, kept, d
                 gc.collect()
                 # The copy again after the ops: the floor is the faster (less disturbed) reading.
                 _keep_best(floor, "copy", size, copy_time(SIZES[size], args.repeats, args.min_time))
@@ -640,7 +663,8 @@ def main(argv=None):
         shutil.rmtree(data_dir, ignore_errors=True)
 
     frameworks = {k: ({"times": times[k], "info": infos.get(k)} if infos.get(k) else None) for k in ("tf", "torch")}
-    rows = build_rows(args.sizes, args.ops, times["qgcli"], floor, frameworks["tf"], frameworks["torch"])
+    rows = build_rows(args.sizes, args.ops, times["qgcli"], floor, frameworks["tf"], frameworks["torch"],
+                      times["qgcli_out"])
     load_end = os.getloadavg()
     machine = {
         "cpu_count": os.cpu_count(), "qgcli_threads": blocked.workers(), "kernels": native.variant(),
@@ -667,6 +691,9 @@ def main(argv=None):
           + "; per op, qgcli, TF and PyTorch timed back to back")
     print()
     print(table(rows))
+    print("\nqgcli s: a fresh output array per call (what a plain call does); out= s: the tensor-sized output "
+          "written into a buffer kept from call to call (the fused rows: both of theirs). TF, PyTorch and every "
+          "ratio but 'out= x floor' are of the fresh column.")
     print("\nPyTorch column: " + "; ".join(f"{o[0]} = {o[4]}" for o in OPS if o[4] and o[0] in args.ops)
           + ". Rows without a PyTorch counterpart show '-'.")
     if checks:

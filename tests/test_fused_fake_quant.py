@@ -89,6 +89,94 @@ def test_out_may_be_the_gradients():
     assert dx2 is g2 and _bits(dx2) == _bits(want)
 
 
+FORWARDS = [
+    (ops.fake_quant_with_min_max_args, lambda depth: (-1.0, 0.5), {"num_bits": 3}),
+    (ops.fake_quant_with_min_max_vars, lambda depth: (F32(-6.0), F32(4.0)), {"num_bits": 8}),
+    (ops.fake_quant_with_min_max_vars_per_channel,
+     lambda depth: (np.linspace(-3, 0, depth, dtype=F32), np.linspace(0, 5, depth, dtype=F32)), {"num_bits": 4}),
+]
+
+
+@pytest.mark.parametrize("native", ["", "0"])
+@pytest.mark.parametrize("op,ranges,kw", FORWARDS)
+def test_forward_out_takes_the_outputs_in_place_or_in_a_kept_buffer(op, ranges, kw, native, monkeypatch):
+    """``out=`` on the forward ops (issue 42): the inputs' own buffer, or a buffer kept from call to call, at
+    every length of 1..33 values (the vector body and its scalar tail) and at unaligned addresses; the bits
+    of the op without ``out``."""
+    monkeypatch.setenv("QGCLI_NATIVE", native)
+    for n in range(1, 34):
+        shape = (n, 3) if op is ops.fake_quant_with_min_max_vars_per_channel else (n,)
+        _, x = _salted(shape, n)
+        lo, hi = ranges(shape[-1])
+        want = op(x, lo, hi, **kw)
+        for offset in (0, 1, 3):  # a C-contiguous view of a larger buffer: 4 or 12 bytes past a 32-byte line
+            kept = np.full(x.size + offset, 7.0, F32)[offset:].reshape(shape)
+            got = op(x, lo, hi, out=kept, **kw)
+            assert got is kept and _bits(got) == _bits(want)
+            inputs = np.zeros(x.size + offset, F32)[offset:].reshape(shape)
+            inputs[...] = x
+            got = op(inputs, lo, hi, out=inputs, **kw)
+            assert got is inputs and _bits(got) == _bits(want)
+
+
+def test_forward_out_on_another_channel_axis_and_its_refusals():
+    _, x = _salted((4, 9, 6), 6)
+    lo, hi = np.full(9, -2.0, F32), np.full(9, 3.0, F32)
+    want = ops.fake_quant_with_min_max_vars_per_channel(x, lo, hi, axis=1)
+    mine = x.copy()
+    assert ops.fake_quant_with_min_max_vars_per_channel(mine, lo, hi, axis=1, out=mine) is mine
+    assert _bits(mine) == _bits(want)
+    for bad in (x[:1], x.astype(np.float64), np.asfortranarray(x), x.reshape(-1)[1:].copy()):
+        kept = x.copy()
+        with pytest.raises(OperandError) as err:
+            ops.fake_quant_with_min_max_vars_per_channel(kept, lo, hi, axis=1, out=bad)
+        assert err.value.operand == "out" and _bits(kept) == _bits(x)
+    big = np.zeros(x.size + 1, F32)
+    inputs = big[:-1].reshape(x.shape)
+    inputs[...] = x
+    with pytest.raises(OperandError, match="overlaps inputs") as err:
+        ops.fake_quant_with_min_max_args(inputs, out=big[1:].reshape(x.shape))
+    assert err.value.operand == "out" and _bits(inputs) == _bits(x)
+    read_only = np.zeros_like(x)
+    read_only.setflags(write=False)
+    with pytest.raises(OperandError, match="writeable"):
+        ops.fake_quant_with_min_max_vars(x, -1.0, 1.0, out=read_only)
+    with pytest.raises(OperandError, match="writeable"):  # float64 inputs: their float32 copy is not theirs
+        ops.fake_quant_with_min_max_vars(x.astype(np.float64), -1.0, 1.0, out=x.astype(np.float64))
+
+
+@pytest.mark.parametrize("native", ["", "0"])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_fused_outputs_out_takes_the_forward_outputs(axis, native, monkeypatch):
+    """``outputs_out=`` (issue 42): the fused ops write their forward outputs into a kept buffer, the bits of
+    the plain call, beside ``out=`` the gradients or a kept backprops buffer; any overlap is refused."""
+    monkeypatch.setenv("QGCLI_NATIVE", native)
+    g, x = _salted((33, 5), 8)
+    lo, hi = np.linspace(-3, -1, x.shape[axis], dtype=F32), np.linspace(1, 4, x.shape[axis], dtype=F32)
+    calls = [
+        (ops.fake_quant_with_min_max_vars_per_channel_and_gradient, (lo, hi), {"axis": axis, "num_bits": 5}),
+        (ops.fake_quant_with_min_max_vars_and_gradient, (F32(-2.0), F32(3.0)), {"num_bits": 4}),
+        (ops.fake_quant_with_min_max_args_and_gradient, (-2.0, 3.0), {"narrow_range": True}),
+    ]
+    for op, ranges, kw in calls:
+        want = op(g, x, *ranges, **kw)
+        y_kept = np.full_like(x, 9.0)
+        got = op(g, x, *ranges, outputs_out=y_kept, **kw)
+        assert got[0] is y_kept
+        _same(got, want)
+        mine_g, y_kept = g.copy(), np.full_like(x, 9.0)
+        got = op(mine_g, x, *ranges, out=mine_g, outputs_out=y_kept, **kw)
+        assert got[0] is y_kept and got[1] is mine_g
+        _same(got, want)
+        kept_dx = np.zeros_like(x)
+        for bad in (x, g, kept_dx, x.reshape(-1)[:0], np.zeros((33, 5), np.float64)):
+            before = [a.copy() for a in (g, x)]
+            with pytest.raises(OperandError) as err:
+                op(g, x, *ranges, out=kept_dx, outputs_out=bad, **kw)
+            assert err.value.operand == "outputs_out"
+            assert _bits(g) == _bits(before[0]) and _bits(x) == _bits(before[1])
+
+
 def test_bad_operands_are_refused_as_the_gradient_op_refuses_them():
     x = np.zeros((2, 3), F32)
     with pytest.raises(OperandError, match="differs from inputs shape"):

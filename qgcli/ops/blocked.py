@@ -139,14 +139,15 @@ def _has_subnormal(a):
     return bool(small.any()) and bool(np.any(small & (magnitude != 0)))
 
 
-def quantize(x2, params, divide, flush, *, table=None):
+def quantize(x2, params, divide, flush, *, table=None, out=None):
     """Fake-quantize ``x2`` ([rows, channels] float32, C-contiguous) with per-channel or scalar params.
 
     ``params``: nudged_min, nudged_max, scale, inv_scale, quant_zero, passthrough (broadcastable on the
-    last axis); ``table``: :func:`_table` of them, where the caller keeps it.  Returns a new array.
+    last axis); ``table``: :func:`_table` of them, where the caller keeps it; ``out``: where the outputs go
+    (shaped as ``x2``, C order; it may be ``x2`` itself), or None for a new array.  Returns ``out``.
     """
     nmin, nmax, scale, inv, qz, passthrough = params
-    out = np.empty_like(x2)
+    out = np.empty_like(x2) if out is None else out
     lib = native.library()
     if lib is not None:
         rows, depth = x2.shape
@@ -205,19 +206,20 @@ def backprops(g2, x2, lo, hi, passthrough, *, reduce, kind, out=None, table=None
     return (dx, *finish_sums(p, sums_min, sums_max, passthrough))
 
 
-def fused(g2, x2, params, divide, flush, bounds, *, reduce, kind, out=None, tables=(None, None)):
+def fused(g2, x2, params, divide, flush, bounds, *, reduce, kind, out=None, tables=(None, None), outputs_out=None):
     """The forward (:func:`quantize`) and the gradient (:func:`backprops`) of the same rows in one pass over
     ``x2`` and ``g2``: ``(outputs, dx)``, with ``reduce`` ``(outputs, dx, dmin, dmax)``, each the bits the two
     give apart.  ``bounds``: ``(lo, hi, passthrough)``; ``tables``: :func:`_table` of ``params`` and of
-    ``bounds`` where the caller keeps them; ``out``: as :func:`backprops` takes it."""
+    ``bounds`` where the caller keeps them; ``out``: as :func:`backprops` takes it; ``outputs_out``: where the
+    forward's outputs go (shaped as ``x2``, sharing no memory with the other arrays), or None for a new array."""
     rows, depth = x2.shape
     lib = native.library()
     if lib is None or rows == 0:  # the NumPy kernels: the two passes (the same bits)
-        outputs = quantize(x2, params, divide, flush, table=tables[0])
+        outputs = quantize(x2, params, divide, flush, table=tables[0], out=outputs_out)
         res = backprops(g2, x2, *bounds, reduce=reduce, kind=kind, out=out, table=tables[1])
         return (outputs, *res) if reduce else (outputs, res)
     forward_table, bounds_table = (_table(v, depth) if t is None else t for v, t in zip((params, bounds), tables))
-    outputs = np.empty_like(x2)
+    outputs = np.empty_like(x2) if outputs_out is None else outputs_out
     dx = np.empty_like(g2) if out is None else out
     g_at, x_at, dx_at, out_at, p_at, b_at = (native.address(a, _F32)
                                              for a in (g2, x2, dx, outputs, forward_table, bounds_table))

@@ -302,17 +302,19 @@ def _prepare_per_channel(inputs, min, max, num_bits, narrow_range, axis, xp):
 
 # --- element-wise work: blocked NumPy kernels on the CPU, fused CUDA kernels on CuPy arrays ------------
 
-def _quantize(x, grid, divide, xp):
-    """Forward fake quantization of float32 ``x`` (channels on the last axis for per-channel grids)."""
+def _quantize(x, grid, divide, xp, out=None):
+    """Forward fake quantization of float32 ``x`` (channels on the last axis for per-channel grids), into
+    ``out`` (checked by :func:`_check_forward_out`) when given."""
     depth = x.shape[-1] if grid.per_channel else 1
     x2 = xp.ascontiguousarray(x).reshape(-1, depth)
     if xp is np:
         from qgcli.ops import blocked
 
         params, flush, table = grid.forward_kernel
-        return blocked.quantize(x2, params, divide, flush, table=table).reshape(x.shape)
+        rows_out = None if out is None else out.reshape(x2.shape)
+        return deliver(blocked.quantize(x2, params, divide, flush, table=table, out=rows_out).reshape(x.shape), out)
 
-    return cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape)
+    return deliver(cuda.quantize(x2, grid, divide, grid.needs_flush()).reshape(x.shape), out)
 
 
 def _masks(x, grid, xp):
@@ -355,12 +357,12 @@ def _backprops(gradients, x, grid, xp, *, reduce, out=None):
     return dx, dmin, dmax
 
 
-def _fused(gradients, x, grid, divide, xp, *, reduce, out=None):
+def _fused(gradients, x, grid, divide, xp, *, reduce, out=None, outputs_out=None):
     """The forward and the gradient of ``x`` (channels last) in one pass over ``x`` and ``gradients``:
     ``(outputs, dx)`` or, with ``reduce``, ``(outputs, dx, dmin, dmax)``; each the bits of :func:`_quantize`
     and :func:`_backprops`, which CuPy arrays run one after the other."""
     if xp is not np:
-        outputs = _quantize(x, grid, divide, xp)
+        outputs = _quantize(x, grid, divide, xp, outputs_out)
         res = _backprops(gradients, x, grid, xp, reduce=reduce, out=out)
         return (outputs, *res) if reduce else (outputs, res)
     from qgcli.ops import blocked
@@ -371,8 +373,9 @@ def _fused(gradients, x, grid, divide, xp, *, reduce, out=None):
     params, flush, forward_table = grid.forward_kernel
     bounds, bounds_table = grid.gradient_kernel
     res = blocked.fused(g2, x2, params, divide, flush, bounds, reduce=reduce, kind="chip" if grid.per_channel else "flat",
-                        out=None if out is None else out.reshape(g2.shape), tables=(forward_table, bounds_table))
-    outputs, dx = res[0].reshape(x.shape), deliver(res[1].reshape(x.shape), out)
+                        out=None if out is None else out.reshape(g2.shape), tables=(forward_table, bounds_table),
+                        outputs_out=None if outputs_out is None else outputs_out.reshape(x2.shape))
+    outputs, dx = deliver(res[0].reshape(x.shape), outputs_out), deliver(res[1].reshape(x.shape), out)
     if not reduce:
         return outputs, dx
     dmin, dmax = res[2:]
@@ -389,9 +392,26 @@ def _gradient_operands(gradients, inputs, out):
     return xp, g, x, _check_out(out, g, x, xp)
 
 
+def _fused_operands(gradients, inputs, out, outputs_out):
+    """:func:`_gradient_operands` and the fused ops' ``outputs_out``: checked as the forward's ``out`` but sharing
+    memory with none of ``inputs``, ``gradients`` and ``out`` (the fused kernel reads both operands to the end)."""
+    xp, g, x, out = _gradient_operands(gradients, inputs, out)
+    outputs_out = check_out(outputs_out, xp, shape=x.shape, dtype=_F32, reused=None, reused_name=None,
+                            others=(g, x, out), operand="outputs_out")
+    return xp, g, x, out, outputs_out
+
+
 def _check_out(out, gradients, inputs, xp):
     return check_out(out, xp, shape=inputs.shape, dtype=_F32, reused=gradients, reused_name="gradients",
                      others=(inputs,))
+
+
+def _forward_operands(inputs, out):
+    """``(xp, inputs, out)`` checked as every forward op checks them: ``out`` may be ``inputs`` itself (float32,
+    C order: the outputs overwrite them) or an array sharing no memory with them."""
+    xp = array_module(inputs)
+    x = as_float32(inputs, "inputs", xp)
+    return xp, x, check_out(out, xp, shape=x.shape, dtype=_F32, reused=x, reused_name="inputs", others=())
 
 
 # --- the six TensorFlow ops ------------------------------------------------------------------------
@@ -414,15 +434,22 @@ def _attribute_grid(mn, mx, num_bits, narrow_range):
     return _read_only(nudge(_F32(mn), _F32(mx), num_bits=num_bits, narrow_range=narrow_range))
 
 
-def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False):
+def fake_quant_with_min_max_args(inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False, out=None):
     """TensorFlow's ``FakeQuantWithMinMaxArgs``: fake-quantize ``inputs`` on the nudged grid of [min, max].
+
+    ``out``: a writeable C-contiguous float32 array shaped as ``inputs`` (same device) to write the outputs
+    into; it is returned.  It may be ``inputs`` itself, which is then overwritten, or a buffer kept from call
+    to call (a fresh tensor-sized result costs its page faults on every call); otherwise it must share no
+    memory with ``inputs``.  The same for every forward op.
 
     >>> fake_quant_with_min_max_args(np.array([-0.75, -0.25, 0.25], np.float32), -1.0, 0.5, num_bits=2)
     array([-0.5,  0. ,  0.5], dtype=float32)
+    >>> x = np.array([-0.75, -0.25, 0.25], np.float32)
+    >>> fake_quant_with_min_max_args(x, -1.0, 0.5, num_bits=2, out=x) is x, x
+    (True, array([-0.5,  0. ,  0.5], dtype=float32))
     """
-    xp = array_module(inputs)
-    x = as_float32(inputs, "inputs", xp)
-    return _quantize(x, _args_grid(min, max, num_bits, narrow_range), False, xp)
+    xp, x, out = _forward_operands(inputs, out)
+    return _quantize(x, _args_grid(min, max, num_bits, narrow_range), False, xp, out)
 
 
 def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8, narrow_range=False,
@@ -435,16 +462,16 @@ def fake_quant_with_min_max_args_gradient(gradients, inputs, min=-6.0, max=6.0, 
     return _backprops(g, x, _args_grid(min, max, num_bits, narrow_range), xp, reduce=False, out=out)
 
 
-def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=False):
+def fake_quant_with_min_max_vars(inputs, min, max, *, num_bits=8, narrow_range=False, out=None):
     """TensorFlow's ``FakeQuantWithMinMaxVars``: like Args with scalar tensors ``min``/``max``; divides by ``scale``.
+    ``out``: as in :func:`fake_quant_with_min_max_args`.
 
     >>> fake_quant_with_min_max_vars(np.array([-6.0, -1.0, 1.0, 6.0], np.float32), -6.0, 6.0, num_bits=2)
     array([-4.,  0.,  0.,  4.], dtype=float32)
     """
-    xp = array_module(inputs)
-    x = as_float32(inputs, "inputs", xp)
+    xp, x, out = _forward_operands(inputs, out)
     grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
-    return _quantize(x, grid, True, xp)
+    return _quantize(x, grid, True, xp, out)
 
 
 def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False, out=None):
@@ -468,16 +495,19 @@ def fake_quant_with_min_max_vars_gradient(gradients, inputs, min, max, *, num_bi
     return _backprops(g, x, grid, xp, reduce=True, out=out)
 
 
-def fake_quant_with_min_max_vars_per_channel(inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1):
+def fake_quant_with_min_max_vars_per_channel(inputs, min, max, *, num_bits=8, narrow_range=False, axis=-1,
+                                             out=None):
     """TensorFlow's ``FakeQuantWithMinMaxVarsPerChannel``: one grid per channel of ``axis`` (TF: the last axis).
 
-    ``min``/``max`` have one entry per channel; any input rank >= 1 works, as TF's kernel.
+    ``min``/``max`` have one entry per channel; any input rank >= 1 works, as TF's kernel.  ``out``: as in
+    :func:`fake_quant_with_min_max_args`.
     """
-    xp = array_module(inputs)
-    x = as_float32(inputs, "inputs", xp)
+    xp, x, out = _forward_operands(inputs, out)
     grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
-    out = _quantize(_channel_last(x, axis), grid, False, xp)
-    return xp.ascontiguousarray(xp.moveaxis(out, -1, axis)) if axis != x.ndim - 1 else out
+    if axis == x.ndim - 1:
+        return _quantize(x, grid, False, xp, out)
+    y = _quantize(_channel_last(x, axis), grid, False, xp)
+    return deliver(xp.ascontiguousarray(xp.moveaxis(y, -1, axis)), out)
 
 
 def fake_quant_with_min_max_vars_per_channel_gradient(
@@ -503,42 +533,46 @@ def fake_quant_with_min_max_vars_per_channel_gradient(
 # output is the bits the two ops give.
 
 def fake_quant_with_min_max_args_and_gradient(gradients, inputs, min=-6.0, max=6.0, *, num_bits=8,
-                                              narrow_range=False, out=None):
+                                              narrow_range=False, out=None, outputs_out=None):
     """:func:`fake_quant_with_min_max_args` and :func:`fake_quant_with_min_max_args_gradient` in one pass:
-    ``(outputs, backprops)``.  ``out``: where the backprops go, as in the gradient op.
+    ``(outputs, backprops)``.  ``out``: where the backprops go, as in the gradient op; ``outputs_out``: where the
+    outputs go, a writeable C-contiguous float32 array shaped as ``inputs`` that shares no memory with
+    ``inputs``, ``gradients`` or ``out`` (a buffer kept from call to call: no page faults of a fresh one).
 
     >>> g, x = np.ones(3, np.float32), np.array([-0.75, -0.25, 0.25], np.float32)
     >>> fake_quant_with_min_max_args_and_gradient(g, x, -1.0, 0.5, num_bits=2)
     (array([-0.5,  0. ,  0.5], dtype=float32), array([1., 1., 1.], dtype=float32))
     """
-    xp, g, x, out = _gradient_operands(gradients, inputs, out)
-    return _fused(g, x, _args_grid(min, max, num_bits, narrow_range), False, xp, reduce=False, out=out)
+    xp, g, x, out, outputs_out = _fused_operands(gradients, inputs, out, outputs_out)
+    return _fused(g, x, _args_grid(min, max, num_bits, narrow_range), False, xp, reduce=False, out=out,
+                  outputs_out=outputs_out)
 
 
 def fake_quant_with_min_max_vars_and_gradient(gradients, inputs, min, max, *, num_bits=8, narrow_range=False,
-                                              out=None):
+                                              out=None, outputs_out=None):
     """:func:`fake_quant_with_min_max_vars` and :func:`fake_quant_with_min_max_vars_gradient` in one pass:
-    ``(outputs, backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``.  ``out``: as in the gradient op.
+    ``(outputs, backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``.  ``out``: as in the gradient op;
+    ``outputs_out``: as in :func:`fake_quant_with_min_max_args_and_gradient`.
 
     >>> x = np.array([-7.0, -6.0, -1.0, 1.0, 6.0], np.float32)
     >>> y, dx, dmin, dmax = fake_quant_with_min_max_vars_and_gradient(np.ones_like(x), x, -6.0, 6.0, num_bits=2)
     >>> y.tolist(), dx.tolist(), float(dmin), float(dmax)
     ([-8.0, -4.0, 0.0, 0.0, 4.0], [1.0, 1.0, 1.0, 1.0, 0.0], 0.0, 1.0)
     """
-    xp, g, x, out = _gradient_operands(gradients, inputs, out)
+    xp, g, x, out, outputs_out = _fused_operands(gradients, inputs, out, outputs_out)
     grid = _prepare_per_tensor(x, min, max, num_bits, narrow_range, xp)
-    return _fused(g, x, grid, True, xp, reduce=True, out=out)
+    return _fused(g, x, grid, True, xp, reduce=True, out=out, outputs_out=outputs_out)
 
 
 def fake_quant_with_min_max_vars_per_channel_and_gradient(gradients, inputs, min, max, *, num_bits=8,
-                                                          narrow_range=False, axis=-1, out=None):
+                                                          narrow_range=False, axis=-1, out=None, outputs_out=None):
     """:func:`fake_quant_with_min_max_vars_per_channel` and its gradient in one pass: ``(outputs,
     backprops_wrt_input, backprop_wrt_min, backprop_wrt_max)``, the last two per channel.  ``out``: as in
-    the gradient op."""
-    xp, g, x, out = _gradient_operands(gradients, inputs, out)
+    the gradient op; ``outputs_out``: as in :func:`fake_quant_with_min_max_args_and_gradient`."""
+    xp, g, x, out, outputs_out = _fused_operands(gradients, inputs, out, outputs_out)
     grid, axis = _prepare_per_channel(x, min, max, num_bits, narrow_range, axis, xp)
     if axis == x.ndim - 1:
-        return _fused(g, x, grid, False, xp, reduce=True, out=out)
+        return _fused(g, x, grid, False, xp, reduce=True, out=out, outputs_out=outputs_out)
     y, dx, dmin, dmax = _fused(_channel_last(g, axis), _channel_last(x, axis), grid, False, xp, reduce=True)
     back = lambda a: xp.ascontiguousarray(xp.moveaxis(a, -1, axis))  # noqa: E731
-    return back(y), deliver(back(dx), out), dmin, dmax
+    return deliver(back(y), outputs_out), deliver(back(dx), out), dmin, dmax

@@ -10,19 +10,22 @@ import numpy as np
 from qgcli.errors import OperandError
 
 
-def check_out(out, xp, *, shape, dtype, reused, reused_name, others):
+def check_out(out, xp, *, shape, dtype, reused, reused_name, others, operand="out"):
     """``out`` checked (None stays None): writeable, C order, ``shape`` and ``dtype``, on the device of ``xp``;
-    either ``reused`` itself (same first byte, both C order) or sharing no memory with it nor with ``others``."""
+    either ``reused`` itself (same first byte, both C order) or sharing no memory with it nor with ``others``
+    (``reused`` None: no array may take the result in place).  Errors name ``operand``."""
     if out is None:
         return None
     shape, dtype = list(shape), np.dtype(dtype)
     if (not isinstance(out, xp.ndarray) or out.dtype != dtype or list(out.shape) != shape
             or not out.flags.c_contiguous or not getattr(out.flags, "writeable", True)):  # CuPy has no such flag
-        raise _error(f"must be a writeable C-contiguous {dtype} {xp.__name__} array of shape {shape}")
-    if any(xp.may_share_memory(out, other) for other in others):
-        raise _error(f"shares memory with an input; only {reused_name} itself can take the result")
-    if xp.may_share_memory(out, reused) and not (reused.flags.c_contiguous and address(out) == address(reused)):
-        raise _error(f"overlaps {reused_name} without being the same array")
+        raise _error(f"must be a writeable C-contiguous {dtype} {xp.__name__} array of shape {shape}", operand)
+    if any(other is not None and xp.may_share_memory(out, other) for other in others):
+        only = f"only {reused_name} itself can take the result" if reused is not None else "it must be apart"
+        raise _error(f"shares memory with an input or another output; {only}", operand)
+    if (reused is not None and xp.may_share_memory(out, reused)
+            and not (reused.flags.c_contiguous and address(out) == address(reused))):
+        raise _error(f"overlaps {reused_name} without being the same array", operand)
     return out
 
 
@@ -46,5 +49,5 @@ def address(a):
     return face["data"][0]
 
 
-def _error(message):
-    return OperandError(message, operand="out")
+def _error(message, operand):
+    return OperandError(message, operand=operand)

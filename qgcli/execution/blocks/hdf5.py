@@ -211,10 +211,12 @@ def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compres
     step = block_items(shape, 4, budget, copies=3) if shape else 1
     output = _Output(out, "outputs", shape, _F32, attrs, compression, step=step, budget=budget, copies=3,
                      work_itemsize=4)
-    read = _Reader(inputs, output.step) if shape else None
+    # the outputs go into the block read (ours, not needed once written): no fresh block to fault in per read
+    read = _Reader(inputs, output.step, buffers=2 if output.keeps_blocks else 1) if shape else None
     for i in range(0, shape[0] if shape else 1, output.step):
         x = _rows(read(i, i + output.step) if shape else inputs[()], depth)
-        y = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush())
+        y = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush(),
+                             out=x if shape and x.flags.writeable else None)
         if shape:
             output.write(i, y.reshape((-1,) + shape[1:]))
         else:

@@ -108,7 +108,8 @@ def compute_block(work, block):
     read = time.perf_counter()
     sums = None
     if not work.gradient:
-        dx = blocked.quantize(x, work.bounds, work.divide, work.flush)
+        # into the rows read (this block's own array): no second block-sized array to fault in
+        dx = blocked.quantize(x, work.bounds, work.divide, work.flush, out=x if x.flags.writeable else None)
     else:  # rows before the first leaf starting here finish a leaf of an earlier block
         split = block.leaves[0][0] - r0 if block.leaves else 0
         dx, sums = leaf_reduction.gradient_rows(g, x, work.bounds, block.leaves, split=split)
