@@ -613,6 +613,29 @@ static inline __attribute__((always_inline)) uint32_t qg_floatx_code_clipped(flo
     return fabsf(v) >= bound ? top | (c & (1u << (ebits + mbits))) : c;
 }
 
+/* qg_floatx_code_clipped's code of a non-NaN v and, in *value, that code's value (qg_floatx_value) without
+ * decoding it: the code is v rounded to the format, and the rounded float32 is that value.  Normal range: the
+ * float32 bits rounded to mbits (ties to even; the code is those bits re-biased); subnormal range: the
+ * float-add trick's a + D, whose bits give the code and whose a + D - D (exact) the value; at or above the
+ * bound: the bound's code and the bound.  Fewer operations and no decode chain, so the element loops stay in
+ * registers. */
+static inline __attribute__((always_inline)) uint32_t qg_floatx_round(float v, const int ebits, const int mbits,
+                                                                     const float bound, float *value) {
+    const int exp_bias = (1 << (ebits - 1)) - 1, shift = 23 - mbits;
+    const float min_normal = ldexpf(1.0f, 1 - exp_bias);
+    const uint32_t denorm_int = (uint32_t)((127 - exp_bias) + shift + 1) << 23;
+    const uint32_t top = qg_floatx_code(bound, ebits, mbits);
+    uint32_t bits = qg_bits(v), sign = bits & 0x80000000u, a_bits = bits ^ sign;
+    float a = qg_float(a_bits), d = a + qg_float(denorm_int);
+    uint32_t r = (a_bits + ((1u << (shift - 1)) - 1) + ((a_bits >> shift) & 1u)) & ~((1u << shift) - 1);
+    uint32_t nor = (r >> shift) - ((uint32_t)(127 - exp_bias) << mbits);
+    int saturated = a >= bound, subnormal = a < min_normal;
+    uint32_t c = saturated ? top : (subnormal ? qg_bits(d) - denorm_int : nor);
+    float m = saturated ? bound : (subnormal ? d - qg_float(denorm_int) : qg_float(r));
+    *value = qg_float(qg_bits(m) | sign);
+    return c | (sign >> (31 - ebits - mbits));
+}
+
 /* float32 2^n for n in [-127, 127] (2^-127 is subnormal), as np.ldexp gives it */
 static inline float qg_pow2(int n) { return qg_float(n >= -126 ? (uint32_t)(n + 127) << 23 : 0x00400000u); }
 
@@ -629,8 +652,8 @@ static inline uint32_t qg_amax_bits_of(const float *restrict x, int64_t n) {
 enum { QG_E4M3, QG_E5M2, QG_E2M3, QG_E3M2, QG_E2M1, QG_INT8 };
 enum { QG_FLOOR, QG_RCEIL, QG_CEIL, QG_EVEN };
 
-/* One block's E8M0 code (amax not NaN), its quantizing factor (rceil: the reciprocal r, multiplied; else the
- * scale s, divided) and its dequantizing scale. */
+/* One block's E8M0 code (amax not NaN), the factor its elements are multiplied by (rceil: the reciprocal r;
+ * else 1 / s, which rounds as dividing by s) and its dequantizing scale. */
 static inline __attribute__((always_inline)) int qg_mx_scale(uint32_t amax_bits, float fmax, int mbits, int emax,
                                                              const int mode, float *factor, float *s_out) {
     int code;
@@ -660,7 +683,9 @@ static inline __attribute__((always_inline)) int qg_mx_scale(uint32_t amax_bits,
         int k = e - emax;
         code = (k < -127 ? -127 : (k > 128 ? 128 : k)) + 127;
         float s = qg_float((uint32_t)code << 23);
-        *factor = s > 0x1p-126f ? s : 0x1p-126f;
+        /* 1 / s is exact (s a power of two, 2^-126 to 2^127; Inf, code 255, gives 0, and x * 0 is x / Inf for
+         * every x), so x * (1 / s) rounds as x / s does: one multiply instead of a divide per element */
+        *factor = 1.0f / (s > 0x1p-126f ? s : 0x1p-126f);
     }
     *s_out = code == 255 ? NAN : qg_pow2(code - 127);
     return code;
@@ -701,7 +726,7 @@ static inline __attribute__((always_inline)) int qg_mx_run(
             }
             for (int64_t i = 0; i < size; ++i) {
                 /* clamped to +-fmax (fp8, rceil; fp6/fp4 floor saturate in the cast, at fmax: the same codes) */
-                float v = mode == QG_RCEIL ? xb[i] * f : xb[i] / f;
+                float v = xb[i] * f;
                 uint32_t c;
                 float value;
                 if (fmt == QG_INT8) {
@@ -711,8 +736,7 @@ static inline __attribute__((always_inline)) int qg_mx_run(
                      * into t with AVX2, so the sign is cleared by adding +0, which no flag here lets it drop) */
                     value = (t + 0.0f) * 0x1p-6f;
                 } else {
-                    c = qg_floatx_code_clipped(v, ebits, mbits, fmax);
-                    value = qg_floatx_value(c, ebits, mbits);
+                    c = qg_floatx_round(v, ebits, mbits, fmax, &value);
                 }
                 qb[i] = (uint8_t)c;
                 yb[i] = value * s_out;
@@ -787,9 +811,9 @@ int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restr
             float *restrict yb = y + (b0 + b) * 16;
             const float rb = r[b], sb = s_out[b];
             for (int i = 0; i < 16; ++i) {
-                uint32_t c = qg_floatx_code(xb[i] * rb, 2, 1); /* clip(.., -6, 6): fp4 saturates at 6 anyway */
-                qb[i] = (uint8_t)c;
-                yb[i] = qg_floatx_value(c, 2, 1) * sb;
+                float value; /* clip(.., -6, 6): fp4 saturates at 6 anyway */
+                qb[i] = (uint8_t)qg_floatx_round(xb[i] * rb, 2, 1, 6.0f, &value);
+                yb[i] = value * sb;
             }
         }
     }
@@ -872,7 +896,7 @@ int qg_onnx_q(const float *restrict x, uint8_t *restrict q, float *restrict y, i
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 9; }
+int qg_abi_version(void) { return 12; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {
