@@ -851,9 +851,9 @@ static inline __attribute__((always_inline)) int qg_onnx_span(
             const float limit = kind == QG_ONNX_E4M3_RAW ? 464.0f : kind == QG_ONNX_E5M2_RAW ? 61440.0f
                               : kind == QG_ONNX_E2M1 ? INFINITY : 0.0f;
             bad |= kind == QG_ONNX_E4M3 || kind == QG_ONNX_E5M2 ? v != v : !(fabsf(v) < limit);
-            uint32_t c = qg_floatx_code_clipped(v, eb, mb, fmax);
-            q[i] = (uint8_t)c;
-            y[i] = qg_floatx_value(c, eb, mb) * sj;
+            float value;
+            q[i] = (uint8_t)qg_floatx_round(v, eb, mb, fmax, &value);
+            y[i] = value * sj;
         }
     }
     return bad;
