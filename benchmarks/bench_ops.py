@@ -7,7 +7,8 @@ median wall time (after warm-up, at least ``--repeats`` timed calls) and ratios 
 
 * **floor**: ``np.copyto`` of one tensor, scaled to the bytes the op must at least move:
   ``floor = t_copy(one tensor) * (tensors read + tensors written) / 2`` (a copy reads one tensor and
-  writes one).  ``x floor`` is qgcli's time over that.
+  writes one).  ``x floor`` is qgcli's time over that.  The block formats (``mx_*``, ``nvfp4``, ``onnx_*``)
+  write a fraction of a tensor more: their 1-byte codes and block scales.
 * **TensorFlow** (``tf.raw_ops``, eager, results forced with ``.numpy()``) and **PyTorch** (CPU) on the same
   tensors.  Each framework is used in-process when it imports in this interpreter; otherwise
   ``--tf-python`` / ``--torch-python`` name an interpreter (a throwaway venv) in which this script re-runs
@@ -61,6 +62,13 @@ OPS = [
      "fake_quantize_per_channel_affine fwd+bwd (autograd)"),
     ("bn_grad", 2, 1, "FusedBatchNormGradV3 (training, NHWC)",
      "aten.native_batch_norm_backward (training, channels_last)"),
+    # the block formats of issue 38 (no TF or PyTorch counterpart timed here): written = outputs + the codes
+    # (1 byte an element: 1/4 of a float32 tensor) + the block scales (1 byte per block)
+    ("mx_e4m3", 1, 1 + 1 / 4 + 1 / 128, None, None),
+    ("mxfp4_rceil", 1, 1 + 1 / 4 + 1 / 128, None, None),
+    ("nvfp4", 1, 1 + 1 / 4 + 1 / 64, None, None),
+    ("onnx_uint8", 1, 1 + 1 / 4, None, None),
+    ("onnx_e4m3", 1, 1 + 1 / 4, None, None),
 ]
 OP_NAMES = [o[0] for o in OPS]
 OP_INFO = {o[0]: o for o in OPS}
@@ -158,6 +166,11 @@ def qgcli_callables(d):
         "bn_grad": lambda: ops.fused_batch_norm_grad(g, x, d["bn_scale"], d["bn_mean"], d["bn_var"],
                                                      epsilon=EPSILON, data_format="NHWC", is_training=True),
     }
+    calls["mx_e4m3"] = lambda: ops.mx_fake_quantize(x, format="mxfp8-e4m3")
+    calls["mxfp4_rceil"] = lambda: ops.mx_fake_quantize(x, format="mxfp4", scale_mode="rceil")
+    calls["nvfp4"] = lambda: ops.nvfp4_fake_quantize(x)
+    calls["onnx_uint8"] = lambda: ops.onnx_fake_quantize(x, np.float32(0.05), np.uint8(128))
+    calls["onnx_e4m3"] = lambda: ops.onnx_fake_quantize(x, np.float32(0.05), dtype="float8e4m3fn")
     # qgcli's forward + gradient is one fused pass (the two ops' bits)
     calls["fq_vars_fwd+grad"] = lambda: ops.fake_quant_with_min_max_vars_and_gradient(g, x, mn, mx, num_bits=NUM_BITS)
     calls["fq_per_channel_fwd+grad"] = lambda: ops.fake_quant_with_min_max_vars_per_channel_and_gradient(
