@@ -783,7 +783,7 @@ int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restr
      * scale alone was most of the time), then the elements */
     enum { GROUP = 64 };
     uint32_t amax[GROUP], flag[GROUP];
-    float r[GROUP], s_out[GROUP];
+    float r[GROUP], s_out[GROUP], r_el[GROUP * 16], s_el[GROUP * 16];
     for (int64_t b0 = 0; b0 < blocks; b0 += GROUP) {
         const int nb = blocks - b0 < GROUP ? (int)(blocks - b0) : GROUP;
         const float *restrict xg = x + b0 * 16;
@@ -805,16 +805,19 @@ int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restr
         uint32_t bad = 0;
         for (int b = 0; b < nb; ++b) bad |= flag[b];
         if (bad) return 1;
-        for (int b = 0; b < nb; ++b) {
-            const float *restrict xb = xg + b * 16;
-            uint8_t *restrict qb = q + (b0 + b) * 16;
-            float *restrict yb = y + (b0 + b) * 16;
-            const float rb = r[b], sb = s_out[b];
+        /* the blocks' factors spread over their elements, so that the element loop runs over the whole group
+         * (32 lanes a step with AVX2; block by block it ran 16 lanes wide, spilling registers: 1.3x the time) */
+        for (int b = 0; b < nb; ++b)
             for (int i = 0; i < 16; ++i) {
-                float value; /* clip(.., -6, 6): fp4 saturates at 6 anyway */
-                qb[i] = (uint8_t)qg_floatx_round(xb[i] * rb, 2, 1, 6.0f, &value);
-                yb[i] = value * sb;
+                r_el[b * 16 + i] = r[b];
+                s_el[b * 16 + i] = s_out[b];
             }
+        uint8_t *restrict qg = q + b0 * 16;
+        float *restrict yg = y + b0 * 16;
+        for (int i = 0; i < nb * 16; ++i) {
+            float value; /* clip(.., -6, 6): fp4 saturates at 6 anyway */
+            qg[i] = (uint8_t)qg_floatx_round(xg[i] * r_el[i], 2, 1, 6.0f, &value);
+            yg[i] = value * s_el[i];
         }
     }
     return 0;
