@@ -7,7 +7,8 @@ median wall time (after warm-up, at least ``--repeats`` timed calls) and ratios 
 
 * **floor**: ``np.copyto`` of one tensor, scaled to the bytes the op must at least move:
   ``floor = t_copy(one tensor) * (tensors read + tensors written) / 2`` (a copy reads one tensor and
-  writes one).  ``x floor`` is qgcli's time over that.
+  writes one).  ``x floor`` is qgcli's time over that.  The block formats (``mx_*``, ``nvfp4``, ``onnx_*``)
+  write a fraction of a tensor more: their 1-byte codes and block scales.
 * **out=**: qgcli again with its tensor-sized output written into a buffer kept from call to call (``out=``,
   touched once before timing), where the fresh-output column allocates it on every call and pays its page
   faults (the fused rows keep both of theirs: ``out=`` and ``outputs_out=``).
@@ -64,6 +65,13 @@ OPS = [
      "fake_quantize_per_channel_affine fwd+bwd (autograd)"),
     ("bn_grad", 2, 1, "FusedBatchNormGradV3 (training, NHWC)",
      "aten.native_batch_norm_backward (training, channels_last)"),
+    # the block formats of issue 38 (no TF or PyTorch counterpart timed here): written = outputs + the codes
+    # (1 byte an element: 1/4 of a float32 tensor) + the block scales (1 byte per block)
+    ("mx_e4m3", 1, 1 + 1 / 4 + 1 / 128, None, None),
+    ("mxfp4_rceil", 1, 1 + 1 / 4 + 1 / 128, None, None),
+    ("nvfp4", 1, 1 + 1 / 4 + 1 / 64, None, None),
+    ("onnx_uint8", 1, 1 + 1 / 4, None, None),
+    ("onnx_e4m3", 1, 1 + 1 / 4, None, None),
 ]
 OP_NAMES = [o[0] for o in OPS]
 OP_INFO = {o[0]: o for o in OPS}
@@ -179,6 +187,23 @@ def qgcli_callables(d, kept=False):
             ops.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, pmn, pmx, num_bits=NUM_BITS, out=o,
                                                                       outputs_out=y_out),
     }
+    def kept_result(f):
+        """A block-format op (several results): with ``kept``, each call writes into the last call's results."""
+        held = {}
+
+        def call():
+            held["r"] = f(out=held.get("r"))
+            return held["r"]
+        return call if kept else f
+
+    calls["mx_e4m3"] = kept_result(lambda out=None: ops.mx_fake_quantize(x, format="mxfp8-e4m3", out=out))
+    calls["mxfp4_rceil"] = kept_result(lambda out=None: ops.mx_fake_quantize(x, format="mxfp4", scale_mode="rceil",
+                                                                            out=out))
+    calls["nvfp4"] = kept_result(lambda out=None: ops.nvfp4_fake_quantize(x, out=out))
+    calls["onnx_uint8"] = kept_result(lambda out=None: ops.onnx_fake_quantize(x, np.float32(0.05), np.uint8(128),
+                                                                             out=out))
+    calls["onnx_e4m3"] = kept_result(lambda out=None: ops.onnx_fake_quantize(x, np.float32(0.05),
+                                                                            dtype="float8e4m3fn", out=out))
     return calls
 
 

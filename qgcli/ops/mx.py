@@ -82,6 +82,7 @@ import numpy as np
 from qgcli.backend import array_module
 from qgcli.errors import OperandError
 from qgcli.ops import _small_floats as sf, blocked, native
+from qgcli.ops.out_array import as_bytes, check_outs, deliver
 
 _F32 = np.float32
 SCALE_MODES = ("floor", "rceil", "ceil", "even")
@@ -260,7 +261,7 @@ def _quantize_blocks(xb, fmt, scale_mode, xp):
     return q, code, y
 
 
-def _run(x, fmt, block_size, axis, scale_mode, xp):
+def _run(x, fmt, block_size, axis, scale_mode, xp, out=None):
     axis = check_blocks(x.shape, axis, block_size)
     if fmt.kind == "fpx" and fmt.ebits + fmt.mbits == 3 and x.shape[axis] % 2:
         raise OperandError(f"axis {axis} has odd length {x.shape[axis]}: torchao packs two fp4 codes per byte "
@@ -268,37 +269,52 @@ def _run(x, fmt, block_size, axis, scale_mode, xp):
     if scale_mode not in SCALE_MODES:
         raise OperandError(f"{scale_mode!r} is not one of {', '.join(SCALE_MODES)}", operand="scale_mode")
     moved = axis != x.ndim - 1
+    scale_shape = x.shape[:axis] + (x.shape[axis] // block_size,) + x.shape[axis + 1:]
+    outs = check_outs(out, xp, {"outputs": (x.shape, _F32), "scales": (scale_shape, np.uint8),
+                                "quantized": (x.shape, _result_q_dtype(fmt, xp))}, (x,))
     xm = xp.ascontiguousarray(xp.moveaxis(x, axis, -1)) if moved else xp.ascontiguousarray(x)
     xb = xm.reshape(-1, block_size)
     if xb.shape[0] == 0:
         q, code, y = (xp.zeros(xb.shape, _q_dtype(fmt)), xp.zeros((0, 1), np.uint8), xp.zeros(xb.shape, _F32))
     elif xp is np:
-        q, code, y = _chunked(xb, fmt, scale_mode)
+        # the kernels write straight into the caller's arrays where the blocks lie along the last axis
+        into = (as_bytes(outs["quantized"]), outs["scales"], outs["outputs"]) if not moved else (None,) * 3
+        q, code, y = _chunked(xb, fmt, scale_mode, into)
     else:
         q, code, y = _quantize_blocks(xb, fmt, scale_mode, xp)
-    scale_shape = xm.shape[:-1] + (xm.shape[-1] // block_size,)
-    y, q, code = y.reshape(xm.shape), q.reshape(xm.shape), code.reshape(scale_shape)
+    moved_scales = xm.shape[:-1] + (xm.shape[-1] // block_size,)
+    y, q, code = y.reshape(xm.shape), q.reshape(xm.shape), code.reshape(moved_scales)
     if moved:
         y, q, code = (xp.ascontiguousarray(xp.moveaxis(a, -1, axis)) for a in (y, q, code))
     if fmt.float8 and xp is np:
         import ml_dtypes
 
         q = q.view(getattr(ml_dtypes, fmt.float8))
-    return MXResult(y, code, q)
+    return MXResult(deliver(y, outs["outputs"]), deliver(code, outs["scales"]), deliver(q, outs["quantized"]))
 
 
 def _q_dtype(fmt):
     return np.int8 if fmt.kind == "int8" else np.uint8
 
 
-def _chunked(xb, fmt, scale_mode):
+def _result_q_dtype(fmt, xp):
+    """The dtype of ``quantized`` as the op returns it (float8 through ml_dtypes on NumPy)."""
+    if fmt.float8 and xp is np:
+        import ml_dtypes
+
+        return getattr(ml_dtypes, fmt.float8)
+    return _q_dtype(fmt)
+
+
+def _chunked(xb, fmt, scale_mode, into=(None, None, None)):
     """:func:`_quantize_blocks` over cache-sized runs of blocks, on the thread pool (NumPy), each run in one
     call of the compiled kernels where they are built (the same bits; a run with a NaN block is redone in
-    NumPy, whose bit tricks give its NaN codes)."""
+    NumPy, whose bit tricks give its NaN codes).  ``into``: arrays to write the codes (as bytes), the scale
+    codes and the outputs into, each C-contiguous with as many elements (None: a new array)."""
     nb, bs = xb.shape
-    q = np.empty(xb.shape, _q_dtype(fmt))
-    code = np.empty((nb, 1), np.uint8)
-    y = np.empty(xb.shape, _F32)
+    q = np.empty(xb.shape, _q_dtype(fmt)) if into[0] is None else into[0].view(_q_dtype(fmt)).reshape(xb.shape)
+    code = np.empty((nb, 1), np.uint8) if into[1] is None else into[1].reshape(nb, 1)
+    y = np.empty(xb.shape, _F32) if into[2] is None else into[2].reshape(xb.shape)
     lib = native.library()
     step = max(1, CHUNK_ELEMENTS * (NATIVE_RUNS if lib is not None else 1) // bs)
     if fmt.kind == "fpx" and fmt.ebits + fmt.mbits == 3 and bs % 2:
@@ -334,13 +350,16 @@ def element_values(format):
     return np.unique(table[np.isfinite(table) & (np.abs(table) <= fmt.max_pos)]) + 0.0  # -0 as 0
 
 
-def mx_fake_quantize(inputs, *, format="mxfp8-e4m3", block_size=32, axis=-1, scale_mode="floor"):
+def mx_fake_quantize(inputs, *, format="mxfp8-e4m3", block_size=32, axis=-1, scale_mode="floor", out=None):
     """MX fake quantization of ``inputs`` (float32 or bfloat16): torchao 0.18's ``to_mx(inputs, elem_dtype,
     block_size, scaling_mode)`` followed by ``to_dtype(..., torch.float32)`` along ``axis``.
 
     Returns an :class:`MXResult` ``(outputs, scales, quantized)``: float32 dequantized values, the uint8 E8M0
     codes (block axis divided by ``block_size``), the element codes (float8 through ml_dtypes on NumPy,
-    fp6/fp4 as uint8 codes one per element, int8 for mxint8).
+    fp6/fp4 as uint8 codes one per element, int8 for mxint8).  ``out``: arrays to write them into (an earlier
+    result of the same shapes, or ``(outputs, scales, quantized)`` with None for a new array), so that a
+    caller quantizing tensor after tensor reuses its buffers: no fresh pages to fault in (a fresh 103 MB
+    array costs about as much as copying it); the result holds those arrays.
 
     >>> import numpy as np
     >>> r = mx_fake_quantize(np.array([1.0, 3.0, 100.0, -500.0], np.float32), block_size=4)
@@ -349,7 +368,7 @@ def mx_fake_quantize(inputs, *, format="mxfp8-e4m3", block_size=32, axis=-1, sca
     """
     fmt = _format(format)
     xp, x = _inputs(inputs)
-    return _run(x, fmt, block_size, axis, str(scale_mode).lower(), xp)
+    return _run(x, fmt, block_size, axis, str(scale_mode).lower(), xp, out)
 
 
 def mx_fake_quantize_gradient(gradients, inputs=None, *, format="mxfp8-e4m3", block_size=32, axis=-1,

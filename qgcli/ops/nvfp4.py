@@ -50,6 +50,7 @@ from qgcli.errors import OperandError
 from qgcli.ops import _small_floats as sf, blocked, native
 from qgcli.ops import mx
 from qgcli.ops.mx import _fp4_pack_roundtrip, _inputs, check_blocks
+from qgcli.ops.out_array import as_bytes, check_outs, deliver
 
 _F32 = np.float32
 BLOCK_SIZE = 16
@@ -97,12 +98,14 @@ def _tensor_scale(x, xp):
         return xp.asarray(xp.asarray(amax, _F32) / _F32(448.0 * 6.0), dtype=_F32).reshape(())
 
 
-def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
+def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None):
     """NVFP4 fake quantization of ``inputs`` (float32 or bfloat16): torchao 0.18's
     ``NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(max|x|)).dequantize(torch.float32)``
     (``per_tensor_scale=False``: no per-tensor scale), blocks of 16 along ``axis``.
 
-    Returns an :class:`NVFP4Result` ``(outputs, block_scales, tensor_scale, quantized)``.  Warns
+    Returns an :class:`NVFP4Result` ``(outputs, block_scales, tensor_scale, quantized)``.  ``out``: arrays to write
+    ``outputs``, ``block_scales`` and ``quantized`` into (an earlier result of the same shapes, or a sequence of
+    those three, None for a new array), as :func:`qgcli.ops.mx.mx_fake_quantize` takes them.  Warns
     (``RuntimeWarning``) where torchao's per-tensor scale makes every output NaN.
 
     >>> import numpy as np
@@ -113,6 +116,9 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
     xp, x = _inputs(inputs)
     axis = check_blocks(x.shape, axis, BLOCK_SIZE, what="NVFP4 block size")
     moved = axis != x.ndim - 1
+    scale_shape = x.shape[:axis] + (x.shape[axis] // BLOCK_SIZE,) + x.shape[axis + 1:]
+    outs = check_outs(out, xp, {"outputs": (x.shape, _F32), "block_scales": (scale_shape, _scale_dtype(xp)),
+                                "quantized": (x.shape, np.uint8)}, (x,))
     xm = xp.ascontiguousarray(xp.moveaxis(x, axis, -1)) if moved else xp.ascontiguousarray(x)
     xb = xm.reshape(-1, BLOCK_SIZE)
     t = _tensor_scale(x, xp) if per_tensor_scale else None
@@ -121,7 +127,9 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
         with np.errstate(all="ignore"):
             inv_t = (_F32(1) / t).astype(_F32)
     if xp is np and xb.shape[0] > 1:
-        q, s8, y = _chunked(xb, t, inv_t)
+        # the kernels write straight into the caller's arrays where the blocks lie along the last axis
+        into = (outs["quantized"], as_bytes(outs["block_scales"]), outs["outputs"]) if not moved else (None,) * 3
+        q, s8, y = _chunked(xb, t, inv_t, into)
     else:
         q, s8, y = _quantize_blocks(xb, t, inv_t, xp)
     if t is not None and not (bool(xp.isfinite(t)) and bool(t > 0) and bool(xp.isfinite(inv_t))):
@@ -132,15 +140,22 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1):
                           f"{y.size} elements whose input is not NaN"
                           f"{' (every output is NaN)' if bool(xp.isnan(y).all()) else ''}; qgcli does the same "
                           "(per_tensor_scale=False avoids it)", RuntimeWarning, stacklevel=2)
-    scale_shape = xm.shape[:-1] + (xm.shape[-1] // BLOCK_SIZE,)
-    y, q, s8 = y.reshape(xm.shape), q.reshape(xm.shape), s8.reshape(scale_shape)
+    moved_scales = xm.shape[:-1] + (xm.shape[-1] // BLOCK_SIZE,)
+    y, q, s8 = y.reshape(xm.shape), q.reshape(xm.shape), s8.reshape(moved_scales)
     if moved:
         y, q, s8 = (xp.ascontiguousarray(xp.moveaxis(a, -1, axis)) for a in (y, q, s8))
-    if xp is np:
-        import ml_dtypes
+    s8 = s8.view(_scale_dtype(xp))
+    return NVFP4Result(deliver(y.astype(_F32, copy=False), outs["outputs"]), deliver(s8, outs["block_scales"]), t,
+                       deliver(q, outs["quantized"]))
 
-        s8 = s8.view(ml_dtypes.float8_e4m3fn)
-    return NVFP4Result(y.astype(_F32, copy=False), s8, t, q)
+
+def _scale_dtype(xp):
+    """``block_scales``' dtype as the op returns it: float8 e4m3fn through ml_dtypes on NumPy, bytes on CuPy."""
+    if xp is not np:
+        return np.uint8
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn
 
 
 def _quantize_blocks(xb, t, inv_t, xp):
@@ -162,14 +177,15 @@ def _quantize_blocks(xb, t, inv_t, xp):
     return q, s8, y
 
 
-def _chunked(xb, t, inv_t):
+def _chunked(xb, t, inv_t, into=(None, None, None)):
     """:func:`_quantize_blocks` over cache-sized runs of blocks on the thread pool (NumPy), each run in one
     call of the compiled kernels where they are built and the per-tensor scale is usable (the same bits; a
-    run with a NaN block or an infinite reciprocal scale is redone in NumPy)."""
+    run with a NaN block or an infinite reciprocal scale is redone in NumPy).  ``into``: arrays for the codes,
+    the scale bytes and the outputs (C order, as many elements; None: a new array)."""
     nb = xb.shape[0]
-    q = np.empty(xb.shape, np.uint8)
-    s8 = np.empty((nb, 1), np.uint8)
-    y = np.empty(xb.shape, _F32)
+    q = np.empty(xb.shape, np.uint8) if into[0] is None else into[0].reshape(xb.shape)
+    s8 = np.empty((nb, 1), np.uint8) if into[1] is None else into[1].reshape(nb, 1)
+    y = np.empty(xb.shape, _F32) if into[2] is None else into[2].reshape(xb.shape)
     lib = native.library()
     if t is not None and not (np.isfinite(t) and t > 0 and np.isfinite(inv_t)):
         lib = None  # every output NaN, or its zeros: the NumPy path's business

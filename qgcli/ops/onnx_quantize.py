@@ -51,6 +51,7 @@ import numpy as np
 from qgcli.backend import array_module
 from qgcli.errors import OperandError
 from qgcli.ops import blocked, native
+from qgcli.ops.out_array import check_outs, deliver
 
 _F32 = np.float32
 #: dtype -> (NumPy storage type, qmin, qmax) for the integer types
@@ -251,24 +252,41 @@ def grid_values(dtype):
     return np.unique(values[np.isfinite(values)]) + 0.0  # -0 as 0
 
 
-def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0, saturate=True):
+def onnx_fake_quantize(x, y_scale, y_zero_point=None, *, dtype="uint8", axis=1, block_size=0, saturate=True,
+                       out=None):
     """``DequantizeLinear(QuantizeLinear(x))`` with the same scale, zero point, axis and block size: an
-    :class:`OnnxFakeQuantResult` ``(outputs, quantized)``.
+    :class:`OnnxFakeQuantResult` ``(outputs, quantized)``.  ``out``: arrays to write them into (an earlier
+    result of the same shapes, or ``(outputs, quantized)`` with None for a new array), as
+    :func:`qgcli.ops.mx.mx_fake_quantize` takes them.
 
     >>> import numpy as np
     >>> onnx_fake_quantize(np.array([1.0, 500.0], np.float32), np.float32(1.0), dtype="float8e4m3fn").outputs
     array([  1., 448.], dtype=float32)
     """
     xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size, expand=False)
-    done = _native(xp, xa, d, sb, zb, axis, block_size, saturate)
-    if done is not None:
-        return done
-    if block_size and sb.ndim:
-        xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size)
-    if xp is np and xa.ndim and xa.shape[0] > 1 and xa.size > CHUNK_ELEMENTS:
-        return _chunked(xa, d, sb, zb, saturate)
-    _, q = _quantize(xp, xa, d, sb, zb, saturate)
-    return OnnxFakeQuantResult(_dequantize(xp, q, d, sb, zb), q)
+    outs = check_outs(out, xp, {"outputs": (xa.shape, _F32), "quantized": (xa.shape, _result_dtype(d, xp))},
+                      [a for a in (xa, sb, zb) if a is not None])
+    done = _native(xp, xa, d, sb, zb, axis, block_size, saturate, outs)
+    if done is None:
+        if block_size and sb.ndim:
+            xp, xa, d, sb, zb = _prepare(x, y_scale, y_zero_point, dtype, axis, block_size)
+        if xp is np and xa.ndim and xa.shape[0] > 1 and xa.size > CHUNK_ELEMENTS:
+            done = _chunked(xa, d, sb, zb, saturate)
+        else:
+            _, q = _quantize(xp, xa, d, sb, zb, saturate)
+            done = OnnxFakeQuantResult(_dequantize(xp, q, d, sb, zb), q)
+    return OnnxFakeQuantResult(deliver(done.outputs, outs["outputs"]), deliver(done.quantized, outs["quantized"]))
+
+
+def _result_dtype(d, xp):
+    """``quantized``'s dtype for QuantizeLinear's type ``d``: the integer storage type, or ml_dtypes' type."""
+    if d in INTEGER_TYPES:
+        return INTEGER_TYPES[d][0]
+    if xp is not np:
+        raise OperandError(f"{d} needs NumPy (its casts go through ml_dtypes); pass NumPy arrays", operand="dtype")
+    import ml_dtypes
+
+    return getattr(ml_dtypes, FLOAT_TYPES[d][0])
 
 
 #: the compiled kernel's kind (qg_onnx_q: QG_ONNX_*) of a float type, saturating and not
@@ -296,11 +314,12 @@ def _layout(shape, sb, axis, block_size):
     return rows, length, inner, inner, length * inner, 0, 1, 1, 0
 
 
-def _native(xp, xa, d, sb, zb, axis, block_size, saturate):
+def _native(xp, xa, d, sb, zb, axis, block_size, saturate, outs=None):
     """:func:`onnx_fake_quantize` in the compiled kernel (the same float32 operations as :func:`_quantize` and
     :func:`_dequantize`, the same codes as ml_dtypes' casts), over runs of rows on the thread pool; None where
     it does not apply (CuPy, not built, an empty x) or met what only the NumPy path does (NaN into a float
-    type, or past its largest value without saturation)."""
+    type, or past its largest value without saturation).  ``outs``: :func:`onnx_fake_quantize`'s checked
+    ``out`` arrays, written in place where given."""
     lib = native.for_arrays(xp, xa, sb, zb)
     if lib is None or xa.size == 0:
         return None
@@ -312,8 +331,9 @@ def _native(xp, xa, d, sb, zb, axis, block_size, saturate):
         kind = 0 if np.dtype(store).itemsize == 1 else 1
     else:
         store, lo, hi, kind = np.uint8, 0, 0, _KERNEL_FLOATS[d, bool(saturate)]
-    q = np.empty(xa.shape, store)
-    y = np.empty(xa.shape, _F32)
+    outs = outs or {}
+    q = np.empty(xa.shape, store) if outs.get("quantized") is None else outs["quantized"].view(store)
+    y = np.empty(xa.shape, _F32) if outs.get("outputs") is None else outs["outputs"]
     x_at, y_at, s_at = native.address(xa, _F32), native.address(y, _F32), native.address(s, _F32)
     q_at = q.__array_interface__["data"][0]
     z_at = None if z is None else native.address(z, _F32)

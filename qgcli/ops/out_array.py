@@ -51,3 +51,42 @@ def address(a):
 
 def _error(message, operand):
     return OperandError(message, operand=operand)
+
+
+def check_outs(out, xp, expected, inputs):
+    """``out=`` of an op with several results (the block formats'): None, the op's earlier result (its arrays
+    are written over) or a sequence with one entry per result, each an array or None (a new one).  ``expected``:
+    ``{name: (shape, dtype)}`` in the result's order; a named tuple's entries go by name (others, such as
+    NVFP4's ``tensor_scale``, are left alone).  Each array is checked as :func:`check_out` checks one and may
+    share no memory with ``inputs`` nor with another.  Returns ``{name: array or None}``."""
+    if out is None:
+        return dict.fromkeys(expected)
+    if not isinstance(out, (tuple, list)):
+        raise _error(f"must be the op's earlier result or a sequence of {len(expected)} arrays "
+                     f"({', '.join(expected)}), not {type(out).__name__}", "out")
+    if hasattr(out, "_fields"):
+        given = {k: v for k, v in zip(out._fields, out) if k in expected}
+    elif len(out) != len(expected):
+        raise _error(f"holds {len(out)} entries; give {len(expected)} ({', '.join(expected)}), None for a new array", "out")
+    else:
+        given = dict(zip(expected, out))
+    checked, seen = dict.fromkeys(expected), []
+    for name, a in given.items():
+        if a is None:
+            continue
+        shape, dtype = expected[name]
+        if (not isinstance(a, xp.ndarray) or a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape)
+                or not a.flags.c_contiguous or not getattr(a.flags, "writeable", True)):
+            raise _error(f"{name} must be a writeable C-contiguous {np.dtype(dtype)} {xp.__name__} array of shape "
+                         f"{list(shape)}", "out")
+        if any(xp.may_share_memory(a, other) for other in list(inputs) + seen):
+            raise _error(f"{name} shares memory with an input or another output", "out")
+        seen.append(a)
+        checked[name] = a
+    return checked
+
+
+def as_bytes(a):
+    """A 1-byte-element array (uint8, int8, ml_dtypes' float8/float4) as uint8, the same memory (None stays
+    None): what the compiled kernels write codes into."""
+    return None if a is None else a.view(np.uint8)
