@@ -114,3 +114,27 @@ def test_plot_ste_of_a_run_writes_one_figure_per_quantizer(run, cli, tmp_path):
             tmp_path / "block1.png", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["channel"] == 1 and png_size(tmp_path / "block1.png")
+
+
+@pytest.mark.parametrize("semantics, operands", [
+    ("mx", ("--inputs", "x.npy", "--mx-format", "mxfp4", "--block-size", "16")),
+    ("nvfp4", ("--inputs", "x.npy")),
+    ("onnx", ("--x", "x.npy", "--y-scale", "0.02", "--y-zero-point", "z.npy", "--dtype", "uint8"))])
+def test_plot_ste_and_staircase_of_a_plain_tensor_with_semantics(cli, tmp_path, monkeypatch, semantics, operands):
+    monkeypatch.chdir(tmp_path)
+    x = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
+    np.save("x.npy", x)
+    np.save("g.npy", np.random.default_rng(3).standard_normal(x.shape).astype(np.float32))
+    np.save("z.npy", np.uint8(128))
+    for kind, extra in (("staircase", ()), ("ste", ("--gradients", "g.npy"))):
+        r = cli("plot", kind, *operands, *extra, "--semantics", semantics, "-o", f"{kind}.png", "--json")
+        assert r.exit_code == 0, r.output
+        s = json.loads(r.stdout)
+        assert s["plot"] == kind and s["step_drawn"] and s["elements"] == x.size, s
+        if kind == "ste":
+            assert s["backprops"] and s["mask_values"] == [1.0]
+        png_size(tmp_path / f"{kind}.png")
+    r = cli("plot", "staircase", *operands, "--semantics", semantics, "--mode", "SCALED", "-o", "bad.png")
+    assert r.exit_code == 2 and "--mode" in r.stderr and not (tmp_path / "bad.png").exists()
+    r = cli("plot", "staircase", "--inputs", "x.npy", "--mx-format", "mxfp4", "-o", "bad.png")
+    assert r.exit_code == 2 and "--semantics mx" in r.stderr and not (tmp_path / "bad.png").exists()
