@@ -193,7 +193,10 @@ def _nonfinite_bundle(folder, kinds):
     with h5py.File(folder / "big.h5", "w") as f:
         for name, value in arrays.items():
             f[name] = value
-    zarr = __import__("pytest").importorskip("zarr")
+    try:
+        import zarr
+    except ImportError:  # the CI floor: the HDF5 half only
+        return str(folder / "big.h5"), None
     group = zarr.create_group(str(folder / "big.zarr"), zarr_format=3)
     for name in ("inputs", "gradients"):
         group.create_array(name, data=arrays[name], chunks=(16, 1024))
@@ -228,6 +231,8 @@ def test_streamed_tensors_say_their_nan_and_inf_as_in_memory(cli, tmp_path, comm
     streamed = _notes(cli, command, *operands("h5"), *args, "--memory-limit", "1M", "-o", tmp_path / "s.h5")
     assert any(n.startswith("streamed from disk") for n in streamed)
     assert said(streamed) == expected
+    if store is None:
+        return
     blocks = _notes(cli, command, *operands("zarr"), *args, "--memory-limit", "1M", "-o", tmp_path / "b.zarr")
     assert any(n.startswith("computed in") and "block" in n for n in blocks), blocks
     assert said(blocks) == expected
