@@ -34,6 +34,18 @@ def xp(request):
     return cupy
 
 
+@pytest.fixture(autouse=True)
+def _numpy_kernels_chosen_where_none_are_built(monkeypatch):
+    """Where the compiled kernels are not built (an install without a C compiler), every command would end in
+    the note that says so (qgcli.ops.native.take_fallback_note), and the tests that read stderr whole would
+    fail: choose the NumPy kernels deliberately (the same bits).  The note's own test
+    (tests/test_small_things.py) runs its commands with QGCLI_NATIVE unset."""
+    from qgcli.ops import native
+
+    if "QGCLI_NATIVE" not in os.environ and native.variant() == "numpy":
+        monkeypatch.setenv("QGCLI_NATIVE", "0")
+
+
 @pytest.fixture(params=["auto", "baseline", "numpy"])
 def kernels(request, monkeypatch):
     """Run a CPU test under each kernel build: compiled (AVX2 where the CPU has it), compiled for baseline

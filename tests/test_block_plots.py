@@ -146,7 +146,7 @@ def test_run_file_groups_drawn_per_block(cli, tmp_path, tensor):
         g = f.create_group("fc3/q")
         g.attrs.update(op="QuantizeLinear", dtype="uint8", axis=0)
         g["x"], g["y_scale"], g["y_zero_point"] = x, np.full(8, 0.05, np.float32), np.full(8, 128, np.uint8)
-    for kind in ("hist", "channels"):
+    for kind in ("hist", "channels", "staircase"):  # staircase on the element grid (tests/test_block_staircase.py)
         d = tmp_path / kind
         r = cli("plot", kind, run, "-o", f"{d}/", "--json")
         assert r.exit_code == 0, r.output
@@ -156,8 +156,6 @@ def test_run_file_groups_drawn_per_block(cli, tmp_path, tensor):
             png_size(d / layer["file"])
     s, _ = _plot(cli, tmp_path, "hist", run, "--layer", "fc1/weight")
     assert s["op"] == "mx" and s["blocks"] == x.size // 32
-    r = cli("plot", "staircase", run, "-o", f"{tmp_path / 'st'}/", "--json")  # drawn per block only
-    assert r.exit_code == 2 and "draws TensorFlow's fake quant" in r.stderr
     r = cli("plot", "hist", run, "--semantics", "mx", "-o", tmp_path / "x.png")
     assert r.exit_code == 2 and "name their op" in r.stderr
 

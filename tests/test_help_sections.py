@@ -66,3 +66,26 @@ def test_top_level_help_names_every_format_and_capture_and_cuts_no_line(where, t
     commands = flat[flat.index("Commands:"):]
     assert "..." not in commands.split("Examples:")[0], commands  # click marks a cut short help with '...'
     assert "verify A captured run file recomputed: qgcli vs the framework, per layer." in commands
+
+
+@pytest.mark.parametrize("where", ["terminal", "pipe"])
+def test_compare_semantics_help_names_every_framework_it_compares(where, tmp_path):
+    """Its one-line help named TF and PyTorch only, long after --with added torchao and ONNX QuantizeLinear."""
+    from qgcli.ops.cross_semantics import FRAMEWORKS
+
+    spoken = {"tf": "TF", "torch": "PyTorch", "torchao": "torchao", "onnx": "ONNX"}
+    assert set(spoken) == set(FRAMEWORKS)  # a framework added to --with is named here too
+    code, text = _help([], where, tmp_path)
+    assert code == 0
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  compare-semantics "))
+    entry = [lines[start]] + [line for line in lines[start + 1:start + 3] if line.startswith(" " * 19)]
+    assert len(entry) <= 2 and all(len(line) <= 80 for line in entry) or where == "pipe", entry
+    one_line = " ".join(" ".join(entry).split())
+    for name in spoken.values():
+        assert name in one_line, (name, one_line)
+    code, own = _help(["compare-semantics"], where, tmp_path)
+    assert code == 0
+    flat = " ".join(own.split())
+    for name in ("TensorFlow", "PyTorch", "torchao", "ONNX QuantizeLinear"):
+        assert name in flat.split("Options:")[0], name

@@ -223,3 +223,26 @@ def test_torchao_ste_per_block_is_torchao_own(torchao_run, cli, tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["op"] == "torchao.IntxFakeQuantizer"
     png_size(tmp_path / "a.png")
+
+
+@pytest.mark.parametrize("layer, channel", [("fc/activation_post_process", None), ("fc/weight_fake_quant", 3)])
+def test_torch_staircase_draws_torch_own_step_function(torch_run, layer, channel):
+    # The staircase of a PyTorch group draws the op's exact step function under the points (#40 item 4), each
+    # step's value what torch itself outputs at the step's ends.
+    path, _ = torch_run
+    d, a = _group(path, layer)
+    qmin, qmax = int(a["quant_min"]), int(a["quant_max"])
+    scale, zp = (d["scale"], d["zero_point"]) if channel is None else (d["scale"][channel], d["zero_point"][channel])
+    fig = _figure(path, "staircase", layer, channel=channel)
+    step = _line(fig, "outputs_step")
+    xs, ys = np.asarray(step.get_xdata(), np.float32), np.asarray(step.get_ydata(), np.float32)
+    assert len(set(ys.tolist())) > 2
+    starts, ends, values = xs[0::2], xs[1::2], ys[0::2]
+    y, _ = _torch_grad(starts, np.ones_like(starts), scale, zp, qmin, qmax)
+    np.testing.assert_array_equal(y, values)  # each step's value: torch's own at its first float
+    before = np.nextafter(ends[:-1], np.float32(-np.inf))  # the last float of each step (its edge: the next's)
+    y, _ = _torch_grad(before, np.ones_like(before), scale, zp, qmin, qmax)
+    np.testing.assert_array_equal(y, values[:-1])
+    np.testing.assert_array_equal(ends[:-1], starts[1:])
+    x = d["inputs"] if channel is None else d["inputs"][channel]
+    assert xs.min() <= x.min() and xs.max() >= x.max()

@@ -116,3 +116,50 @@ def test_the_readme_tour_runs_in_a_scratch_directory_and_says_where_kernels_come
     tour = readme[readme.index("## A tour"):readme.index("## Guarantees")]
     for written in re.findall(r"-o (\S+)", tour):  # every output of the tour lands in the scratch directory
         assert not written.startswith(("/", "..", "samples")), written
+
+
+def _run_qgcli(args, *, package_root, cwd, native=None):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("QGCLI_NATIVE", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(package_root)
+    if native is not None:
+        env["QGCLI_NATIVE"] = native
+    return subprocess.run([sys.executable, "-m", "qgcli", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=120)
+
+
+def test_ops_on_the_numpy_fallback_say_so_once_and_how_to_build_the_kernels(tmp_path):
+    """A copy of the package without the compiled kernels (as an install without a C compiler leaves it): a
+    command that runs ops says once, on stderr, that they ran on the NumPy kernels and how to build the compiled
+    ones; QGCLI_NATIVE=0 (a deliberate choice) and an install with the kernels say nothing; --version names them."""
+    import shutil
+
+    shutil.copytree(os.path.join(ROOT, "qgcli"), tmp_path / "bare" / "qgcli",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    bare, built = tmp_path / "bare", ROOT
+    version = _run_qgcli(["--version"], package_root=built, cwd=tmp_path)
+    has_kernels = "kernels: compiled C (" in version.stdout  # built in this checkout for this Python
+    args = ["fakequant-grad", os.path.join(ROOT, "samples", "notebook.h5")]
+    outputs = {}
+    runs = [("bare", bare, None), ("chosen", bare, "0")] + ([("built", built, None)] if has_kernels else [])
+    for name, root, native in runs:
+        r = _run_qgcli([*args, "-o", tmp_path / f"{name}.h5"], package_root=root, cwd=tmp_path, native=native)
+        assert r.returncode == 0, r.stderr
+        with h5py.File(tmp_path / f"{name}.h5", "r") as f:
+            outputs[name] = {k: f[k][()] for k in f}
+        notes = [ln for ln in r.stderr.splitlines() if "compiled kernels" in ln]
+        if name == "bare":
+            assert len(notes) == 1, r.stderr
+            assert notes[0].startswith("note: the compiled kernels are not built")
+            for said in ("NumPy kernels: the same bits, only slower", "python setup.py build_ext --inplace",
+                         "reinstall", "C compiler", "QGCLI_NATIVE=0"):
+                assert said in notes[0], said
+        else:
+            assert notes == [], (name, r.stderr)
+    for key, value in outputs.get("built", {}).items():  # the note's promise: the same bits
+        assert outputs["bare"][key].tobytes() == value.tobytes(), key
+    r = _run_qgcli(["--version"], package_root=bare, cwd=tmp_path)
+    assert r.returncode == 0 and "kernels: NumPy (the compiled kernels are not built" in r.stdout, r.stdout
+    assert version.returncode == 0 and version.stdout.startswith("qgcli, version ") and "kernels: " in version.stdout

@@ -59,8 +59,12 @@ class QgcliGroup(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         restore = install_signal_handlers()
+        native = sys.modules.get("qgcli.ops.native")
+        if native is not None:  # in one process (tests, qgcli.run) a command notes its own fallback only
+            native.take_fallback_note()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            _note_fallback()
             raise_pending()  # a signal Python swallowed (in a __del__) still ends in exit 128 + N
         except Terminated as exc:
             _fail(exc.describe(), 128 + exc.signum)
@@ -181,6 +185,25 @@ def _exit(code):
     sys.exit(code)
 
 
+def _note_fallback():
+    """One note on stderr when an op of this command ran on the NumPy kernels because the compiled ones are
+    missing (qgcli.ops.native.take_fallback_note); a command that ran no op never imported that module."""
+    native = sys.modules.get("qgcli.ops.native")
+    note = native.take_fallback_note() if native is not None else None
+    if note:
+        click.echo(f"note: {note}", err=True)
+
+
+def _show_version(ctx, param, value):
+    """``qgcli --version``: the version and the kernels the ops run on (compiled C, or NumPy and why)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from qgcli.ops import native
+
+    click.echo(f"qgcli, version {__version__}\nkernels: {native.kind()}")
+    ctx.exit()
+
+
 def _internal(exc):
     if os.environ.get("QGCLI_DEBUG"):
         raise exc
@@ -188,7 +211,8 @@ def _internal(exc):
 
 
 @click.group(cls=QgcliGroup, epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="qgcli")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and the kernels in use, and exit.")
 def main():
     """Quantization-gradient analysis on saved tensors (.npy, .npz, .h5, .safetensors, PyTorch .pt, Zarr).
 

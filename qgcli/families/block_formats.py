@@ -232,7 +232,9 @@ class BlockView(NamedTuple):
     ``x`` and ``y`` (inputs and dequantized outputs, float32), ``u`` (each input in its element grid's units:
     divided by its block's scale, plus the zero point), ``levels`` (the values that grid holds), the per-block
     statistics of :func:`block_statistics` (``stats``, ``per_block``, ``shape``: the blocks' grid) and each
-    block's ``log2_scales`` (None where there is no scale per block)."""
+    block's ``log2_scales`` (None where there is no scale per block).  For ``plot staircase`` / ``plot ste``:
+    ``yu``, the op's outputs in the same units (the element values of its codes), and ``gradient``, the op's own
+    gradient as a function of the upstream gradient (None where the family gives none)."""
 
     op: str
     title: str
@@ -247,9 +249,12 @@ class BlockView(NamedTuple):
     per_block: dict
     shape: tuple
     log2_scales: Any = None
+    yu: Any = None
+    gradient: Any = None
 
 
-def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scales=None, saturated=None):
+def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scales=None, saturated=None, yu=None,
+               gradient=None):
     """A :class:`BlockView`; ``axis`` None: the tensor is one block; ``log2_scales`` and ``saturated`` shaped
     like the scales (the block axis in its place), put in the order of :func:`block_statistics`' blocks."""
     x = np.asarray(x, np.float32)
@@ -268,7 +273,7 @@ def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scale
         stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=saturated)
     return BlockView(op, title, unit, x, y, np.asarray(u, np.float64), np.asarray(levels, np.float64),
                      int(block_size if axis is not None else max(1, x.size)), axis, stats, per_block, shape,
-                     ordered(log2_scales))
+                     ordered(log2_scales), None if yu is None else np.asarray(yu, np.float64), gradient)
 
 
 # --- the summary -------------------------------------------------------------------------------------------------

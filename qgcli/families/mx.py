@@ -155,12 +155,18 @@ def block_view(formats, operands):
     res = forward(x, f)
     axis, bs = f["axis"] % x.ndim, int(f["block_size"])
     with np.errstate(all="ignore"):
-        u = x / _element_scales(res.scales, bs, axis)
+        scales = _element_scales(res.scales, bs, axis)
+        u, yu = x / scales, res.outputs / scales  # powers of 2: yu is each output's element value exactly
         log2 = np.where(res.scales == 255, np.nan, res.scales.astype(np.float64) - 127)
+
+    def gradient(dy):
+        return ops.mx_fake_quantize_gradient(dy, x, format=f["format"], block_size=bs, axis=int(f["axis"]),
+                                             scale_mode=f["scale_mode"])
+
     return bf.block_view("mx", f"MX {f['format']}, scale mode {f['scale_mode']}, blocks of {bs} along axis "
                          f"{f['axis']}", "x / block scale 2^(E8M0 - 127)", x, res.outputs, u,
                          ops.element_values(f["format"]), bs, axis, log2_scales=log2,
-                         saturated=saturated_scales(res.scales, f))
+                         saturated=saturated_scales(res.scales, f), yu=yu, gradient=gradient)
 
 
 def report_analysis(formats, operands=None, inputs=None):

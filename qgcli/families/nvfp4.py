@@ -134,6 +134,10 @@ def compute(job, operands):
 render = bf.render
 
 
+#: The magnitudes of the fp4 e2m1 codes 0..7 (its element values, as ``element_values("mxfp4")`` lists them).
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
 def block_view(formats, operands):
     """``qgcli plot hist / channels``' view of the tensor under ``formats`` (a job's, or :func:`group_formats`) (:class:`qgcli.families.block_formats.BlockView`)."""
     f = formats
@@ -145,10 +149,17 @@ def block_view(formats, operands):
     with np.errstate(all="ignore"):
         u = x / np.repeat(scale, BLOCK_SIZE, axis=axis)
         log2 = np.log2(scale)
+    q = np.asarray(res.quantized)  # fp4 e2m1 codes: the sign bit 8, the magnitude 0..7
+    yu = np.where(q & 8, -1.0, 1.0) * _FP4_VALUES[q & 7]
+
+    def gradient(dy):
+        return ops.nvfp4_fake_quantize_gradient(dy, x, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"])
+
     tensor = f"per-tensor scale {t:.4g}" if res.tensor_scale is not None else "no per-tensor scale"
     return bf.block_view("nvfp4", f"NVFP4, blocks of {BLOCK_SIZE} along axis {f['axis']}, {tensor}",
                          "x / (E4M3 block scale x tensor scale)", x, res.outputs, u, element_values("mxfp4"),
-                         BLOCK_SIZE, axis, log2_scales=log2, saturated=saturated_scales(res.block_scales))
+                         BLOCK_SIZE, axis, log2_scales=log2, saturated=saturated_scales(res.block_scales),
+                         yu=yu, gradient=gradient)
 
 
 def report_analysis(formats, operands=None, inputs=None):

@@ -223,9 +223,15 @@ def block_view(formats, operands):
     where = (f"blocks of {f['block_size']} along axis {f['axis']}" if blocked else
              "per tensor" if np.size(y_scale) == 1 else f"per axis {f['axis']}")
     unit = "x / y_scale" + ("" if dtype in ops.FLOAT_TYPES else " + y_zero_point")
+
+    def gradient(dy):
+        return ops.onnx_fake_quantize_gradient(dy, x, y_scale, zp, saturate=f["saturate"], estimator="masked" if
+                                               f.get("estimator") == "masked-ste" else "ste", **kw)
+
     return bf.block_view("QuantizeLinear", f"ONNX QuantizeLinear {dtype}, {where}", unit, x, res.outputs, u,
                          ops.grid_values(dtype), f["block_size"], axis,
-                         log2_scales=log2 if blocked else log2.reshape(-1))
+                         log2_scales=log2 if blocked else log2.reshape(-1),
+                         yu=np.asarray(res.quantized).astype(np.float64), gradient=gradient)
 
 
 def report_analysis(formats, operands, inputs=None):

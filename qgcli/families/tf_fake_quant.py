@@ -161,9 +161,15 @@ def nan_warnings(stats, inputs=None, grid=None, variant=None):
         xp = array_module(inputs)
         pos = int(xp.count_nonzero(inputs == np.inf)) if stats.get("clipped_above") else 0
         neg = int(xp.count_nonzero(inputs == -np.inf)) if stats.get("clipped_below") else 0
+    return nonfinite_note(n, nan, pos, neg, grid, variant)
+
+
+def nonfinite_note(n, nan, pos, neg, grid=None, variant=None):
+    """The note of :func:`nan_warnings` from the counts of ``n`` inputs: ``nan`` NaN, ``pos`` +inf, ``neg`` -inf
+    (in memory from the statistics, streamed from disk counted block by block as they are read)."""
     if not (pos or neg):
-        return [] if not nan else [f"inputs hold NaN ({100 * stats['nan']:.2f}% of the elements): their outputs "
-                                   "are NaN, as TensorFlow's"]
+        return [] if not nan else [f"inputs hold NaN ({nan} of {n} elements): their outputs are NaN, as "
+                                   "TensorFlow's"]
     found = ", ".join(f"{k} {what}" for k, what in ((nan, "NaN"), (pos, "+inf"), (neg, "-inf")) if k)
     signs = [s for s, k in (("+inf", pos), ("-inf", neg)) if k]
     if grid is not None and not grid.per_channel:
@@ -290,7 +296,10 @@ def block_summary(job, operands, datasets, setup, small, notes):
         "inputs": {n: {"shape": list(ds.shape), "dtype": str(ds.dtype), "source": operands.sources.get(n, n)}
                    for n, ds in datasets.items()},
         "grid": grid_summary(setup["grid"]), "statistics": None, "outputs": outputs,
-        "output": job.output.destination, "notes": list(notes) + range_warnings(setup["grid"]),
+        "output": job.output.destination,
+        "notes": list(notes) + range_warnings(setup["grid"]) + nonfinite_note(
+            int(np.prod(x_ds.shape, dtype=np.int64)), *setup.get("nonfinite", (0, 0, 0)), setup["grid"],
+            setup["variant"]),
     })
 
 

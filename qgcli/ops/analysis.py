@@ -18,6 +18,19 @@ def _share(count, total):
 _STAT_BLOCK = 1 << 18  # elements per block: masks and float64 magnitudes stay small
 
 
+def add_nonfinite(counts, x):
+    """Add the NaN, +inf and -inf of the float block ``x`` to ``counts`` (a list of three ints, changed in
+    place), as a tensor streamed from disk is read.  One summing pass over a block whose values are all finite
+    (their float32 sum is then finite, or overflows and the block is counted exactly); the elementwise count
+    only for a block that holds some."""
+    if x.size == 0 or np.isfinite(np.add.reduce(x, axis=None)):
+        return counts
+    counts[0] += int(np.count_nonzero(np.isnan(x)))
+    counts[1] += int(np.count_nonzero(x == np.inf))
+    counts[2] += int(np.count_nonzero(x == -np.inf))
+    return counts
+
+
 def clip_statistics(inputs, grid, gradients=None):
     """Shares of elements below / above the nudged range and of gradient mass the STE mask blocks.
 

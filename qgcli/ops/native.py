@@ -39,7 +39,17 @@ _loaded = {}  # build name -> CDLL, or None where it is missing or does not load
 
 
 def library():
-    """The compiled kernels, or None (not built, or disabled with ``QGCLI_NATIVE=0``)."""
+    """The compiled kernels, or None (not built, or disabled with ``QGCLI_NATIVE=0``).
+
+    A None that nobody chose (no ``QGCLI_NATIVE=0``) is remembered: :func:`take_fallback_note` then says so."""
+    global _fell_back
+    lib = _selected()
+    if lib is None and os.environ.get("QGCLI_NATIVE", "") != "0":
+        _fell_back = True
+    return lib
+
+
+def _selected():
     choice = os.environ.get("QGCLI_NATIVE", "")
     if choice not in _chosen:
         _chosen[choice] = _choose(choice)
@@ -47,6 +57,38 @@ def library():
 
 
 _chosen = {}  # QGCLI_NATIVE value -> the library it selects
+_fell_back = False  # an op asked for the kernels, and ran on NumPy because they were not there
+
+
+def take_fallback_note():
+    """One sentence for the user when an op ran on the NumPy kernels because the compiled ones are missing (not
+    when ``QGCLI_NATIVE=0`` chose them) since the last call, else None. The CLI prints it once per command, on
+    stderr."""
+    global _fell_back
+    if not _fell_back:
+        return None
+    _fell_back = False
+    return (f"the compiled kernels are {_why_missing()}, so the ops ran on qgcli's NumPy kernels: the same bits, "
+            "only slower. Build them with 'python setup.py build_ext --inplace' in a source checkout, or reinstall "
+            "qgcli where a C compiler is present (QGCLI_NATIVE=0 chooses the NumPy kernels and silences this)")
+
+
+def _why_missing():
+    here = os.path.dirname(__file__)
+    if not any(os.path.exists(os.path.join(here, "_kernels" + suffix))
+               for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        return f"not built (no _kernels{importlib.machinery.EXTENSION_SUFFIXES[0]} in {here})"
+    return "built from another version of _kernels.c or not loadable"
+
+
+def kind():
+    """What runs the ops, for ``qgcli --version``: the kernels in use and, without them, why."""
+    name = variant()
+    if name != "numpy":
+        return f"compiled C ({name})"
+    if os.environ.get("QGCLI_NATIVE", "") == "0":
+        return "NumPy (QGCLI_NATIVE=0)"
+    return f"NumPy (the compiled kernels are {_why_missing()})"
 
 
 def _choose(choice):
@@ -74,7 +116,7 @@ def address(a, dtype):
 
 def variant():
     """Which kernels :func:`library` runs: "avx2", "baseline" or "numpy" (for benchmarks and reports)."""
-    lib = library()
+    lib = _selected()  # asking is no fallback: take_fallback_note() stays as it was
     return "numpy" if lib is None else ("avx2" if lib is _loaded.get("_kernels_avx2") else "baseline")
 
 

@@ -22,12 +22,17 @@ from qgcli.report.plots import (
     _channel_series,
     _figure_legend,
     _pad_ylim,
+    _points_note,
     _wrapped,
+    C_BACKPROPS,
     C_CLIP,
+    C_MASK,
     C_OUTPUTS,
+    DEFAULT_MAX_POINTS,
     LINE_LEVELS,
     new_figure,
     RUG_LEVELS,
+    subsample,
 )
 from qgcli.report.summaries import percent
 from qgcli.report.text import counted
@@ -51,13 +56,14 @@ def _flush_width(levels):
     return float(levels[levels > 0].min()) / 2
 
 
-def _block_values(view, block):
-    """The inputs (in grid units) of block ``block`` of the view."""
+def _block_values(view, block, values=None):
+    """The inputs (in grid units) of block ``block`` of the view (or ``values``, shaped like them)."""
     n = view.stats["blocks"]
     if not 0 <= block < n:
         raise OperandError(f"block {block} is out of range: the tensor has {counted(n, 'block', thousands=True)} "
                            f"(0..{n - 1}, in the order of the scales, block axis last)", operand="--channel")
-    u = view.u if view.axis is None else np.moveaxis(view.u, view.axis, -1)
+    u = view.u if values is None else np.asarray(values)
+    u = u if view.axis is None else np.moveaxis(u, view.axis, -1)
     return u.reshape(-1, view.block_size)[block]
 
 
@@ -240,3 +246,188 @@ def channels(view, *, title=None, width=8.0, height=None):
                          "saturated_scale_blocks": view.stats.get("saturated_scale_blocks"),
                          "worst_block": int(order[0]) if n else None, "format_range_bits": fmt_bits}
     return fig
+
+
+# --- plot staircase / plot ste: the element grid's step function ---------------------------------------------
+
+#: How far (relative) an input in grid units may lie from a step edge and still take the level on the edge's
+#: other side: the op divides in float32 (NVFP4 multiplies by a float32 reciprocal), the view in float64.
+EDGE_SLACK = 2.0 ** -20
+#: The most steps drawn: every level of int16 (a step 1 wide reads as a line at that zoom, and is exact).
+MAX_STEPS = 1 << 17
+
+
+def element_step(levels, u, yu):
+    """``(xs, ys)``: the element grid's step function (round to the nearest of ``levels``, saturating at both
+    ends) over the finite range of ``u``, drawn with vertical edges at the midpoints of the levels, when every
+    finite input ``u`` (in grid units) has its output ``yu`` (the element value of the op's code) on it, to the
+    float rounding at an edge; None when one has not (the op does something else there: NaN or inf outputs of
+    a non-saturating cast, a scale that is NaN) or more than :data:`STEP_EDGES` steps would be drawn.
+
+    >>> xs, ys = element_step(np.array([-1.0, 0.0, 1.0]), np.array([-2.0, 0.2, 0.7]), np.array([-1.0, 0.0, 1.0]))
+    >>> xs.tolist(), ys.tolist()
+    ([-2.0, -0.5, -0.5, 0.5, 0.5, 0.7], [-1.0, -1.0, 0.0, 0.0, 1.0, 1.0])
+    """
+    levels = np.unique(np.asarray(levels, np.float64))
+    u, yu = np.asarray(u, np.float64).reshape(-1), np.asarray(yu, np.float64).reshape(-1)
+    finite = np.isfinite(u) & np.isfinite(yu)  # a NaN or inf output is on no grid: said, not drawn
+    if not finite.any() or levels.size == 0:
+        return None
+    u, yu = u[finite], yu[finite]
+    edges = (levels[:-1] + levels[1:]) / 2
+    at = np.searchsorted(edges, u, side="left")  # levels[at]: the nearest level (the lower one on an edge)
+    on = yu == levels[at]
+    if not on.all():  # off by one level only beside an edge, where the op's float rounding decides
+        if not edges.size:
+            return None
+        k = np.flatnonzero(~on)
+        a, v, w = at[k], u[k], yu[k]
+
+        def across(edge_at, level_at, exists):
+            edge = edges[np.clip(edge_at, 0, edges.size - 1)]
+            return exists & (w == levels[np.clip(level_at, 0, levels.size - 1)]) & (
+                np.abs(v - edge) <= EDGE_SLACK * np.maximum(1.0, np.abs(edge)))
+
+        if not (across(a, a + 1, a < edges.size) | across(a - 1, a - 1, a > 0)).all():
+            return None
+    lo, hi = float(u.min()), float(u.max())
+    first, last = int(at[u.argmin()]), int(at[u.argmax()])
+    if last - first > MAX_STEPS:
+        return None
+    xs, ys = [], []
+    for i in range(first, last + 1):
+        a = lo if i == first else float(edges[i - 1])
+        b = hi if i == last else float(edges[i])
+        xs += [a, b]
+        ys += [float(levels[i])] * 2
+    return np.array(xs), np.array(ys)
+
+
+def _grid_inputs(view):
+    """The inputs in grid units (``view.u``), where an input the op returns unchanged has no finite value there
+    (a zero in an all-zero block: 0 / 0) taken as its output's (``view.yu``): it is that level."""
+    with np.errstate(invalid="ignore"):
+        same = ~np.isfinite(view.u) & np.isfinite(view.yu) & (view.x == view.y)
+    return np.where(same, view.yu, view.u)
+
+
+def _block_view_arrays(view, channel, *arrays):
+    """The view's arrays flattened, or those of block ``channel`` (in the order of the scales)."""
+    if channel is None:
+        return [None if a is None else np.asarray(a).reshape(-1) for a in arrays]
+    return [None if a is None else _block_values(view, int(channel), a) for a in arrays]
+
+
+def _element_staircase_axes(ax, view, u, yu, max_points):
+    """Outputs against inputs in the element grid's units on ``ax``: the op's outputs as points, the element
+    grid's step function under them where every point is on it (:func:`element_step`), its levels dotted.
+    Returns ``(indices drawn, legend handles, points note, step drawn)``."""
+    idx = subsample(u, yu, max_points=max_points)
+    step = element_step(view.levels, u, yu)
+    label = f"outputs ({view.op}), in grid units"
+    (line,) = ax.plot(u[idx], yu[idx], ls="none", marker="+", color=C_OUTPUTS, gid="outputs",
+                      label=label if step is None else "_nolegend_")
+    if step is not None:
+        (line,) = ax.plot(*step, ls="-", lw=1.0, color=C_OUTPUTS, gid="outputs_step", label=label)
+    handles = [line]
+    finite = u[np.isfinite(u)]
+    if finite.size:
+        shown = view.levels[(view.levels >= min(0.0, float(yu[idx].min()) if idx.size else 0.0))
+                            & (view.levels <= max(0.0, float(yu[idx].max()) if idx.size else 0.0))]
+        if 0 < shown.size <= LINE_LEVELS:
+            for k, level in enumerate(shown):
+                h = ax.axhline(float(level), color=C_OUTPUTS, ls=(0, (1, 3)), lw=0.9, alpha=0.7, gid="level",
+                               label="element values" if k == 0 else "_nolegend_")
+                handles += [h] if k == 0 else []
+    ax.axhline(0, color="k", lw=1.2)
+    ax.axvline(0, color="k", lw=1.2)
+    ax.grid(True)
+    ax.set_xlabel(f"inputs: {view.unit}")
+    ax.set_ylabel("outputs, in the same units")
+    note = _points_note(idx.size, u.size, u.size - finite.size)
+    off = int((np.isfinite(u) & ~np.isfinite(yu)).sum())
+    if off:
+        note += f"; {off:,} NaN/inf outputs (off the grid) not drawn"
+    if step is None and finite.size:
+        note += "; outputs off the element grid: no step drawn"
+    return idx, handles, note, step is not None
+
+
+def _block_title(view, what, channel):
+    where = "" if channel is None else f", block {int(channel)}"
+    every = "" if channel is not None or view.stats["blocks"] <= 1 else " (every block on its element grid)"
+    return f"{what}{where}{every}\n{view.title}"
+
+
+def staircase(view, *, channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8):
+    """The quantization staircase of a block format, in its element grid's units (each input divided by its
+    block's scale, plus the zero point: every block on one grid), ``channel``: block K only.  The op's outputs
+    are points; the element grid's exact step function is drawn under them when every point is on it."""
+    u, yu = _block_view_arrays(view, channel, _grid_inputs(view), view.yu)
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    idx, handles, note, step = _element_staircase_axes(ax, view, u, yu, max_points)
+    _figure_legend(fig, handles, note + "\n" + _summary_note(view))
+    ax.set_title(_wrapped(fig, title if title is not None else _block_title(view, "Quantization staircase",
+                                                                             channel), 9), fontsize=9)
+    fig.qgcli_summary = _step_summary("staircase", view, channel, u, idx, step)
+    return fig
+
+
+def ste(view, *, gradients=None, channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None):
+    """The staircase (:func:`staircase`) and, on a panel of its own below, the op's gradient function (its
+    gradient fed with ones: the identity of torchao's MX / NVFP4 QAT and ModelOpt's QuantizeLinear, or the
+    masked STE); with ``gradients``, ``backprops_wrt_input`` on a third panel; the x axis shared."""
+    if view.gradient is None:
+        raise OperandError(f"{view.op}: no gradient to draw", operand="BUNDLE")
+    x = np.asarray(view.x, np.float32)
+    mask = np.asarray(view.gradient(np.ones_like(x)), np.float32)
+    bp = None if gradients is None else np.asarray(view.gradient(np.asarray(gradients, np.float32)), np.float32)
+    u, yu, mask, bp = _block_view_arrays(view, channel, _grid_inputs(view), view.yu, mask, bp)
+    fig = new_figure(width, height if height is not None else (7.6 if bp is not None else 4.8))
+    grid_spec = fig.add_gridspec(3 if bp is not None else 2, 1, height_ratios=[3, 1, 2] if bp is not None else [3, 1])
+    ax = fig.add_subplot(grid_spec[0])
+    idx, handles, note, step = _element_staircase_axes(ax, view, u, yu, max_points)
+    ax.set_xlabel("")
+    ax.tick_params(axis="x", labelbottom=False)
+    ax2 = fig.add_subplot(grid_spec[1], sharex=ax)
+    finite = np.isfinite(u)
+    values = np.unique(mask[finite])
+    constant = values.size == 1
+    label = "gradient function" + (" (the identity)" if constant and values[0] == 1 else " (masked STE)")
+    (mask_line,) = ax2.plot(u[idx], mask[idx], ls="none", marker=".", ms=2, color=C_MASK, gid="mask",
+                            label=label if not constant else "_nolegend_")
+    if constant and finite.any():  # one value on every element (checked): a line over the plotted range
+        (mask_line,) = ax2.plot([float(u[finite].min()), float(u[finite].max())], [float(values[0])] * 2, ls="-",
+                                lw=1.5, color=C_MASK, gid="mask_step", label=label)
+    ax2.set_ylabel("gradient\nfunction", color="r")
+    ax2.set_ylim(-0.15, 1.15)
+    ax2.set_yticks([0.0, 1.0])
+    ax2.grid(True, axis="x")
+    ax2.set_xlabel(f"inputs: {view.unit}")
+    handles.insert(1, mask_line)
+    if bp is not None:
+        ax2.set_xlabel("")
+        ax2.tick_params(axis="x", labelbottom=False)
+        ax3 = fig.add_subplot(grid_spec[2], sharex=ax)
+        (bp_line,) = ax3.plot(u[idx], bp[idx], ls="none", color=C_BACKPROPS, marker="x", ms=3, gid="backprops",
+                              label="backprops_wrt_input")
+        ax3.set_ylabel("backprops_wrt_input", color=C_BACKPROPS)
+        ax3.set_xlabel(f"inputs: {view.unit}")
+        ax3.axhline(0, color="k", lw=1.0)
+        ax3.grid(True)
+        handles.insert(2, bp_line)
+    _figure_legend(fig, handles, note + "\n" + _summary_note(view))
+    ax.set_title(_wrapped(fig, title if title is not None else _block_title(view, "Straight-through estimator",
+                                                                             channel), 9), fontsize=9)
+    fig.qgcli_summary = {**_step_summary("ste", view, channel, u, idx, step), "backprops": bp is not None,
+                         "mask_drawn": "line" if constant else "points",
+                         "mask_values": [float(v) for v in values]}
+    return fig
+
+
+def _step_summary(kind, view, channel, u, idx, step):
+    st = view.stats
+    return {"plot": kind, "op": view.op, "elements": int(u.size), "points": int(idx.size), "channel": channel,
+            "blocks": st["blocks"], "block_size": st["block_size"], "unit": view.unit,
+            "step_drawn": bool(step), "sqnr_db": st["sqnr_db"]}

@@ -2,7 +2,7 @@
 
 :func:`plan` lists the groups a plot can draw (TensorFlow fake-quant groups; the groups of a family with
 ``plot_data``, PyTorch's and torchao's, on their own framework's grid; QuantizeV2's round trip for
-staircase and ste; block formats per block; ``channels``:
+staircase and ste; block formats per block, their staircase and ste on the element grid; ``channels``:
 the per-channel ones) as picklable :class:`LayerFigure` tasks, with each group's attributes unless an option
 was typed, and the groups it cannot draw with the reason.  :func:`draw` draws one (in this process);
 :func:`write_all` draws them all into ``DIR/``, on worker processes (``spawn``/``forkserver``, never a plain fork of this
@@ -126,9 +126,8 @@ def plan(target, kind, options=None, *, plot_options=(), layer=None):
 def _why_not(layer, kind):
     if layer.error is not None:
         return layer.error
-    if hasattr(registry.of(layer), "block_view"):
-        return None if kind in ("hist", "channels") else f"plot {kind} draws TensorFlow's fake quant; a {layer.op} " \
-            "group is drawn per block by plot hist and plot channels"
+    if hasattr(registry.of(layer), "block_view"):  # every kind, on the element grid (per block)
+        return None
     if hasattr(registry.of(layer), "plot_data"):
         return registry.of(layer).plot_problem(layer, kind)
     kinds = getattr(registry.of(layer), "PLOT_KINDS", None)
@@ -239,12 +238,15 @@ def _draw_level_grid(task, container):
 
 def _draw_blocks(task, container):
     """The Figure of a block-format group, per block (:mod:`qgcli.report.block_plots`)."""
+    import numpy as np
+
     from qgcli.report import block_plots
 
     family = registry.family(task.family)
     operands = Operands.in_group(container, task.file, task.path, {}, literal_ok=family.LITERAL_OK)
     try:
         view = family.block_view(dict(task.formats), operands)
+        g = operands.get("gradients", required=False) if task.kind == "ste" else None
     finally:
         operands.close()
         if not _IN_WORKER:
@@ -254,6 +256,11 @@ def _draw_blocks(task, container):
     if task.kind == "hist":
         fig = block_plots.hist(view, bins=kw.get("bins", 100), log=kw.get("log", False), channel=kw.get("channel"),
                                title=kw.get("title"), **sizes)
+    elif task.kind in ("staircase", "ste"):
+        common = dict(channel=kw.get("channel"), max_points=kw.get("max_points", block_plots.DEFAULT_MAX_POINTS),
+                      title=kw.get("title"), **sizes)
+        fig = (block_plots.ste(view, gradients=None if g is None else np.asarray(g), **common) if task.kind == "ste"
+               else block_plots.staircase(view, **common))
     else:
         fig = block_plots.channels(view, title=kw.get("title"), **sizes)
     if kw.get("title") is None:

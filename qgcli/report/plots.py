@@ -109,6 +109,16 @@ class LevelGrid:
     def per_channel(self):
         return self.scale.ndim == 1
 
+    @property
+    def forward(self):
+        """PyTorch's per-tensor op on this one grid (a channel's, for a per-channel op: the same arithmetic), for
+        the exact staircase (:func:`_exact_staircase`, which checks it against the data's outputs before drawing
+        it); no such attribute for torchao's grids or several grids at once."""
+        if self.per_channel or not self.label.startswith("torch.fake_quantize_per_"):
+            raise AttributeError("forward")
+        return lambda v: ts.fake_quantize_per_tensor_affine(v, self.scale, self.zero_level, self.quant_min,
+                                                            self.quant_max)
+
     def summary(self):
         plain = lambda a: np.asarray(a, np.float64).tolist()  # noqa: E731
         return {"op": self.label, "quant_min": self.quant_min, "quant_max": self.quant_max, "scale": plain(self.scale),

@@ -1,5 +1,5 @@
-"""``qgcli compare-semantics``: one tensor under TensorFlow's and PyTorch's fake quant, and where and why
-they disagree (grid, tie rounding, float arithmetic, mask on the float vs the rounded value).
+"""``qgcli compare-semantics``: one tensor under TensorFlow's and PyTorch's fake quant (with ``--with``, also
+torchao's and ONNX QuantizeLinear), and where and why they disagree (grid, tie rounding, float arithmetic, mask on the float vs the rounded value).
 Only click is imported at module level.
 """
 import click
@@ -207,7 +207,7 @@ Examples:
 
 
 @click.command("compare-semantics", epilog=_COMPARE_EPILOG,
-               short_help="Where TensorFlow's and PyTorch's fake quant disagree on a tensor, and why.")
+               short_help="Where TF, PyTorch, torchao and ONNX fake quant disagree on a tensor, and why.")
 @operand_group(
     bundle_argument(),
     spec_option("inputs", "The tensor (operand 'inputs')."),
@@ -236,7 +236,8 @@ def compare_semantics(operands, num_bits, narrow_range, axis, frameworks, first,
     fake_quantize_per_{tensor,channel}_affine, each deriving its grid from MIN/MAX as it would (TF
     nudges the range; PyTorch's MinMaxObserver widens it to 0 and rounds the zero point half to even),
     and report where forward values and gradient masks disagree: counts, shares, first indices and why
-    (grid, tie rounding, float arithmetic, mask on the float vs the rounded value).
+    (grid, tie rounding, float arithmetic, mask on the float vs the rounded value). --with adds torchao's
+    QAT fake quant and ONNX QuantizeLinear and compares any of the four on the integers they give.
     """
     from qgcli.storage.operands import Operands, to_device
     from qgcli.ops.torch_semantics import FORWARD_REASONS, MASK_REASONS, compare_with_tensorflow

@@ -344,14 +344,21 @@ def _quantize_kwargs(variant, quantize):
 BLOCK_SEMANTICS = ("tf", "mx", "nvfp4", "onnx")
 
 
-def _block_options(f):
-    """--semantics (tf, or a block format), the block formats' options and --dtype (--semantics onnx)."""
-    f = click.option("--dtype", default=None, metavar="TYPE",
-                     help="QuantizeLinear's output type (--semantics onnx) [default: uint8, or the zero point's].")(f)
+def _block_options(f, dtype=True):
+    """--semantics (tf, or a block format), the block formats' options and --dtype (--semantics onnx; where the
+    command has no --dtype of its own)."""
+    if dtype:
+        f = click.option("--dtype", default=None, metavar="TYPE",
+                         help="QuantizeLinear's output type (--semantics onnx) [default: uint8, or the zero point's].")(f)
     f = block_format_options(f)
     return click.option("--semantics", type=click.Choice(BLOCK_SEMANTICS), default="tf", show_default=True,
                         help="tf: TensorFlow's fake quant on min/max; mx, nvfp4, onnx: the block format, drawn per "
                              "block (as 'qgcli fakequant --semantics ...' computes it; --channel K: block K).")(f)
+
+
+def _block_options_of_quantize(f):
+    """:func:`_block_options` for the commands whose --dtype is already there (--variant quantize-dequantize's)."""
+    return _block_options(f, dtype=False)
 
 
 def _refuse_block_options(operands, formats, dtype):
@@ -362,7 +369,8 @@ def _refuse_block_options(operands, formats, dtype):
             raise click.BadParameter("only applies to --semantics mx / nvfp4 / onnx", param_hint=f"'{option}'")
 
 
-def _block_run(command, operands, attributes, semantics, formats, dtype, figure, layer, draw_view):
+def _block_run(command, operands, attributes, semantics, formats, dtype, figure, layer, draw_view,
+               with_gradients=False):
     """plot hist / channels of a block format: the family that claims --semantics builds the job (options
     checked as fakequant checks them) and its view of the tensor per block; ``draw_view(view)`` draws it."""
     from qgcli.families import registry
@@ -372,11 +380,36 @@ def _block_run(command, operands, attributes, semantics, formats, dtype, figure,
         raise click.BadParameter("a run file's groups name their format: draw them without --semantics",
                                  param_hint="'--semantics'")
     job = registry.job_from_options(FakeQuantOptions(
-        command, False, operands, attributes, QuantizeAttributes(dtype=dtype), SemanticsOptions(semantics),
+        command, with_gradients, operands, attributes, QuantizeAttributes(dtype=dtype), SemanticsOptions(semantics),
         EstimatorOptions(), OutputOptions(None, quiet=True), formats=formats))
     family = registry.of(job)
-    _run(command, job.operands, figure, lambda loaded, on_device: draw_view(family.block_view(job.formats, loaded)),
-         literal_ok=family.LITERAL_OK)
+    _run(command, job.operands, figure, lambda loaded, on_device: draw_view(family.block_view(job.formats, loaded),
+                                                                            loaded), literal_ok=family.LITERAL_OK)
+
+
+def _block_staircase(command, operands, attributes, semantics, formats, quantize, qdq, channel, max_points, layer,
+                     figure):
+    """plot staircase / ste --semantics mx / nvfp4 / onnx: the element grid's staircase (and for ste the op's
+    gradient function), every block on one grid (--channel K: block K); --dtype is QuantizeLinear's type."""
+    from qgcli.report import block_plots
+
+    _refuse_qdq_options(attributes, qdq)
+    for option, value in quantize.given().items():
+        if option != "--dtype" and value is not None:
+            raise click.BadParameter(f"does not apply to --semantics {semantics}", param_hint=f"'{option}'")
+    common = dict(channel=channel, max_points=max_points, title=figure.title, width=figure.width,
+                  **({} if figure.height is None else {"height": figure.height}))
+
+    def draw(view, loaded):
+        import numpy as np
+
+        if command == "plot ste":
+            g = loaded.get("gradients") if operands.get("gradients") is not None else None
+            return block_plots.ste(view, gradients=None if g is None else np.asarray(g), **common)
+        return block_plots.staircase(view, **common)
+
+    _block_run(command, operands, attributes, semantics, formats, quantize.dtype, figure, layer, draw,
+               with_gradients=command == "plot ste" and operands.get("gradients") is not None)
 
 
 @plot.command("staircase", epilog="""\b
@@ -387,18 +420,25 @@ Example:
   qgcli plot staircase --inputs x.npy --min -2 --max 2.5 --num-bits 4 --variant quantize-and-dequantize-v4 \\
       --range-given -o qdq.png
 """)
-@_operand_options(variants=PLOT_VARIANTS + (QD_VARIANT,) + QDQ_VARIANTS)
+@_operand_options(variants=PLOT_VARIANTS + (QD_VARIANT,) + QDQ_VARIANTS, blocks=True)
 @quantize_options
 @qdq_options
+@_block_options_of_quantize
 @_MAX_POINTS
 @_LAYER
 @_figure_options(6.4, 4.8)
-def staircase(operands, attributes, channel, quantize, qdq, max_points, layer, figure):
+def staircase(operands, attributes, channel, quantize, qdq, semantics, formats, max_points, layer, figure):
     """Inputs vs fake-quantized outputs: the quantization staircase.
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels
-    marked; the title gives num_bits and the nudged range.
+    marked; the title gives num_bits and the nudged range. With --semantics mx / nvfp4 / onnx, the block
+    format's element grid: each input divided by its block's scale (plus the zero point) against its output in
+    the same units, every block on one grid, the grid's step function under them.
     """
+    if semantics != "tf":
+        return _block_staircase("plot staircase", operands, attributes, semantics, formats, quantize, qdq, channel,
+                                max_points, layer, figure)
+    _refuse_block_options(operands, formats, None)
     def draw(operands, on_device):
         from qgcli.report import plots
 
@@ -420,17 +460,24 @@ Examples:
 """)
 @_operand_options(gradients_help="Upstream gradient: also draw backprops_wrt_input (brown), as the notebook does. "
                                  "Only taken from this option, never from the bundle.",
-                  variants=PLOT_VARIANTS + (QD_VARIANT,) + QDQ_VARIANTS)
+                  variants=PLOT_VARIANTS + (QD_VARIANT,) + QDQ_VARIANTS, blocks=True)
 @quantize_options
 @qdq_options
+@_block_options_of_quantize
 @_MAX_POINTS
 @_LAYER
 @_figure_options(6.4, None, "4.8; 7.6 with --gradients")
-def ste(operands, attributes, channel, quantize, qdq, max_points, layer, figure):
+def ste(operands, attributes, channel, quantize, qdq, semantics, formats, max_points, layer, figure):
     """The staircase plus the STE gradient function (TF's mask) on a red panel below.
 
-    With --gradients, also the back-propagated gradient backprops_wrt_input in brown.
+    With --gradients, also the back-propagated gradient backprops_wrt_input in brown. With --semantics mx /
+    nvfp4 / onnx, the block format's staircase on its element grid (as plot staircase) and the op's own
+    gradient function (the identity; ONNX: --estimator is not taken here).
     """
+    if semantics != "tf":
+        return _block_staircase("plot ste", operands, attributes, semantics, formats, quantize, qdq, channel,
+                                max_points, layer, figure)
+    _refuse_block_options(operands, formats, None)
     def draw(loaded, on_device):
         from qgcli.report import plots
 
@@ -466,7 +513,7 @@ def hist(operands, attributes, channel, bins, log_scale, semantics, formats, dty
         from qgcli.report import block_plots
 
         return _block_run("plot hist", operands, attributes, semantics, formats, dtype, figure, layer,
-                          lambda view: block_plots.hist(view, bins=bins, log=log_scale, channel=channel,
+                          lambda view, _: block_plots.hist(view, bins=bins, log=log_scale, channel=channel,
                                                         title=figure.title, width=figure.width, height=figure.height))
     _refuse_block_options(operands, formats, dtype)
 
@@ -516,7 +563,7 @@ def channels(operands, attributes, scale_backprop, offset_backprop, semantics, f
             if value is not None:
                 raise click.BadParameter(f"does not apply to --semantics {semantics}", param_hint=f"'{option}'")
         return _block_run("plot channels", operands, attributes, semantics, formats, dtype, figure, layer,
-                          lambda view: block_plots.channels(view, title=figure.title, width=figure.width,
+                          lambda view, _: block_plots.channels(view, title=figure.title, width=figure.width,
                                                             height=figure.height))
     _refuse_block_options(operands, formats, dtype)
     specs = operands.only("inputs", "gradients", "min", "max", scale_backprop=scale_backprop,

@@ -39,9 +39,11 @@ def stream(runner, job, operands, datasets, budget):
     attrs, compression = setup["attrs"], job.output.compression
     if setup["blocks"] == "leaves":
         grid, kind, passes, how = setup["grid"], setup["kind"], 1, "in blocks"
+        setup["nonfinite"] = [0, 0, 0]  # the inputs' NaN, +inf, -inf, counted as the blocks are read
 
         def compute(out, advance):
-            common = dict(attrs=attrs, compression=compression, budget=budget, progress=advance)
+            common = dict(attrs=attrs, compression=compression, budget=budget, progress=advance,
+                          nonfinite=setup["nonfinite"])
             if setup["gradient"]:
                 return hdf5.fake_quant_gradient(datasets["gradients"], datasets["inputs"], grid, out, kind=kind,
                                                 **common)

@@ -13,6 +13,7 @@ from qgcli.errors import RuntimeFailure
 from qgcli.execution.blocks import leaves as leaf_reduction
 from qgcli.execution.blocks import two_pass
 from qgcli.ops import blocked
+from qgcli.ops.analysis import add_nonfinite
 from qgcli.ops.blocked import submit
 from qgcli.report.progress import Progress
 from qgcli.signals import raise_pending
@@ -133,12 +134,16 @@ def _rows(block, depth):
     return np.ascontiguousarray(block, dtype=_F32).reshape(-1, depth)
 
 
-def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compression, budget, progress=None):
+def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compression, budget, progress=None,
+                        nonfinite=None):
     """Stream a Vars/PerChannel/Args gradient from HDF5 datasets into the open HDF5 file ``out``.
 
     ``kind``: "flat" (per tensor) or "chip" (per channel, channels on the last axis); ``None`` for the
     Args op (no min/max sums).  Returns ``{"backprop_wrt_min": ..., "backprop_wrt_max": ...}`` (or {}).
+    ``nonfinite``: a list of three ints that takes the inputs' NaN, +inf and -inf counts
+    (:func:`qgcli.ops.analysis.add_nonfinite`), block by block as they are read.
     """
+    nonfinite = [0, 0, 0] if nonfinite is None else nonfinite
     shape = tuple(inputs.shape)
     depth = shape[-1] if kind == "chip" else 1
     rows = int(np.prod(shape, dtype=np.int64)) // max(depth, 1)
@@ -152,6 +157,7 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
     step = dx_out.step
     if not shape:
         g, x = _rows(gradients[()], depth), _rows(inputs[()], depth)
+        add_nonfinite(nonfinite, x)
         dx_out.ds[()] = leaf_reduction.gradient_rows(g, x, bounds)[0].reshape(())
         _tick(progress, g.nbytes * 2)
         return {}
@@ -160,6 +166,7 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
     if kind is None:
         for i in range(0, shape[0], step):
             g, x = _rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth)
+            add_nonfinite(nonfinite, x)
             dx = leaf_reduction.gradient_rows(g, x, bounds, out=g)[0]  # the block read is ours to overwrite
             dx_out.write(i, dx.reshape((-1,) + shape[1:]))
             _tick(progress, g.nbytes * 2)
@@ -170,7 +177,9 @@ def fake_quant_gradient(gradients, inputs, grid, out, *, kind, attrs, compressio
     sums, dx_pending, written = [], [], 0
     per_item = rows // shape[0] if shape[0] else 0
     for i in range(0, shape[0], step):
-        ready = cutter.push(_rows(read_g(i, i + step), depth), _rows(read_x(i, i + step), depth))
+        x = _rows(read_x(i, i + step), depth)
+        add_nonfinite(nonfinite, x)
+        ready = cutter.push(_rows(read_g(i, i + step), depth), x)
         if ready is None:
             continue
         (g, x), leaves = ready
@@ -202,8 +211,11 @@ def _flush_rows(output, pending, written, per_item, *, final):
     return written + items
 
 
-def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compression, budget, progress=None):
-    """Stream a fake-quant forward from an HDF5 dataset into ``out['outputs']``."""
+def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compression, budget, progress=None,
+                       nonfinite=None):
+    """Stream a fake-quant forward from an HDF5 dataset into ``out['outputs']`` (``nonfinite``: as for
+    :func:`fake_quant_gradient`)."""
+    nonfinite = [0, 0, 0] if nonfinite is None else nonfinite
     shape = tuple(inputs.shape)
     depth = shape[-1] if per_channel else 1
     params = [getattr(grid, n) for n in ("nudged_min", "nudged_max", "scale", "inv_scale", "quant_zero")]
@@ -215,6 +227,7 @@ def fake_quant_forward(inputs, grid, divide, out, *, per_channel, attrs, compres
     read = _Reader(inputs, output.step, buffers=2 if output.keeps_blocks else 1) if shape else None
     for i in range(0, shape[0] if shape else 1, output.step):
         x = _rows(read(i, i + output.step) if shape else inputs[()], depth)
+        add_nonfinite(nonfinite, x)  # counted before the block is overwritten by its outputs
         y = blocked.quantize(x, (*params, passthrough), divide, grid.needs_flush(),
                              out=x if shape and x.flags.writeable else None)
         if shape:

@@ -27,6 +27,7 @@ from qgcli.execution import memory
 from qgcli.execution.blocks import leaves as leaf_reduction
 from qgcli.execution.blocks import two_pass
 from qgcli.ops import batch_norm as bn, blocked
+from qgcli.ops.analysis import add_nonfinite
 from qgcli.report.text import counted
 from qgcli.signals import raise_pending
 
@@ -91,7 +92,8 @@ class Block:
 
 def compute_block(work, block):
     """One block, on a worker or here: reads its rows from the input stores, writes its chunk of the output,
-    returns ``{"sums": (below, above) leaf sums or None, "seconds": {"read", "compute", "write"}}``."""
+    returns ``{"sums": (below, above) leaf sums or None, "nonfinite": its inputs' [NaN, +inf, -inf],
+    "seconds": {"read", "compute", "write"}}``."""
     started = time.perf_counter()
     per_item = int(np.prod(work.shape[1:], dtype=np.int64)) // max(work.depth, 1)
     i0, i1 = block.items
@@ -106,6 +108,7 @@ def compute_block(work, block):
     x = rows("inputs")
     g = rows("gradients") if work.gradient else None
     read = time.perf_counter()
+    nonfinite = add_nonfinite([0, 0, 0], x[: r1 - r0])  # this block's rows only, not those read on into the next
     sums = None
     if not work.gradient:
         # into the rows read (this block's own array): no second block-sized array to fault in
@@ -115,7 +118,7 @@ def compute_block(work, block):
         dx, sums = leaf_reduction.gradient_rows(g, x, work.bounds, block.leaves, split=split)
     computed = time.perf_counter()
     out[i0:i1] = dx[: r1 - r0].reshape((i1 - i0, *work.shape[1:]))
-    return {"sums": sums, "seconds": _seconds(started, read, computed, time.perf_counter())}
+    return {"sums": sums, "nonfinite": nonfinite, "seconds": _seconds(started, read, computed, time.perf_counter())}
 
 
 def _leaf_run(setup, arrays, x, items):
@@ -140,6 +143,7 @@ def _leaf_run(setup, arrays, x, items):
         results = compute_all(compute_block, work, blocks)
         sums = [r["sums"] for r in results if r["sums"] is not None]
         small = leaf_reduction.finish(plan, sums, passthrough, kind) if plan is not None else {}
+        setup["nonfinite"] = [sum(r["nonfinite"][i] for r in results) for i in range(3)]
         return small, results, {}
 
     note = f"computed in {counted(len(blocks), 'block')} of {counted(items, 'row')} of the first axis"
