@@ -234,3 +234,38 @@ def test_run_summaries_kept_only_where_shown(tmp_path, cli, monkeypatch):
     assert text.exit_code == 0 and "... 4 more groups (--json for all)" in text.stderr
     assert "wrote 7 groups" in text.stderr
 
+
+
+def test_groups_past_the_table_skip_their_summary(tmp_path, cli, monkeypatch):
+    """A group whose summary nobody sees (past the table without --json, or any group under --quiet) runs as
+    under --quiet: no statistics, no summary built; its outputs are the same bits whatever is shown."""
+    from qgcli.execution import runfile as executors_runfile
+    from qgcli.families import tf_fake_quant
+
+    monkeypatch.setattr(executors_runfile, "TABLE_ROWS", 3)
+    built = []
+    real = tf_fake_quant.build_summary
+    monkeypatch.setattr(tf_fake_quant, "build_summary", lambda *a, **k: built.append(1) or real(*a, **k))
+    path = tmp_path / "run.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        for i in range(7):
+            g = f.create_group(f"q{i}")
+            g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
+            g["inputs"] = rng.standard_normal((5, 4)).astype(np.float32) * 3
+            g["min"], g["max"] = -np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+            g["gradients"] = rng.standard_normal((5, 4)).astype(np.float32)
+    counts = {}
+    for name, extra in (("json", ["--json"]), ("table", []), ("quiet", ["-q"])):
+        built.clear()
+        r = cli("fakequant-grad", path, "-o", tmp_path / f"{name}.h5", *extra)
+        assert r.exit_code == 0, r.output
+        counts[name] = len(built)
+    assert counts == {"json": 7, "table": 3, "quiet": 0}
+    with h5py.File(tmp_path / "json.h5", "r") as a, h5py.File(tmp_path / "table.h5", "r") as b, \
+            h5py.File(tmp_path / "quiet.h5", "r") as c:
+        for i in range(7):
+            for key in ("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"):
+                want = a[f"q{i}/{key}"][()]
+                assert want.tobytes() == b[f"q{i}/{key}"][()].tobytes() == c[f"q{i}/{key}"][()].tobytes()
+            assert dict(a[f"q{i}"].attrs) == dict(b[f"q{i}"].attrs) == dict(c[f"q{i}"].attrs)
