@@ -269,3 +269,41 @@ def test_groups_past_the_table_skip_their_summary(tmp_path, cli, monkeypatch):
                 want = a[f"q{i}/{key}"][()]
                 assert want.tobytes() == b[f"q{i}/{key}"][()].tobytes() == c[f"q{i}/{key}"][()].tobytes()
             assert dict(a[f"q{i}"].attrs) == dict(b[f"q{i}"].attrs) == dict(c[f"q{i}"].attrs)
+
+
+def test_discovered_groups_read_as_the_checked_read(tmp_path):
+    """A run file's groups and datasets, found by discovery's walk (hard links only), are opened by their path
+    in one call: the arrays are the checked read's, bit for bit, and a path that no longer opens falls back
+    to the checked lookup and its error."""
+    from qgcli.errors import FileFormatError
+    from qgcli.storage import io
+    from qgcli.storage.operands import Operands
+
+    path = tmp_path / "m.h5"
+    _file(path)
+    with h5py.File(path, "a") as f:  # a group name that is not UTF-8, and a layer at the root's first level
+        g = f.create_group(b"caf\xe9/wq")
+        g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
+        g["inputs"] = np.float32([[1.5, -2.25]])
+        g["min"], g["max"] = np.float32([-1, -1]), np.float32([1, 1])
+    container = io.Container.open(str(path))
+    try:
+        layers = runfile.discover(container._opened(), label=str(path))
+        assert len(layers) == 31
+        for layer in layers:
+            fast = Operands.in_group(container, str(path), layer.path, known=layer.datasets)
+            slow = Operands.in_group(container, str(path), layer.path)
+            for name in ("inputs", "min", "max"):
+                a, b = fast.get(name), slow.get(name)
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+            fast.close()
+            slow.close()
+        assert h5.open_walked(container._opened(), "step_0/nothing") is None
+        gone = Operands.in_group(container, str(path), "step_0/layer_0/wq",
+                                 known={**layers[0].datasets, "gradients": ((2, 4), "float32")})
+        with pytest.raises(Exception, match="gradients"):
+            gone.get("gradients")
+        with pytest.raises(FileFormatError):
+            h5.resolve(container._opened(), "step_0/nothing", "m.h5")
+    finally:
+        container.close()

@@ -218,8 +218,12 @@ class GroupView:
         # Resolved once: each operand is then one link below it (deep run-file paths cost nothing per read).
         if self._node is None:
             top = self._container._opened()
-            self._node = self._h5.resolve(top, self._group, self._container.label) if self._group.strip("/") \
-                else top
+            if not self._group.strip("/"):
+                self._node = top
+            elif self._known:  # found by discovery's walk, which goes down hard links only: one open by path
+                self._node = self._h5.open_walked(top, self._group)
+            if self._node is None:
+                self._node = self._h5.resolve(top, self._group, self._container.label)
         return self._node
 
     def _resolve(self, name):
@@ -249,8 +253,10 @@ class GroupView:
         shape, dtype = self._known[name]
         try:
             node = self._resolved.get(name)
-            dsid = node.id if node is not None else self._h5.resolve(self._group_node(), name, self._label,
-                                                                     low_level=True)
+            # A name discovery found hard-linked in this group: opened straight away, without resolve's checks
+            dsid = node.id if node is not None else self._h5.open_walked(self._group_node(), name, low_level=True)
+            if dsid is None:
+                return None
             return self._h5.read_plain_dataset(dsid, shape, np.dtype(dtype))
         except self._io.CORRUPT_FILE_ERRORS:
             return None
