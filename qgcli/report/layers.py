@@ -106,7 +106,7 @@ def layer_row(container, handle, path, layer, options, percentiles, device, rang
 
 class _ReadOnce:
     """A row's operands, each array read once (the row, the family's analysis and the range loader each ask
-    for ``inputs`` and ``gradients``: two HDF5 reads in four were repeats) and handed out read-only, so that
+    for ``inputs`` and ``gradients``: two HDF5 reads in six were repeats) and handed out read-only, so that
     no reader changes what the next one gets; everything else is the Operands' own."""
 
     def __init__(self, operands):
