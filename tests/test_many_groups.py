@@ -234,3 +234,76 @@ def test_run_summaries_kept_only_where_shown(tmp_path, cli, monkeypatch):
     assert text.exit_code == 0 and "... 4 more groups (--json for all)" in text.stderr
     assert "wrote 7 groups" in text.stderr
 
+
+
+def test_groups_past_the_table_skip_their_summary(tmp_path, cli, monkeypatch):
+    """A group whose summary nobody sees (past the table without --json, or any group under --quiet) runs as
+    under --quiet: no statistics, no summary built; its outputs are the same bits whatever is shown."""
+    from qgcli.execution import runfile as executors_runfile
+    from qgcli.families import tf_fake_quant
+
+    monkeypatch.setattr(executors_runfile, "TABLE_ROWS", 3)
+    built = []
+    real = tf_fake_quant.build_summary
+    monkeypatch.setattr(tf_fake_quant, "build_summary", lambda *a, **k: built.append(1) or real(*a, **k))
+    path = tmp_path / "run.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        for i in range(7):
+            g = f.create_group(f"q{i}")
+            g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
+            g["inputs"] = rng.standard_normal((5, 4)).astype(np.float32) * 3
+            g["min"], g["max"] = -np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+            g["gradients"] = rng.standard_normal((5, 4)).astype(np.float32)
+    counts = {}
+    for name, extra in (("json", ["--json"]), ("table", []), ("quiet", ["-q"])):
+        built.clear()
+        r = cli("fakequant-grad", path, "-o", tmp_path / f"{name}.h5", *extra)
+        assert r.exit_code == 0, r.output
+        counts[name] = len(built)
+    assert counts == {"json": 7, "table": 3, "quiet": 0}
+    with h5py.File(tmp_path / "json.h5", "r") as a, h5py.File(tmp_path / "table.h5", "r") as b, \
+            h5py.File(tmp_path / "quiet.h5", "r") as c:
+        for i in range(7):
+            for key in ("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"):
+                want = a[f"q{i}/{key}"][()]
+                assert want.tobytes() == b[f"q{i}/{key}"][()].tobytes() == c[f"q{i}/{key}"][()].tobytes()
+            assert dict(a[f"q{i}"].attrs) == dict(b[f"q{i}"].attrs) == dict(c[f"q{i}"].attrs)
+
+
+def test_discovered_groups_read_as_the_checked_read(tmp_path):
+    """A run file's groups and datasets, found by discovery's walk (hard links only), are opened by their path
+    in one call: the arrays are the checked read's, bit for bit, and a path that no longer opens falls back
+    to the checked lookup and its error."""
+    from qgcli.errors import FileFormatError
+    from qgcli.storage import io
+    from qgcli.storage.operands import Operands
+
+    path = tmp_path / "m.h5"
+    _file(path)
+    with h5py.File(path, "a") as f:  # a group name that is not UTF-8, and a layer at the root's first level
+        g = f.create_group(b"caf\xe9/wq")
+        g.attrs["op"] = "FakeQuantWithMinMaxVarsPerChannel"
+        g["inputs"] = np.float32([[1.5, -2.25]])
+        g["min"], g["max"] = np.float32([-1, -1]), np.float32([1, 1])
+    container = io.Container.open(str(path))
+    try:
+        layers = runfile.discover(container._opened(), label=str(path))
+        assert len(layers) == 31
+        for layer in layers:
+            fast = Operands.in_group(container, str(path), layer.path, known=layer.datasets)
+            slow = Operands.in_group(container, str(path), layer.path)
+            for name in ("inputs", "min", "max"):
+                a, b = fast.get(name), slow.get(name)
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+            fast.close()
+            slow.close()
+        assert h5.open_walked(container._opened(), "step_0/nothing") is None
+        gone = Operands.in_group(container, str(path), "step_0/layer_0/wq",
+                                 known={**layers[0].datasets, "gradients": ((2, 4), "float32")})
+        with pytest.raises(Exception, match="gradients"):
+            gone.get("gradients")
+        with pytest.raises(FileFormatError):
+            h5.resolve(container._opened(), "step_0/nothing", "m.h5")
+    finally:
+        container.close()

@@ -366,3 +366,32 @@ def test_cli_ok_verdicts(cli):
     doc = run_json(cli, PER_CHANNEL, "--threshold", "0.9")
     assert doc["flagged"] == []
     assert doc["verdict"].startswith("Verdict: OK, no channel loses more than 90% of its gradient mass (worst: ch 3,")
+
+
+def test_report_reads_each_dataset_of_a_group_once(tmp_path, cli, monkeypatch):
+    """The row, the analysis and the range loader share one read of each dataset (handed out read-only), and
+    the rows are those of a read per request."""
+    from qgcli.report import layers
+    from qgcli.storage import operands
+
+    path = tmp_path / "run.h5"
+    rng = np.random.default_rng(1)
+    with h5py.File(path, "w") as f:
+        for i, op in enumerate(("FakeQuantWithMinMaxVarsPerChannel", "FakeQuantWithMinMaxVars")):
+            g = f.create_group(f"l{i}")
+            g.attrs["op"] = op
+            g["inputs"] = rng.standard_normal((6, 3)).astype(np.float32) * 2
+            shape = (3,) if i == 0 else ()
+            g["min"], g["max"] = np.full(shape, -1.5, np.float32), np.full(shape, 1.25, np.float32)
+            g["gradients"] = rng.standard_normal((6, 3)).astype(np.float32)
+    reads = []
+    real = operands.GroupView.read
+    monkeypatch.setattr(operands.GroupView, "read", lambda self, name: reads.append((self._group, name)) or
+                        real(self, name))
+    once = cli("report", path, "--json")
+    assert once.exit_code == 0, once.output
+    assert sorted(reads) == sorted({(g, n) for g in ("l0", "l1") for n in ("inputs", "min", "max", "gradients")})
+    monkeypatch.setattr(layers, "_ReadOnce", lambda operands: operands)  # each request read again
+    again = cli("report", path, "--json")
+    assert json.loads(once.stdout)["layers"] == json.loads(again.stdout)["layers"]
+    assert len(reads) == 8 + 12

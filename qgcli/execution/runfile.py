@@ -76,13 +76,14 @@ def refusal(where, bad, total):
 
 # --- running the groups ---------------------------------------------------------------------------------
 
-def _prepared(job, container, path, layer):
-    """``(group job, runner, operands, overrides)`` of one layer."""
+def _prepared(job, container, path, layer, output=None):
+    """``(group job, runner, operands, overrides)`` of one layer, its results going to ``output`` (default:
+    the run's)."""
     specs = groups.operand_specs(layer)  # literal operands a group carries as attributes
     replaced = dict(job.ranges).get(layer.path) if getattr(job, "ranges", ()) else None
     if replaced:  # --ranges: the group's range parameters from the ranges file
         specs = specs.__class__(specs.bundle, tuple({**specs.as_dict(), **dict(replaced)}.items()))
-    group_job, overrides = groups.job_from_group(job, layer, specs, job.output)
+    group_job, overrides = groups.job_from_group(job, layer, specs, output or job.output)
     runner = _TOOLS["runner_for"](group_job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK,
                                  known=layer.datasets)
@@ -102,12 +103,14 @@ def _errors():
     return (QgcliError, UsageProblem)
 
 
-def _each(job, container, path, layers, skipped):
+def _each(job, container, path, layers, skipped, ran):
     """Yield ``(layer, group job, runner, operands, overrides)``; a layer that fails to build goes to
-    ``skipped`` with --skip-invalid, else stops the run."""
+    ``skipped`` with --skip-invalid, else stops the run.  A group whose summary :func:`_record` will not keep
+    (``ran``: the groups recorded so far) runs as under --quiet: what only feeds its summary is skipped."""
+    quiet = job.output._replace(quiet=True)
     for layer in layers:
         try:
-            yield (layer, *_prepared(job, container, path, layer))
+            yield (layer, *_prepared(job, container, path, layer, job.output if _keeps(job, ran) else quiet))
         except _errors() as exc:
             layer.error = _failure(layer, exc)
             if not job.skip_invalid:
@@ -138,7 +141,7 @@ def _run_and_write(job, container, path, layers):
     memory_plan = _TOOLS["memory_plan"]
     ran, skipped, budgets = [], [], {}
     with fmt.group_sink(out.destination, compression=out.compression) as sink:
-        for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped):
+        for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped, ran):
             raise_pending()
             try:
                 if sink.streams:  # .h5: a group too large for memory is computed into the file
@@ -189,9 +192,14 @@ def _record(job, ran, layer, group_job, summary, overrides):
     """One ran group.  Its whole summary is kept only where it will be shown (``--json``, or a row of the
     table): 20,000 groups' summaries are 100 MB, and memory must not grow with the groups beyond the
     listing.  Past the table, without --json, a group keeps its path, op, family and overrides."""
-    keep = job.output.as_json or len(ran) < TABLE_ROWS
+    keep = _keeps(job, ran)
     ran.append({"path": layer.path, "op": layer.op, "job_op": summary.get("op"), "family": group_job.family,
                 "overrides": overrides, "summary": summary if keep else {}})
+
+
+def _keeps(job, ran):
+    """Whether the next group's whole summary is kept (:func:`_record`)."""
+    return job.output.as_json or len(ran) < TABLE_ROWS
 
 
 def _fits(layer, group_job, budgets):

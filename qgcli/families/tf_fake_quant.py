@@ -227,8 +227,10 @@ def compute(job, operands):
     if variant == "args":
         attrs.update(min=float(mn), max=float(mx))
     raw = {"gradients": gradients, "inputs": inputs, "min": mn, "max": mx}
+    # Nobody sees the summary (--quiet, or a run-file group past the table): its op only, the one thing the
+    # run file's record keeps of it.
     summary = build_summary(job.command, op, variant, operands, raw, outputs, grid, stats, attrs,
-                            job.output.destination)
+                            job.output.destination) if job.output.shows_summary else {"op": op}
 
     def figure():
         """The STE figure of this run (staircase, mask, backprops); per-channel data drawn flattened."""

@@ -33,6 +33,7 @@ refuses them; TF's registered gradient transposes to channels-last around the op
 values); negative epsilon, negative variance
 and non-float operands are refused (TF silently returns NaN or refuses at graph construction).
 """
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -245,9 +246,10 @@ def sum_units(acb, dtype):
 
 def acb_shape(shape, channels_first):
     """``x`` viewed as [A, C, B]: channels-last is [rest, C, 1], channels-first [N, C, spatial]."""
+    # math.prod, not np.prod: the same product of Python ints, without NumPy's ~8 us per call (a small call's)
     if channels_first:
-        return (shape[0], shape[1], int(np.prod(shape[2:], dtype=np.int64)))
-    return (int(np.prod(shape[:-1], dtype=np.int64)), shape[-1], 1)
+        return (shape[0], shape[1], int(math.prod(shape[2:])))
+    return (int(math.prod(shape[:-1])), shape[-1], 1)
 
 
 def _blocks(acb, xp):

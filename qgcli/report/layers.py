@@ -97,11 +97,32 @@ def layer_row(container, handle, path, layer, options, percentiles, device, rang
     operands = Operands.in_group(container, path, layer.path, literal_specs(layer), literal_ok=("min", "max"),
                                  known=layer.datasets)
     try:
-        return _row(layer, operands, options, percentiles, device, range_method)
+        return _row(layer, _ReadOnce(operands), options, percentiles, device, range_method)
     except (QgcliError, ValueError) as exc:
         return {"error": str(exc)}
     finally:
         operands.close()
+
+
+class _ReadOnce:
+    """A row's operands, each array read once (the row, the family's analysis and the range loader each ask
+    for ``inputs`` and ``gradients``: two HDF5 reads in six were repeats) and handed out read-only, so that
+    no reader changes what the next one gets; everything else is the Operands' own."""
+
+    def __init__(self, operands):
+        self._operands, self._arrays = operands, {}
+
+    def get(self, name, *, required=True):
+        array = self._arrays.get(name)
+        if array is None:
+            array = self._operands.get(name, required=required)
+            if isinstance(array, np.ndarray):
+                array.setflags(write=False)
+                self._arrays[name] = array
+        return array
+
+    def __getattr__(self, attr):
+        return getattr(self._operands, attr)
 
 
 def _attr(layer, options, name, default):

@@ -147,6 +147,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     Nothing stays open (holding every layer's open objects made memory grow with the file: 20,000 groups,
     1.2 GB): running a layer opens its group again, and reads the small datasets found here in one call each."""
     import h5py
+    from h5py import h5a
 
     from qgcli.storage import h5
 
@@ -168,7 +169,9 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
         pending.clear()
 
     def add(path, g):
-        has_op = path != "/" and "op" in g.attrs  # the attribute first: such a group needs no look at its datasets
+        # the attribute first: such a group needs no look at its datasets (h5a.exists: `"op" in g.attrs`, a
+        # third of its cost)
+        has_op = path != "/" and h5a.exists(g.id, b"op")
         groups.append([path, None, g if has_op else None])
         children[path] = []
         if has_op:
