@@ -31,8 +31,9 @@ as trainable variables) records its gradient's norm as ``scale_grad_norm``.  A q
 not run at a later sample step (a ``tf.cond`` that skips it) is recorded there with ``fake_quant_enabled`` 0 only.
 Batch norms (``tf.compat.v1.nn.fused_batch_norm`` with ``is_training``: tf_keras ``BatchNormalization`` on 4-D
 and 5-D inputs, kept as ``quant_batch_normalization`` by tfmot's ``quantize_model``) record ``bn_mean_shift`` and
-``bn_var_ratio`` (the batch statistics against the running ones before the step's update, derived from the
-op's outputs: O(channels)), NaN/Inf inputs and their upstream gradient.  Not monitored: Keras 3.
+``bn_var_ratio`` (the batch statistics of its input against the running ones before the step's update) and
+NaN/Inf inputs; not their gradient (a tap on the op's output would undo its fusion with the ReLU after it,
+whose gradient rounds differently: the monitor would not be passive).  Not monitored: Keras 3.
 """
 import contextlib
 import inspect
@@ -206,7 +207,9 @@ class _Watch:
 
         def write():
             stats = make_stats()
-            values = tf.stack([slot["stamp"]] + [tf.cast(stats[n], tf.float64) for n in names])
+            vector = tf.stack([v if v.dtype == tf.float32 else tf.cast(v, tf.float32)
+                               for v in (tf.convert_to_tensor(stats[n]) for n in names)])
+            values = tf.concat([tf.reshape(slot["stamp"], [1]), tf.cast(vector, tf.float64)], 0)
             handle = slot.get("handles", {}).get((site, tuple(names)))
             assign = (sink.assign(values, read_value=False) if handle is None else
                       tf.raw_ops.AssignVariableOp(resource=handle, value=values))
@@ -265,7 +268,11 @@ class _Watch:
                                       _FORWARD))
             with tf.control_dependencies(done):
                 y = tf.identity(y)
-            slot["mask"] = lambda: geometry["mask"](x)  # built inside the gradient taps' sampling branches
+            if self.mode == "full":  # the STE mask, once for both gradient taps
+                inside = geometry["mask"](x)
+                slot["mask"] = lambda: inside
+            else:  # built inside the gradient taps' sampling branches
+                slot["mask"] = lambda: geometry["mask"](x)
             return self._tap_dy(name, y, slot)
 
         return wrapper
@@ -291,15 +298,13 @@ class _Watch:
                 "op": "FusedBatchNormV3", "epsilon": float(a["epsilon"]), "data_format": fmt,
                 "exponential_avg_factor": float(factor)}))
             # the running statistics as the op reads them, before the step's update
-            a["mean"], a["variance"] = running = tf.convert_to_tensor(a["mean"]), tf.convert_to_tensor(a["variance"])
-            slot = self._slot()
-            y, mean, variance = original(**a)
-            self._gradient_sinks(slot, name, dy=_DY)
-            done = self._sampled(slot, name, "forward", lambda: _bn_stats(
-                tf, x, running, (mean, variance), float(factor), float(a["epsilon"])), _BN_FORWARD)
-            with tf.control_dependencies([done]):
-                y = tf.identity(y)
-            return self._tap_dy(name, y, slot), mean, variance
+            running = tf.convert_to_tensor(a["mean"]), tf.convert_to_tensor(a["variance"])
+            out = original(**a)
+            # nothing is added on the op's output: an op between it and its ReLU would undo the fusion of the two
+            # (oneDNN), whose gradient rounds otherwise; a variable's assignment runs in a tf.function unasked
+            self._sampled(self._slot(), name, "forward", lambda: _bn_stats(
+                tf, x, running, fmt, float(a["epsilon"])), _BN_FORWARD)
+            return out
 
         return wrapper
 
@@ -313,9 +318,10 @@ class _Watch:
                 slot["dy"] = dy
 
                 def stats():
-                    out = {"dy_norm": tf.norm(dy),
+                    squares = 2 * tf.nn.l2_loss(dy)  # one kernel: the sum of squares / 2
+                    out = {"dy_norm": tf.sqrt(squares),
                            "dy_zero": tf.reduce_mean(tf.cast(tf.equal(dy, 0), tf.float32)),
-                           "nan_grads": tf.reduce_sum(tf.cast(~tf.math.is_finite(dy), tf.float32)),
+                           "nan_grads": _nonfinite(tf, dy, squares),
                            "needs_grad": tf.constant(1.0)}
                     if "mask" in slot:
                         mass = tf.abs(dy)
@@ -340,7 +346,7 @@ class _Watch:
                 names = _DX if compared else _DX[:1]
 
                 def stats():
-                    out = {"dx_norm": tf.norm(dx)}
+                    out = {"dx_norm": tf.sqrt(2 * tf.nn.l2_loss(dx))}
                     if compared:
                         reference = dy * slot["mask"]()
                         den = tf.reduce_sum(tf.abs(reference))
@@ -385,16 +391,15 @@ class _Watch:
                                                                                      "frequency", "sample")}
                 self.state[name]["started"] = tf.Variable(False, trainable=False)
         s = self.state[name]
-        m = self.momentum
-        codes = geometry["codes"](x)
         started = s["started"].read_value()
+        codes = geometry["codes"](x)
         # the first step only stores the codes (no move yet)
-        move = tf.where(started, tf.sign(codes - s["codes"].read_value()), tf.zeros_like(codes))
+        move = tf.sign(codes - s["codes"].read_value()) * tf.cast(started, tf.float32)
         direction = s["direction"].read_value()
         flipped = tf.nn.relu(-move * direction)  # 1 where the move reverses the last one
-        frequency = s["frequency"].read_value() * (1 - m) + m * flipped
-        ops = [s["frequency"].assign(frequency, read_value=False),
-               s["direction"].assign(tf.sign(2 * move + direction), read_value=False),
+        frequency = s["frequency"].read_value() * (1 - self.momentum) + self.momentum * flipped
+        direction = tf.sign(2 * move + direction)
+        ops = [s["frequency"].assign(frequency, read_value=False), s["direction"].assign(direction, read_value=False),
                s["codes"].assign(codes, read_value=False), s["started"].assign(True, read_value=False)]
         if slot is None:
             return ops
@@ -424,22 +429,18 @@ def _assigned(tf, variable, value):
         return tf.constant(0)
 
 
-def _bn_stats(tf, x, running, outputs, factor, epsilon):
-    """A fused batch norm's batch statistics against the running ones it read, as the torch monitor reports them
-    (bn_mean_shift, bn_var_ratio).  The op's outputs are ``(1 - f) running + f batch`` (the variance unbiased);
-    tf_keras passes its running variance with Bessel's correction added and removes it from the output, so
-    both variances lose it here: ``(n - 1) / n``.  In float64, O(channels)."""
+def _bn_stats(tf, x, running, data_format, epsilon):
+    """A fused batch norm's batch statistics (of its input, the variance biased, in float32 as the op computes
+    them) against the running ones it read (tf_keras: the layer's ``moving_mean`` and ``moving_variance``), as
+    the torch monitor reports them (bn_mean_shift, bn_var_ratio)."""
+    axes = [0, 2, 3, 4][:x.shape.rank - 1] if data_format.startswith("NC") else list(range(x.shape.rank - 1))
+    mean, var = tf.nn.moments(x, axes)
     f64 = tf.float64
+    mean, var = tf.cast(mean, f64), tf.cast(var, f64)
     rm, rv = (tf.cast(t, f64) for t in running)
-    om, ov = (tf.cast(t, f64) for t in outputs)
-    mean = (om - (1 - factor) * rm) / factor
-    var = (ov - (1 - factor) * rv) / factor
-    n = tf.cast(tf.size(x), f64) / tf.cast(tf.size(om), f64)
-    keep = (n - 1) / n
-    rv, var = rv * keep, var * keep
     return {"bn_mean_shift": tf.reduce_mean(tf.abs(mean - rm) / tf.sqrt(rv + epsilon)),
             "bn_var_ratio": tf.reduce_mean(tf.abs(tf.math.log((var + epsilon) / (rv + epsilon)))),
-            "nan_inputs": tf.reduce_sum(tf.cast(~tf.math.is_finite(x), tf.float32))}
+            "nan_inputs": _nonfinite(tf, x, tf.reduce_sum(mean))}
 
 
 def _reads_variable(x):
@@ -488,15 +489,23 @@ def _forward_stats(tf, x, y, lo, hi, g):
     flat = tf.reshape(g["scale"], [-1])
     ordered = tf.sort(flat)
     zp = tf.reshape(g["zero_point"], [-1])
-    noise = tf.reduce_sum(tf.square(x - y))
+    noise = 2 * tf.nn.l2_loss(x - y)
+    signal = 2 * tf.nn.l2_loss(x)
     return {"clip_low": tf.reduce_mean(tf.cast(x < g["min"], tf.float32)),
             "clip_high": tf.reduce_mean(tf.cast(x > g["max"], tf.float32)),
             "scale_min": ordered[0], "scale_median": ordered[tf.size(ordered) // 2], "scale_max": ordered[-1],
             "zero_point_min": tf.reduce_min(zp), "zero_point_max": tf.reduce_max(zp),
             "range_min": tf.reduce_min(lo), "range_max": tf.reduce_max(hi),
-            "nan_inputs": tf.reduce_sum(tf.cast(~tf.math.is_finite(x), tf.float32)),
-            "sqnr_db": 10.0 * tf.math.log(tf.reduce_sum(tf.square(x)) / tf.maximum(noise, 1e-30)) / tf.math.log(10.0),
+            "nan_inputs": _nonfinite(tf, x, signal),
+            "sqnr_db": 10.0 * tf.math.log(signal / tf.maximum(noise, 1e-30)) / tf.math.log(10.0),
             "fake_quant_enabled": tf.constant(1.0)}
+
+
+def _nonfinite(tf, t, total):
+    """The count of NaN and +-inf elements of ``t``, counted only when ``total`` (a sum over ``t`` computed
+    anyway) is not finite: a finite sum has no such element, and the pass over ``t`` is saved."""
+    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(0.0),
+                   lambda: tf.reduce_sum(tf.cast(~tf.math.is_finite(t), tf.float32)))
 
 
 @contextlib.contextmanager
