@@ -183,11 +183,12 @@ class _Watch:
         return slot
 
     def _sink(self, name, site, names):
+        tf = self.tf
         key = (name, site, tuple(names))
         if key not in self.sinks:
-            with self.tf.init_scope():
-                self.sinks[key] = self.tf.Variable(self.tf.fill([len(names) + 1], self.tf.constant(-1.0, self.tf.float64)),
-                                                   trainable=False)
+            with tf.init_scope():  # step -1: never written
+                self.sinks[key] = tf.Variable(tf.fill([len(names) + 1], tf.constant(-1.0, tf.float64)),
+                                              trainable=False)
         return self.sinks[key]
 
     def _gradient_sinks(self, slot, name, **sites):
