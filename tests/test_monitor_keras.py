@@ -1,6 +1,8 @@
 """qgcli.monitor.keras on a small tf_keras + TF Model Optimization QAT model: model.fit with the callback, a
 custom tf.function loop with mon.step() (nothing forced eager), a planted fault found by `qgcli doctor`, and
 the monitor is passive (the same weights, bit for bit)."""
+import contextlib
+import functools
 import json
 import os
 
@@ -69,16 +71,7 @@ def test_tf_function_loop_and_a_range_made_negative(tmp_path):
 
     x, y = _data()
     model = _model()
-    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    opt = tf.keras.optimizers.SGD(0.01)
-
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            value = loss(yb, model(xb, training=True))
-        grads = tape.gradient(value, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-
+    step = _steps(model, 0.01)
     ranges = [v for v in model.get_layer("quant_dense").weights if "post_activation_m" in v.name]
     assert len(ranges) == 2, [v.name for v in model.get_layer("quant_dense").weights]
     with monitor(tmp_path / "h", every=3, tensorboard=tmp_path / "tb") as mon:
@@ -103,3 +96,116 @@ def test_tf_function_loop_and_a_range_made_negative(tmp_path):
     got = acc.Scalars(f"scale_median/{weight_layer}")
     assert [e.step for e in got] == [1, 3, 6] and [e.value for e in got] == pytest.approx(s["scale_median"], rel=1e-6)
     assert [e.value for e in acc.Scalars("aggregate/share_with_events")][-1] > 0  # min > max at step 6
+
+
+def _steps(model, lr):
+    """A custom training step as a ``tf.function``: forward, tf.GradientTape, apply_gradients."""
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = tf.keras.optimizers.SGD(lr)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            value = loss(yb, model(xb, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return step
+
+
+def test_passive_fit_and_tf_function_loop(tmp_path):
+    """A monitored run's weights (kernels, quantizer ranges, batch-norm statistics) equal an unmonitored run's bit
+    for bit: model.fit with the callback (sampling and plain steps) and a custom tf.function loop with the
+    context (a tf.cond per statistic)."""
+    from qgcli.monitor.keras import Monitor, monitor
+
+    x, y = _data()
+    x, y = x[:24], y[:24]
+    runs = {}
+    for watched in (False, True):
+        model = _model()
+        callbacks = [Monitor(tmp_path / "fit", every=2)] if watched else []
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+        runs["fit", watched] = model.get_weights()
+        model = _model()
+        step = _steps(model, 0.05)
+        with contextlib.ExitStack() as stack:
+            mon = stack.enter_context(monitor(tmp_path / "loop", every=2)) if watched else None
+            for i in range(3):
+                step(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+                if mon:
+                    mon.step()
+        runs["loop", watched] = model.get_weights()
+    for kind in ("fit", "loop"):
+        plain, watched = runs[kind, False], runs[kind, True]
+        assert len(plain) == len(watched) > 8
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(plain, watched)), kind
+        h = read_history(tmp_path / kind)
+        assert h.steps == [1, 2], kind
+        roles = {la["role"] for la in h.layers}
+        assert roles == {"weight", "activation", "batch_norm"}, (kind, roles)
+        for layer in h.layers:  # every layer sampled at both steps; a weight's upstream gradient seen
+            s = h.series(layer["path"])
+            name = {"batch_norm": "bn_mean_shift", "weight": "dy_norm", "activation": "scale_max"}[layer["role"]]
+            assert all(v > 0 for v in s[name]), (layer["path"], s)
+    assert runs["fit", False][0].tobytes() != _model().get_weights()[0].tobytes()  # the runs trained
+
+
+def test_batch_norm_running_against_batch_statistics(tmp_path, monkeypatch):
+    """A MobileNetV2-like conv-bn-relu6 / depthwise-bn-relu6 model after tfmot's quantize_model (its batch norms
+    kept as quant_batch_normalization layers): bn_mean_shift and bn_var_ratio against the running statistics
+    before the step's update, computed in NumPy from each batch norm's input, and they jump when the inputs'
+    statistics change (20 times the inputs at step 8)."""
+    from qgcli.monitor.keras import monitor
+
+    tf.keras.backend.clear_session()
+    tf.keras.utils.set_random_seed(0)
+    layers = tf.keras.layers
+    base = tf.keras.Sequential([layers.Conv2D(4, 3, padding="same", input_shape=(8, 8, 3)),
+                                layers.BatchNormalization(), layers.ReLU(6.0),
+                                layers.DepthwiseConv2D(3, padding="same"), layers.BatchNormalization(),
+                                layers.ReLU(6.0), layers.GlobalAveragePooling2D(), layers.Dense(4)])
+    model = tfmot.quantization.keras.quantize_model(base)
+    bns = [la.layer for la in model.layers if isinstance(getattr(la, "layer", None), layers.BatchNormalization)]
+    assert len(bns) == 2
+    seen = []  # each batch norm's input, in call order
+    original = tf.compat.v1.nn.fused_batch_norm
+
+    @functools.wraps(original)
+    def recorder(x, *args, **kwargs):
+        seen.append(np.asarray(x, np.float64))
+        return original(x, *args, **kwargs)
+
+    monkeypatch.setattr(tf.compat.v1.nn, "fused_batch_norm", recorder)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = tf.keras.optimizers.SGD(0.01)
+    x, y = _data()
+    want = {0: [], 1: []}
+    with monitor(tmp_path / "h", every=2) as mon:
+        for step in range(1, 9):  # eager: each batch norm's input read back here
+            before = [(bn.moving_mean.numpy().astype(np.float64), bn.moving_variance.numpy().astype(np.float64))
+                      for bn in bns]
+            del seen[:]
+            xb = x[:8] * (20 if step == 8 else 1)
+            with tf.GradientTape() as tape:
+                value = loss(y[:8], model(xb, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            mon.step()
+            assert len(seen) == 2
+            if step in (1, 2, 4, 6, 8):
+                for i, (bn, h, (rm, rv)) in enumerate(zip(bns, seen, before)):
+                    mean, var = h.mean((0, 1, 2)), h.var((0, 1, 2))
+                    want[i].append((np.mean(np.abs(mean - rm) / np.sqrt(rv + bn.epsilon)),
+                                    np.mean(np.abs(np.log((var + bn.epsilon) / (rv + bn.epsilon))))))
+    h = read_history(tmp_path / "h")
+    paths = [la["path"] for la in h.layers if la["role"] == "batch_norm"]
+    assert len(paths) == 2 and all("quant_batch_normalization" in p for p in paths), paths
+    for i, path in enumerate(paths):
+        s = h.series(path)
+        assert s["steps"] == [1, 2, 4, 6, 8]
+        assert s["bn_mean_shift"] == pytest.approx([w[0] for w in want[i]], rel=1e-4)
+        assert s["bn_var_ratio"] == pytest.approx([w[1] for w in want[i]], rel=1e-4)
+        assert s["nan_inputs"] == [0] * 5
+    first = h.series(paths[0])  # 20 times the inputs: the batch variance about 400 times the running one
+    assert first["bn_var_ratio"][-1] > max(first["bn_var_ratio"][:-1]) + 2

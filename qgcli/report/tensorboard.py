@@ -76,7 +76,10 @@ class SampleEvents:
     the layers' blocked shares."""
 
     def __init__(self, logdir):
-        self._writer = _writer(logdir)
+        # tensorboardX writes events from a thread of its own, and its flush() flushes what that thread has
+        # written, not what is still queued for it: the thread's own flush, every second here (not every 120 s),
+        # puts each sample on disk within about a second of add_sample
+        self._writer = _writer(logdir, flush_secs=1)
 
     def add_sample(self, step, rows, with_events=()):
         """``rows``: ``{layer path: {statistic: value}}`` (clip_low and clip_high give ``clipped``);
@@ -103,13 +106,13 @@ class SampleEvents:
         self._writer.close()
 
 
-def _writer(logdir):
+def _writer(logdir, flush_secs=120):
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
         raise OutputError("writing TensorBoard event files needs tensorboardX: pip install 'qgcli[tensorboard]'",
                           operand="--tensorboard") from None
     try:
-        return SummaryWriter(logdir=logdir)
+        return SummaryWriter(logdir=logdir, flush_secs=flush_secs)
     except OSError as exc:
         raise OutputError(f"cannot write to {logdir}: {exc.strerror or exc}", operand="--tensorboard") from None
