@@ -22,8 +22,8 @@ NULL.  Read the ``stats`` view, never ``stat_codes``; in one line with pandas::
 
 Statistics are kept at float32 precision (24 significant bits), which makes a row small: ``stat_codes`` holds
 each value ``v = m * 2**k`` (m an integer below 2**24 without trailing zero bits, -62 <= k <= 62) as the
-INTEGER ``sign(m) * (|m| * 128 + (k & 127))``, which SQLite's record stores in 0 to 4 bytes (0, 0.5 and 1
-in at most 2), and a value out of that range (below about 1e-12, infinities) as its REAL; the view decodes it
+INTEGER ``sign(m) * ((k & 127) * 2**24 + |m|)``, which SQLite's record stores in 0 to 4 bytes (0 and 1, flags
+and counts, in none), and a value out of that range (below about 1e-12, infinities) as its REAL; the view decodes it
 with integer arithmetic (any SQLite).  A per-tensor quantizer's ``scale_min`` / ``scale_max`` equal to its
 ``scale_median``, and a ``zero_point_max`` equal to ``zero_point_min``, are stored once.  Schema version 1
 (qgcli before the compact rows: ``stats`` a table of REAL columns) is still read.
@@ -83,7 +83,7 @@ def encode(value):
     the codes' range, the float.
 
     >>> encode(0.0), encode(1.0), encode(0.5), encode(-3.0), decode(encode(0.1)) == float(_float32(0.1))
-    (0, 128, 255, -384, True)
+    (0, 1, 2130706433, -3, True)
     """
     if value is None:
         return None
@@ -98,7 +98,7 @@ def encode(value):
     m, k = m >> zeros if m > 0 else -(-m >> zeros), k + zeros
     if not -_EXPONENTS <= k <= _EXPONENTS:
         return value
-    code = abs(m) * 128 + (k & 127)
+    code = (k & 127) * 2 ** 24 + abs(m)
     return code if m > 0 else -code
 
 
@@ -107,7 +107,7 @@ def decode(code):
     if not isinstance(code, int):
         return code
     a = abs(code)
-    m, low = a >> 7, a & 127
+    m, low = a & 0xFFFFFF, a >> 24
     value = float(m) * (2.0 ** (low if low < 64 else low - 128))
     return -value if code < 0 else value
 
@@ -119,9 +119,9 @@ def _float32(value):
 def _decoded(column):
     """The view's SQL for ``stat_codes`` column ``column``: :func:`decode` in SQLite's integer arithmetic."""
     c = f'"{column}"'
-    a, low = f"abs({c})", f"(abs({c}) % 128)"
+    m, low = f"(abs({c}) % 16777216)", f"(abs({c}) / 16777216)"
     value = (f"CASE WHEN typeof({c}) != 'integer' THEN {c} ELSE (CASE WHEN {c} < 0 THEN -1.0 ELSE 1.0 END) * "
-             f"({a} / 128) * (CASE WHEN {low} < 64 THEN (1 << {low}) ELSE 1.0 / (1 << (128 - {low})) END) END")
+             f"{m} * (CASE WHEN {low} < 64 THEN (1 << {low}) ELSE 1.0 / (1 << (128 - {low})) END) END")
     return value if column not in _SHARED else f"coalesce({value}, {_decoded(_SHARED[column])})"
 
 
