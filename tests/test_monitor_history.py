@@ -31,7 +31,8 @@ def test_schema_reads_with_sqlite_alone(tmp_path):
         rows = db.execute("select stats.step, layers.path, clip_low, dy_norm, scale_min from stats "
                           "join layers on layers.id = stats.layer_id order by step, path").fetchall()
         columns = [c[1] for c in db.execute("pragma table_info(stats)")]
-    assert rows[0] == (1, "layer0", 0.1, 1.0, None)  # NaN is stored as NULL
+    assert rows[0] == (1, "layer0", pytest.approx(0.1, rel=1e-7), 1.0, None)  # NaN is stored as NULL
+    assert rows[0][2] != 0.1  # float32 precision
     assert len(rows) == 9
     assert columns == ["step", "layer_id", *NAMES]
 
@@ -43,7 +44,7 @@ def test_read_back(tmp_path):
     assert h.steps == [1, 10] and [layer["path"] for layer in h.layers] == ["layer0", "layer1", "layer2"]
     assert h.layers[0]["info"] == {"quant_min": -128} and h.meta["every"] == "1"
     s = h.series("layer1")
-    assert s["steps"] == [1, 10] and s["dy_norm"] == [1.0, 10.0] and s["clip_low"] == [0.2, 0.2]  # ids count from 1
+    assert s["steps"] == [1, 10] and s["dy_norm"] == [1.0, 10.0] and s["clip_low"] == pytest.approx([0.2, 0.2], rel=1e-7)  # ids count from 1
 
 
 def test_recognised_by_content(tmp_path):
@@ -100,3 +101,65 @@ def test_sigkill_keeps_every_completed_sample(tmp_path):
         with closing(sqlite3.connect(path)) as db:
             counts = db.execute("select step, count(*), min(dy_norm - layer_id) from stats group by step").fetchall()
         assert counts == [(s, 100, float(s)) for s in h.steps]  # whole samples only
+
+
+def test_compact_codes_read_as_float32_by_the_view(tmp_path):
+    """stat_codes holds float32-precision codes; the documented ``stats`` view (plain SQLite integer arithmetic)
+    decodes them to what read_history gives, over the whole range (tiny, huge, infinite values as REALs)."""
+    import math
+    import struct
+
+    from qgcli.monitor.history import decode, encode
+
+    rng = random.Random(5)
+    values = [0.0, 1.0, -1.0, 0.5, 2.0 ** 24 - 1, 2.0 ** 24 + 2, 1e-12, 1e-20, 1e30, math.inf, -math.inf]
+    values += [rng.uniform(-1, 1) * 10 ** rng.uniform(-12, 20) for _ in range(300)]
+    path = tmp_path / "h"
+    w = HistoryWriter(path)
+    lid = w.layer_id("q", "fake_quant", "activation", "M", {})
+    for step, v in enumerate(values, start=1):
+        w.add_sample(step, {lid: {"dy_norm": v, "scale_median": v, "scale_min": v, "scale_max": 2 * v}})
+    w.close()
+    with closing(sqlite3.connect(path)) as db:
+        viewed = db.execute("select dy_norm, scale_min, scale_max, typeof(dy_norm) from stats order by step").fetchall()
+        stored = db.execute("select dy_norm, scale_min from stat_codes order by step").fetchall()
+    s = read_history(path).series("q")
+    for v, (dy, smin, smax, kind), (code, shared), got in zip(values, viewed, stored, s["dy_norm"]):
+        assert dy == smin == got == decode(encode(v)) and smax == decode(encode(2 * v)) and kind == "real"
+        assert shared is None  # equal to the median: stored once
+        if 1e-9 < abs(v) < 1e25:
+            assert isinstance(code, int) and abs(code) < 2 ** 31  # at most 4 bytes in SQLite's record
+            assert got == struct.unpack("f", struct.pack("f", v))[0]  # float32's rounding
+        elif abs(v) < 1e-15 and v:
+            assert code == v  # out of the codes' range: the REAL itself
+
+
+def _write_version_1(path, version="1"):
+    """A history as qgcli wrote it before the compact rows (schema version 1: stats a table of REALs)."""
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute("CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)")
+        db.execute("CREATE TABLE layers(id INTEGER PRIMARY KEY, path TEXT UNIQUE, kind TEXT, role TEXT, module TEXT, "
+                   "info TEXT)")
+        db.execute("CREATE TABLE samples(step INTEGER PRIMARY KEY, time REAL, ranks INTEGER)")
+        db.execute(f"CREATE TABLE stats(step INTEGER, layer_id INTEGER, {', '.join(f'{n} REAL' for n in NAMES)})")
+        db.executemany("INSERT INTO meta VALUES (?, ?)", [("format", "qgcli-history"), ("version", version)])
+        db.execute("INSERT INTO layers VALUES (1, 'q', 'fake_quant', 'activation', 'M', '{}')")
+        for step in (1, 10):
+            db.execute("INSERT INTO samples VALUES (?, 0, 1)", (step,))
+            db.execute("INSERT INTO stats (step, layer_id, blocked, dy_norm) VALUES (?, 1, 0.1, ?)", (step, step / 3))
+
+
+def test_version_1_still_read_and_a_newer_version_refused(tmp_path):
+    from click.testing import CliRunner
+
+    from qgcli.cli import main
+
+    _write_version_1(tmp_path / "v1")
+    s = read_history(tmp_path / "v1").series("q")
+    assert s["steps"] == [1, 10] and s["blocked"] == [0.1, 0.1] and s["dy_norm"] == [1 / 3, 10 / 3]
+    assert CliRunner().invoke(main, ["trend", str(tmp_path / "v1")]).exit_code == 0
+    _write_version_1(tmp_path / "v9", version="9")
+    with pytest.raises(FileFormatError, match="history schema version 9, this qgcli reads versions 1, 2"):
+        read_history(tmp_path / "v9")
+    result = CliRunner().invoke(main, ["trend", str(tmp_path / "v9")])
+    assert result.exit_code == 2 and "schema version 9" in result.output and "Traceback" not in result.output

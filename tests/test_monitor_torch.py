@@ -280,6 +280,60 @@ def test_oscillation(tmp_path):
     assert [every_step["oscillation_max"][i - 1] for i in s["steps"]] == pytest.approx(s["oscillation_max"], rel=1e-6)
 
 
+def test_oscillation_kernel_matches_torch_ops(tmp_path, monkeypatch):
+    """On the CPU the compiled kernel tracks oscillation in one pass; it gives the bits of the torch ops that run
+    elsewhere (QGCLI_NATIVE=0 here): the per-channel weight quantizers of an eager QAT net trained with a
+    learning rate that moves their codes."""
+    from qgcli.monitor import torch as monitor_torch
+    from qgcli.ops.native import library
+
+    if library() is None:
+        pytest.skip("the compiled kernels are not built")
+    model = _net()
+    weight = model.conv2.weight_fake_quant
+    weight(model.conv2.weight)  # its observer sets the scales
+    layer = monitor_torch._Layer("w", weight, "fake_quant", "torch.ao")
+    qparams = monitor_torch._qparams(torch, layer, weight, model.conv2.weight)
+    assert qparams[4] == 0 and monitor_torch._oscillation_kernel(torch, model.conv2.weight.detach(), qparams)
+
+    def run(native):
+        monkeypatch.setenv("QGCLI_NATIVE", native)
+        _train(_net(), tmp_path / f"h{native}", steps=16, every=3, lr=2.0)
+        h = read_history(tmp_path / f"h{native}")
+        return {p: h.series(p) for p in ("conv1.weight_fake_quant", "conv2.weight_fake_quant", "fc.weight_fake_quant")}
+
+    compiled, ops = run("1"), run("0")
+    for path, s in compiled.items():
+        for name in ("codes_changed", "oscillating", "oscillation_max"):
+            assert s[name] == ops[path][name], (path, name)
+    assert max(v for s in compiled.values() for v in s["codes_changed"]) > 0.1
+    assert max(v for s in compiled.values() for v in s["oscillation_max"]) > 0
+
+
+def test_history_grows_by_a_few_bytes_per_layer_and_sample_whatever_the_batch(tmp_path):
+    """A real monitored run sampled at every step: the history grows by under 100 bytes per layer and sample
+    (about 80 measured; so under 10 KiB per sample per 100 layers), and not with the batch size."""
+    import os
+
+    def grown(batch, steps):
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        path = tmp_path / f"h{batch}_{steps}"
+        with monitor(model, path, every=1, optimizer=opt):
+            for _ in range(steps):
+                x, y = torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        return os.path.getsize(path), len(read_history(path).layers)
+
+    (small, layers), (large, _) = grown(4, 5), grown(4, 40)
+    per_row = (large - small) / 35 / layers
+    assert layers == 9 and 20 < per_row < 100, per_row
+    assert grown(64, 40)[0] == large  # sixteen times the batch, the same pages
+
+
 def test_symmetric_zero_point_reset_every_call_is_no_finding(tmp_path):
     """A learnable symmetric quantizer's zero point is a parameter that its forward resets to 0: it never
     changes, by design, and is no range_not_learning (its scale learns)."""

@@ -178,42 +178,61 @@ class Monitor:
                 return
             with torch.no_grad():
                 qparams = _qparams(torch, layer, module, x)
-                codes = None if qparams is None else _codes(torch, x.detach(), *qparams)
+                codes = None
                 if sampling:
+                    codes = None if qparams is None else _codes(torch, x.detach(), *qparams)
                     self._forward_stats(layer, module, x, output, qparams, codes)
-                if layer.role == "weight" and codes is not None:  # after: it clamps the codes in place
-                    self._track_oscillation(layer, codes, qparams, sampling)
+                if layer.role == "weight" and qparams is not None:  # after: it clamps the codes in place
+                    self._track_oscillation(layer, x.detach(), codes, qparams, sampling)
 
         return hook
 
-    def _track_oscillation(self, layer, codes, qparams, sampling):
-        """Every step, in place on integer buffers (comparisons and ``where`` cost more than arithmetic): the
-        move ``s = sign(q - last)``, a flip where ``s * direction == -1``, the direction ``sign(2 s + direction)``
-        (the last nonzero move), and the frequency ``f_t = (1-m) f_(t-1) + m o_t`` kept as ``f / (1-m)^k``
-        so that a step only adds to the flipped weights (rescaled at each sample)."""
+    def _track_oscillation(self, layer, x, codes, qparams, sampling):
+        """Every step, in place on integer buffers: the move ``s = sign(q - last)``, a flip where
+        ``s * direction == -1``, the direction the last nonzero move, and the frequency
+        ``f_t = (1-m) f_(t-1) + m o_t`` kept as ``f / (1-m)^k`` so that a step only adds to the flipped weights
+        (rescaled at each sample).  On the CPU (float32 weights, blocks of contiguous weights, int16 codes) one
+        pass of the compiled kernel ``qg_oscillation`` (codes included; the bits of the torch ops below);
+        elsewhere torch ops, where comparisons and ``where`` cost more than arithmetic.  ``codes``: the
+        unclamped codes when the caller computed them (a sample), else None."""
         torch = self._t
         qmin, qmax = qparams[2], qparams[3]
-        small = torch.int16 if -2 ** 15 <= qmin and qmax < 2 ** 15 else torch.int32
-        q = codes.clamp_(qmin, qmax).to(small)
         osc = layer.osc
-        if osc is None or osc["last"].shape != q.shape:
-            layer.osc = {"last": q, "sample": q.clone(), "move": torch.zeros_like(q), "flip": torch.zeros_like(q),
-                         "direction": torch.zeros_like(q), "frequency": torch.zeros(q.shape, device=q.device),
-                         "decay": 1.0}
-            osc = layer.osc
-        else:
-            move, flip, direction = osc["move"], osc["flip"], osc["direction"]
-            torch.sub(q, osc["last"], out=move).sign_()
-            torch.mul(move, direction, out=flip).neg_().clamp_min_(0)  # 1 where the move reverses the last one
-            direction.add_(move, alpha=2).sign_()
+        first = osc is None or osc["last"].shape != x.shape
+        kernel = _oscillation_kernel(torch, x, qparams)
+        if first:
+            small = torch.int16 if -2 ** 15 <= qmin and qmax < 2 ** 15 else torch.int32
+            q = torch.zeros(x.shape, dtype=small, device=x.device)
+            layer.osc = osc = {"last": q, "direction": torch.zeros(x.shape, dtype=torch.int8, device=x.device),
+                               "frequency": torch.zeros(x.shape, device=x.device), "decay": 1.0}
+        if not first:
             osc["decay"] *= 1 - self.momentum
-            osc["frequency"].add_(flip, alpha=self.momentum / osc["decay"])
-            osc["last"] = q
+        if kernel is not None:
+            lib, blocks, inv, zp = kernel
+            lib.qg_oscillation(x.data_ptr(), blocks, x.numel() // blocks, inv.data_ptr(), zp.data_ptr(), qmin, qmax,
+                               osc["last"].data_ptr(), osc["direction"].data_ptr(), osc["frequency"].data_ptr(),
+                               self.momentum / osc["decay"], int(first))
+            q = osc["last"]
+        else:
+            if codes is None:
+                codes = _codes(torch, x, *qparams)
+            q = codes.clamp_(qmin, qmax).to(osc["last"].dtype)
+            if first:
+                osc["last"].copy_(q)
+            else:
+                direction = osc["direction"]
+                move = torch.sub(q, osc["last"]).sign_().to(torch.int8)
+                flip = torch.mul(move, direction).neg_().clamp_min_(0)  # 1 where the move reverses the last one
+                direction.add_(move, alpha=2).sign_()
+                osc["frequency"].add_(flip, alpha=self.momentum / osc["decay"])
+                osc["last"].copy_(q)
+        if first:
+            osc["sample"] = q.clone()
         if sampling:
             st = layer.stats
             frequency = osc["frequency"].mul_(osc["decay"])
             osc["decay"] = 1.0
-            st["codes_changed"] = torch.count_nonzero(torch.sub(q, osc["sample"], out=osc["move"])) / q.numel()
+            st["codes_changed"] = torch.count_nonzero(torch.ne(q, osc["sample"])) / q.numel()
             st["oscillating"] = torch.count_nonzero(frequency > self.threshold) / q.numel()
             st["oscillation_max"] = frequency.max()
             osc["sample"].copy_(q)
@@ -429,6 +448,26 @@ def _once(tensor, fn):
         fn(grad)
 
     handle = tensor.register_hook(hook)
+
+
+def _oscillation_kernel(torch, x, qparams):
+    """``(library, blocks, 1/scale, zero point)`` for ``qg_oscillation`` when it applies to weight ``x``: a
+    float32 C-order CPU tensor, int16 codes, per tensor, per channel along axis 0 or torchao's blocks; else
+    None (the torch ops run)."""
+    scale, zp, qmin, qmax, axis = qparams
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0 or \
+            qmin < -2 ** 15 or qmax >= 2 ** 15 or axis not in (None, 0, "blocks") or \
+            (axis == 0 and x.dim() == 0):
+        return None
+    from qgcli.ops.native import library
+
+    lib = library()
+    blocks = scale.numel() if axis is not None else 1
+    if lib is None or blocks < 1 or x.numel() % blocks or zp.numel() != scale.numel() or \
+            (axis == 0 and blocks != x.shape[0]):
+        return None
+    inv = (1.0 / scale.float()).reshape(-1).contiguous().cpu()
+    return lib, blocks, inv, zp.float().reshape(-1).contiguous().cpu()
 
 
 def _l2(torch, x):

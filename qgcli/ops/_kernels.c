@@ -904,9 +904,43 @@ int qg_onnx_q(const float *restrict x, uint8_t *restrict q, float *restrict y, i
     return bad;
 }
 
+/* --- oscillation tracking of a weight quantizer (qgcli.monitor.torch), one pass per training step ------- */
+
+/* `blocks` runs of `width` contiguous weights, run b quantized with inv[b] (1 / scale, as float32) and zero
+ * point zp[b]: the integer code q = clamp(rint(x * inv) + zp, qmin, qmax) (torch.round's ties to even, in
+ * torch's order).  With `first`, last = q only.  Otherwise, per weight: the move m = sign(q - last); where
+ * m * direction < 0 (the code moves opposite to its last move) frequency += add; direction = m where m != 0;
+ * last = q.  A NaN weight keeps its last code.  Branch-free so that it vectorizes (int16 codes, int8
+ * directions, float32 frequencies). */
+void qg_oscillation(const float *restrict x, int64_t blocks, int64_t width, const float *restrict inv,
+                    const float *restrict zp, float qmin, float qmax, int16_t *restrict last,
+                    int8_t *restrict direction, float *restrict frequency, float add, int first) {
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float s = inv[b], z = zp[b];
+        const float *restrict xb = x + b * width;
+        int16_t *restrict lb = last + b * width;
+        int8_t *restrict db = direction + b * width;
+        float *restrict fb = frequency + b * width;
+        for (int64_t k = 0; k < width; ++k) {
+            float q = rintf(xb[k] * s) + z;
+            q = q < qmin ? qmin : q;
+            q = q > qmax ? qmax : q;
+            int16_t before = lb[k];
+            int16_t now = q == q ? (int16_t)q : before; /* NaN: no move */
+            int8_t m = (int8_t)((now > before) - (now < before));
+            int8_t d = db[k];
+            if (!first) {
+                fb[k] += (m * d < 0) ? add : 0.0f;
+                db[k] = m != 0 ? m : d;
+            }
+            lb[k] = now;
+        }
+    }
+}
+
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 12; }
+int qg_abi_version(void) { return 16; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {
