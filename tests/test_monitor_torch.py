@@ -331,7 +331,7 @@ def test_history_grows_by_a_few_bytes_per_layer_and_sample_whatever_the_batch(tm
     (small, layers), (large, _) = grown(4, 5), grown(4, 40)
     per_row = (large - small) / 35 / layers
     assert layers == 9 and 20 < per_row < 100, per_row
-    assert grown(64, 40)[0] == large  # sixteen times the batch, the same pages
+    assert abs(grown(64, 40)[0] - large) <= 0.05 * (large - small)  # sixteen times the batch: the same rows
 
 
 def test_symmetric_zero_point_reset_every_call_is_no_finding(tmp_path):

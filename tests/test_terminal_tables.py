@@ -39,6 +39,7 @@ for args in (["report", sys.argv[1], "--top", "4"], ["report", sys.argv[1], "--t
 def _env():
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR")}
     env["TERM"] = "xterm-256color"
+    env["QGCLI_NO_PROGRESS"] = "1"  # a slow run (a loaded CI machine) would draw its progress line into the table
     # The processes run in tmp_path: without this they would import whichever qgcli the venv has installed.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
