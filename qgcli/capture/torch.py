@@ -36,11 +36,14 @@ Recorded, one group per call, named by module path (``conv1.weight_fake_quant`` 
 
 How: a forward hook per module copies its input, parameters and output, and hooks the output tensor for the
 upstream gradient (``Tensor.register_hook``, which in-place ops after the module, like ``ReLU(inplace=True)``,
-do not disturb, unlike module backward hooks).  After the step the reference results (``reference/``) are
-the module's own forward output and the gradients of the module's own kernel replayed on the recorded tensors
-(``fused_moving_avg_obs_fake_quant`` with the observer off, ``fake_quantize_per_*_affine``,
-``_fake_quantize_learnable_per_*_affine``, ``native_batch_norm_backward``), so that they are this build's
-results for exactly the stored operands.
+do not disturb, unlike module backward hooks).  The reference results (``reference/``) are the module's own
+forward output and the gradients of its own kernel for exactly the stored operands: the step's own, taken
+from the kernel's autograd node (a hook on ``output.grad_fn``: ``FusedMovingAvgObsFqHelperBackward0``,
+``FakeQuantize*CachemaskBackward0``, ``FakeQuantizeLearnable*Backward0``, ``NativeBatchNormBackward0``, which
+receives the upstream gradient and hands back the kernel's gradients), or, for another node or a gradient
+the step does not compute, the kernel replayed on the recorded tensors (``fused_moving_avg_obs_fake_quant``
+with the observer off, ``fake_quantize_per_*_affine``, ``_fake_quantize_learnable_per_*_affine``,
+``native_batch_norm_backward``).
 """
 import contextlib
 import sys
