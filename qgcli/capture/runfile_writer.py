@@ -5,10 +5,10 @@ which ``qgcli verify`` compares with qgcli's recomputation.
 
 Framework-free: the capture helpers hand it arrays, group by group, and each array goes to the file at once
 (memory: the group being written, not the step): its dataset is created with its storage allocated and its
-bytes written there by a background thread (:mod:`qgcli.capture.background_writes`), beside the step.  Results that ``verify`` compares bit for bit can be kept as
-a digest (``digest=`` of :meth:`RunFileWriter.add`: a 32-byte ``uint8`` dataset under the output's name, with
-attributes ``digest = "sha256"``, ``shape`` and ``dtype``, the SHA-256 of the array's C-order bytes), so that
-each tensor of the step is stored once.
+bytes written there by a background thread (:mod:`qgcli.capture.background_writes`), beside the step.
+Results that ``verify`` compares bit for bit can be kept as a digest (``digest=`` of :meth:`RunFileWriter.add`:
+a 32-byte ``uint8`` dataset under the output's name, with attributes ``digest = "sha256"``, ``shape`` and
+``dtype``, the SHA-256 of the array's C-order bytes), so that each tensor of the step is stored once.
 
 Atomic, step by step: a step is written into an anonymous HDF5 group (reachable from no link, so invisible to
 every reader) and linked under its name (``step_000300``) only when it is complete, then flushed; a new file is
