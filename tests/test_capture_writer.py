@@ -218,7 +218,7 @@ def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_
     path = tmp_path / "raw.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        writes = BackgroundWrites(fd, capacity=16)
+        writes = BackgroundWrites(fd, capacity=16, inline_below=2)  # the 1-byte array written by the caller
         offsets, offset = [], 0
         for a in arrays:
             offsets.append(offset)
@@ -231,7 +231,7 @@ def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_
             assert np.array_equal(data[start:start + want.nbytes], want)
             assert np.array_equal(data[start + want.nbytes:start + want.nbytes + 32], sha256(want))
         writes.close()
-        bad = BackgroundWrites(-1, capacity=16)
+        bad = BackgroundWrites(-1, capacity=16, inline_below=0)
         bad.write(np.ones(4, np.uint8), 0)
         for _ in range(2):
             with pytest.raises(OSError):

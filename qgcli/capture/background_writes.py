@@ -5,9 +5,10 @@ A capture instead creates each dataset with its storage allocated at once (conti
 offset in the file, and hands the bytes here: they are copied into a ring buffer (a ``memcpy``: the step may
 change its tensors in place afterwards, an optimizer its weights), and a thread writes them with
 ``os.pwrite``, which releases the GIL, and hashes the ones kept as a digest (``hashlib`` releases it too) into
-their own 32-byte dataset.  Memory: the ring, whatever the step; an array larger than the ring is written at
-once by the caller.  :meth:`BackgroundWrites.wait` returns when everything handed over is in the file (before
-HDF5 reads, frees or flushes anything), and raises the thread's error, if any.
+their own 32-byte dataset.  Memory: the ring, whatever the step; an array larger than the ring, or small
+(:data:`INLINE_BYTES`), is written at once by the caller.  :meth:`BackgroundWrites.wait` returns when
+everything handed over is in the file (before HDF5 reads, frees or flushes anything), and raises the thread's
+error, if any.
 """
 import hashlib
 import os
@@ -18,6 +19,8 @@ import numpy as np
 
 #: Bytes of the ring buffer the writes wait in (allocated at the first write).
 RING_BYTES = 16 << 20
+#: Arrays smaller than this are written by the caller at once: handing them to the thread costs more.
+INLINE_BYTES = 64 << 10
 
 
 def pwrite_all(fd, data, offset):
@@ -39,9 +42,10 @@ def sha256(data):
 class BackgroundWrites:
     """The writes of one file descriptor, in order, on one thread."""
 
-    def __init__(self, fd, capacity=RING_BYTES):
+    def __init__(self, fd, capacity=RING_BYTES, inline_below=INLINE_BYTES):
         self.fd = fd
         self.capacity = capacity
+        self.inline_below = inline_below
         self._ring = None
         self._head = 0  # where the next copy goes
         self._used = 0  # bytes of the ring not written yet
@@ -57,7 +61,7 @@ class BackgroundWrites:
         SHA-256 there.  Returns at once unless the ring is full (or the array larger than the ring)."""
         raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self._raise()
-        if raw.nbytes > self.capacity:  # no room: the caller writes it
+        if raw.nbytes > self.capacity or raw.nbytes < self.inline_below:  # no room, or small: the caller writes it
             if offset is not None:
                 pwrite_all(self.fd, raw, offset)
             if digest_offset is not None:
