@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 
 #: Bytes of the ring buffer the writes wait in (allocated at the first write).
-RING_BYTES = 16 << 20
+RING_BYTES = 8 << 20
 #: Arrays smaller than this are written by the caller at once: handing them to the thread costs more.
 INLINE_BYTES = 64 << 10
 
