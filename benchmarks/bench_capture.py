@@ -115,12 +115,13 @@ def _child(framework, mode, steps, repeat, path, threads):
     if mode == "plain":
         step()
         step()  # warm-up (TF: the trace)
-        times = []
+        times, cpu = [], []
         for _ in range(repeat):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             step()
             times.append(time.perf_counter() - t)
-        result.update(times=times, peak_rss_mb=_rss_mb())
+            cpu.append(time.process_time() - c)
+        result.update(times=times, cpu=cpu, peak_rss_mb=_rss_mb())
     else:
         if framework == "torch":
             import qgcli.capture.torch  # noqa: F401 (imported before the plain steps: their peak counts it)
@@ -128,16 +129,18 @@ def _child(framework, mode, steps, repeat, path, threads):
             step()  # warm-up (TF: traced once only, with the taps, below: a plain trace would stay in memory)
             step()  # the plain step's peak in this process, with capture's imports: the fair baseline
             result["plain_peak_rss_mb"] = _rss_mb()
-        times = []
+        times, cpu, main_cpu = [], [], []
         with capture(path, every=1) as cap:
             if framework == "tf":  # the trace with the taps, outside any captured step
                 step()
             for i in range(steps):
-                t = time.perf_counter()
+                t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
                 with cap.step(i):
                     step()
                 times.append(time.perf_counter() - t)
-        result.update(times=times, peak_rss_mb=_rss_mb(), groups=len(cap.groups))
+                cpu.append(time.process_time() - c)
+                main_cpu.append(time.thread_time() - m)
+        result.update(times=times, cpu=cpu, main_cpu=main_cpu, peak_rss_mb=_rss_mb(), groups=len(cap.groups))
     print(json.dumps(result))
 
 
@@ -210,6 +213,12 @@ def _run(framework, args, directory):
           f"{', '.join(f'{t:.3f}' for t in out['plain']['times'])})")
     print(f"captured steps      {', '.join(f'{t:.3f}' for t in captured)} s; median "
           f"{statistics.median(captured):.3f} = {statistics.median(captured) / plain:.2f}x plain (goal <= 2x)")
+    cpu = statistics.median(out["plain"]["cpu"])
+    print(f"CPU time            plain {cpu:.3f} s; captured (process, all threads) "
+          f"{statistics.median(out['capture']['cpu']):.3f} s = {statistics.median(out['capture']['cpu']) / cpu:.2f}x, "
+          f"its step's thread {statistics.median(out['capture']['main_cpu']):.3f} s = "
+          f"{statistics.median(out['capture']['main_cpu']) / cpu:.2f}x (medians; the wall figures above are those of a "
+          "machine that may be shared)")
     if framework == "tf":
         write = _h5py_write_seconds(first, directory)
         goal = plain + 1.2 * write

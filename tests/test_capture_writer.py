@@ -203,3 +203,41 @@ def test_a_committed_step_hands_freed_heap_memory_back(tmp_path):
     assert proc.returncode == 0, proc.stderr
     before, after = map(int, proc.stdout.split())
     assert before - after > 200, (before, after)  # 36 freed 8 MB copies: 288 MB held, then handed back
+
+
+def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_path):
+    """The bytes of each array reach their offset whatever the ring's state: sizes that wrap the ring with room
+    left at its end, an array as large as the ring, one larger (written by the caller), digests; a write
+    that fails fails the next write and every wait, and stays failed."""
+    from qgcli.capture.background_writes import BackgroundWrites, sha256
+
+    rng = np.random.default_rng(0)
+    sizes = [5, 12, 3, 16, 1, 9, 7, 16, 20, 2, 11, 15, 4]  # bytes, against a 16-byte ring
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    expected = [a.copy() for a in arrays]
+    path = tmp_path / "raw.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        writes = BackgroundWrites(fd, capacity=16, inline_below=2)  # the 1-byte array written by the caller
+        offsets, offset = [], 0
+        for a in arrays:
+            offsets.append(offset)
+            writes.write(a, offset, digest_offset=offset + a.nbytes)
+            a[:] = 0  # the caller may change its array at once: the bytes were copied
+            offset += a.nbytes + 32
+        writes.wait()
+        data = np.fromfile(path, dtype=np.uint8)
+        for start, want in zip(offsets, expected):
+            assert np.array_equal(data[start:start + want.nbytes], want)
+            assert np.array_equal(data[start + want.nbytes:start + want.nbytes + 32], sha256(want))
+        writes.close()
+        bad = BackgroundWrites(-1, capacity=16, inline_below=0)
+        bad.write(np.ones(4, np.uint8), 0)
+        for _ in range(2):
+            with pytest.raises(OSError):
+                bad.wait()
+        with pytest.raises(OSError):
+            bad.write(np.ones(4, np.uint8), 0)
+        bad.close()
+    finally:
+        os.close(fd)

@@ -4,10 +4,11 @@ op and its attributes as group attributes (docs/whole-models.md), and the framew
 which ``qgcli verify`` compares with qgcli's recomputation.
 
 Framework-free: the capture helpers hand it arrays, group by group, and each array goes to the file at once
-(memory: the group being written, not the step).  Results that ``verify`` compares bit for bit can be kept as
-a digest (``digest=`` of :meth:`RunFileWriter.add`: a 32-byte ``uint8`` dataset under the output's name, with
-attributes ``digest = "sha256"``, ``shape`` and ``dtype``, the SHA-256 of the array's C-order bytes), so that
-each tensor of the step is stored once.
+(memory: the group being written, not the step): its dataset is created with its storage allocated and its
+bytes written there by a background thread (:mod:`qgcli.capture.background_writes`), beside the step.
+Results that ``verify`` compares bit for bit can be kept as a digest (``digest=`` of :meth:`RunFileWriter.add`:
+a 32-byte ``uint8`` dataset under the output's name, with attributes ``digest = "sha256"``, ``shape`` and
+``dtype``, the SHA-256 of the array's C-order bytes), so that each tensor of the step is stored once.
 
 Atomic, step by step: a step is written into an anonymous HDF5 group (reachable from no link, so invisible to
 every reader) and linked under its name (``step_000300``) only when it is complete, then flushed; a new file is
@@ -15,7 +16,6 @@ a hidden temporary file renamed into place at its first commit.  An exception (o
 the earlier steps as they were; appending costs the step's own bytes (no copy of the file).
 """
 import fnmatch
-import hashlib
 import os
 import re
 import threading
@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 from qgcli import __version__
+from qgcli.capture.background_writes import BackgroundWrites, sha256
 
 REFERENCE = "reference"
 DIGEST = "sha256"
@@ -35,7 +36,8 @@ _COMPRESS_MIN = 256
 _STAGING = ".qgcli_staging"
 
 _STEP_GROUP = re.compile(r"^(step|epoch|iter)_\d+$")
-#: Bytes written between two hand-backs of freed heap memory to the system (:func:`release_freed_memory`).
+#: How far the resident memory may grow past the process's earlier peak before a capture hands the freed heap
+#: memory back to the system again (:func:`release_freed_memory`).
 RELEASE_BYTES = 8 << 20
 
 
@@ -50,6 +52,24 @@ def _malloc_trim():
 
 
 _TRIM = []
+
+
+def resident_bytes():
+    """The process's resident memory now (Linux's ``/proc/self/statm``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_resident_bytes():
+    """The process's peak resident memory so far (``VmHWM``; None where unknown)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def release_freed_memory():
@@ -91,8 +111,25 @@ def clean_path(name):
 
 def digest(array):
     """The SHA-256 of ``array``'s C-order bytes (what a digest dataset holds), as 32 ``uint8``."""
-    a = np.ascontiguousarray(array)
-    return np.frombuffer(hashlib.sha256(memoryview(a).cast("B")).digest(), dtype=np.uint8)
+    return sha256(np.asarray(array))
+
+
+def _allocated():
+    """The creation properties of a dataset whose bytes :class:`BackgroundWrites` writes: contiguous, its
+    storage allocated at creation (its offset known), never filled by HDF5."""
+    import h5py
+
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
+
+
+def _background(value):
+    """Whether ``value`` goes to the file through :class:`BackgroundWrites`: a non-empty numeric array of at
+    least one dimension in native byte order (h5py stores it as it is in memory); the others through h5py."""
+    return value.ndim >= 1 and value.size > 0 and value.dtype.kind in "biufc" and value.dtype.isnative
 
 
 def _patterns(layers):
@@ -151,9 +188,11 @@ class RunFileWriter:
         self.groups = {}  # path below the step -> staged group name, for the step being written
         self.steps = []  # the steps committed so far
         self.bytes_written = 0
-        self._unreleased = 0  # bytes written since the freed heap memory was last handed back
+        self._rss_base = None  # the process's peak resident bytes before its first captured step
+        self._rss_limit = None  # resident bytes above which the freed heap memory is handed back (this step)
         self.lock = threading.RLock()  # TensorFlow runs its graph callbacks on several threads
         self._file = None
+        self._writes = None  # the background writes of the file's arrays (opened with the file)
         self._tmp = None  # the new file's temporary name until its first commit
         self._staging = None
         self._closed = False
@@ -234,7 +273,7 @@ class RunFileWriter:
             self.step = step_group(step)
             self.groups = {}
             self._refuse_existing_step()
-        release_freed_memory()  # what the uncaptured steps before left on the heap
+        self.release_memory(now=True)  # what the uncaptured steps before left on the heap
 
     def _open(self):
         """The file and the staging group of this step, made on the first group (nothing is written for a
@@ -250,6 +289,7 @@ class RunFileWriter:
                 parent = os.path.dirname(os.path.abspath(self.path))  # hidden, as every qgcli temporary
                 self._tmp = os.path.join(parent, f".qgcli-{os.urandom(8).hex()}.tmp")
                 self._file = h5py.File(self._tmp, "w")
+            self._writes = BackgroundWrites(self._file.id.get_vfd_handle())
         f = self._file
         if self.step is None:
             if self.steps:
@@ -300,20 +340,51 @@ class RunFileWriter:
         with self.lock:
             staged = self.groups.pop(path, None)
             if staged is not None and self._staging is not None:
+                self.wait()  # its space may be reused once freed
                 del self._staging[staged]
 
     def _dataset(self, parent, key, value):
         value = np.asarray(value)
         options = self.compression if value.size >= _COMPRESS_MIN else {}
-        parent.create_dataset(key, data=value, **options)
+        if options or not _background(value):
+            parent.create_dataset(key, data=value, **options)
+        else:  # its bytes copied (the step may change the tensor) and written beside the step
+            d = parent.create_dataset(key, shape=value.shape, dtype=value.dtype, dcpl=_allocated())
+            self._writes.write(value, d.id.get_offset())
         self.bytes_written += value.nbytes
-        self._unreleased += value.nbytes
 
-    def release_memory(self, *, every=RELEASE_BYTES):
-        """:func:`release_freed_memory` once ``every`` bytes were written since it last ran (0: now)."""
-        if self._unreleased >= every:
-            self._unreleased = 0
+    def _digest_dataset(self, parent, key, value):
+        """A 32-byte dataset that receives the SHA-256 of ``value`` (computed beside the step)."""
+        value = np.asarray(value)
+        d = parent.create_dataset(key, shape=(32,), dtype=np.uint8, dcpl=_allocated())
+        d.attrs["digest"] = DIGEST
+        d.attrs["shape"] = np.asarray(value.shape, dtype=np.int64)
+        d.attrs["dtype"] = value.dtype.str
+        self._writes.write(value, None, digest_offset=d.id.get_offset())
+
+    def wait(self, *, raise_error=True):
+        """Return when every array handed over is in the file (before HDF5 reads, frees or flushes)."""
+        if self._writes is not None:
+            self._writes.wait(raise_error=raise_error)
+
+    def release_memory(self, *, now=False):
+        """:func:`release_freed_memory` when the resident memory passes the process's peak before the step (then
+        :data:`RELEASE_BYTES` above what is left after each hand-back), or ``now``.  Not every few MB
+        written: each hand-back costs the step the page faults of the memory it hands back."""
+        if now:
             release_freed_memory()
+            self._rss_limit = None
+            return
+        rss = resident_bytes()
+        if rss is None:
+            return
+        if self._rss_base is None:
+            self._rss_base = max(peak_resident_bytes() or 0, rss + RELEASE_BYTES)
+        if self._rss_limit is None:
+            self._rss_limit = self._rss_base
+        if rss > self._rss_limit:
+            release_freed_memory()
+            self._rss_limit = max(self._rss_base, (resident_bytes() or rss) + RELEASE_BYTES)
 
     def commit_step(self):
         """Link the step written so far into the file, under its name, and flush it to disk."""
@@ -321,6 +392,7 @@ class RunFileWriter:
             if self._staging is None:
                 return
             f, staging = self._file, self._staging
+            self.wait()  # a failed write fails the step: nothing of it is linked
             for path, staged in self.groups.items():
                 parent = path.rpartition("/")[0]
                 if parent:
@@ -345,11 +417,12 @@ class RunFileWriter:
                 os.fsync(f.id.get_vfd_handle())
                 os.replace(self._tmp, self.path)
                 self._tmp = None
-            self.release_memory(every=1)  # the step's last copies
+            self.release_memory(now=True)  # what the step left on the heap
 
     def discard_step(self):
         """Forget the step being written: nothing of it is linked (its space in the file stays unused)."""
         with self.lock:
+            self.wait(raise_error=False)  # before the step's space is freed and reused
             staging, self._staging = self._staging, None
             self.groups = {}
             if staging is not None and self.step is None:
@@ -378,6 +451,10 @@ class RunFileWriter:
 
     def _finish(self):
         self._closed = True
+        if self._writes is not None:
+            self._writes.wait(raise_error=False)
+            self._writes.close()
+            self._writes = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -416,33 +493,28 @@ class Group:
             w.release_memory()
 
     def put_reference(self, reference, *, digest=()):
-        """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256);
-        returns the digests (name -> 32 ``uint8``)."""
+        """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256,
+        computed beside the step)."""
         w = self.writer
         if not w.references:
-            return {}
+            return
         kept = {k: v for k, v in reference.items()
                 if v is not None and (w.backward or k in FORWARD_REFERENCES)}
         if not kept:
-            return {}
-        sums = {k: _digest_of(v) for k, v in kept.items() if k in digest}  # hashed outside the lock
+            return
         with w.lock:
             r = self.h5.require_group(REFERENCE)
             for key, value in kept.items():
-                if key in sums:
-                    value = np.asarray(value)
-                    d = r.create_dataset(key, data=sums[key])
-                    d.attrs["digest"] = DIGEST
-                    d.attrs["shape"] = np.asarray(value.shape, dtype=np.int64)
-                    d.attrs["dtype"] = value.dtype.str
+                if key in digest:
+                    w._digest_dataset(r, key, value)
                 else:
                     w._dataset(r, key, value)
             w.release_memory()
-        return sums
 
     def get(self, key):
         """An operand written before, read back (the backward pass replays kernels on the stored inputs)."""
         with self.writer.lock:
+            self.writer.wait()
             return self.h5[key][()]
 
     def set_attrs(self, **attrs):
@@ -451,6 +523,3 @@ class Group:
                 if value is not None:
                     self.h5.attrs[key] = value
 
-
-def _digest_of(value):
-    return digest(np.asarray(value))

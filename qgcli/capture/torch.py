@@ -36,11 +36,14 @@ Recorded, one group per call, named by module path (``conv1.weight_fake_quant`` 
 
 How: a forward hook per module copies its input, parameters and output, and hooks the output tensor for the
 upstream gradient (``Tensor.register_hook``, which in-place ops after the module, like ``ReLU(inplace=True)``,
-do not disturb, unlike module backward hooks).  After the step the reference results (``reference/``) are
-the module's own forward output and the gradients of the module's own kernel replayed on the recorded tensors
-(``fused_moving_avg_obs_fake_quant`` with the observer off, ``fake_quantize_per_*_affine``,
-``_fake_quantize_learnable_per_*_affine``, ``native_batch_norm_backward``), so that they are this build's
-results for exactly the stored operands.
+do not disturb, unlike module backward hooks).  The reference results (``reference/``) are the module's own
+forward output and the gradients of its own kernel for exactly the stored operands: the step's own, taken
+from the kernel's autograd node (a hook on ``output.grad_fn``: ``FusedMovingAvgObsFqHelperBackward0``,
+``FakeQuantize*CachemaskBackward0``, ``FakeQuantizeLearnable*Backward0``, ``NativeBatchNormBackward0``, which
+receives the upstream gradient and hands back the kernel's gradients), or, for another node or a gradient
+the step does not compute, the kernel replayed on the recorded tensors (``fused_moving_avg_obs_fake_quant``
+with the observer off, ``fake_quantize_per_*_affine``, ``_fake_quantize_learnable_per_*_affine``,
+``native_batch_norm_backward``).
 """
 import contextlib
 import sys
@@ -368,20 +371,59 @@ def _fake_quant_hook(torch, cap, name, fx_sites):
         group = writer.open_group(label, op, attrs)
         group.put({"inputs": _numpy(x), "scale": scale, "zero_point": zp})
         out = _numpy(output)
-        s["outputs"] = group.put_reference({"outputs": out}, digest=_DIGESTED).get("outputs")
-        if s["outputs"] is None and backward:
-            s["outputs"] = digest(out)
+        group.put_reference({"outputs": out}, digest=_DIGESTED)
         if backward:
-            _on_gradient(output, lambda dy: _backward_fake_quant(torch, group, s, dy))
+            node = _kernel_node(output, _fake_quant_nodes(s))
+            if node is None:  # what the replay is checked against
+                s["outputs"] = digest(out)
+            if node is not None:  # the step's own gradients, as its kernel's node hands them on: no replay
+                node.register_hook(lambda dxs, dys: _live_fake_quant(torch, group, s, dxs, dys))
+            else:
+                _on_gradient(output, lambda dy: _backward_fake_quant(torch, group, s, dy))
 
     return hook
+
+
+def _kernel_node(output, names):
+    """The autograd node of the kernel that made ``output`` (one of ``names``), whose hook receives the
+    upstream gradient and the kernel's own gradients of the step; None for another node (a subclass's
+    forward): the gradients are then replayed."""
+    node = output.grad_fn
+    return node if node is not None and type(node).__name__ in names else None
+
+
+def _fake_quant_nodes(s):
+    """The names of the autograd nodes of the kernel :func:`_replay_fake_quant` replays for ``s``."""
+    if s["learnable"]:
+        return ("FakeQuantizeLearnablePer" + ("Tensor" if s["axis"] is None else "Channel") + "AffineBackward0",)
+    if s["fused"]:
+        return ("FusedMovingAvgObsFqHelperBackward0",)
+    if s["axis"] is None:
+        return ("FakeQuantizePerTensorAffineCachemaskBackward0",
+                "FakeQuantizePerTensorAffineCachemaskTensorQparamsBackward0")
+    return ("FakeQuantizePerChannelAffineCachemaskBackward0",)
+
+
+def _live_fake_quant(torch, group, s, grad_inputs, grad_outputs):
+    """The kernel node's hook: the upstream gradient and the kernel's own input (LSQ: and scale, zero point)
+    gradients of this step (a gradient missing, as for inputs that need none: replayed instead)."""
+    dy = grad_outputs[0]
+    if dy is None:
+        return
+    names = ("backprops_wrt_input",) + (("backprop_wrt_scale", "backprop_wrt_zero_point") if s["learnable"] else ())
+    grads = grad_inputs[:len(names)]
+    if len(grads) < len(names) or any(g is None for g in grads):
+        _backward_fake_quant(torch, group, s, dy)
+        return
+    group.put({"gradients": _numpy(dy)})
+    group.put_reference({k: _numpy(v) for k, v in zip(names, grads)}, digest=_DIGESTED)
 
 
 def _backward_fake_quant(torch, group, s, dy):
     """The upstream gradient, and the module's own kernel's gradients on the stored operands."""
     x = torch.from_numpy(group.get("inputs"))
     replayed, grads = _replay_fake_quant(torch, s, x, dy)
-    if not np.array_equal(digest(_numpy(replayed)), s["outputs"]):
+    if "outputs" in s and not np.array_equal(digest(_numpy(replayed)), s["outputs"]):  # (a live node: its own)
         group.set_attrs(note=_REPLAY_DIFFERS)
     group.put({"gradients": _numpy(dy)})
     group.put_reference({k: _numpy(v) for k, v in grads.items()}, digest=_DIGESTED)
@@ -443,8 +485,13 @@ def _batch_norm_hook(torch, cap, name):
         weight = module.weight.detach() if module.weight is not None else torch.ones(channels, dtype=x.dtype)
         bias = module.bias.detach() if module.bias is not None else torch.zeros(channels, dtype=x.dtype)
         # What PyTorch's batch norm saves for its backward: the batch mean and 1/sqrt(biased var + eps).
-        with torch.no_grad():
-            _, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
+        node = _kernel_node(output, ("NativeBatchNormBackward0",)) if module.weight is not None else None
+        if node is not None and module.bias is not None:
+            mean, invstd = node._saved_result1, node._saved_result2
+        else:
+            node = None
+            with torch.no_grad():
+                _, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
         shape = tuple(x.shape)
         attrs = {"epsilon": eps, "data_format": "NCDHW" if len(shape) == 5 else "NCHW", "is_training": True,
                  "variance_kind": "inv-std", "framework": "torch", "module": type(module).__name__}
@@ -457,7 +504,11 @@ def _batch_norm_hook(torch, cap, name):
             return
         s = {"weight": weight.clone(), "mean": mean, "invstd": invstd, "eps": eps, "shape": shape,
              "bias": module.bias is not None, "done": False}
-        flows = _on_gradient(output, lambda dy: _backward_batch_norm(torch, group, s, dy))
+        if node is not None:  # the step's own gradients, from the kernel's node: no replay
+            flows = True
+            node.register_hook(lambda dxs, dys: _live_batch_norm(torch, group, s, dxs, dys))
+        else:
+            flows = _on_gradient(output, lambda dy: _backward_batch_norm(torch, group, s, dy))
         cap.pending.append((label, group.path, lambda: None if flows and s["done"] else _NO_GRADIENT))
 
     return hook
@@ -468,11 +519,29 @@ def _as4(shape):
     return tuple(shape) + (1,) * (4 - len(shape)) if len(shape) < 4 else tuple(shape)
 
 
+def _live_batch_norm(torch, group, s, grad_inputs, grad_outputs):
+    """NativeBatchNormBackward0's hook: the upstream gradient and the step's own x, weight and bias gradients
+    (one missing, as for a frozen weight: replayed instead)."""
+    dy = grad_outputs[0]
+    if dy is None:
+        return
+    if len(grad_inputs) < 3 or any(g is None for g in grad_inputs[:3]):
+        _backward_batch_norm(torch, group, s, dy)
+        return
+    dx, dw, db = grad_inputs[:3]
+    _write_batch_norm_gradients(group, s, dy, dx, dw, db)
+
+
 def _backward_batch_norm(torch, group, s, dy):
     shape = s["shape"]
     x = torch.from_numpy(group.get("x")).reshape(shape)
     dx, dw, db = torch.ops.aten.native_batch_norm_backward(dy, x, s["weight"], None, None, s["mean"], s["invstd"],
                                                            True, s["eps"], [True, True, True])
+    _write_batch_norm_gradients(group, s, dy, dx, dw, db)
+
+
+def _write_batch_norm_gradients(group, s, dy, dx, dw, db):
+    shape = s["shape"]
     group.put({"y_backprop": _numpy(dy).reshape(_as4(shape))})
     reference = {"x_backprop": _numpy(dx).reshape(_as4(shape)), "scale_backprop": _numpy(dw)}
     if s["bias"]:

@@ -1,0 +1,138 @@
+"""Write array bytes to known offsets of an open file from a background thread, while the training step goes on.
+
+HDF5 (through h5py) holds the GIL while it writes, so a step that hands it every tensor waits for each write.
+A capture instead creates each dataset with its storage allocated at once (contiguous, no fill), learns its
+offset in the file, and hands the bytes here: they are copied into a ring buffer (a ``memcpy``: the step may
+change its tensors in place afterwards, an optimizer its weights), and a thread writes them with
+``os.pwrite``, which releases the GIL, and hashes the ones kept as a digest (``hashlib`` releases it too) into
+their own 32-byte dataset.  Memory: the ring, whatever the step; an array larger than the ring, or small
+(:data:`INLINE_BYTES`), is written at once by the caller.  :meth:`BackgroundWrites.wait` returns when
+everything handed over is in the file (before HDF5 reads, frees or flushes anything), and raises the thread's
+error, if any.
+"""
+import hashlib
+import os
+import threading
+from collections import deque
+
+import numpy as np
+
+#: Bytes of the ring buffer the writes wait in (allocated at the first write).
+RING_BYTES = 8 << 20
+#: Arrays smaller than this are written by the caller at once: handing them to the thread costs more.
+INLINE_BYTES = 64 << 10
+
+
+def pwrite_all(fd, data, offset):
+    """Write all of ``data`` (a bytes-like object) at ``offset`` of ``fd``."""
+    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        view, offset = view[n:], offset + n
+
+
+def sha256(data):
+    """The SHA-256 of ``data``'s bytes, as 32 ``uint8`` (what a digest dataset holds)."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(hashlib.sha256(memoryview(raw)).digest(), dtype=np.uint8)
+
+
+class BackgroundWrites:
+    """The writes of one file descriptor, in order, on one thread."""
+
+    def __init__(self, fd, capacity=RING_BYTES, inline_below=INLINE_BYTES):
+        self.fd = fd
+        self.capacity = capacity
+        self.inline_below = inline_below
+        self._ring = None
+        self._head = 0  # where the next copy goes
+        self._used = 0  # bytes of the ring not written yet
+        self._jobs = deque()  # (start, nbytes, offset, digest offset or None, ring bytes held)
+        self._cond = threading.Condition()
+        self._put = threading.Lock()
+        self._error = None
+        self._thread = None
+        self._stop = False
+
+    def write(self, array, offset, *, digest_offset=None):
+        """Write ``array``'s C-order bytes at ``offset`` (None: none) and, with ``digest_offset``, their
+        SHA-256 there.  Returns at once unless the ring is full (or the array larger than the ring)."""
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self._raise()
+        if raw.nbytes > self.capacity or raw.nbytes < self.inline_below:  # no room, or small: the caller writes it
+            if offset is not None:
+                pwrite_all(self.fd, raw, offset)
+            if digest_offset is not None:
+                pwrite_all(self.fd, sha256(raw), digest_offset)
+            return
+        if self._ring is None:
+            self._ring = np.empty(self.capacity, dtype=np.uint8)
+            self._thread = threading.Thread(target=self._run, name="qgcli-capture-writes", daemon=True)
+            self._thread.start()
+        n = raw.nbytes
+        with self._put:  # one writer at a time: the jobs stay in the order of their places in the ring
+            with self._cond:
+                while True:
+                    self._raise()
+                    if not self._used:  # all written: start again at the beginning
+                        self._head = 0
+                    start = self._head if self._head + n <= self.capacity else 0
+                    held = n + (self.capacity - self._head if start != self._head else 0)  # with the end skipped
+                    if self._used + held <= self.capacity:
+                        break
+                    self._cond.wait()
+                self._head = start + n
+                self._used += held
+            self._ring[start:start + n] = raw
+            with self._cond:
+                self._jobs.append((start, n, offset, digest_offset, held))
+                self._cond.notify_all()
+
+    def _run(self):
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stop:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                start, n, offset, digest_offset, held = self._jobs[0]
+            try:
+                if self._error is None:
+                    data = self._ring[start:start + n]
+                    if offset is not None:
+                        pwrite_all(self.fd, data, offset)
+                    if digest_offset is not None:
+                        pwrite_all(self.fd, sha256(data), digest_offset)
+            except BaseException as exc:  # reported to the step by the next write or wait
+                self._error = exc
+            with self._cond:
+                self._jobs.popleft()
+                self._used -= held
+                self._cond.notify_all()
+
+    def _raise(self):
+        if self._error is not None:  # kept: every later write and wait fails
+            raise self._error
+
+    def wait(self, *, raise_error=True):
+        """Return when every write handed over is in the file; raise the thread's error (``raise_error``)."""
+        with self._cond:
+            while self._jobs:
+                self._cond.wait()
+        if raise_error:
+            self._raise()
+
+    def close(self):
+        """Wait for the writes, stop the thread and free the ring (errors are the caller's to :meth:`wait` for
+        first)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._ring = None
+        self._jobs.clear()
+        self._error = None
