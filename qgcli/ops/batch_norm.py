@@ -490,12 +490,11 @@ def _small_call(y_backprop, x, scale, mean, var, epsilon, data_format, is_traini
         except QgcliError:  # refused by the general path, after the checks it makes first
             return None
     scale_bp, offset_bp = np.empty(channels, _F32), np.empty(channels, _F32)
-    address = native.address
-    with np.errstate(all="ignore"):
-        status = lib.qg_bn_grad(address(y_backprop, _F32), address(x, _F32), address(dx, _F32), acb[0], channels,
-                                acb[2], address(scale, _F32), address(mean, _F32), address(var, _F32), eps,
-                                1 if is_training else 0, inv_std, address(scale_bp, _F32),
-                                address(offset_bp, _F32))
+    p_dy, p_x, p_dx, p_scale, p_mean, p_var, p_sbp, p_obp = native.addresses(
+        y_backprop, x, dx, scale, mean, var, scale_bp, offset_bp)  # all checked above: C order, float32
+    # No np.errstate: NumPy's error state is not looked at by the C code (inf/NaN propagate, as in TF).
+    status = lib.qg_bn_grad(p_dy, p_x, p_dx, acb[0], channels, acb[2], p_scale, p_mean, p_var, eps,
+                            1 if is_training else 0, inv_std, p_sbp, p_obp)
     if status < 0:
         raise MemoryError("no memory for the batch-norm gradient's per-channel scratch")
     return None if status else (dx, scale_bp, offset_bp)
