@@ -408,17 +408,51 @@ void qg_clip_stats(const float *restrict x, const float *restrict g, int64_t row
 
 /* --- FusedBatchNormGrad on [A, C, B] float32 blocks (channels-last: B == 1), float64 arithmetic ------ */
 
-/* Adds this block's per-channel sum(dy) and sum(dy * (x - mean)) to sums[0] and sums[1] ([2][C]). */
+/* qg_bn_sums' channels-last loop on AVX2 takes 16 channels at a time, their running sums kept in registers
+ * across the rows (4 ymm each for sum(dy), sum(dy * xc) and the mean): GCC keeps neither a plain array of
+ * sums in registers nor vectorizes it well.  Other builds run the plain loop, with the same bits. */
+#ifdef __AVX2__
+#include <immintrin.h>
+#define QG_BN_CB 16
+#endif
+
+/* Adds this block's per-channel sum(dy) and sum(dy * (x - mean)) to sums[0] and sums[1] ([2][C]).  Each
+ * channel's sums run over the rows in order, whatever the register blocking. */
 void qg_bn_sums(const float *restrict dy, const float *restrict x, int64_t a_len, int64_t c_len, int64_t b_len,
                 const double *restrict mean, double *restrict sums) {
     double *sum_dy = sums, *sum_dyxc = sums + c_len;
     if (b_len == 1) { /* channels last: run along the channels of each row */
-        for (int64_t a = 0; a < a_len; ++a)
-            for (int64_t c = 0; c < c_len; ++c) {
-                double d = (double)dy[a * c_len + c];
-                sum_dy[c] += d;
-                sum_dyxc[c] += d * ((double)x[a * c_len + c] - mean[c]);
+        int64_t c0 = 0;
+#ifdef QG_BN_CB
+        for (; c0 + QG_BN_CB <= c_len; c0 += QG_BN_CB) {
+            __m256d s[QG_BN_CB / 4], sx[QG_BN_CB / 4], m[QG_BN_CB / 4];
+            for (int j = 0; j < QG_BN_CB / 4; ++j) {
+                s[j] = _mm256_loadu_pd(sum_dy + c0 + 4 * j);
+                sx[j] = _mm256_loadu_pd(sum_dyxc + c0 + 4 * j);
+                m[j] = _mm256_loadu_pd(mean + c0 + 4 * j);
             }
+            for (int64_t a = 0; a < a_len; ++a) {
+                const float *d = dy + a * c_len + c0, *v = x + a * c_len + c0;
+                for (int j = 0; j < QG_BN_CB / 4; ++j) {
+                    __m256d dd = _mm256_cvtps_pd(_mm_loadu_ps(d + 4 * j));
+                    s[j] = _mm256_add_pd(s[j], dd);
+                    sx[j] = _mm256_add_pd(sx[j],
+                                          _mm256_mul_pd(dd, _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(v + 4 * j)), m[j])));
+                }
+            }
+            for (int j = 0; j < QG_BN_CB / 4; ++j) {
+                _mm256_storeu_pd(sum_dy + c0 + 4 * j, s[j]);
+                _mm256_storeu_pd(sum_dyxc + c0 + 4 * j, sx[j]);
+            }
+        }
+#endif
+        if (c0 < c_len)
+            for (int64_t a = 0; a < a_len; ++a)
+                for (int64_t c = c0; c < c_len; ++c) {
+                    double d = (double)dy[a * c_len + c];
+                    sum_dy[c] += d;
+                    sum_dyxc[c] += d * ((double)x[a * c_len + c] - mean[c]);
+                }
         return;
     }
     for (int64_t a = 0; a < a_len; ++a)
@@ -442,13 +476,18 @@ void qg_bn_dx(const float *dy, const float *restrict x, float *dx, int64_t a_len
               int64_t b_len, const double *restrict coefs, int training) {
     const double *coef1 = coefs, *coef2 = coefs + c_len, *dy_mean = coefs + 2 * c_len, *mean = coefs + 3 * c_len;
     if (b_len == 1) {
-        for (int64_t a = 0; a < a_len; ++a)
+        if (training)
+            for (int64_t a = 0; a < a_len; ++a)
 #pragma GCC ivdep
-            for (int64_t c = 0; c < c_len; ++c) {
-                double d = (double)dy[a * c_len + c], v = (double)x[a * c_len + c];
-                dx[a * c_len + c] =
-                    (float)(training ? ((d - dy_mean[c]) - (v - mean[c]) * coef2[c]) * coef1[c] : d * coef1[c]);
-            }
+                for (int64_t c = 0; c < c_len; ++c) {
+                    double d = (double)dy[a * c_len + c], v = (double)x[a * c_len + c];
+                    dx[a * c_len + c] = (float)(((d - dy_mean[c]) - (v - mean[c]) * coef2[c]) * coef1[c]);
+                }
+        else
+            for (int64_t a = 0; a < a_len; ++a)
+#pragma GCC ivdep
+                for (int64_t c = 0; c < c_len; ++c)
+                    dx[a * c_len + c] = (float)((double)dy[a * c_len + c] * coef1[c]);
         return;
     }
     for (int64_t a = 0; a < a_len; ++a)
@@ -462,6 +501,44 @@ void qg_bn_dx(const float *dy, const float *restrict x, float *dx, int64_t a_len
                 dx[base + b] = (float)(training ? ((d - dm) - ((double)x[base + b] - m) * c2) * c1 : d * c1);
             }
         }
+}
+
+/* The whole FusedBatchNormGrad of a tensor small enough for one block ([A, C, B] float32, C order), in one
+ * call: qg_bn_sums from zero, the per-channel coefficients in float64 as batch_norm.gradient_coefficients
+ * computes them (the same operations in the same order, so the same bits), then qg_bn_dx.  scale, mean and
+ * var are the float32 per-channel operands (var holds 1/sqrt(var + eps) when inv_std); scale_bp and
+ * offset_bp receive the float32 scale_backprop and offset_backprop.  dx may be dy itself: every sum is
+ * taken before dx is written.  Returns 0; 1, writing nothing, when a variance is negative (an inverse std
+ * not > 0); -1 when the C scratch could not be allocated. */
+int qg_bn_grad(const float *dy, const float *x, float *dx, int64_t a_len, int64_t c_len, int64_t b_len,
+               const float *restrict scale, const float *restrict mean, const float *restrict var, double eps,
+               int training, int inv_std, float *restrict scale_bp, float *restrict offset_bp) {
+    for (int64_t c = 0; c < c_len; ++c) /* a bad variance: the caller's general path names it, nothing written */
+        if (inv_std ? !(var[c] > 0) && !isnan(var[c]) : var[c] < 0)
+            return 1;
+    double *work = calloc((size_t)(6 * (c_len > 0 ? c_len : 1)), sizeof(double));
+    if (!work)
+        return -1;
+    double *sums = work, *table = work + 2 * c_len; /* table: rows coef1, coef2, dy_mean, mean */
+    double *mean64 = table + 3 * c_len;
+    for (int64_t c = 0; c < c_len; ++c)
+        mean64[c] = (double)mean[c];
+    qg_bn_sums(dy, x, a_len, c_len, b_len, mean64, sums);
+    double n = (double)(a_len * b_len);
+    for (int64_t c = 0; c < c_len; ++c) {
+        double sum_dy = sums[c], sum_dyxc = sums[c_len + c];
+        double inv = inv_std ? (double)var[c] : 1.0 / sqrt((double)var[c] + eps);
+        table[c] = (double)scale[c] * inv;
+        scale_bp[c] = (float)(sum_dyxc * inv);
+        offset_bp[c] = (float)sum_dy;
+        if (training) {
+            table[c_len + c] = inv * inv * (sum_dyxc / n);
+            table[2 * c_len + c] = sum_dy / n;
+        }
+    }
+    qg_bn_dx(dy, x, dx, a_len, c_len, b_len, table, training);
+    free(work);
+    return 0;
 }
 
 /* --- LZF compression (the format HDF5's LZF filter 32000 decodes), deterministic ----------------------
@@ -940,7 +1017,7 @@ void qg_oscillation(const float *restrict x, int64_t blocks, int64_t width, cons
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 16; }
+int qg_abi_version(void) { return 18; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

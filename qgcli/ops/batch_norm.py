@@ -390,6 +390,11 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
     >>> print(dx[0, 0, :, 0].round(2), dscale.round(4), doffset)
     [-1.33  2.47 -4.44  0.17  1.6   1.53] [-1.6477 -1.6477] [27. 27.]
     """
+    if not _to_odd:
+        small = _small_call(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon, data_format,
+                            is_training, variance_kind, out)
+        if small is not None:
+            return small
     rank, channels_first = _check_format(data_format)
     eps = _check_epsilon(epsilon)
     if variance_kind not in VARIANCE_KINDS:
@@ -424,6 +429,75 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
     dx = xp.empty(x.shape, out_dtype) if out is None else out
     x_backprop_blocks(dy3, x3, dx.reshape(acb), acb, coefs, xp, to_odd=_to_odd)  # dx may be dy: see there
     return dx, xp.asarray(coefs.scale_backprop), xp.asarray(coefs.offset_backprop)
+
+
+# --- the small call: one compiled call, its checks paid once per shape and attributes ----------------------
+
+_SMALL_PLANS = {}  # (shape, data_format, epsilon, variance_kind) -> (acb, eps, inv_std) for a one-chunk tensor
+_SMALL_PLANS_MAX = 256
+
+
+def _small_plan(shape, data_format, epsilon, variance_kind):
+    """What a one-chunk call of this shape and these attributes needs, or None (the general path then runs,
+    and raises where an attribute is bad)."""
+    try:
+        key = (shape, data_format, epsilon, variance_kind)
+        plan = _SMALL_PLANS.get(key)
+    except TypeError:  # an unhashable attribute
+        return None
+    if plan is not None or key in _SMALL_PLANS:
+        return plan
+    try:
+        rank, channels_first = _check_format(data_format)
+        eps = _check_epsilon(epsilon)
+    except QgcliError:
+        return None
+    acb = acb_shape(shape, channels_first)
+    ok = (variance_kind in VARIANCE_KINDS and len(shape) in (4, 5) and acb[0] * acb[2] > 0 and acb[1] > 0
+          and len(_native_chunks(acb)) == 1)
+    plan = (acb, eps, variance_kind == "inv-std") if ok else None
+    if len(_SMALL_PLANS) >= _SMALL_PLANS_MAX:
+        _SMALL_PLANS.clear()
+    _SMALL_PLANS[key] = plan
+    return plan
+
+
+def _small_call(y_backprop, x, scale, mean, var, epsilon, data_format, is_training, variance_kind, out):
+    """:func:`fused_batch_norm_grad` of a float32 NumPy tensor of one chunk (at most about 2**20 values) with
+    float32 per-channel vectors, as one compiled call (``qg_bn_grad``: the sums, the coefficients and
+    ``x_backprop`` in the general path's float64 operations and order, so the same bits), or None: anything
+    else, or anything to refuse, goes the general way, which names the operand."""
+    if (type(x) is not np.ndarray or type(y_backprop) is not np.ndarray or x.dtype != _F32
+            or y_backprop.dtype != _F32 or x.shape != y_backprop.shape or not x.flags.c_contiguous
+            or not y_backprop.flags.c_contiguous):
+        return None
+    plan = _small_plan(x.shape, data_format, epsilon, variance_kind)
+    lib = native.library() if plan is not None else None
+    if lib is None:
+        return None
+    acb, eps, inv_std = plan
+    channels = acb[1]
+    for v in (scale, mean, var):
+        if (type(v) is not np.ndarray or v.dtype != _F32 or v.shape != (channels,)
+                or not v.flags.c_contiguous):
+            return None
+    if out is None:
+        dx = np.empty(x.shape, _F32)
+    else:
+        try:
+            dx = check_out(out, np, shape=x.shape, dtype=_F32, reused=y_backprop, reused_name="y_backprop",
+                           others=(x,))
+        except QgcliError:  # refused by the general path, after the checks it makes first
+            return None
+    scale_bp, offset_bp = np.empty(channels, _F32), np.empty(channels, _F32)
+    p_dy, p_x, p_dx, p_scale, p_mean, p_var, p_sbp, p_obp = native.addresses(
+        y_backprop, x, dx, scale, mean, var, scale_bp, offset_bp)  # all checked above: C order, float32
+    # No np.errstate: NumPy's error state is not looked at by the C code (inf/NaN propagate, as in TF).
+    status = lib.qg_bn_grad(p_dy, p_x, p_dx, acb[0], channels, acb[2], p_scale, p_mean, p_var, eps,
+                            1 if is_training else 0, inv_std, p_sbp, p_obp)
+    if status < 0:
+        raise MemoryError("no memory for the batch-norm gradient's per-channel scratch")
+    return None if status else (dx, scale_bp, offset_bp)
 
 
 @dataclass(frozen=True)

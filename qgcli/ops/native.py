@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-ABI_VERSION = 16  # qg_abi_version() of the C file these signatures describe
+ABI_VERSION = 18  # qg_abi_version() of the C file these signatures describe
 # Arrays are passed as raw addresses (see address()): ctypes' own array checks cost more than a small op.
 _SIGNATURES = {
     "qg_nudge": (None, [_P, _P, _I64, _F, _F, _P]),
@@ -26,6 +26,7 @@ _SIGNATURES = {
     "qg_combine": (None, [_P, _I64, _P, _I64]),
     "qg_bn_sums": (None, [_P, _P, _I64, _I64, _I64, _P, _P]),
     "qg_bn_dx": (None, [_P, _P, _P, _I64, _I64, _I64, _P, _INT]),
+    "qg_bn_grad": (_INT, [_P, _P, _P, _I64, _I64, _I64, _P, _P, _P, ctypes.c_double, _INT, _INT, _P, _P]),
     "qg_lzf_compress": (_I64, [_P, _I64, _P, _I64, _I64]),
     "qg_mx_blocks": (_INT, [_P, _P, _P, _P, _I64, _I64, _INT, _INT]),
     "qg_nvfp4_blocks": (_INT, [_P, _P, _P, _P, _I64, _INT, _F, _F]),
@@ -112,7 +113,22 @@ def address(a, dtype):
     """The address of ``a``'s data, after checking what the C code assumes: its dtype and C order."""
     if a.dtype != dtype or not a.flags.c_contiguous:
         raise TypeError(f"the compiled kernels need a C-contiguous {np.dtype(dtype)} array, got {a.dtype}")
-    return a.__array_interface__["data"][0]
+    try:  # through the buffer protocol: a quarter of __array_interface__'s cost, which builds a dict
+        return _addressof(_char_at(a))
+    except (TypeError, ValueError, BufferError):  # read-only or empty arrays
+        return a.__array_interface__["data"][0]
+
+
+_addressof, _char_at = ctypes.addressof, ctypes.c_char.from_buffer
+
+
+def addresses(*arrays):
+    """The data addresses of NumPy arrays the caller has checked are C-contiguous and of the kernel's dtype (a
+    small call's operands: :func:`address`'s checks cost a microsecond each)."""
+    try:
+        return [_addressof(_char_at(a)) for a in arrays]
+    except (TypeError, ValueError, BufferError):  # a read-only or empty one among them
+        return [a.__array_interface__["data"][0] for a in arrays]
 
 
 def variant():
