@@ -160,22 +160,32 @@ def _tiny_stats(a):
     mean = total / len(values)
     if not math.isfinite(mean):  # an overflowing sum: the general path's std is then not finite either
         return out
-    d = np.array([v - mean for v in values], dtype=np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        std = (float(np.dot(d, d)) / len(values)) ** 0.5
+    deviations = [v - mean for v in values]
+    d = np.array(deviations, dtype=np.float64)
+    if max(deviations) < 1e150 and -min(deviations) < 1e150:  # no square overflows: no errstate (as costly as the dot)
+        acc = float(np.dot(d, d))
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            acc = float(np.dot(d, d))
+    std = (acc / len(values)) ** 0.5
     out["mean"] = mean
     out["std"] = std if math.isfinite(std) else None
     return out
 
 
 def _tensor_entry(name, shape, dtype, attributes, *, stats=None, error=None):
+    import math
+
     import numpy as np
 
-    size = int(np.prod(shape, dtype=np.int64)) if shape is not None else 0
-    try:
-        itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
-    except (TypeError, ValueError):  # "unknown", or the str() of a subarray dtype, which np.dtype() cannot parse
-        itemsize = 0
+    size = math.prod(shape) if shape is not None else 0  # exact ints, without np.prod's fixed cost
+    if isinstance(dtype, np.dtype):  # an array's: its name once per dtype
+        itemsize, dtype = dtype.itemsize, _dtype_name(dtype)
+    else:
+        try:
+            itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+        except (TypeError, ValueError):  # "unknown", or the str() of a subarray dtype, which np.dtype() cannot parse
+            itemsize = 0
     entry = {"name": name, "shape": None if shape is None else [int(s) for s in shape], "dtype": str(dtype),
              "size": size, "nbytes": size * itemsize}
     entry.update(stats if stats is not None else dict.fromkeys(("min", "max", "mean", "std", "nan", "inf", "zeros")))
