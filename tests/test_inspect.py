@@ -314,6 +314,10 @@ def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path
         f.create_dataset("fill_only", shape=(4,), dtype="f4", fillvalue=2.5)
         f["uint32"] = np.arange(5, dtype=">u4")
         f.create_dataset("external", shape=(4,), dtype="f4", external=[(str(tmp_path / "raw.bin"), 0, 16)])
+        f["external"][...] = 1.0  # its data written (outside the file)
+        layout = h5py.VirtualLayout(shape=(7,), dtype=np.int8)
+        layout[:] = h5py.VirtualSource(".", "int8", shape=(7,))
+        f.create_virtual_dataset("virtual", layout)
     with h5py.File(path, "r") as f:
         for name in ("big_endian", "int8", "half", "scalar", "gzip", "fill_only", "uint32"):
             ds = f[name]
@@ -321,8 +325,9 @@ def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path
             checked = h5.read_dataset_node(h5.checked_dataset(ds, name, "x"), name, "x")
             assert fast is not None and fast.dtype == checked.dtype and fast.shape == checked.shape, name
             np.testing.assert_array_equal(fast, checked)
-        ds = f["external"]
-        assert h5.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None  # left to the checked read, which refuses it
+        for name in ("external", "virtual"):  # data outside the file (virtual: maybe): left to the checked read
+            ds = f[name]
+            assert h5.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None, name
     t = {t["name"]: t for t in inspect_json(cli, path)["files"][0]["tensors"]}
     assert "external file" in t["external"]["error"] and t["external"]["min"] is None
     assert t["big_endian"]["dtype"] == ">f4" and t["fill_only"]["min"] == t["fill_only"]["max"] == 2.5
