@@ -306,6 +306,31 @@ def _print_blocks(console, cols, rows, styles, shown):
             console.print(line, style=style, soft_wrap=True)
 
 
+def print_lines(console, lines):
+    """:func:`print_items` of each of ``lines`` (plain text, not markup), the same bytes; off a terminal written
+    straight to the console's file in large blocks, as :func:`_write_plain` writes a table: a rich line costs
+    ~0.1 ms, and an inspect of 20,000 groups prints a line per group.  A line with a tab (which rich expands)
+    goes through rich."""
+    if not plain(console) or console.record:
+        for text in lines:
+            print_items(console, text, markup=False)
+        return
+    block = []
+    for text in lines:
+        if "\t" in text:
+            if block:
+                console.file.write("\n".join(block) + "\n")
+                block.clear()
+            print_items(console, text, markup=False)
+            continue
+        block.append(text)
+        if len(block) >= 4096:
+            console.file.write("\n".join(block) + "\n")
+            block.clear()
+    if block:
+        console.file.write("\n".join(block) + "\n")
+
+
 def print_items(console, text, *, style=None, markup=True, soft_wrap=None):
     """A long line: full length off a terminal; on a terminal wrapped only between items (``; `` and ``, ``
     separated parts stay whole where they fit), never inside a number or a name.  ``text`` is rich markup

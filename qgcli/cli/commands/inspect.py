@@ -471,7 +471,7 @@ def render_inspect(console, doc):
     from rich.markup import escape
     from rich.text import Text
 
-    from qgcli.report.tables import print_items, print_table
+    from qgcli.report.tables import print_items, print_lines, print_table
     from qgcli.storage import formats
     from qgcli.report.text import printable_doc
 
@@ -517,11 +517,9 @@ def render_inspect(console, doc):
         if f["tensors"]:
             cols, rows = _without_absent_statistics(f["tensors"], rows)
             print_table(console, cols, rows, styles=styles, choice=True)
-        for g in f["groups"]:
-            if g["path"] != "/":
-                attrs = f"  ({_attr_text(g['attributes'])})" if g["attributes"] else ""
-                # Plain text, not markup: names escaped one by one still form a tag together ("[" + "/  (]").
-                print_items(console, f"  group {g['path']}/{attrs}", markup=False)
+        # Plain text, not markup: names escaped one by one still form a tag together ("[" + "/  (]").
+        print_lines(console, [f"  group {g['path']}/" + (f"  ({_attr_text(g['attributes'])})" if g["attributes"] else "")
+                              for g in f["groups"] if g["path"] != "/"])
         for lk in f["links"]:
             how = {"external": "not followed", "soft": "not followed", "hard": "listed once"}.get(lk["kind"], "not a tensor")
             print_items(console, f"  {lk['kind']} link {lk['path']} -> {lk['target']} ({how})", markup=False)
