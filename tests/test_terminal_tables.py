@@ -178,9 +178,10 @@ def test_print_lines_writes_what_print_items_writes():
 
     from qgcli.report.tables import print_items, print_lines
 
-    lines = ["  group /a/", "  group /[red]x[/]/  (op: FakeQuant; num_bits: 8)", "tab\there", "", "  wide \u4e2d\u6587 "
-             + "y" * 60, "  trailing  "] * 700  # past a block of 4,096 lines
-    for terminal, some in ((False, lines), (True, lines[:6])):  # on a terminal: rich's, line by line
+    lines = ["  group /a/", "  group /[red]x[/]/  (op: FakeQuant; num_bits: 8)", "", "  wide \u4e2d\u6587 "
+             + "y" * 60, "  trailing  "] * 900  # past a block of 4,096 lines
+    # on a terminal, or with a tab (rich expands it): rich's, line by line
+    for terminal, some in ((False, lines), (False, lines[:5] + ["tab\there"]), (True, lines[:6])):
         out = []
         for write in (lambda c: [print_items(c, ln, markup=False) for ln in some], lambda c: print_lines(c, some)):
             buf = io.StringIO()
