@@ -314,6 +314,10 @@ def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path
         f.create_dataset("fill_only", shape=(4,), dtype="f4", fillvalue=2.5)
         f["uint32"] = np.arange(5, dtype=">u4")
         f.create_dataset("external", shape=(4,), dtype="f4", external=[(str(tmp_path / "raw.bin"), 0, 16)])
+        f["external"][...] = 1.0  # its data written (outside the file)
+        layout = h5py.VirtualLayout(shape=(7,), dtype=np.int8)
+        layout[:] = h5py.VirtualSource(".", "int8", shape=(7,))
+        f.create_virtual_dataset("virtual", layout)
     with h5py.File(path, "r") as f:
         for name in ("big_endian", "int8", "half", "scalar", "gzip", "fill_only", "uint32"):
             ds = f[name]
@@ -321,8 +325,9 @@ def test_small_plain_datasets_read_in_one_call_as_the_checked_read(cli, tmp_path
             checked = h5.read_dataset_node(h5.checked_dataset(ds, name, "x"), name, "x")
             assert fast is not None and fast.dtype == checked.dtype and fast.shape == checked.shape, name
             np.testing.assert_array_equal(fast, checked)
-        ds = f["external"]
-        assert h5.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None  # left to the checked read, which refuses it
+        for name in ("external", "virtual"):  # data outside the file (virtual: maybe): left to the checked read
+            ds = f[name]
+            assert h5.read_plain_dataset(ds.id, ds.shape, ds.dtype) is None, name
     t = {t["name"]: t for t in inspect_json(cli, path)["files"][0]["tensors"]}
     assert "external file" in t["external"]["error"] and t["external"]["min"] is None
     assert t["big_endian"]["dtype"] == ">f4" and t["fill_only"]["min"] == t["fill_only"]["max"] == 2.5
@@ -410,3 +415,40 @@ def test_the_registry_chooses_formats_by_suffix_and_magic_bytes():
     assert not formats.head_fits(formats.get("safetensors"), b"PK\x03\x04\x00\x00\x00\x00")
     with pytest.raises(Exception, match="unknown file type"):
         formats.for_input("a.txt")
+
+
+def _tiny_cases():
+    """Arrays of at most TINY values, of every plain dtype, with the values that steer the statistics."""
+    rng = np.random.default_rng(42)
+    special = [0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, 6.5e4, 3.4e38, 1.7e308, -1.7e308, 1.0, -2.5]
+    floats = [np.float16, np.float32, np.float64, np.dtype(">f4")]
+    ints = [np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.uint64, np.dtype(">i8")]
+    shapes = [(0,), (), (1,), (2,), (3,), (2, 3), (7,), (1, 7, 1)]
+    for shape in shapes:
+        for dtype in floats:
+            with np.errstate(over="ignore"):
+                for _ in range(5):
+                    yield (rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 6, size=shape)).astype(dtype)
+                for _ in range(20):  # special values in every position
+                    yield np.asarray(rng.choice(special, size=shape)).astype(dtype)
+        for dtype in ints:
+            info = np.iinfo(dtype)
+            yield rng.integers(info.min, info.max, size=shape, dtype=np.dtype(dtype).newbyteorder("="), endpoint=True).astype(dtype)
+            yield rng.integers(-1, 2, size=shape).astype(dtype)  # zeros
+        yield rng.integers(0, 2, size=shape).astype(bool)
+
+
+def test_tiny_array_statistics_are_the_general_paths_bit_for_bit(monkeypatch):
+    from qgcli.cli.commands import inspect as inspect_cmd
+
+    cases = list(_tiny_cases())
+    fast = [inspect_cmd.tensor_stats(a) for a in cases]
+    taken = sum(inspect_cmd._tiny_stats(a) is not None for a in cases)
+    monkeypatch.setattr(inspect_cmd, "TINY", -1)  # every array through the general path
+    for a, got in zip(cases, fast):
+        want = inspect_cmd.tensor_stats(a)
+        assert json.dumps(got) == json.dumps(want) and [type(v) for v in got.values()] == [
+            type(v) for v in want.values()], (a.dtype, a.tolist(), got, want)
+    assert len(cases) > 900 and taken > 0.8 * len(cases)  # the tiny path did answer (both signed zeros: not)
+    monkeypatch.undo()
+    assert inspect_cmd.tensor_stats(np.ones(2, np.complex64))["min"] is None  # complex: counts only, as before

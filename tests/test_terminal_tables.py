@@ -172,6 +172,25 @@ def test_print_items_breaks_between_items_only():
     assert np.all([ln == ln.rstrip() for ln in lines])
 
 
+def test_print_lines_writes_what_print_items_writes():
+    import io
+
+    from rich.console import Console
+
+    from qgcli.report.tables import print_items, print_lines
+
+    lines = ["  group /a/", "  group /[red]x[/]/  (op: FakeQuant; num_bits: 8)", "", "  wide \u4e2d\u6587 "
+             + "y" * 60, "  trailing  "] * 900  # past a block of 4,096 lines
+    # on a terminal, or with a tab (rich expands it): rich's, line by line
+    for terminal, some in ((False, lines), (False, lines[:5] + ["tab\there"]), (True, lines[:6])):
+        out = []
+        for write in (lambda c: [print_items(c, ln, markup=False) for ln in some], lambda c: print_lines(c, some)):
+            buf = io.StringIO()
+            write(Console(file=buf, width=40, force_terminal=terminal, no_color=True, highlight=False, emoji=False))
+            out.append(buf.getvalue())
+        assert out[0] == out[1] and out[0].count("\n") >= len(some)
+
+
 # nudge, compare-semantics, the layer report of a run file (and its trend table), torchao's block report.
 NOTEBOOK = ROOT / "samples" / "notebook.h5"
 RUN = ROOT / "samples" / "run.h5"

@@ -306,6 +306,19 @@ def _print_blocks(console, cols, rows, styles, shown):
             console.print(line, style=style, soft_wrap=True)
 
 
+def print_lines(console, lines):
+    """:func:`print_items` of each of ``lines`` (plain text, not markup), the same bytes; off a terminal written
+    straight to the console's file in large blocks, as :func:`_write_plain` writes a table: a rich line costs
+    ~0.1 ms, and an inspect of 20,000 groups prints a line per group.  Lines with a tab (which rich expands)
+    go through rich."""
+    if not plain(console) or console.record or any("\t" in text for text in lines):
+        for text in lines:
+            print_items(console, text, markup=False)
+        return
+    for start in range(0, len(lines), 4096):
+        console.file.write("".join(text + "\n" for text in lines[start:start + 4096]))
+
+
 def print_items(console, text, *, style=None, markup=True, soft_wrap=None):
     """A long line: full length off a terminal; on a terminal wrapped only between items (``; `` and ``, ``
     separated parts stay whole where they fit), never inside a number or a name.  ``text`` is rich markup

@@ -62,6 +62,10 @@ def tensor_stats(array):
     import numpy as np
 
     a = np.asarray(array)
+    if a.size <= TINY and a.dtype.kind in "biuf" and a.dtype.itemsize <= 8 and a.dtype.names is None:
+        out = _tiny_stats(a)
+        if out is not None:
+            return out
     out = {"min": None, "max": None, "mean": None, "std": None, "nan": None, "inf": None, "zeros": None}
     if a.dtype.name == "bfloat16" or (a.dtype.kind == "V" and a.dtype.name.startswith("float")):
         a = a.astype(np.float32)  # ml_dtypes' small floats (bfloat16, float8_*): their values, exactly
@@ -111,14 +115,77 @@ def tensor_stats(array):
     return out
 
 
-def _tensor_entry(name, shape, dtype, attributes, *, stats=None, error=None):
+#: Arrays of at most this many values take :func:`_tiny_stats`.  NumPy's float64 sum of fewer than 8 values adds
+#: them one after the other from 0.0 (its pairwise summation starts at 8), which a Python loop repeats exactly.
+TINY = 7
+
+
+def _tiny_stats(a):
+    """:func:`tensor_stats` of a tiny array of plain numbers (bool, int, float16/32/64), the same values to
+    the bit, in one pass over its values as Python numbers: NumPy's calls cost about 5-10 us each whatever
+    the size, and a file of thousands of two-value datasets is made of them.  The sum of squares stays
+    ``np.dot``'s (its BLAS may fuse the multiply-adds).  None where the result could depend on NumPy's
+    choice between equal values (a +0.0 and a -0.0 both present): the general path then decides."""
+    import math
+
     import numpy as np
 
-    size = int(np.prod(shape, dtype=np.int64)) if shape is not None else 0
-    try:
-        itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
-    except (TypeError, ValueError):  # "unknown", or the str() of a subarray dtype, which np.dtype() cannot parse
-        itemsize = 0
+    kind = a.dtype.kind
+    out = {"min": None, "max": None, "mean": None, "std": None, "nan": 0, "inf": 0, "zeros": 0}
+    values = a.ravel().tolist()
+    if kind == "f":
+        finite = []
+        for v in values:
+            if v - v == 0.0:
+                finite.append(v)
+            elif v != v:
+                out["nan"] += 1
+            else:
+                out["inf"] += 1
+        zeros = [math.copysign(1.0, v) for v in finite if v == 0.0]
+        if len(set(zeros)) > 1:
+            return None
+        out["zeros"] = len(zeros)
+        values = finite
+    else:
+        if kind == "b":
+            values = [float(v) for v in values]  # the general path's figures of a bool array are floats
+        out["zeros"] = values.count(0)
+    if not values:
+        return out
+    out["min"], out["max"] = min(values), max(values)
+    total = 0.0
+    for v in values:
+        total += v  # an integer as float64 first, as NumPy's cast does
+    mean = total / len(values)
+    if not math.isfinite(mean):  # an overflowing sum: the general path's std is then not finite either
+        return out
+    deviations = [v - mean for v in values]
+    d = np.array(deviations, dtype=np.float64)
+    if max(deviations) < 1e150 and -min(deviations) < 1e150:  # no square overflows: no errstate (as costly as the dot)
+        acc = float(np.dot(d, d))
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            acc = float(np.dot(d, d))
+    std = (acc / len(values)) ** 0.5
+    out["mean"] = mean
+    out["std"] = std if math.isfinite(std) else None
+    return out
+
+
+def _tensor_entry(name, shape, dtype, attributes, *, stats=None, error=None):
+    import math
+
+    import numpy as np
+
+    size = math.prod(shape) if shape is not None else 0  # exact ints, without np.prod's fixed cost
+    if isinstance(dtype, np.dtype):  # an array's: its name once per dtype
+        itemsize, dtype = dtype.itemsize, _dtype_name(dtype)
+    else:
+        try:
+            itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+        except (TypeError, ValueError):  # "unknown", or the str() of a subarray dtype, which np.dtype() cannot parse
+            itemsize = 0
     entry = {"name": name, "shape": None if shape is None else [int(s) for s in shape], "dtype": str(dtype),
              "size": size, "nbytes": size * itemsize}
     entry.update(stats if stats is not None else dict.fromkeys(("min", "max", "mean", "std", "nan", "inf", "zeros")))
@@ -404,7 +471,7 @@ def render_inspect(console, doc):
     from rich.markup import escape
     from rich.text import Text
 
-    from qgcli.report.tables import print_items, print_table
+    from qgcli.report.tables import print_items, print_lines, print_table
     from qgcli.storage import formats
     from qgcli.report.text import printable_doc
 
@@ -450,11 +517,9 @@ def render_inspect(console, doc):
         if f["tensors"]:
             cols, rows = _without_absent_statistics(f["tensors"], rows)
             print_table(console, cols, rows, styles=styles, choice=True)
-        for g in f["groups"]:
-            if g["path"] != "/":
-                attrs = f"  ({_attr_text(g['attributes'])})" if g["attributes"] else ""
-                # Plain text, not markup: names escaped one by one still form a tag together ("[" + "/  (]").
-                print_items(console, f"  group {g['path']}/{attrs}", markup=False)
+        # Plain text, not markup: names escaped one by one still form a tag together ("[" + "/  (]").
+        print_lines(console, [f"  group {g['path']}/" + (f"  ({_attr_text(g['attributes'])})" if g["attributes"] else "")
+                              for g in f["groups"] if g["path"] != "/"])
         for lk in f["links"]:
             how = {"external": "not followed", "soft": "not followed", "hard": "listed once"}.get(lk["kind"], "not a tensor")
             print_items(console, f"  {lk['kind']} link {lk['path']} -> {lk['target']} ({how})", markup=False)
