@@ -39,6 +39,8 @@ _STEP_GROUP = re.compile(r"^(step|epoch|iter)_\d+$")
 #: How far the resident memory may grow past the process's earlier peak before a capture hands the freed heap
 #: memory back to the system again (:func:`release_freed_memory`).
 RELEASE_BYTES = 8 << 20
+#: Bytes handed over between two readings of the resident memory (each reads ``/proc``: not once per array).
+CHECK_BYTES = 1 << 20
 
 
 def _malloc_trim():
@@ -114,16 +116,21 @@ def digest(array):
     return sha256(np.asarray(array))
 
 
+_DCPL = []
+
+
 def _allocated():
     """The creation properties of a dataset whose bytes :class:`BackgroundWrites` writes: contiguous, its
-    storage allocated at creation (its offset known), never filled by HDF5."""
+    storage allocated at creation (its offset known), never filled by HDF5 (made once: HDF5 copies them)."""
     import h5py
 
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    return dcpl
+    if not _DCPL:
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        _DCPL.append(dcpl)
+    return _DCPL[0]
 
 
 def _background(value):
@@ -188,6 +195,7 @@ class RunFileWriter:
         self.groups = {}  # path below the step -> staged group name, for the step being written
         self.steps = []  # the steps committed so far
         self.bytes_written = 0
+        self._unchecked = 0  # bytes handed over since the resident memory was last read
         self._rss_base = None  # the process's peak resident bytes before its first captured step
         self._rss_limit = None  # resident bytes above which the freed heap memory is handed back (this step)
         self.lock = threading.RLock()  # TensorFlow runs its graph callbacks on several threads
@@ -352,6 +360,7 @@ class RunFileWriter:
             d = parent.create_dataset(key, shape=value.shape, dtype=value.dtype, dcpl=_allocated())
             self._writes.write(value, d.id.get_offset())
         self.bytes_written += value.nbytes
+        self._unchecked += value.nbytes
 
     def _digest_dataset(self, parent, key, value):
         """A 32-byte dataset that receives the SHA-256 of ``value`` (computed beside the step)."""
@@ -361,6 +370,7 @@ class RunFileWriter:
         d.attrs["shape"] = np.asarray(value.shape, dtype=np.int64)
         d.attrs["dtype"] = value.dtype.str
         self._writes.write(value, None, digest_offset=d.id.get_offset())
+        self._unchecked += value.nbytes
 
     def wait(self, *, raise_error=True):
         """Return when every array handed over is in the file (before HDF5 reads, frees or flushes)."""
@@ -370,11 +380,15 @@ class RunFileWriter:
     def release_memory(self, *, now=False):
         """:func:`release_freed_memory` when the resident memory passes the process's peak before the step (then
         :data:`RELEASE_BYTES` above what is left after each hand-back), or ``now``.  Not every few MB
-        written: each hand-back costs the step the page faults of the memory it hands back."""
+        written: each hand-back costs the step the page faults of the memory it hands back; and the memory read
+        only every :data:`CHECK_BYTES` handed over."""
         if now:
             release_freed_memory()
             self._rss_limit = None
             return
+        if self._unchecked < CHECK_BYTES:
+            return
+        self._unchecked = 0
         rss = resident_bytes()
         if rss is None:
             return
