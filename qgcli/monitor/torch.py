@@ -229,7 +229,14 @@ class Monitor:
                 osc["last"].copy_(q)
         if first:
             osc["sample"] = q.clone()
-        if sampling:
+        if sampling and kernel is not None:  # the same in one pass
+            sums = _sums()
+            kernel[0].qg_oscillation_sample(q.data_ptr(), osc["sample"].data_ptr(), osc["frequency"].data_ptr(),
+                                            q.numel(), osc["decay"], self.threshold, sums.ctypes.data)
+            osc["decay"] = 1.0
+            changed, above, top = sums.tolist()[:3]
+            layer.stats.update(codes_changed=changed / q.numel(), oscillating=above / q.numel(), oscillation_max=top)
+        elif sampling:
             st = layer.stats
             frequency = osc["frequency"].mul_(osc["decay"])
             osc["decay"] = 1.0
@@ -263,13 +270,9 @@ class Monitor:
         if fast:  # one compiled pass; the mask's bit 0 is `outside`, bit 1 `compared`
             outside, compared = layer.mask, layer.mask if dynamic else None
         if qparams is not None:
-            scale, zp, qmin, qmax, _ = qparams
-            sf, zf = scale.detach().float().flatten(), zp.detach().float().flatten()
-            s["scale_min"], s["scale_median"], s["scale_max"] = sf.min(), sf.median(), sf.max()
-            s["zero_point_min"], s["zero_point_max"] = zf.min(), zf.max()
-            s["range_min"] = ((qmin - zf) * sf).min()
-            s["range_max"] = ((qmax - zf) * sf).max()
+            _qparam_stats(torch, s, *qparams[:4])
         if qparams is not None and not fast:
+            qmin, qmax = qparams[2], qparams[3]
             codes = _codes(torch, xd, *qparams)
             # float arithmetic and sums only (comparisons, boolean masks and count_nonzero are several times
             # slower on the CPU): sign(codes - clamp(codes)) is -1 clipped low, +1 clipped high, 0 inside
@@ -603,6 +606,26 @@ def _ratio(a, b):
 def _mask_bit(torch, mask, bit):
     """Bit ``bit`` of the compiled byte mask as the torch ops' float 0.0 / 1.0 tensor."""
     return torch.bitwise_and(mask, bit).ne_(0).float()
+
+
+def _qparam_stats(torch, s, scale, zp, qmin, qmax):
+    """The scale's min / median / max, the zero point's min / max and the range's ends into stats ``s``; on the
+    CPU with NumPy (the same float32 arithmetic; a few microseconds where each small torch op costs more)."""
+    sf, zf = scale.detach().float().flatten(), zp.detach().float().flatten()
+    if sf.device.type == "cpu" and zf.device.type == "cpu" and sf.numel() > 0 and sf.shape == zf.shape:
+        import numpy as np
+
+        a, z = sf.numpy(), zf.numpy()
+        low, high = (np.float32(qmin) - z) * a, (np.float32(qmax) - z) * a
+        if np.isfinite(a).all() and np.isfinite(low).all() and np.isfinite(high).all():
+            middle = (a.size - 1) // 2  # torch.median: the lower of the two middle values
+            s.update(scale_min=a.min(), scale_median=np.partition(a, middle)[middle], scale_max=a.max(),
+                     zero_point_min=z.min(), zero_point_max=z.max(), range_min=low.min(), range_max=high.max())
+            return
+    s["scale_min"], s["scale_median"], s["scale_max"] = sf.min(), sf.median(), sf.max()
+    s["zero_point_min"], s["zero_point_max"] = zf.min(), zf.max()
+    s["range_min"] = ((qmin - zf) * sf).min()
+    s["range_max"] = ((qmax - zf) * sf).max()
 
 
 def _l2(torch, x):

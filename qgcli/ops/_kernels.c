@@ -938,6 +938,24 @@ void qg_oscillation(const float *restrict x, int64_t blocks, int64_t width, cons
     }
 }
 
+/* At a sample, over qg_oscillation's buffers (n weights): frequency *= decay (the lazy decay applied), and
+ * sums: [0] codes that differ from `sample` (the codes at the last sample), [1] frequencies above
+ * `threshold`, [2] the largest frequency; then sample = last. */
+void qg_oscillation_sample(const int16_t *restrict last, int16_t *restrict sample, float *restrict frequency,
+                           int64_t n, float decay, float threshold, double *restrict sums) {
+    int64_t changed = 0, above = 0;
+    float top = -INFINITY;
+    for (int64_t k = 0; k < n; ++k) {
+        const float f = frequency[k] * decay;
+        frequency[k] = f;
+        changed += last[k] != sample[k];
+        above += f > threshold;
+        top = f > top ? f : top;
+        sample[k] = last[k];
+    }
+    sums[0] = (double)changed, sums[1] = (double)above, sums[2] = top;
+}
+
 /* --- a sample's statistics of one quantizer (qgcli.monitor.torch): each tensor read once ------------------
  * Sums in double; these functions alone may reorder them (QG_SUMS) so that the loops vectorize: the values
  * are those of float32 sums up to a rounding.  A non-finite input makes the caller redo the layer with

@@ -32,6 +32,7 @@ _SIGNATURES = {
     "qg_amax_bits": (ctypes.c_uint32, [_P, _I64]),
     "qg_onnx_q": (_INT, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _F, _F, _INT]),
     "qg_oscillation": (None, [_P, _I64, _I64, _P, _P, _F, _F, _P, _P, _P, _F, _INT]),
+    "qg_oscillation_sample": (None, [_P, _P, _P, _I64, _F, _F, _P]),
     "qg_monitor_forward": (None, [_P, _P, _I64, _I64, _P, _P, _F, _F, _INT, _P, _P]),
     "qg_monitor_upstream": (None, [_P, _P, _I64, _P]),
     "qg_monitor_downstream": (None, [_P, _P, _P, _I64, _INT, _P]),
