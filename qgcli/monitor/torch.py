@@ -15,8 +15,10 @@ module in a step counts, and only forwards with autograd on (an evaluation pass 
 Passive: forward hooks and autograd-node hooks that only read (the upstream gradient is the node's
 ``grad_outputs``, the framework's input gradient its ``grad_inputs``); the integer codes are computed from the
 module's own ``scale`` / ``zero_point`` buffers with tensor math, never by calling a quantizer or an observer,
-so a monitored run's weights equal an unmonitored run's bit for bit.  Statistics are computed with torch ops
-on the tensors' device; one transfer of the scalars per sample.  Oscillation (Nagel et al. 2022) is tracked at
+so a monitored run's weights equal an unmonitored run's bit for bit.  Statistics are computed on the tensors'
+device: on the CPU (float32) one pass of a compiled kernel per tensor (the input and output, the upstream
+gradient, the input gradient: every sum and count at once, in double, rounded to float32 like the torch ops'
+values), elsewhere torch ops; one transfer of the scalars per sample.  Oscillation (Nagel et al. 2022) is tracked at
 every step: each weight quantizer keeps its last integer codes, last move direction and the frequency
 ``f_t = m*o_t + (1-m)*f_(t-1)`` (``momentum`` m); a sample records the share of weights with f above
 ``threshold``.
@@ -73,7 +75,7 @@ class _Layer:
         self.seen_step = 0
         self.stats = {}
         self.osc = None  # a weight quantizer's oscillation buffers (see Monitor._track_oscillation)
-        self.mask = None  # the compiled statistics' per-element byte mask, reused (see _stats_kernel)
+        self.mask = None  # the compiled statistics' per-element byte mask, reused (see Monitor._forward_kernel)
 
 
 class Monitor:
