@@ -428,7 +428,9 @@ class Monitor:
         torch = self._t
         if not _kernel_ready(torch, dx):
             return False
-        with_dy = dy is not None and blocked is not None and blocked[2].dtype == torch.int8
+        with_dy = dy is not None and blocked is not None
+        if with_dy and blocked[2].dtype != torch.int8:  # the upstream statistics came from the torch ops
+            return False
         if with_dy and not (_kernel_ready(torch, dy.detach(), dx.shape) and blocked[2].shape == dx.shape):
             return False
         sums = _sums()
