@@ -12,8 +12,10 @@ The first ``--warmup`` steps (tracing, allocator warm-up, the Keras monitor's re
 layers, not with batch size.
 
     python benchmarks/bench_monitor.py --steps 200 --rounds 3
+    python benchmarks/bench_monitor.py --models llama --steps 100 --interleave   # one process, CPU time
 """
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -169,6 +171,35 @@ def train(make, steps, every, folder, warmup):
     return (w1 - w0, c1 - c0), size
 
 
+def interleaved(make, steps, folder, warmup):
+    """CPU s of ``steps`` steps without the monitor, with every=10 and with every=1, the three models stepped in
+    turn in one process (a busy machine slows them alike; the statistics' kernels or, with QGCLI_NATIVE=0, the
+    torch ops)."""
+    from qgcli.monitor.torch import monitor
+
+    g = torch.Generator().manual_seed(1)
+    runs = {}
+    for every in (None, 10, 1):
+        model, batch = make()
+        runs[every] = model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = [batch(g) for _ in range(min(steps, 8))]
+    total = dict.fromkeys(runs, 0.0)
+    with contextlib.ExitStack() as stack:
+        for every in (10, 1):
+            stack.enter_context(monitor(runs[every][0], os.path.join(folder, f"i{every}"), every=every,
+                                        optimizer=runs[every][1]))
+        for i in range(warmup + steps):
+            x, y = data[i % len(data)]
+            for every, (model, opt) in runs.items():
+                start = time.process_time()
+                opt.zero_grad()
+                out = model(x)
+                nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+                opt.step()
+                total[every] += (time.process_time() - start) if i >= warmup else 0.0
+    return total
+
+
 # --- tf_keras + tfmot, model.fit ----------------------------------------------------------------------------
 
 def keras_fit(steps, every, folder, warmup):
@@ -218,11 +249,20 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="resnet18,llama,keras")
+    parser.add_argument("--interleave", action="store_true",
+                        help="PyTorch models only: step the three configurations in turn in one process")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     makers = {"resnet18": resnet18_qat, "llama": llama_qat}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps after {args.warmup}, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")
+    if args.interleave:
+        with tempfile.TemporaryDirectory() as folder:
+            for name in args.models.split(","):
+                total = interleaved(makers[name], args.steps, folder, args.warmup)
+                print(f"{name}, interleaved, CPU s: without the monitor {total[None]:.2f}, " + ", ".join(
+                    f"every={every} {total[every]:.2f} {total[every] / total[None]:.3f}x" for every in (10, 1)))
+        return
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models.split(","):
             times = {None: [], 10: [], 1: []}

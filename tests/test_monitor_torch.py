@@ -310,6 +310,83 @@ def test_oscillation_kernel_matches_torch_ops(tmp_path, monkeypatch):
     assert max(v for s in compiled.values() for v in s["oscillation_max"]) > 0
 
 
+def _torchao_block():
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization import qat
+    from torchao.quantization.granularity import PerGroup
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+    quantize_(model, qat.QATConfig(config, step="prepare"), filter_fn=lambda m, fqn: fqn in ("2", "4"))
+    return model
+
+
+def test_sample_statistics_kernel_matches_torch_ops(tmp_path, monkeypatch):
+    """On the CPU a sample's statistics come from one compiled pass per tensor (forward, upstream and input
+    gradient); the history holds the values of the torch ops that run elsewhere (QGCLI_NATIVE=0 here), to
+    float32 precision (the compiled sums are doubles, the torch ops' float32): every statistic of every layer
+    of an eager QAT net (per-channel weights, clipped activations, batch norm) and of a torchao model (dynamic
+    per-token activations, whose blocks' extremes are left out of the STE check; int4 groups), and of the
+    torchao model with a NaN weight (the compiled pass sees a non-finite sum and the torch ops take over)."""
+    from qgcli.monitor import torch as monitor_torch
+    from qgcli.ops.native import library
+
+    pytest.importorskip("torchao")
+    if library() is None:
+        pytest.skip("the compiled kernels are not built")
+    ran = []
+    kernel = monitor_torch.Monitor._forward_kernel
+    monkeypatch.setattr(monitor_torch.Monitor, "_forward_kernel",
+                        lambda self, *a: ran.append(kernel(self, *a)) or ran[-1])
+
+    def run(native, name):
+        monkeypatch.setenv("QGCLI_NATIVE", native)
+        ran.clear()
+        path = tmp_path / f"{name}{native}"
+        if name == "eager":
+            _train(_net(), path, steps=9, every=4, lr=0.5)
+        else:  # "nan": a NaN weight from step 3, which the compiled passes see and leave to the torch ops
+            model, g = _torchao_block(), torch.Generator().manual_seed(3)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            with monitor(model, path, every=1 if name == "nan" else 2, optimizer=opt):
+                for step in range(1, 6):
+                    if name == "nan" and step == 3:
+                        model[2].weight.data[0, 5] = float("nan")
+                    x, y = torch.randn(3, 5, 16, generator=g), torch.randint(0, 8, (15,), generator=g)
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x).reshape(15, 8), y).backward()
+                    opt.step()
+        h = read_history(path)
+        return {layer["path"]: h.series(layer["path"]) for layer in h.layers}
+
+    for name in ("eager", "torchao", "nan"):
+        compiled = run("1", name)
+        assert ran and (all(ran) or name == "nan"), name  # the kernel ran at every quantizer of every sample
+        fell_back = not all(ran)
+        ops = run("0", name)
+        assert not any(ran) and compiled.keys() == ops.keys()
+        for path, series in compiled.items():
+            assert series.keys() == ops[path].keys(), path
+            for stat, values in series.items():
+                if name == "nan" and stat in ("codes_changed", "oscillating", "oscillation_max"):
+                    continue  # qg_oscillation keeps a NaN weight's last code; torch's cast of NaN has none
+                want = ops[path][stat]
+                assert [v is None for v in values] == [v is None for v in want], (name, path, stat)
+                assert [v for v in values if v is not None] == pytest.approx(
+                    [v for v in want if v is not None], rel=2e-6, abs=1e-7, nan_ok=True), (name, path, stat)
+
+        def seen(stat):
+            return [v for s in compiled.values() for v in s.get(stat, []) if v is not None]
+
+        if name == "nan":
+            assert max(seen("nan_inputs")) > 0 and fell_back
+            continue
+        if name == "eager":
+            assert max(seen("clip_high")) > 0 and max(seen("blocked")) > 0
+        assert max(seen("dx_norm")) > 0 and seen("ste_error") and seen("sqnr_db")
+
+
 def test_history_grows_by_a_few_bytes_per_layer_and_sample_whatever_the_batch(tmp_path):
     """A real monitored run sampled at every step: the history grows by under 100 bytes per layer and sample
     (about 80 measured; so under 10 KiB per sample per 100 layers), and not with the batch size."""

@@ -15,8 +15,10 @@ module in a step counts, and only forwards with autograd on (an evaluation pass 
 Passive: forward hooks and autograd-node hooks that only read (the upstream gradient is the node's
 ``grad_outputs``, the framework's input gradient its ``grad_inputs``); the integer codes are computed from the
 module's own ``scale`` / ``zero_point`` buffers with tensor math, never by calling a quantizer or an observer,
-so a monitored run's weights equal an unmonitored run's bit for bit.  Statistics are computed with torch ops
-on the tensors' device; one transfer of the scalars per sample.  Oscillation (Nagel et al. 2022) is tracked at
+so a monitored run's weights equal an unmonitored run's bit for bit.  Statistics are computed on the tensors'
+device: on the CPU (float32) one pass of a compiled kernel per tensor (the input and output, the upstream
+gradient, the input gradient: every sum and count at once, in double, rounded to float32 like the torch ops'
+values), elsewhere torch ops; one transfer of the scalars per sample.  Oscillation (Nagel et al. 2022) is tracked at
 every step: each weight quantizer keeps its last integer codes, last move direction and the frequency
 ``f_t = m*o_t + (1-m)*f_(t-1)`` (``momentum`` m); a sample records the share of weights with f above
 ``threshold``.
@@ -25,6 +27,7 @@ Under ``torch.distributed`` every rank must run the monitor; the statistics are 
 shares and norms, sums of counts, the smallest minimum and the largest maximum) and only rank 0 writes.
 """
 import contextlib
+import math
 import sys
 
 from qgcli.errors import UsageProblem
@@ -72,6 +75,7 @@ class _Layer:
         self.seen_step = 0
         self.stats = {}
         self.osc = None  # a weight quantizer's oscillation buffers (see Monitor._track_oscillation)
+        self.mask = None  # the compiled statistics' per-element byte mask, reused (see Monitor._forward_kernel)
 
 
 class Monitor:
@@ -180,8 +184,7 @@ class Monitor:
                 qparams = _qparams(torch, layer, module, x)
                 codes = None
                 if sampling:
-                    codes = None if qparams is None else _codes(torch, x.detach(), *qparams)
-                    self._forward_stats(layer, module, x, output, qparams, codes)
+                    codes = self._forward_stats(layer, module, x, output, qparams)
                 if layer.role == "weight" and qparams is not None:  # after: it clamps the codes in place
                     self._track_oscillation(layer, x.detach(), codes, qparams, sampling)
 
@@ -228,7 +231,14 @@ class Monitor:
                 osc["last"].copy_(q)
         if first:
             osc["sample"] = q.clone()
-        if sampling:
+        if sampling and kernel is not None:  # the same in one pass
+            sums = _sums()
+            kernel[0].qg_oscillation_sample(q.data_ptr(), osc["sample"].data_ptr(), osc["frequency"].data_ptr(),
+                                            q.numel(), osc["decay"], self.threshold, sums.ctypes.data)
+            osc["decay"] = 1.0
+            changed, above, top = sums.tolist()[:3]
+            layer.stats.update(codes_changed=changed / q.numel(), oscillating=above / q.numel(), oscillation_max=top)
+        elif sampling:
             st = layer.stats
             frequency = osc["frequency"].mul_(osc["decay"])
             osc["decay"] = 1.0
@@ -237,7 +247,9 @@ class Monitor:
             st["oscillation_max"] = frequency.max()
             osc["sample"].copy_(q)
 
-    def _forward_stats(self, layer, module, x, output, qparams, codes):
+    def _forward_stats(self, layer, module, x, output, qparams):
+        """The forward statistics; registers the gradient hooks.  Returns the unclamped integer codes when
+        torch ops computed them (for :meth:`_track_oscillation`), else None."""
         torch = self._t
         s = layer.stats
         xd = x.detach()
@@ -252,15 +264,18 @@ class Monitor:
             s["in_optimizer"] = float(id(module.scale) in ids)
         active = output is not x and torch.is_tensor(output)
         s["needs_grad"] = float(bool(active and output.requires_grad))
-        outside = None  # where the STE blocks the gradient (the integer code is clipped)
+        outside = codes = compared = None  # outside: where the STE blocks the gradient (the code is clipped)
         n = xd.numel()
+        dynamic = layer.framework == "torchao" and getattr(module.config, "is_dynamic", False)
+        fast = qparams is not None and self._forward_kernel(layer, xd, output.detach() if active else None,
+                                                             qparams, dynamic)
+        if fast:  # one compiled pass; the mask's bit 0 is `outside`, bit 1 `compared`
+            outside, compared = layer.mask, layer.mask if dynamic else None
         if qparams is not None:
-            scale, zp, qmin, qmax, _ = qparams
-            sf, zf = scale.detach().float().flatten(), zp.detach().float().flatten()
-            s["scale_min"], s["scale_median"], s["scale_max"] = sf.min(), sf.median(), sf.max()
-            s["zero_point_min"], s["zero_point_max"] = zf.min(), zf.max()
-            s["range_min"] = ((qmin - zf) * sf).min()
-            s["range_max"] = ((qmax - zf) * sf).max()
+            _qparam_stats(torch, s, *qparams[:4])
+        if qparams is not None and not fast:
+            qmin, qmax = qparams[2], qparams[3]
+            codes = _codes(torch, xd, *qparams)
             # float arithmetic and sums only (comparisons, boolean masks and count_nonzero are several times
             # slower on the CPU): sign(codes - clamp(codes)) is -1 clipped low, +1 clipped high, 0 inside
             side = torch.clamp(codes, qmin, qmax).sub_(codes).neg_().sign_()
@@ -268,14 +283,14 @@ class Monitor:
             outside = side.abs_()  # 1 where the STE blocks the gradient
             clipped = outside.sum()
             s["clip_low"], s["clip_high"] = (clipped - net) / (2 * n), (clipped + net) / (2 * n)
-        power = _l2(torch, xd.float())
-        s["nan_inputs"] = _nonfinite(torch, xd, power)
-        if not active:
-            return
-        # SQNR from two norms: |x| and |x - out| (one pass each)
-        s["sqnr_db"] = 20 * torch.log10(power / torch.dist(xd.float(), output.detach().float()).clamp_min(1e-30))
-        if not output.requires_grad:
-            return
+        if not fast:
+            power = _l2(torch, xd.float())
+            s["nan_inputs"] = _nonfinite(torch, xd, power)
+            if active:  # SQNR from two norms: |x| and |x - out| (one pass each)
+                s["sqnr_db"] = 20 * torch.log10(power / torch.dist(xd.float(), output.detach().float())
+                                                .clamp_min(1e-30))
+        if not active or not output.requires_grad:
+            return codes
         node = output.grad_fn
         if layer.framework == "torch.ao" and node is not None:
             node.register_hook(self._node_hook(layer, outside, learnable))
@@ -283,8 +298,7 @@ class Monitor:
             seen = {}
             # a scale computed from the input (dynamic) also passes gradient to each block's extremes: the STE
             # is compared on the other elements
-            compared = None
-            if outside is not None and getattr(module.config, "is_dynamic", False):
+            if outside is not None and dynamic and not fast:
                 compared = _not_extreme(torch, xd, qparams[0].numel())
 
             def upstream(dy):
@@ -296,6 +310,31 @@ class Monitor:
                 _once(x, lambda dx: self._downstream(layer, dx, seen.get("dy"), seen.get("blocked"), compared))
             if learnable:
                 _once(module.scale, lambda g: layer.stats.__setitem__("scale_grad_norm", g.float().norm()))
+        return codes
+
+    def _forward_kernel(self, layer, x, output, qparams, dynamic):
+        """The forward statistics in one pass of the compiled ``qg_monitor_forward`` (float32 C-order CPU
+        tensors, the blocks of ``qg_oscillation``): clipping shares, NaN/Inf (none), SQNR, and ``layer.mask``
+        for the gradient hooks.  False where it does not apply or the input is not finite (torch ops then)."""
+        torch = self._t
+        kernel = _blocks_kernel(torch, x, qparams)
+        if kernel is None or (output is not None and not _kernel_ready(torch, output, x.shape)):
+            return False
+        lib, blocks, inv, zp = kernel
+        if layer.mask is None or layer.mask.shape != x.shape:
+            layer.mask = torch.empty(x.shape, dtype=torch.int8)
+        sums = _sums()
+        lib.qg_monitor_forward(x.data_ptr(), None if output is None else output.data_ptr(), blocks,
+                               x.numel() // blocks, inv.data_ptr(), zp.data_ptr(), qparams[2], qparams[3],
+                               int(dynamic), layer.mask.data_ptr(), sums.ctypes.data)
+        low, high, power, noise = sums.tolist()
+        if not (math.isfinite(power) and math.isfinite(noise)):
+            return False
+        n, s = x.numel(), layer.stats
+        s["clip_low"], s["clip_high"], s["nan_inputs"] = low / n, high / n, 0.0
+        if output is not None:
+            s["sqnr_db"] = _db(math.sqrt(power), max(math.sqrt(noise), _TINY_NOISE))
+        return True
 
     def _node_hook(self, layer, outside, learnable):
         def hook(grad_inputs, grad_outputs):
@@ -319,6 +358,11 @@ class Monitor:
         torch = self._t
         with torch.no_grad():
             s = layer.stats
+            fast = self._upstream_kernel(layer, dy.detach(), outside)
+            if fast is not False:
+                return fast
+            if outside is not None and outside.dtype == torch.int8:
+                outside = _mask_bit(torch, outside, 1)
             dyf = dy.detach().float()
             s["dy_norm"] = norm = _l2(torch, dyf)
             s["dy_zero"] = 1 - torch.sign(dyf).abs_().sum() / max(dyf.numel(), 1)  # faster than count_nonzero
@@ -330,6 +374,26 @@ class Monitor:
             s["blocked"] = (l1_blocked / l1).clamp_max(1)  # two float32 sums: the ratio may exceed 1 by a rounding
             return l1_blocked, l1, outside
 
+    def _upstream_kernel(self, layer, dy, mask):
+        """:meth:`_upstream` in one pass of the compiled ``qg_monitor_upstream`` over a float32 C-order CPU
+        ``dy`` (the sums in float); False where it does not apply or ``dy`` is not finite."""
+        torch = self._t
+        with_mask = mask is not None and mask.dtype == torch.int8 and mask.shape == dy.shape
+        if not _kernel_ready(torch, dy) or (mask is not None and not with_mask):
+            return False
+        sums = _sums()
+        n = dy.numel()
+        _library().qg_monitor_upstream(dy.data_ptr(), mask.data_ptr() if with_mask else None, n, sums.ctypes.data)
+        squares, nonzero, l1_blocked, l1 = sums.tolist()
+        if not (math.isfinite(squares) and math.isfinite(l1)):
+            return False
+        s = layer.stats
+        s["dy_norm"], s["dy_zero"], s["nan_grads"] = math.sqrt(squares), 1 - nonzero / max(n, 1), 0.0
+        if not with_mask:
+            return None
+        s["blocked"] = min(_ratio(l1_blocked, l1), 1.0)
+        return l1_blocked, l1, mask
+
     def _downstream(self, layer, dx, dy, blocked, compared=None):
         """The input gradient's norm, and ``ste_error``: sum |dx - dy*mask| / sum |dy*mask|, the mask 1 - outside
         (``dx - dy + dy*outside``: exactly 0 where dx is the STE's)."""
@@ -337,6 +401,13 @@ class Monitor:
         if dx is None:
             return
         with torch.no_grad():
+            if self._downstream_kernel(layer, dx.detach(), dy, blocked, compared):
+                return
+            if blocked is not None and blocked[2].dtype == torch.int8:  # the compiled mask, as the torch ops' floats
+                mask = blocked[2]
+                blocked = (torch.tensor(blocked[0], dtype=torch.float32),
+                           torch.tensor(blocked[1], dtype=torch.float32), _mask_bit(torch, mask, 1))
+                compared = None if compared is None else _mask_bit(torch, mask, 2)
             dxf = dx.detach().float()
             layer.stats["dx_norm"] = _l2(torch, dxf)
             if dy is None or blocked is None or not dxf.shape == dy.shape == blocked[2].shape:
@@ -350,6 +421,32 @@ class Monitor:
                 den = torch.addcmul(dyf, dyf, outside, value=-1).mul_(compared).abs_().sum()
             den = torch.where(den > 0, den, dyf.abs().sum())
             layer.stats["ste_error"] = error.abs_().sum() / den
+
+    def _downstream_kernel(self, layer, dx, dy, blocked, compared):
+        """:meth:`_downstream` in one pass of the compiled ``qg_monitor_downstream`` (float32 C-order CPU
+        tensors, ``blocked`` from :meth:`_upstream_kernel`); False where it does not apply or is not finite."""
+        torch = self._t
+        if not _kernel_ready(torch, dx):
+            return False
+        with_dy = dy is not None and blocked is not None
+        if with_dy and blocked[2].dtype != torch.int8:  # the upstream statistics came from the torch ops
+            return False
+        if with_dy and not (_kernel_ready(torch, dy.detach(), dx.shape) and blocked[2].shape == dx.shape):
+            return False
+        sums = _sums()
+        _library().qg_monitor_downstream(dx.data_ptr(), dy.detach().data_ptr() if with_dy else None,
+                                         blocked[2].data_ptr() if with_dy else None, dx.numel(),
+                                         int(compared is not None), sums.ctypes.data)
+        squares, error, den = sums.tolist()[:3]
+        if not (math.isfinite(squares) and math.isfinite(error)):
+            return False
+        layer.stats["dx_norm"] = math.sqrt(squares)
+        if with_dy:
+            l1_blocked, l1 = blocked[0], blocked[1]
+            if compared is None:
+                den = max(l1 - l1_blocked, 0.0)
+            layer.stats["ste_error"] = _ratio(error, den if den > 0 else l1)
+        return True
 
     def _bn_pre_hook(self, layer):
         torch = self._t
@@ -397,25 +494,26 @@ class Monitor:
 
     def _flush(self, step):
         torch = self._t
-        rows = {}
+        import numpy as np
+
+        flat, pending, numbers = {}, {}, []
         for layer in self._layers:
             if not layer.stats:
                 continue
-            names = list(layer.stats)
-            values = [v.detach().reshape(()).double() if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64)
-                      for v in (layer.stats[n] for n in names)]
-            rows[layer.path] = (layer, names, values)
+            row = flat[layer.path] = {}
+            for n, v in layer.stats.items():  # tensors in one transfer per device
+                row[n] = None
+                if torch.is_tensor(v):
+                    pending.setdefault(v.device, []).append((row, n, v.detach().reshape(()).double()))
+                else:
+                    numbers.append((row, n, v))
             layer.stats = {}
-        # one host transfer per device
-        flat = {}
-        by_device = {}
-        for path, (_, names, values) in rows.items():
-            for n, v in zip(names, values):
-                by_device.setdefault(v.device, []).append((path, n, v))
-        for items in by_device.values():
-            got = torch.stack([v.to(items[0][2].device) for _, _, v in items]).cpu().tolist()
-            for (path, n, _), value in zip(items, got):
-                flat.setdefault(path, {})[n] = value
+        for items in pending.values():
+            for (row, n, _), value in zip(items, torch.stack([v for _, _, v in items]).cpu().tolist()):
+                row[n] = value
+        # the compiled statistics' sums are doubles: rounded to float32, the torch ops' precision
+        for (row, n, _), value in zip(numbers, np.array([v for *_, v in numbers], np.float32).tolist()):
+            row[n] = value
         if self._distributed:
             gathered = [None] * self.world if self.rank == 0 else None
             torch.distributed.gather_object(flat, gathered, dst=0)
@@ -451,23 +549,87 @@ def _once(tensor, fn):
 
 
 def _oscillation_kernel(torch, x, qparams):
-    """``(library, blocks, 1/scale, zero point)`` for ``qg_oscillation`` when it applies to weight ``x``: a
-    float32 C-order CPU tensor, int16 codes, per tensor, per channel along axis 0 or torchao's blocks; else
-    None (the torch ops run)."""
-    scale, zp, qmin, qmax, axis = qparams
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or x.numel() == 0 or \
-            qmin < -2 ** 15 or qmax >= 2 ** 15 or axis not in (None, 0, "blocks") or \
-            (axis == 0 and x.dim() == 0):
+    """``(library, blocks, 1/scale, zero point)`` for ``qg_oscillation`` when it applies to weight ``x``: int16
+    codes and :func:`_blocks_kernel`; else None (the torch ops run)."""
+    if qparams[2] < -2 ** 15 or qparams[3] >= 2 ** 15:
         return None
-    from qgcli.ops.native import library
+    return _blocks_kernel(torch, x, qparams)
 
-    lib = library()
+
+def _blocks_kernel(torch, x, qparams):
+    """``(library, blocks, 1/scale, zero point)`` for the compiled kernels that quantize ``x`` by contiguous
+    blocks: a float32 C-order CPU tensor, per tensor, per channel along axis 0 or torchao's blocks; else None
+    (the torch ops run)."""
+    scale, zp, qmin, qmax, axis = qparams
+    if not _kernel_ready(torch, x) or axis not in (None, 0, "blocks") or (axis == 0 and x.dim() == 0):
+        return None
+    lib = _library()
     blocks = scale.numel() if axis is not None else 1
     if lib is None or blocks < 1 or x.numel() % blocks or zp.numel() != scale.numel() or \
             (axis == 0 and blocks != x.shape[0]):
         return None
     inv = (1.0 / scale.float()).reshape(-1).contiguous().cpu()
     return lib, blocks, inv, zp.float().reshape(-1).contiguous().cpu()
+
+
+def _library():
+    from qgcli.ops.native import library
+
+    return library()
+
+
+def _kernel_ready(torch, t, shape=None):
+    """Whether the compiled statistics read tensor ``t`` as it is: float32, C order, on the CPU, not empty (and
+    shaped ``shape`` when given), with the kernels built."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() > 0 and t.is_contiguous() and \
+        (shape is None or t.shape == shape) and _library() is not None
+
+
+def _sums():
+    import numpy as np
+
+    return np.zeros(4)
+
+
+#: torch.dist's floor in the torch-ops SQNR (``clamp_min(1e-30)`` on a float32)
+_TINY_NOISE = 1.0000000031710769e-30
+
+
+def _db(power, noise):
+    """``20 log10(power / noise)`` as torch computes it for a zero ``power``: -inf."""
+    return 20 * math.log10(power / noise) if power > 0 else -math.inf
+
+
+def _ratio(a, b):
+    """``a / b`` with torch's division by zero: NaN for 0 / 0, else an infinity."""
+    if b != 0:
+        return a / b
+    return math.nan if a == 0 or a != a else math.copysign(math.inf, a)
+
+
+def _mask_bit(torch, mask, bit):
+    """Bit ``bit`` of the compiled byte mask as the torch ops' float 0.0 / 1.0 tensor."""
+    return torch.bitwise_and(mask, bit).ne_(0).float()
+
+
+def _qparam_stats(torch, s, scale, zp, qmin, qmax):
+    """The scale's min / median / max, the zero point's min / max and the range's ends into stats ``s``; on the
+    CPU with NumPy (the same float32 arithmetic; a few microseconds where each small torch op costs more)."""
+    sf, zf = scale.detach().float().flatten(), zp.detach().float().flatten()
+    if sf.device.type == "cpu" and zf.device.type == "cpu" and sf.numel() > 0 and sf.shape == zf.shape:
+        import numpy as np
+
+        a, z = sf.numpy(), zf.numpy()
+        low, high = (np.float32(qmin) - z) * a, (np.float32(qmax) - z) * a
+        if np.isfinite(a).all() and np.isfinite(low).all() and np.isfinite(high).all():
+            middle = (a.size - 1) // 2  # torch.median: the lower of the two middle values
+            s.update(scale_min=a.min(), scale_median=np.partition(a, middle)[middle], scale_max=a.max(),
+                     zero_point_min=z.min(), zero_point_max=z.max(), range_min=low.min(), range_max=high.max())
+            return
+    s["scale_min"], s["scale_median"], s["scale_max"] = sf.min(), sf.median(), sf.max()
+    s["zero_point_min"], s["zero_point_max"] = zf.min(), zf.max()
+    s["range_min"] = ((qmin - zf) * sf).min()
+    s["range_max"] = ((qmax - zf) * sf).max()
 
 
 def _l2(torch, x):

@@ -1015,9 +1015,117 @@ void qg_oscillation(const float *restrict x, int64_t blocks, int64_t width, cons
     }
 }
 
+/* At a sample, over qg_oscillation's buffers (n weights): frequency *= decay (the lazy decay applied), and
+ * sums: [0] codes that differ from `sample` (the codes at the last sample), [1] frequencies above
+ * `threshold`, [2] the largest frequency; then sample = last. */
+void qg_oscillation_sample(const int16_t *restrict last, int16_t *restrict sample, float *restrict frequency,
+                           int64_t n, float decay, float threshold, double *restrict sums) {
+    int64_t changed = 0, above = 0;
+    float top = -INFINITY;
+    for (int64_t k = 0; k < n; ++k) {
+        const float f = frequency[k] * decay;
+        frequency[k] = f;
+        changed += last[k] != sample[k];
+        above += f > threshold;
+        top = f > top ? f : top;
+        sample[k] = last[k];
+    }
+    sums[0] = (double)changed, sums[1] = (double)above, sums[2] = top;
+}
+
+/* --- a sample's statistics of one quantizer (qgcli.monitor.torch): each tensor read once ------------------
+ * Sums in double; these functions alone may reorder them (QG_SUMS) so that the loops vectorize: the values
+ * are those of float32 sums up to a rounding.  A non-finite input makes the caller redo the layer with
+ * torch ops (NaN's own rules). */
+#if defined(__clang__) || !defined(__GNUC__)
+#define QG_SUMS
+#else
+#define QG_SUMS __attribute__((optimize("associative-math", "no-signed-zeros", "no-trapping-math")))
+#endif
+
+/* `blocks` runs of `width` contiguous inputs x (the integer code rint(x * inv[b]) + zp[b], as qg_oscillation),
+ * `out` the quantizer's output (NULL: none).  sums: [0] codes below qmin, [1] above qmax, [2] sum x^2,
+ * [3] sum (x - out)^2.  mask (one byte per input): bit 0 where the code is clipped (the STE blocks the
+ * gradient), with `extremes` bit 1 where x is neither its block's smallest nor largest. */
+QG_SUMS void qg_monitor_forward(const float *restrict x, const float *restrict out, int64_t blocks, int64_t width,
+                                const float *restrict inv, const float *restrict zp, float qmin, float qmax,
+                                int extremes, int8_t *restrict mask, double *restrict sums) {
+    int64_t low = 0, high = 0;
+    double power = 0, noise = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float s = inv[b], z = zp[b];
+        const float *restrict xb = x + b * width;
+        int8_t *restrict mb = mask + b * width;
+        float lo = xb[0], hi = xb[0];
+        if (extremes)
+            for (int64_t k = 1; k < width; ++k) {
+                lo = xb[k] < lo ? xb[k] : lo;
+                hi = xb[k] > hi ? xb[k] : hi;
+            }
+        const int8_t inner = extremes ? 2 : 0;
+        int32_t below = 0, above = 0;
+        for (int64_t k = 0; k < width; ++k) {
+            const float v = xb[k];
+            const float q = rintf(v * s) + z;
+            const int8_t l = q < qmin, h = q > qmax;
+            below += l;
+            above += h;
+            mb[k] = (int8_t)((l | h) | ((v > lo && v < hi) ? inner : 0));
+            power += (double)v * (double)v;
+        }
+        low += below, high += above;
+        if (out) {
+            const float *restrict ob = out + b * width;
+            for (int64_t k = 0; k < width; ++k) {
+                const double d = xb[k] - ob[k];
+                noise += d * d;
+            }
+        }
+    }
+    sums[0] = (double)low, sums[1] = (double)high, sums[2] = power, sums[3] = noise;
+}
+
+/* The upstream gradient dy (n values); mask from qg_monitor_forward or NULL.  sums: [0] sum dy^2, [1] nonzero
+ * dy, [2] sum |dy| where bit 0 (blocked), [3] sum |dy|. */
+QG_SUMS void qg_monitor_upstream(const float *restrict dy, const int8_t *restrict mask, int64_t n,
+                                 double *restrict sums) {
+    double squares = 0, blocked = 0, mass = 0;
+    int64_t nonzero = 0;
+    for (int64_t k = 0; k < n; ++k) {
+        const float v = dy[k];
+        squares += (double)v * (double)v;
+        mass += fabsf(v);
+        nonzero += v != 0.0f;
+    }
+    if (mask)
+        for (int64_t k = 0; k < n; ++k) blocked += (mask[k] & 1) ? fabsf(dy[k]) : 0.0f;
+    sums[0] = squares, sums[1] = (double)nonzero, sums[2] = blocked, sums[3] = mass;
+}
+
+/* The input gradient dx against the STE's dy * (1 - blocked) (n values; dy and mask NULL: the norm only).
+ * sums: [0] sum dx^2, [1] sum |dx - dy + dy * blocked| (with `extremes` only where bit 1), [2] with
+ * `extremes` sum |dy - dy * blocked| where bit 1. */
+QG_SUMS void qg_monitor_downstream(const float *restrict dx, const float *restrict dy, const int8_t *restrict mask,
+                                   int64_t n, int extremes, double *restrict sums) {
+    double squares = 0, error = 0, den = 0;
+    for (int64_t k = 0; k < n; ++k) squares += (double)dx[k] * (double)dx[k];
+    if (dy) {
+        const int8_t need = extremes ? 2 : 0;
+        for (int64_t k = 0; k < n; ++k) {
+            const int8_t bits = mask[k];
+            const float g = dy[k], o = (bits & 1) ? 1.0f : 0.0f;
+            const float keep = (bits & need) == need ? 1.0f : 0.0f;
+            error += fabsf((dx[k] - g + g * o) * keep);
+            den += fabsf((g - g * o) * keep);
+        }
+    }
+    sums[0] = squares, sums[1] = error, sums[2] = den;
+}
+#undef QG_SUMS
+
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 18; }
+int qg_abi_version(void) { return 21; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-ABI_VERSION = 18  # qg_abi_version() of the C file these signatures describe
+ABI_VERSION = 21  # qg_abi_version() of the C file these signatures describe
 # Arrays are passed as raw addresses (see address()): ctypes' own array checks cost more than a small op.
 _SIGNATURES = {
     "qg_nudge": (None, [_P, _P, _I64, _F, _F, _P]),
@@ -33,6 +33,10 @@ _SIGNATURES = {
     "qg_amax_bits": (ctypes.c_uint32, [_P, _I64]),
     "qg_onnx_q": (_INT, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _F, _F, _INT]),
     "qg_oscillation": (None, [_P, _I64, _I64, _P, _P, _F, _F, _P, _P, _P, _F, _INT]),
+    "qg_oscillation_sample": (None, [_P, _P, _P, _I64, _F, _F, _P]),
+    "qg_monitor_forward": (None, [_P, _P, _I64, _I64, _P, _P, _F, _F, _INT, _P, _P]),
+    "qg_monitor_upstream": (None, [_P, _P, _I64, _P]),
+    "qg_monitor_downstream": (None, [_P, _P, _P, _I64, _INT, _P]),
     "qg_cpu_has_avx2": (_INT, []),
     "qg_abi_version": (_INT, []),
 }
