@@ -96,8 +96,9 @@ def test_sigkill_keeps_every_completed_sample(tmp_path):
         proc.wait()
         proc.stdout.close()
         h = read_history(path)
-        assert h.steps[:done] == list(range(1, done + 1))  # every sample the writer reported, maybe one more
-        assert len(h.steps) in (done, done + 1)
+        # every sample the writer reported, and the ones it wrote between our last read and the kill (it does not
+        # wait for us: on a loaded machine that is a few), with no gap
+        assert len(h.steps) >= done and h.steps == list(range(1, len(h.steps) + 1))
         with closing(sqlite3.connect(path)) as db:
             counts = db.execute("select step, count(*), min(dy_norm - layer_id) from stats group by step").fetchall()
         assert counts == [(s, 100, float(s)) for s in h.steps]  # whole samples only
