@@ -258,6 +258,8 @@ def _quantize_blocks(xb, fmt, scale_mode, xp):
         values = (q.astype(_F32) * _F32(2.0**-6)) if fmt.kind == "int8" else xp.take(xp.asarray(_table(fmt)), q)
         s_out = xp.where(code == 255, _F32(np.nan), _pow2_f32(code.astype(np.int32) - 127, xp))
         y = values * s_out
+        if has_nan:  # NaN * NaN: the first operand's NaN, as torch's multiply gives it (NumPy's SIMD loops may
+            y = xp.where(xp.isnan(values), values, y)  # take either one, by the arrays' alignment)
     return q, code, y
 
 
