@@ -17,8 +17,7 @@ def check_out(out, xp, *, shape, dtype, reused, reused_name, others, operand="ou
     if out is None:
         return None
     shape, dtype = list(shape), np.dtype(dtype)
-    if (not isinstance(out, xp.ndarray) or out.dtype != dtype or list(out.shape) != shape
-            or not out.flags.c_contiguous or not getattr(out.flags, "writeable", True)):  # CuPy has no such flag
+    if not _fits(out, xp, shape, dtype):
         raise _error(f"must be a writeable C-contiguous {dtype} {xp.__name__} array of shape {shape}", operand)
     if any(other is not None and xp.may_share_memory(out, other) for other in others):
         only = f"only {reused_name} itself can take the result" if reused is not None else "it must be apart"
@@ -49,6 +48,12 @@ def address(a):
     return face["data"][0]
 
 
+def _fits(a, xp, shape, dtype):
+    """Whether ``a`` can take a result of ``shape`` and ``dtype``: an array of ``xp``, writeable, C order."""
+    return (isinstance(a, xp.ndarray) and a.dtype == np.dtype(dtype) and list(a.shape) == list(shape)
+            and a.flags.c_contiguous and getattr(a.flags, "writeable", True))  # CuPy has no such flag
+
+
 def _error(message, operand):
     return OperandError(message, operand=operand)
 
@@ -75,8 +80,7 @@ def check_outs(out, xp, expected, inputs):
         if a is None:
             continue
         shape, dtype = expected[name]
-        if (not isinstance(a, xp.ndarray) or a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape)
-                or not a.flags.c_contiguous or not getattr(a.flags, "writeable", True)):
+        if not _fits(a, xp, shape, dtype):
             raise _error(f"{name} must be a writeable C-contiguous {np.dtype(dtype)} {xp.__name__} array of shape "
                          f"{list(shape)}", "out")
         if any(xp.may_share_memory(a, other) for other in list(inputs) + seen):
