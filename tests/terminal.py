@@ -9,9 +9,13 @@ import time
 
 import pytest
 
+from checkout import checkout_env
+
 
 def run_on_terminal(argv, *, width, height=50, cwd=None, env=None, timeout=60):
-    """``(exit code, bytes the terminal received)``; the process is always waited for and the terminal closed."""
+    """``(exit code, bytes the terminal received)``; the process is always waited for and the terminal closed.
+    A command run from the checkout without compiled kernels says nothing about them (tests/checkout.py)."""
+    env = checkout_env(env)
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", height, width, 0, 0))
     try:

@@ -12,6 +12,7 @@ import pytest
 from qgcli import ops
 from qgcli.report.progress import Progress, progress_enabled
 
+from checkout import checkout_env
 from conftest import ROOT, SAMPLES
 
 PER_CHANNEL = os.path.join(SAMPLES, "per_channel.h5")
@@ -229,7 +230,7 @@ def test_progress_shows_on_a_terminal_stderr_only(quiet):
     import pty  # noqa: F401 - POSIX only, like os.openpty
 
     master, slave = os.openpty()
-    env = dict(os.environ, QGCLI_PROGRESS_DELAY="0")
+    env = checkout_env(dict(os.environ, QGCLI_PROGRESS_DELAY="0"))
     env.pop("QGCLI_NO_PROGRESS", None)
     cmd = QGCLI + ["report", PER_CHANNEL, "--json"] + (["--quiet"] if quiet else [])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=slave)
