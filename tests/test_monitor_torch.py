@@ -310,6 +310,49 @@ def test_oscillation_kernel_matches_torch_ops(tmp_path, monkeypatch):
     assert max(v for s in compiled.values() for v in s["oscillation_max"]) > 0
 
 
+def test_a_nan_weight_makes_no_oscillation_move(tmp_path, monkeypatch):
+    """A NaN weight keeps its last integer code (no move, no flip, not counted as changed), in the compiled
+    kernel and in the torch ops alike: weights that move by about a grid step each step, some of them NaN on
+    some steps."""
+    from qgcli.monitor import torch as monitor_torch
+    from qgcli.ops.native import library
+
+    if library() is None:
+        pytest.skip("the compiled kernels are not built")
+    model = _net()
+    weight = model.conv2.weight_fake_quant
+    w0 = model.conv2.weight.detach().clone()
+    weight(w0)  # its observer sets the scales
+    g = torch.Generator().manual_seed(3)
+    steps = []
+    for t in range(9):
+        w = w0 + 0.02 * torch.randn(w0.shape, generator=g)
+        w.view(-1)[torch.randperm(w.numel(), generator=g)[:40]] = float("nan")
+        steps.append(w)
+
+    def run(native):
+        monkeypatch.setenv("QGCLI_NATIVE", native)
+        layer = monitor_torch._Layer("w", weight, "fake_quant", "torch.ao")
+        qparams = monitor_torch._qparams(torch, layer, weight, w0)
+        stats, codes = [], []
+        with monitor_torch.monitor(_net(), tmp_path / f"h{native}") as mon:
+            for t, w in enumerate(steps):
+                layer.stats = {}
+                mon._track_oscillation(layer, w, None, qparams, sampling=t % 3 == 2)
+                stats.append({k: float(v) for k, v in layer.stats.items()})
+                codes.append(layer.osc["last"].clone())
+        return codes, stats
+
+    (codes, compiled), (ops_codes, ops) = run("1"), run("0")
+    assert all(torch.equal(a, b) for a, b in zip(codes, ops_codes))
+    assert compiled == [pytest.approx(s, rel=1e-6) for s in ops]  # the torch ops give float32 shares
+    assert max(s["codes_changed"] for s in compiled if s) > 0.1
+    for t in range(1, len(steps)):  # where a weight is NaN its code is the step before's
+        nan = torch.isnan(steps[t])
+        assert torch.equal(codes[t][nan], codes[t - 1][nan])
+        assert not torch.equal(codes[t][~nan], codes[t - 1][~nan])
+
+
 def _torchao_block():
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization import qat

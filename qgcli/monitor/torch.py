@@ -219,7 +219,9 @@ class Monitor:
         else:
             if codes is None:
                 codes = _codes(torch, x, *qparams)
-            q = codes.clamp_(qmin, qmax).to(osc["last"].dtype)
+            # a NaN weight makes no move (its code stays the last one), as in the kernel; the first step's last
+            # codes are zeros there too
+            q = torch.where(torch.isnan(codes), osc["last"], codes.clamp_(qmin, qmax).to(osc["last"].dtype))
             if first:
                 osc["last"].copy_(q)
             else:
