@@ -769,6 +769,29 @@ static inline __attribute__((always_inline)) void qg_floatx_32(const float *rest
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)q, b);
 }
+
+/* mxint8's 32 elements (the generic loop's operations: v = x * f clamped to +-127/64, t = rint(64 v) clamped to
+ * +-127, the code t as int8, the value (t + 0) / 64 times s) */
+static inline __attribute__((always_inline)) void qg_int8_32(const float *restrict x, uint8_t *restrict q,
+                                                             float *restrict y, float f, float s, float fmax) {
+    const __m256 vf = _mm256_set1_ps(f), vs = _mm256_set1_ps(s);
+    const __m256 hi = _mm256_set1_ps(fmax), lo = _mm256_set1_ps(-fmax);
+    const __m256 top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k) {
+        __m256 v = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), vf), hi), lo);
+        __m256 t = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(64.0f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_max_ps(_mm256_min_ps(t, top), bottom);
+        c[k] = _mm256_cvtps_epi32(t);
+        __m256 value = _mm256_mul_ps(_mm256_add_ps(t, _mm256_setzero_ps()), _mm256_set1_ps(0x1p-6f));
+        _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(value, vs));
+    }
+    /* codes within +-127: the signed saturating packs keep them */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, b);
+}
 #endif
 
 /* float32 2^n for n in [-127, 127] (2^-127 is subnormal), as np.ldexp gives it */
@@ -868,7 +891,8 @@ static inline __attribute__((always_inline)) int qg_mx_run(
         if (top > 0x7F800000u) return 1; /* NaN: the NumPy path */
         uint32_t slow = 0;
         for (int b = 0; b < nb; ++b) {
-            codes[b0 + b] = (uint8_t)qg_mx_scale(amax[b], fmax, mbits, emax, mode, factor + b, scale + b, by_log2 + b);
+            codes[b0 + b] = (uint8_t)qg_mx_scale(amax[b], fmax, mbits, emax, mode, factor + b, scale + b,
+                                                 by_log2 + b);
             slow |= by_log2[b];
         }
         if (mode == QG_RCEIL && slow)
@@ -890,9 +914,11 @@ static inline __attribute__((always_inline)) int qg_mx_run(
                 continue;
             }
 #ifdef QG_SIMD
-            if (fmt != QG_INT8 && size % 32 == 0) {
-                for (int64_t j = 0; j < size; j += 32)
-                    qg_floatx_32(xb + j, qb + j, yb + j, f, f, s_out, s_out, ebits, mbits, fmax);
+            if (size % 32 == 0) {
+                for (int64_t j = 0; j < size; j += 32) {
+                    if (fmt == QG_INT8) qg_int8_32(xb + j, qb + j, yb + j, f, s_out, fmax);
+                    else qg_floatx_32(xb + j, qb + j, yb + j, f, f, s_out, s_out, ebits, mbits, fmax);
+                }
                 continue;
             }
 #endif
