@@ -257,6 +257,22 @@ def test_nvfp4_matches_the_numpy_path(monkeypatch, per_tensor, nan):
 
 
 @needs_kernels
+@pytest.mark.parametrize("special", [None, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("at", [0, 3_999, 40_015])  # 40,016 elements: two runs of 20,008
+def test_nvfp4_tensor_amax_split_over_the_pool(monkeypatch, special, at):
+    """The per-tensor amax pass runs in pieces on the thread pool (AMAX_RUN made small here): the tensor scale is
+    the one pass's and NumPy's, wherever the largest value, an Inf or a NaN lies."""
+    from qgcli.ops import nvfp4
+
+    monkeypatch.setattr(nvfp4, "AMAX_RUN", 1000)
+    monkeypatch.setenv("QGCLI_THREADS", "2")
+    x = np.random.default_rng(at).standard_normal((2_501, 16)).astype(f32)
+    x.reshape(-1)[at] = 7.5 if special is None else special
+    got, want = both(monkeypatch, lambda: nvfp4._tensor_scale(x, np))
+    same_bits(np.asarray(got), np.asarray(want))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", ["uint8", "int8", "uint16", "int16", "uint4", "int4"])
 @pytest.mark.parametrize("axis", [None, 0, 1, 2])
 def test_onnx_integer_matches_the_numpy_path(monkeypatch, dtype, axis):
