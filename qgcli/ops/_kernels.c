@@ -1009,11 +1009,9 @@ int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restr
         uint32_t bad = 0;
         for (int b = 0; b < nb; ++b) bad |= flag[b];
         if (bad) return 1;
-        /* the blocks' factors spread over their elements, so that the element loop runs over the whole group
-         * (32 lanes a step with AVX2; block by block it ran 16 lanes wide, spilling registers: 1.3x the time) */
         uint8_t *restrict qg = q + b0 * 16;
         float *restrict yg = y + b0 * 16;
-#ifdef QG_SIMD
+#ifdef QG_SIMD /* two blocks a step, each with its factor and scale in its half of the 32 lanes */
         for (int b = 0; b + 1 < nb; b += 2)
             qg_floatx_32(xg + b * 16, qg + b * 16, yg + b * 16, r[b], r[b + 1], s_out[b], s_out[b + 1], 2, 1, 6.0f);
         if (!(nb & 1)) continue;
@@ -1021,6 +1019,8 @@ int qg_nvfp4_blocks(const float *restrict x, uint8_t *restrict q, uint8_t *restr
 #else
         const int first = 0;
 #endif
+        /* the (other) blocks' factors spread over their elements, so that the element loop runs over the whole
+         * group (block by block gcc ran it 16 lanes wide, spilling registers: 1.3x the time) */
         for (int b = first; b < nb; ++b)
             for (int i = 0; i < 16; ++i) {
                 r_el[b * 16 + i] = r[b];
