@@ -171,6 +171,16 @@ def test_fp4_verdict_flags_only_the_bad_blocks(cli, tmp_path, case):
     assert not any(r["flagged"] for r in doc["rows"])
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 8])
+def test_fp4_reference_takes_any_block_size(cli, tmp_path, block_size):
+    """The Gaussian reference quantizes two blocks a row, so fp4's even-length rule holds for a block of one."""
+    np.save(tmp_path / "x.npy", np.random.default_rng(block_size).standard_normal((4, 8)).astype(np.float32))
+    doc = _report(cli, "--inputs", tmp_path / "x.npy", "--semantics", "mx", "--mx-format", "mxfp4", "--block-size",
+                  str(block_size))
+    assert all(0.0 <= doc["inherent"][k] <= 1.0 and doc["limits"][k] >= doc["threshold"] for k in doc["limits"])
+    assert doc["blocks"] == 32 // block_size
+
+
 def test_onnx_limits_are_the_plain_threshold(cli, tmp_path):
     """ONNX's scales are given, not derived from the blocks: whatever flushes is the chosen range's doing, so the
     limit stays --threshold."""

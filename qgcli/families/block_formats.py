@@ -437,7 +437,8 @@ def inherent_shares(analyse, formats, block_size):
     key = (analyse, int(block_size), tuple(sorted((k, str(v)) for k, v in formats.items())))
     if key not in _inherent:
         rng = np.random.default_rng(REFERENCE_SEED)
-        sample = rng.standard_normal((REFERENCE_BLOCKS, int(block_size))).astype(np.float32)
+        # two blocks a row: an even row length, as fp4's packing needs, whatever the block size
+        sample = rng.standard_normal((REFERENCE_BLOCKS // 2, 2 * int(block_size))).astype(np.float32)
         _, per_block, _ = block_report(analyse(dict(formats, axis=-1), inputs=sample))
         _inherent[key] = {"flushed": float(per_block["flushed"].max()), "clipped": float(per_block["clipped"].max())}
     return _inherent[key]
