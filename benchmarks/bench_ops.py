@@ -758,8 +758,8 @@ def main(argv=None):
         print(f"note: {n}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine, "floor": floor, "fresh_floor": floor_fresh, "rows": rows, "checks": checks, "memory": memory,
-                       "notes": notes, "torch_column": {o[0]: o[4] for o in OPS}}, fh, indent=1)
+            json.dump({"machine": machine, "floor": floor, "fresh_floor": floor_fresh, "rows": rows, "checks": checks,
+                       "memory": memory, "notes": notes, "torch_column": {o[0]: o[4] for o in OPS}}, fh, indent=1)
         print(f"saved {args.json}", file=sys.stderr)
     return 0
 

@@ -123,7 +123,8 @@ def test_nvfp4_scales_are_e4m3_times_the_tensor_scale(cli, tmp_path):
     _check_rows(doc, want, overall, list(s.reshape(-1)), saturated)
 
 
-FP4_CASES = [("mx", "--mx-format", "mxfp4", "--scale-mode", "floor"), ("mx", "--mx-format", "mxfp4", "--scale-mode", "rceil"),
+FP4_CASES = [("mx", "--mx-format", "mxfp4", "--scale-mode", "floor"),
+             ("mx", "--mx-format", "mxfp4", "--scale-mode", "rceil"),
              ("nvfp4",), ("nvfp4", "--no-per-tensor-scale")]
 
 

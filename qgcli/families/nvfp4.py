@@ -125,7 +125,8 @@ def compute(job, operands):
     stats = {}
     if job.output.shows_summary:
         stats, _, _ = bf.block_statistics(inputs, res.outputs, BLOCK_SIZE, axis=f["axis"],
-                                          saturated=saturated_scales(res.block_scales, res.tensor_scale is not None))
+                                          saturated=saturated_scales(res.block_scales,
+                                                                     res.tensor_scale is not None))
         if res.tensor_scale is not None:
             stats["tensor_scale"] = float(res.tensor_scale)
         if job.with_gradients:
@@ -161,7 +162,8 @@ def block_view(formats, operands):
     tensor = f"per-tensor scale {t:.4g}" if res.tensor_scale is not None else "no per-tensor scale"
     return bf.block_view("nvfp4", f"NVFP4, blocks of {BLOCK_SIZE} along axis {f['axis']}, {tensor}",
                          "x / (E4M3 block scale x tensor scale)", x, res.outputs, u, element_values("mxfp4"),
-                         BLOCK_SIZE, axis, log2_scales=log2, saturated=saturated_scales(res.block_scales, res.tensor_scale is not None),
+                         BLOCK_SIZE, axis, log2_scales=log2,
+                         saturated=saturated_scales(res.block_scales, res.tensor_scale is not None),
                          yu=yu, gradient=gradient)
 
 
@@ -177,7 +179,8 @@ def report_analysis(formats, operands=None, inputs=None):
                                                         np.abs(np.asarray(res.outputs, np.float64)))
     t = 1.0 if res.tensor_scale is None else float(res.tensor_scale)
     return bf.BlockAnalysis("NVFP4", attributes(f), 4, x, res.outputs, clipped, BLOCK_SIZE, axis,
-                            saturated_scales(res.block_scales, res.tensor_scale is not None), np.asarray(res.block_scales).astype(np.float64) * t,
+                            saturated_scales(res.block_scales, res.tensor_scale is not None),
+                            np.asarray(res.block_scales).astype(np.float64) * t,
                             tuple(notes))
 
 
