@@ -9,6 +9,9 @@ median wall time (after warm-up, at least ``--repeats`` timed calls) and ratios 
   ``floor = t_copy(one tensor) * (tensors read + tensors written) / 2`` (a copy reads one tensor and
   writes one).  ``x floor`` is qgcli's time over that.  The block formats (``mx_*``, ``nvfp4``, ``onnx_*``)
   write a fraction of a tensor more: their 1-byte codes and block scales.
+* **fresh floor**: the same with ``np.copy`` (a fresh destination per call, whose pages the kernel faults in and
+  zeroes: what an op that allocates its output pays too).  ``x fresh floor`` compares the fresh-output column
+  with it, like with like; ``x floor`` (touched destination) is the stricter ratio, and the one for ``out=``.
 * **out=**: qgcli again with its tensor-sized output written into a buffer kept from call to call (``out=``,
   touched once before timing), where the fresh-output column allocates it on every call and pays its page
   faults (the fused rows keep both of theirs: ``out=`` and ``outputs_out=``).
@@ -146,6 +149,12 @@ def copy_time(shape, repeats, min_time):
     src = np.ones(shape, np.float32)
     dst = np.zeros(shape, np.float32)  # touched: page faults are not part of the floor
     return measure(lambda: np.copyto(dst, src), repeats, min_time)
+
+
+def fresh_copy_time(shape, repeats, min_time):
+    """``np.copy``: the destination allocated by each call (a big one is mapped afresh: its page faults count)."""
+    src = np.ones(shape, np.float32)
+    return measure(lambda: np.copy(src), repeats, min_time)
 
 
 # ---------------------------------------------------------------------------------------------- qgcli
@@ -518,13 +527,15 @@ def fmt_r(v):
     return "-" if v is None else f"{v:.2f}"
 
 
-def build_rows(sizes, ops, qg, floor, tf, torch, qg_out=None):
+def build_rows(sizes, ops, qg, floor, tf, torch, qg_out=None, floor_fresh=None):
     rows = []
     for size in sizes:
         for name in ops:
             _, n_read, n_written, _, _ = OP_INFO[name]
             q = qg.get(name, {}).get(size)
             fl = floor[size]["median"] * (n_read + n_written) / 2
+            fresh = (floor_fresh or {}).get(size)
+            ff = fresh["median"] * (n_read + n_written) / 2 if fresh else None
             t = (tf or {}).get("times", {}).get(name, {}).get(size)
             p = (torch or {}).get("times", {}).get(name, {}).get(size)
             qs = q["median"] if q else None
@@ -533,6 +544,7 @@ def build_rows(sizes, ops, qg, floor, tf, torch, qg_out=None):
                 "qgcli_out_s": k["median"] if k else None, "x_floor_out": k["median"] / fl if k else None,
                 "op": name, "size": size, "shape": list(SIZES[size]), "qgcli_s": qs,
                 "floor_s": fl, "x_floor": qs / fl if qs else None,
+                "fresh_floor_s": ff, "x_fresh_floor": qs / ff if (qs and ff) else None,
                 "tf_s": t["median"] if t else None, "qgcli_over_tf": qs / t["median"] if (t and qs) else None,
                 "torch_s": p["median"] if p else None,
                 "qgcli_over_torch": qs / p["median"] if (p and qs) else None,
@@ -543,9 +555,10 @@ def build_rows(sizes, ops, qg, floor, tf, torch, qg_out=None):
 
 
 def table(rows):
-    head = ["op", "size", "qgcli s", "floor s", "x floor", "out= s", "out= x floor", "TF s", "qgcli/TF", "torch s",
-            "qgcli/torch"]
+    head = ["op", "size", "qgcli s", "floor s", "x floor", "x fresh floor", "out= s", "out= x floor", "TF s",
+            "qgcli/TF", "torch s", "qgcli/torch"]
     body = [[r["op"], r["size"], fmt_s(r["qgcli_s"]), fmt_s(r["floor_s"]), fmt_r(r["x_floor"]),
+             fmt_r(r.get("x_fresh_floor")),
              fmt_s(r.get("qgcli_out_s")), fmt_r(r.get("x_floor_out")), fmt_s(r["tf_s"]),
              fmt_r(r["qgcli_over_tf"]), fmt_s(r["torch_s"]), fmt_r(r["qgcli_over_torch"])] for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
@@ -643,6 +656,7 @@ def main(argv=None):
         for rnd in range(args.rounds):
             for size in args.sizes:
                 _keep_best(floor, "copy", size, copy_time(SIZES[size], args.repeats, args.min_time))
+                _keep_best(floor, "fresh", size, fresh_copy_time(SIZES[size], args.repeats, args.min_time))
                 d = load_data(data_dir, size)
                 calls, kept = qgcli_callables(d), qgcli_callables(d, kept=True)
                 for name in args.ops:
@@ -668,7 +682,8 @@ def main(argv=None):
                 gc.collect()
                 # The copy again after the ops: the floor is the faster (less disturbed) reading.
                 _keep_best(floor, "copy", size, copy_time(SIZES[size], args.repeats, args.min_time))
-        floor = floor.get("copy", {})
+                _keep_best(floor, "fresh", size, fresh_copy_time(SIZES[size], args.repeats, args.min_time))
+        floor, floor_fresh = floor.get("copy", {}), floor.get("fresh", {})
 
         checks = []
         if check_dir and runners.get("tf"):
@@ -689,7 +704,7 @@ def main(argv=None):
 
     frameworks = {k: ({"times": times[k], "info": infos.get(k)} if infos.get(k) else None) for k in ("tf", "torch")}
     rows = build_rows(args.sizes, args.ops, times["qgcli"], floor, frameworks["tf"], frameworks["torch"],
-                      times["qgcli_out"])
+                      times["qgcli_out"], floor_fresh)
     load_end = os.getloadavg()
     machine = {
         "cpu_count": os.cpu_count(), "qgcli_threads": blocked.workers(), "kernels": native.variant(),
@@ -710,7 +725,9 @@ def main(argv=None):
             print(f"{label} {info.get('version')} ({', '.join(f'{k}={v}' for k, v in info.items() if k != 'version')})")
     print("floor: np.copyto of one tensor: " + ", ".join(
         f"{s} {floor[s]['median']:.4g} s ({mb(np.prod(SIZES[s]) * 4)})" for s in args.sizes)
-          + "; floor = t_copy * (tensors read + written) / 2")
+          + "; floor = t_copy * (tensors read + written) / 2; fresh floor: the same with np.copy (a fresh "
+          "destination: " + ", ".join(f"{s} {floor_fresh[s]['median']:.4g} s" for s in args.sizes if s in floor_fresh)
+          + ")")
     print(f"medians of >= {args.repeats} timed calls (>= {args.min_time:g} s) after warm-up"
           + (f"; best median of {args.rounds} rounds per op" if args.rounds > 1 else "")
           + "; per op, qgcli, TF and PyTorch timed back to back")
@@ -718,7 +735,7 @@ def main(argv=None):
     print(table(rows))
     print("\nqgcli s: a fresh output array per call (what a plain call does); out= s: the tensor-sized output "
           "written into a buffer kept from call to call (the fused rows: both of theirs). TF, PyTorch and every "
-          "ratio but 'out= x floor' are of the fresh column.")
+          "ratio but 'out= x floor' are of the fresh column; x fresh floor: the fresh column over the fresh floor.")
     print("\nPyTorch column: " + "; ".join(f"{o[0]} = {o[4]}" for o in OPS if o[4] and o[0] in args.ops)
           + ". Rows without a PyTorch counterpart show '-'.")
     if checks:
@@ -741,8 +758,8 @@ def main(argv=None):
         print(f"note: {n}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine, "floor": floor, "rows": rows, "checks": checks, "memory": memory,
-                       "notes": notes, "torch_column": {o[0]: o[4] for o in OPS}}, fh, indent=1)
+            json.dump({"machine": machine, "floor": floor, "fresh_floor": floor_fresh, "rows": rows, "checks": checks,
+                       "memory": memory, "notes": notes, "torch_column": {o[0]: o[4] for o in OPS}}, fh, indent=1)
         print(f"saved {args.json}", file=sys.stderr)
     return 0
 

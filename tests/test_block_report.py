@@ -113,12 +113,86 @@ def test_nvfp4_scales_are_e4m3_times_the_tensor_scale(cli, tmp_path):
     clipped = ((res.quantized & 7) == 7) & (np.abs(x) > np.abs(y))  # at fp4's largest code (6), the input beyond
     want, overall = _expected(x, res.outputs, clipped, 16, 2)
     code = np.asarray(res.block_scales).view(np.uint8).reshape(-1) & 0x7F
-    saturated = (code == 0x08) | (code == 0x7E)
-    assert saturated.any()
+    # with the per-tensor scale the largest blocks reach 448 by design (tensor amax -> 448 x 6): only the clamp
+    # at 2^-6 (blocks under 1/28672 of the tensor's amax) is a saturated scale
+    saturated = code == 0x08
+    assert saturated.any() and (code == 0x7E).any()
     rows = doc["rows"]
     assert [r["block"] for r in rows] == list(range(len(rows)))  # --sort channel: block order
     doc["rows"] = sorted(rows, key=lambda r: (r["sqnr_db"] is None, r["sqnr_db"] or 0, -r["flushed"], r["block"]))
     _check_rows(doc, want, overall, list(s.reshape(-1)), saturated)
+
+
+FP4_CASES = [("mx", "--mx-format", "mxfp4", "--scale-mode", "floor"),
+             ("mx", "--mx-format", "mxfp4", "--scale-mode", "rceil"),
+             ("nvfp4",), ("nvfp4", "--no-per-tensor-scale")]
+
+
+@pytest.mark.parametrize("case", FP4_CASES, ids=lambda c: "-".join(c[::2] + c[1::2][1:]))
+def test_fp4_verdict_flags_only_the_bad_blocks(cli, tmp_path, case):
+    """Item 5: fp4 flushes a Gaussian block's small values to zero by design (its grid spans 3.6 bits below the
+    block's largest value), so the flat 5% rule flagged almost every block; the verdict's limits are the
+    format's own shares (the worst of 8192 seeded Gaussian blocks) plus --threshold.  A normal tensor gives no
+    flag; planted bad blocks (a huge dynamic range, a scale at its clamp) are flagged, and only they."""
+    rng = np.random.default_rng(380)
+    x = rng.standard_normal((48, 256)).astype(np.float32)
+    wide, tiny = (7, 70), (30, 160)  # (row, column): the planted blocks
+    x[wide[0], 64:96] = rng.standard_normal(32).astype(np.float32) * np.float32(1e-3)
+    x[wide] = 3.0  # 15 bits of range in one block: every other value flushes
+    # far below the tensor's range: MX scale code 0 (torchao halves the block), NVFP4's E4M3 scale at 2^-6
+    x[tiny[0], 160:192] *= np.float32(2.0 ** -140 if case[0] == "mx" else 1e-6)
+    normal = np.ascontiguousarray(np.delete(x, [wide[0], tiny[0]], axis=0))
+    np.save(tmp_path / "normal.npy", normal)
+    np.save(tmp_path / "planted.npy", x)
+    args = ("--semantics",) + case
+
+    doc = _report(cli, "--inputs", tmp_path / "normal.npy", *args)
+    assert not any(r["flagged"] for r in doc["rows"]), [r for r in doc["rows"] if r["flagged"]][:3]
+    assert doc["verdict"].startswith("Verdict: OK") and "Gaussian block" in doc["verdict"]
+    # what the flat rule would have said: most blocks flush more than 5% of their values
+    assert sum(r["flushed"] > 0.05 for r in doc["rows"]) > doc["blocks"] / 2
+    assert doc["limits"]["flushed"] == pytest.approx(doc["inherent"]["flushed"] + 0.05)
+    assert 0.2 < doc["inherent"]["flushed"] < 0.6
+
+    doc = _report(cli, "--inputs", tmp_path / "planted.npy", *args)
+    bs = 32 if case[0] == "mx" else 16
+    first = lambda row, col: row * 256 // bs + col // bs  # noqa: E731  the block holding x[row, col]
+    bad = {first(*wide), first(tiny[0], 160), first(tiny[0], 176)}  # NVFP4: the tiny 32 values are two blocks
+    if case == ("nvfp4", "--no-per-tensor-scale"):
+        # the wide block's other half (values ~1e-3, no outlier) is also under 6 x 2^-6: without the per-tensor
+        # scale its E4M3 scale clamps at 2^-6 too; with it, that half is an ordinary block scaled up
+        bad.add(first(wide[0], 80))
+    flagged = {r["block"] for r in doc["rows"] if r["flagged"]}
+    assert flagged == bad, (flagged, bad)
+    rows = {r["block"]: r for r in doc["rows"]}
+    assert rows[min(bad)]["flushed"] > 0.9  # the wide block: all but its largest value flush
+    assert doc["verdict"].startswith(f"Verdict: {len(bad)} of {doc['blocks']} blocks flagged")
+    # a threshold of 0 still leaves the Gaussian blocks alone: the format's share is the base
+    doc = _report(cli, "--inputs", tmp_path / "normal.npy", *args, "--threshold", "0")
+    assert not any(r["flagged"] for r in doc["rows"])
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8])
+def test_fp4_reference_takes_any_block_size(cli, tmp_path, block_size):
+    """The Gaussian reference quantizes two blocks a row, so fp4's even-length rule holds for a block of one."""
+    np.save(tmp_path / "x.npy", np.random.default_rng(block_size).standard_normal((4, 8)).astype(np.float32))
+    doc = _report(cli, "--inputs", tmp_path / "x.npy", "--semantics", "mx", "--mx-format", "mxfp4", "--block-size",
+                  str(block_size))
+    assert all(0.0 <= doc["inherent"][k] <= 1.0 and doc["limits"][k] >= doc["threshold"] for k in doc["limits"])
+    assert doc["blocks"] == 32 // block_size
+
+
+def test_onnx_limits_are_the_plain_threshold(cli, tmp_path):
+    """ONNX's scales are given, not derived from the blocks: whatever flushes is the chosen range's doing, so the
+    limit stays --threshold."""
+    x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "s.npy", np.full((4, 2), 0.5, np.float32))
+    doc = _report(cli, "--x", tmp_path / "x.npy", "--y-scale", tmp_path / "s.npy", "--semantics", "onnx", "--dtype",
+                  "int4", "--axis", "1", "--block-size", "32")
+    assert doc["inherent"] == {"flushed": 0.0, "clipped": 0.0} and doc["limits"] == {"flushed": 0.05, "clipped": 0.05}
+    assert all(r["flagged"] == (r["flushed"] > 0.05 or r["clipped"] > 0.05) for r in doc["rows"])
+    assert any(r["flagged"] for r in doc["rows"])
 
 
 def test_onnx_blocked_and_per_tensor(cli, tmp_path):

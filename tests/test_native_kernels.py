@@ -224,7 +224,7 @@ def same_format_result(got, want):
 
 @needs_kernels
 @pytest.mark.parametrize("nan", [False, True])
-@pytest.mark.parametrize("size", [32, 3, 16])
+@pytest.mark.parametrize("size", [32, 3, 16, 64])  # 32: compiled as a constant; 64: runs of 32 (AVX2 loops)
 def test_mx_matches_the_numpy_path(monkeypatch, size, nan):
     from qgcli.ops import mx
 
@@ -247,13 +247,29 @@ def test_nvfp4_matches_the_numpy_path(monkeypatch, per_tensor, nan):
     from qgcli.ops import nvfp4
 
     rng = np.random.default_rng(per_tensor + 2 * nan)
-    x = format_inputs(rng, 4000, 16, nan)
+    x = format_inputs(rng, 4001, 16, nan)  # the last group of 64 blocks is odd: the AVX2 loop's pairs and one alone
     if per_tensor:
         x[np.isinf(x)] = 1e30  # an Inf makes the whole tensor NaN (the NumPy path's business)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the per-tensor scale's NaN warning, raised on both paths
         got, want = both(monkeypatch, lambda: nvfp4.nvfp4_fake_quantize(x, per_tensor_scale=per_tensor))
     same_format_result(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("special", [None, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("at", [0, 3_999, 40_015])  # 40,016 elements: two runs of 20,008
+def test_nvfp4_tensor_amax_split_over_the_pool(monkeypatch, special, at):
+    """The per-tensor amax pass runs in pieces on the thread pool (AMAX_RUN made small here): the tensor scale is
+    the one pass's and NumPy's, wherever the largest value, an Inf or a NaN lies."""
+    from qgcli.ops import nvfp4
+
+    monkeypatch.setattr(nvfp4, "AMAX_RUN", 1000)
+    monkeypatch.setenv("QGCLI_THREADS", "2")
+    x = np.random.default_rng(at).standard_normal((2_501, 16)).astype(f32)
+    x.reshape(-1)[at] = 7.5 if special is None else special
+    got, want = both(monkeypatch, lambda: nvfp4._tensor_scale(x, np))
+    same_bits(np.asarray(got), np.asarray(want))
 
 
 @needs_kernels

@@ -419,14 +419,42 @@ ROW_KEYS = ("block", "index", "scale", "flushed", "clipped_below", "clipped_abov
 SORTS = ("worst", "sqnr", "clipped", "channel")
 
 
-def report_doc(a, *, semantics, inputs, threshold, sort, top):
+#: Standard-normal blocks in the sample that gives a block format's inherent flushing and clipping
+#: (:func:`inherent_shares`); seeded, so the limits are the same from run to run.
+REFERENCE_BLOCKS = 8192
+REFERENCE_SEED = 38
+_inherent = {}  # (analyse, block size, formats) -> inherent_shares' dict
+
+
+def inherent_shares(analyse, formats, block_size):
+    """What the element format does to well-behaved data: the largest share of nonzero inputs flushed to zero
+    and of elements clipped among :data:`REFERENCE_BLOCKS` seeded standard-normal blocks of ``block_size``
+    quantized with the same ``formats`` (``analyse``: the family's ``report_analysis``; the blocks along the
+    last axis).  fp4's grid spans 3.6 bits below the block's largest value (6 down to 0.5), so a Gaussian
+    block of 32 flushes 9% of its values on average and up to about a third; with ``floor`` a block's
+    largest values can also exceed F after scaling (as many again of a block of 32 under fp4).  Those are
+    the format working as designed, not a bad block: :func:`report_doc` flags a block only beyond them."""
+    key = (analyse, int(block_size), tuple(sorted((k, str(v)) for k, v in formats.items())))
+    if key not in _inherent:
+        rng = np.random.default_rng(REFERENCE_SEED)
+        # two blocks a row: an even row length, as fp4's packing needs, whatever the block size
+        sample = rng.standard_normal((REFERENCE_BLOCKS // 2, 2 * int(block_size))).astype(np.float32)
+        _, per_block, _ = block_report(analyse(dict(formats, axis=-1), inputs=sample))
+        _inherent[key] = {"flushed": float(per_block["flushed"].max()), "clipped": float(per_block["clipped"].max())}
+    return _inherent[key]
+
+
+def report_doc(a, *, semantics, inputs, threshold, sort, top, inherent=None):
     """``report BUNDLE --semantics mx|nvfp4|onnx``: one row per block (:data:`ROW_KEYS`, worst first: lowest
     SQNR, then most flushed; ``sort`` ``clipped``: most clipped; ``channel``: block order), the totals (the
     row a run-file group of the same tensor gets, :func:`block_report`), a verdict.  A block is flagged when
-    more than ``threshold`` of its nonzero inputs flush to zero or of its elements clip, or its scale
-    saturates."""
+    its scale saturates, or when more of its nonzero inputs flush to zero, or of its elements clip, than
+    ``threshold`` above the format's own share (``inherent``, from :func:`inherent_shares`: the most a
+    standard-normal block loses under the same format; None, as for ONNX whose scales are given: 0)."""
     from qgcli import __version__
 
+    inherent = inherent or {"flushed": 0.0, "clipped": 0.0}
+    limits = {k: min(1.0, threshold + inherent[k]) for k in ("flushed", "clipped")}
     total, per_block, shape = block_report(a)
     total = {"num_bits": a.num_bits, "blocks": total["channels"], "block_size": int(a.block_size), **total}
     for key in ("worst_channel", "worst_channel_sqnr_db", "worst_channel_clipped"):  # one block: no worst one
@@ -442,17 +470,18 @@ def report_doc(a, *, semantics, inputs, threshold, sort, top):
              "clipped_below": below, "clipped_above": float(per_block["clipped"][i]) - below,
              "clipped": float(per_block["clipped"][i]), "saturated_scale": sat,
              "dynamic_range_bits": r["dynamic_range_bits"], "sqnr_db": r["sqnr_db"]}
-        r["flagged"] = bool(r["flushed"] > threshold or r["clipped"] > threshold or sat)
+        r["flagged"] = bool(r["flushed"] > limits["flushed"] or r["clipped"] > limits["clipped"] or sat)
         rows.append(r)
     if sort == "clipped":
         rows.sort(key=lambda r: (-r["clipped"], r["block"]))
     elif sort != "channel":  # worst, sqnr: the order of block_statistics
         rows = [rows[int(i)] for i in per_block["order"]]
     flagged = [r for r in rows if r["flagged"]]
-    verdict = _verdict(total, flagged, threshold)
+    verdict = _verdict(total, flagged, threshold, inherent, limits)
     return json_safe({"command": "report", "schema": REPORT_SCHEMA, "qgcli_version": __version__,
                       "semantics": semantics, "op": a.op, "attributes": a.attributes, "inputs": inputs,
                       "blocks": total["blocks"], "block_size": total["block_size"], "threshold": threshold,
+                      "inherent": inherent, "limits": limits,
                       "sort": sort, "top": top, "total": total, "rows": rows if top is None else rows[:top],
                       "verdict": verdict, "notes": list(a.notes)})
 
@@ -472,8 +501,9 @@ def report_doc_of(analyse, formats, operands, *, semantics, threshold, sort, top
                                         if semantics == "onnx" and operands.has(k)}})
     finally:
         operands.close()
+    inherent = None if a.whole or semantics == "onnx" else inherent_shares(analyse, formats, a.block_size)
     return report_doc(a, semantics=semantics, inputs=described, threshold=threshold,
-                      sort="channel" if sort == "block" else sort, top=top)
+                      sort="channel" if sort == "block" else sort, top=top, inherent=inherent)
 
 
 def layer_report_doc(analyse, layer, operands, *, threshold, sort, top):
@@ -487,17 +517,25 @@ def _block_name(r):
     return "block " + (",".join(map(str, r["index"])) if r["index"] else "all")
 
 
-def _verdict(total, flagged, threshold):
-    thr = f"{100 * threshold:g}%"
+def _verdict(total, flagged, threshold, inherent, limits):
     sqnr = total["sqnr_db"]
     over = f"SQNR {'exact' if sqnr is None else f'{sqnr:.1f} dB'} over the tensor"
     if total.get("worst_channel_sqnr_db") is not None:
         over += f", {total['worst_channel_sqnr_db']:.1f} dB in the worst block"
+    names = ", ".join(_block_name(r) for r in flagged[:3]) + (f" and {len(flagged) - 3} more" if len(flagged) > 3
+                                                                else "")
+    if inherent["flushed"] or inherent["clipped"]:  # the limits are the format's own shares plus the threshold
+        fl, cl = (f"{100 * limits[k]:.3g}%" for k in ("flushed", "clipped"))
+        why = f"the most a Gaussian block loses to this format, plus {100 * threshold:g}%"
+        if not flagged:
+            return (f"Verdict: OK, no block flushes more than {fl} of its values to zero or clips more than {cl} "
+                    f"({why}) or saturates its scale; {over}.")
+        return (f"Verdict: {len(flagged)} of {counted(total['blocks'], 'block')} flagged, more than {fl} of the "
+                f"values flushed to zero or {cl} clipped ({why}), or the scale saturated ({names}); {over}.")
+    thr = f"{100 * threshold:g}%"
     if not flagged:
         return (f"Verdict: OK, no block flushes or clips more than {thr} of its values or saturates its scale; "
                 f"{over}.")
-    names = ", ".join(_block_name(r) for r in flagged[:3]) + (f" and {len(flagged) - 3} more" if len(flagged) > 3
-                                                                else "")
     return (f"Verdict: {len(flagged)} of {counted(total['blocks'], 'block')} flagged, more than {thr} of the values "
             f"flushed to zero or clipped, or the scale saturated ({names}); {over}.")
 

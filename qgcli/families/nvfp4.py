@@ -93,10 +93,13 @@ def forward(inputs, formats):
     return res, notes
 
 
-def saturated_scales(block_scales):
-    """Blocks whose E4M3 scale sits at its clamp: 2^-6 (the smallest, code 0x08) or 448 (0x7E)."""
+def saturated_scales(block_scales, per_tensor=False):
+    """Blocks whose E4M3 scale sits at its clamp: 2^-6 (the smallest, code 0x08) or 448 (0x7E).  With the
+    per-tensor scale only 2^-6 counts: that scale maps the tensor's amax to exactly 448 x 6, so the blocks
+    holding the largest values (those whose amax is within E4M3's rounding of the tensor's) reach 448 by
+    design, unclamped; below 2^-6 a block's scale is clamped up (its amax under 1/28672 of the tensor's)."""
     c = np.asarray(block_scales).view(np.uint8) & 0x7F
-    return (c == 0x08) | (c == 0x7E)
+    return (c == 0x08) if per_tensor else (c == 0x08) | (c == 0x7E)
 
 
 def compute(job, operands):
@@ -122,7 +125,8 @@ def compute(job, operands):
     stats = {}
     if job.output.shows_summary:
         stats, _, _ = bf.block_statistics(inputs, res.outputs, BLOCK_SIZE, axis=f["axis"],
-                                          saturated=saturated_scales(res.block_scales))
+                                          saturated=saturated_scales(res.block_scales,
+                                                                     res.tensor_scale is not None))
         if res.tensor_scale is not None:
             stats["tensor_scale"] = float(res.tensor_scale)
         if job.with_gradients:
@@ -158,7 +162,8 @@ def block_view(formats, operands):
     tensor = f"per-tensor scale {t:.4g}" if res.tensor_scale is not None else "no per-tensor scale"
     return bf.block_view("nvfp4", f"NVFP4, blocks of {BLOCK_SIZE} along axis {f['axis']}, {tensor}",
                          "x / (E4M3 block scale x tensor scale)", x, res.outputs, u, element_values("mxfp4"),
-                         BLOCK_SIZE, axis, log2_scales=log2, saturated=saturated_scales(res.block_scales),
+                         BLOCK_SIZE, axis, log2_scales=log2,
+                         saturated=saturated_scales(res.block_scales, res.tensor_scale is not None),
                          yu=yu, gradient=gradient)
 
 
@@ -174,7 +179,8 @@ def report_analysis(formats, operands=None, inputs=None):
                                                         np.abs(np.asarray(res.outputs, np.float64)))
     t = 1.0 if res.tensor_scale is None else float(res.tensor_scale)
     return bf.BlockAnalysis("NVFP4", attributes(f), 4, x, res.outputs, clipped, BLOCK_SIZE, axis,
-                            saturated_scales(res.block_scales), np.asarray(res.block_scales).astype(np.float64) * t,
+                            saturated_scales(res.block_scales, res.tensor_scale is not None),
+                            np.asarray(res.block_scales).astype(np.float64) * t,
                             tuple(notes))
 
 

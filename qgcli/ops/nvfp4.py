@@ -54,6 +54,8 @@ from qgcli.ops.out_array import as_bytes, check_outs, deliver
 
 _F32 = np.float32
 BLOCK_SIZE = 16
+#: the per-tensor amax pass splits a tensor over the thread pool in runs of at least this many elements
+AMAX_RUN = 1 << 20
 _E4M3_EPS = _F32(2.0**-6)  # torch.finfo(torch.float8_e4m3fn).tiny
 _FP4_TABLE = sf.floatx_to_f32_table(2, 1)
 _E4M3_TABLE = None
@@ -91,8 +93,11 @@ def _tensor_scale(x, xp):
     lib = native.for_arrays(xp, x) if x.size else None
     with np.errstate(invalid="ignore"):
         if lib is not None:  # one pass, no |x| temporary: max |x| on the bits (the same value, NaN aside)
-            amax = sf.nan_as_torch_max(np.array(lib.qg_amax_bits(native.address(x, _F32), x.size),
-                                                np.uint32).view(_F32))
+            at, n = native.address(x, _F32), x.size
+            step = max(AMAX_RUN, -(-n // blocked.workers()))  # a run per thread: the pass is a read of the tensor
+            bits = blocked._map(lambda start: lib.qg_amax_bits(at + 4 * start, min(step, n - start)),
+                                range(0, n, step))
+            amax = sf.nan_as_torch_max(np.array(max(bits), np.uint32).view(_F32))  # NaN's bits sort above Inf's
         else:
             amax = sf.nan_as_torch_max(xp.max(xp.abs(x)), xp) if x.size else _F32(0)
         return xp.asarray(xp.asarray(amax, _F32) / _F32(448.0 * 6.0), dtype=_F32).reshape(())

@@ -310,7 +310,9 @@ Examples:
               default="worst", show_default=True,
               help="Row order: worst = most gradient mass blocked (most clipped without gradients), then lowest SQNR.")
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
-              help="Flag channels losing more than this share of gradient mass (of values without gradients).")
+              help="Flag channels losing more than this share of gradient mass (of values without gradients); "
+                   "--semantics mx / nvfp4: blocks flushing or clipping this share more than the format does to a "
+                   "Gaussian block.")
 @click.option("--percentiles", default="100,99.99,99.9,99.5,99,98,95", show_default=True,
               callback=_parse_percentiles, metavar="P,...",
               help="Percentiles searched for the suggested range [P(100-p), P(p)]; the best SQNR wins.")
