@@ -576,13 +576,17 @@ def inspect(files, as_json, csv_out, parquet, force, no_stats, quiet):
     table_out.check(csv_out, parquet, force=force, inputs=paths, as_json=as_json)
     stdin = io.Stdin()
     doc = {"command": "inspect", "schema": INSPECT_SCHEMA, "qgcli_version": __version__, "files": []}
-    with Progress("reading", total=0, quiet=quiet) as progress:
-        for text in files:
-            doc["files"].append(inspect_source(text, stdin, with_stats=not no_stats, progress=progress))
-    # --csv / --parquet: one row per tensor of every file (its file first)
-    table_out.write([{"file": f["file"], **t} for f in doc["files"] for t in f["tensors"]], csv=csv_out,
-                    parquet=parquet, force=force, inputs=paths)
-    if as_json:
-        dump_json(doc)
-    elif "-" not in (csv_out, parquet):
-        render_inspect(stdout_console(), doc)
+    from qgcli import collector
+
+    # A listing of thousands of objects builds thousands of entries and no cycles (qgcli.collector).
+    with collector.paused():
+        with Progress("reading", total=0, quiet=quiet) as progress:
+            for text in files:
+                doc["files"].append(inspect_source(text, stdin, with_stats=not no_stats, progress=progress))
+        # --csv / --parquet: one row per tensor of every file (its file first)
+        table_out.write([{"file": f["file"], **t} for f in doc["files"] for t in f["tensors"]], csv=csv_out,
+                        parquet=parquet, force=force, inputs=paths)
+        if as_json:
+            dump_json(doc)
+        elif "-" not in (csv_out, parquet):
+            render_inspect(stdout_console(), doc)
