@@ -217,7 +217,7 @@ def read_plain_dataset(dsid, shape, dtype):
 @functools.lru_cache(maxsize=64)
 def _memory_type(dtype):
     """The HDF5 memory type h5py's read derives from the array's dtype (``h5t.py_create``) on every call (half
-    of an 8-byte read's cost), made once per dtype."""
+    of an 8-byte read's cost), made once per dtype (for datasets' and attributes' reads)."""
     from h5py import h5t
 
     return h5t.py_create(dtype)
@@ -334,10 +334,8 @@ def _attribute_names(oid):
 
 def _scalar_attribute(attr, dtype):
     """A scalar numeric attribute's value as h5py's ``attrs[key]`` reads it (a NumPy scalar), from its AttrID."""
-    from h5py import h5t
-
     value = np.zeros((), dtype=dtype)
-    attr.read(value, mtype=h5t.py_create(dtype))
+    attr.read(value, mtype=_memory_type(dtype))
     return value[()]
 
 
