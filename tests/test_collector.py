@@ -15,8 +15,7 @@ def collector_on():
     was = gc.isenabled()
     gc.enable()
     yield
-    if not was:
-        gc.disable()
+    (gc.enable if was else gc.disable)()  # as it was, whatever the test left
 
 
 def test_paused_restores_the_state_it_found(collector_on):
