@@ -214,10 +214,19 @@ def read_plain_dataset(dsid, shape, dtype):
     return array
 
 
-@functools.lru_cache(maxsize=64)
 def _memory_type(dtype):
     """The HDF5 memory type h5py's read derives from the array's dtype (``h5t.py_create``) on every call (half
-    of an 8-byte read's cost), made once per dtype (for datasets' and attributes' reads)."""
+    of an 8-byte read's cost), made once per dtype (for datasets' and attributes' reads).  A dtype carrying
+    h5py's metadata (an HDF5 enum's integers) is made each time: NumPy compares it equal to its plain one."""
+    if dtype.metadata:
+        from h5py import h5t
+
+        return h5t.py_create(dtype)
+    return _plain_memory_type(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_memory_type(dtype):
     from h5py import h5t
 
     return h5t.py_create(dtype)
