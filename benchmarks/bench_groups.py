@@ -2,6 +2,7 @@
 
     python benchmarks/bench_groups.py [--groups 2000 20000 200000] [--nested 500 1000 2000]
                                       [--small 2000 20000] [--repeat 3] [--keep DIR] [--only inspect report ...]
+                                      [--cpu] [--base CHECKOUT]
 
 Builds, seeded, in a temporary folder (or DIR, kept and reused), the two files of issue 27 as run files and
 the many-small-groups file of issue 42:
@@ -23,6 +24,12 @@ with its datasets and attributes per layer).  The floor runs as a subprocess too
 walked, as a plain ``visititems`` script does).  The slope is a least-squares fit of seconds against groups over the
 flat sizes (microseconds per group), with the ratio of per-group cost between the largest and smallest
 size (1.0 = linear).
+
+``--cpu``: the figures are CPU seconds (user + system of the subprocess, the minimum of --repeat) instead of
+wall seconds: on a machine shared with other work the CPU a run took moves less than its wall time.
+``--base CHECKOUT``: the same qgcli command also run from another checkout (``PYTHONPATH=CHECKOUT``, e.g. a
+worktree of ``main`` with its kernels built), alternated with the other two, for a before/after in one run;
+its figure and its ratio to the floor are printed after qgcli's.
 
 The nested file deeper than qgcli's default bound (512) is run with ``--max-depth``.  h5py's own visit
 builds every full path name, so the floor is quadratic in the depth, and so is inspect's output (it lists
@@ -127,18 +134,23 @@ def floor(command, path, out):
 
 # --- timing ------------------------------------------------------------------------------------------------------
 
-def _timed(argv, env=None):
-    """Seconds and peak RSS (MiB) of one subprocess run (GNU time's %M)."""
+def _timed(argv, env=None, cwd=None):
+    """Wall seconds, CPU seconds (user + system) and peak RSS (MiB) of one subprocess run (GNU time's %M)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     r = subprocess.run(["/usr/bin/time", "-f", "%M", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       env=env, text=True)
+                       env=env, cwd=cwd, text=True)
     seconds = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed: {r.stderr[-2000:]}")
-    return seconds, int(r.stderr.strip().splitlines()[-1]) / 1024
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return seconds, cpu, int(r.stderr.strip().splitlines()[-1]) / 1024
 
 
-def measure(file, command, repeat, tmp, depth, floor_command=None):
+def measure(file, command, repeat, tmp, depth, floor_command=None, *, cpu=False, base=None):
     out = os.path.join(tmp, "out.h5")
     words = command.split()
     qgcli = [sys.executable, "-m", "qgcli", *words, file, *(("--json",) if words[0] != "fakequant-grad" else
@@ -146,15 +158,23 @@ def measure(file, command, repeat, tmp, depth, floor_command=None):
              "--max-depth", str(max(512, depth + 1))]
     floor_cmd = [sys.executable, os.path.abspath(__file__), "--floor",
                  floor_command or command.replace(" --no-stats", "-no-stats"), file, os.path.join(tmp, "floor.h5")]
-    mine, base, rss, floor_rss = [], [], [], []
-    for _ in range(repeat):  # alternated, so that load on the machine hits both alike
-        s, peak = _timed(floor_cmd)
-        base.append(s)
+    mine, floor_s, rss, floor_rss, before = [], [], [], [], []
+    pick = 1 if cpu else 0
+    # Each qgcli from its checkout, started in the temporary folder (a current directory holding a qgcli/ would
+    # come first on sys.path): this script's own checkout, and --base's.
+    here = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    base_env = None if base is None else {**os.environ, "PYTHONPATH": os.path.abspath(base)}
+    for _ in range(repeat):  # alternated, so that load on the machine hits all alike
+        *s, peak = _timed(floor_cmd)
+        floor_s.append(s[pick])
         floor_rss.append(peak)
-        s, peak = _timed(qgcli)
-        mine.append(s)
+        *s, peak = _timed(qgcli, here, tmp)
+        mine.append(s[pick])
         rss.append(peak)
-    return statistics.median(mine), statistics.median(base), max(rss), max(floor_rss)
+        if base_env is not None:
+            before.append(_timed(qgcli, base_env, tmp)[pick])
+    figure = min if cpu else statistics.median
+    return figure(mine), figure(floor_s), max(rss), max(floor_rss), (figure(before) if before else None)
 
 
 def slope(points):
@@ -173,6 +193,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--keep", help="build the files in DIR (kept; reused when present)")
     parser.add_argument("--only", nargs="+", choices=COMMANDS)
+    parser.add_argument("--cpu", action="store_true", help="CPU seconds (min of --repeat), not wall (median)")
+    parser.add_argument("--base", metavar="CHECKOUT", help="also run qgcli from this checkout, alternated")
     parser.add_argument("--floor", nargs=3, metavar=("COMMAND", "FILE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor:
@@ -181,13 +203,15 @@ def main():
         return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        where = args.keep or tmp
+        where = os.path.abspath(args.keep or tmp)
         os.makedirs(where, exist_ok=True)
         files = [(f"flat_{n}.h5", n, make_flat, 1) for n in args.groups]
         files += [(f"nested_{n}.h5", n, make_nested, n) for n in args.nested]
         files += [(f"small_{n}.h5", n, make_small, 1) for n in args.small]
-        print("| file | command | qgcli s | floor s | ratio | qgcli peak RSS MiB | floor peak RSS MiB |")
-        print("|---|---|---|---|---|---|---|")
+        unit = "CPU s" if args.cpu else "s"
+        extra = f" base {unit} | base ratio |" if args.base else ""
+        print(f"| file | command | qgcli {unit} | floor {unit} | ratio | qgcli peak RSS MiB | floor peak RSS MiB |{extra}")
+        print("|---|---|---|---|---|---|---|" + ("---|---|" if args.base else ""))
         for name, n, make, depth in files:
             path = os.path.join(where, name)
             if not os.path.exists(path):
@@ -196,11 +220,12 @@ def main():
             for command in COMMANDS:
                 if args.only and command not in args.only or small and not command.startswith("inspect"):
                     continue
-                mine, base, rss, floor_rss = measure(path, command, args.repeat, tmp, depth,
-                                                     "read" if small else None)
+                mine, base, rss, floor_rss, before = measure(path, command, args.repeat, tmp, depth,
+                                                             "read" if small else None, cpu=args.cpu, base=args.base)
                 rows.append((name, n, command, mine, base))
-                print(f"| {name} | {command} | {mine:.2f} | {base:.2f} | {mine / base:.2f}x | {rss:.0f} | {floor_rss:.0f} |",
-                      flush=True)
+                extra = f" {before:.2f} | {before / base:.2f}x |" if before is not None else ""
+                print(f"| {name} | {command} | {mine:.2f} | {base:.2f} | {mine / base:.2f}x | {rss:.0f} | {floor_rss:.0f} |"
+                      f"{extra}", flush=True)
     flat = [r for r in rows if r[0].startswith("flat_")]
     if len({r[1] for r in flat}) > 1:
         print()

@@ -60,3 +60,13 @@ def test_existing_attributes_are_replaced(tmp_path):
         writer.attributes(gid, {"op": "b"})
         assert dict(f["g"].attrs) == {"op": "b", "num_bits": 8}
         assert writer.group("g") == gid  # an existing group is opened, not refused
+
+
+def test_a_new_groups_attributes_take_no_lookup_but_a_bytes_key_still_replaces(tmp_path):
+    """A group just made has no attributes to replace (no lookup per attribute); a bytes key spelling a str
+    key's name, in the same call, still replaces it as ``attrs[key] = value`` would."""
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        writer = SmallWriter(f)
+        gid = writer.group("g")
+        writer.attributes(gid, {"op": "a", "num_bits": 8, b"op": "b"})
+        assert dict(f["g"].attrs) == {"op": "b", "num_bits": 8}

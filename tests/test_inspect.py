@@ -453,3 +453,24 @@ def test_tiny_array_statistics_are_the_general_paths_bit_for_bit(monkeypatch):
     assert len(cases) > 900 and taken > 0.8 * len(cases)  # the tiny path did answer (both signed zeros: not)
     monkeypatch.undo()
     assert inspect_cmd.tensor_stats(np.ones(2, np.complex64))["min"] is None  # complex: counts only, as before
+
+
+def test_small_reads_of_enum_and_plain_integers_keep_their_own_types(tmp_path):
+    """The one-call reads make HDF5's memory type once per dtype; an HDF5 enum's dtype (int8 with h5py's
+    metadata) equals plain int8 for NumPy, so each must still read as h5py reads it, whichever comes first."""
+    from qgcli.storage import h5
+
+    colour = h5py.enum_dtype({"RED": 0, "GREEN": 1, "BLUE": 2}, basetype="i1")
+    path = tmp_path / "enum.h5"
+    with h5py.File(path, "w") as f:
+        f["plain"] = np.array([0, 7, -3], np.int8)
+        f.create_dataset("enum", data=np.array([0, 2, 1], np.int8), dtype=colour)
+        f.attrs.create("e", 2, dtype=colour)
+        f.attrs["i"] = np.int8(7)
+    with h5py.File(path, "r") as f:
+        for order in (("plain", "enum"), ("enum", "plain")):
+            for name in order:
+                ds = f[name]
+                fast = h5.read_plain_dataset(ds.id, ds.shape, ds.dtype)
+                assert fast.dtype == ds.dtype and fast.tolist() == ds[()].tolist(), name
+        assert h5.read_attributes(f) == dict(f.attrs) == {"e": 2, "i": 7}

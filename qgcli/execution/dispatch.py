@@ -35,9 +35,11 @@ def execute(job):
             from qgcli.execution.cluster import execute_on_cluster
 
             return execute_on_cluster(job, cluster(scheduler), runner_for=runner_for)
+        from qgcli import collector
         from qgcli.execution.runfile import execute_run
 
-        return execute_run(job, runner_for=runner_for, memory_plan=memory.plan)
+        with collector.paused():  # thousands of groups' small objects, no cycles (qgcli.collector)
+            return execute_run(job, runner_for=runner_for, memory_plan=memory.plan)
     runner = runner_for(job)
     operands = Operands.of(job.operands, literal_ok=runner.LITERAL_OK)
     try:

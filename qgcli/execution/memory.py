@@ -7,6 +7,7 @@ its storage allow, else it is refused: an explicit limit is never ignored.  The 
 run-file executor (which decides from the shapes discovery found, before opening a dataset) and the Zarr
 block planner all ask this module.
 """
+import math
 import os
 import re
 import shutil
@@ -64,7 +65,9 @@ def shapes_fit(datasets, names, budget):
             itemsize = np.dtype(dtype).itemsize
         except (TypeError, ValueError):
             return None
-        tensors.append((np.prod(shape, dtype=np.int64), itemsize))
+        if shape is None:  # a null dataspace: the memory plan decides from the opened dataset
+            return None
+        tensors.append((math.prod(shape), itemsize))  # exact ints, without np.prod's fixed cost (a group's third)
     return need(tensors) <= budget
 
 

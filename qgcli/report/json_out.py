@@ -74,7 +74,10 @@ def write(doc, stream, *, default, nan_as_null=False):
                 first = False
             else:
                 out.append(separator)
-            value(item, level + 1)
+            if type(item) is int:  # a shape's sizes, inline
+                out.append(_int_repr(item))
+            else:
+                value(item, level + 1)
         out.append(newline(level) + "]")
         if len(out) >= _BLOCK:
             flush()
@@ -92,11 +95,31 @@ def write(doc, stream, *, default, nan_as_null=False):
                 first = False
             else:
                 out.append(separator)
-            out.append(_escape(key if type(key) is str else _key(key)) + ": ")
-            value(item, level + 1)
+            key = keys.get(key) or _key_text(key)
+            # The usual values inline (a listing's entries are mostly these): no call per value.
+            t = type(item)
+            if t is str:
+                out.append(key + _escape(item))
+            elif item is None:
+                out.append(key + "null")
+            elif t is int:
+                out.append(key + _int_repr(item))
+            elif t is float:
+                out.append(key + number(item))
+            else:
+                out.append(key)
+                value(item, level + 1)
         out.append(newline(level) + "}")
         if len(out) >= _BLOCK:
             flush()
+
+    keys = {}  # a str key -> its JSON text with ": ", made once (a listing repeats a dozen keys thousands of times)
+
+    def _key_text(key):
+        text = _escape(key if type(key) is str else _key(key)) + ": "
+        if type(key) is str:
+            keys[key] = text
+        return text
 
     def flush():
         stream.write("".join(out))

@@ -6,6 +6,7 @@ by :class:`qgcli.storage.hdf5.small.SmallWriter` at HDF5's own speed).
 The low-level helpers live in :mod:`qgcli.storage.hdf5` (walk, guard, contiguous, chunks, small).
 """
 import contextlib
+import functools
 import io as _io
 import os
 
@@ -207,10 +208,28 @@ def read_plain_dataset(dsid, shape, dtype):
             if dcpl.get_layout() == h5d.VIRTUAL or dcpl.get_external_count():
                 return None  # data outside this file: the checked read refuses it
         array = np.empty(shape, dtype=dtype)
-        dsid.read(h5s.ALL, h5s.ALL, array)
+        dsid.read(h5s.ALL, h5s.ALL, array, mtype=_memory_type(dtype))
     except CORRUPT_FILE_ERRORS:
         return None
     return array
+
+
+def _memory_type(dtype):
+    """The HDF5 memory type h5py's read derives from the array's dtype (``h5t.py_create``) on every call (half
+    of an 8-byte read's cost), made once per dtype (for datasets' and attributes' reads).  A dtype carrying
+    h5py's metadata (an HDF5 enum's integers) is made each time: NumPy compares it equal to its plain one."""
+    if dtype.metadata:
+        from h5py import h5t
+
+        return h5t.py_create(dtype)
+    return _plain_memory_type(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_memory_type(dtype):
+    from h5py import h5t
+
+    return h5t.py_create(dtype)
 
 
 def tagged_bfloat16(dataset):
@@ -255,7 +274,7 @@ def read_attributes_many(objs):
     """:func:`read_attributes` of each of ``objs`` (h5py objects, or their low-level ids: a run file's groups,
     a listing's objects), with every scalar string attribute of all of them read in one guarded batch (one
     round trip to :mod:`qgcli.storage.hdf5.guard`'s worker thread)."""
-    from h5py import h5a, h5f, h5o
+    from h5py import h5a, h5f
     from h5py._objects import ObjectID
 
     outs, strings = [], []  # strings: (dict, key, AttrID)
@@ -263,7 +282,9 @@ def read_attributes_many(objs):
         out = {}
         outs.append(out)
         oid = obj if isinstance(obj, ObjectID) else obj.id
-        if not h5o.get_info(oid).num_attrs:  # most objects have none: one call, not the attribute table's walk
+        # Most objects have none: one call, not the attribute table's walk (H5Aget_num_attrs: the count alone, at
+        # half of H5Oget_info's cost, which fills in the object's whole header info).
+        if not h5a.get_num_attrs(oid):
             continue
         for key in _attribute_names(oid):
             key_text = key.decode("utf-8", "surrogateescape")
@@ -322,10 +343,8 @@ def _attribute_names(oid):
 
 def _scalar_attribute(attr, dtype):
     """A scalar numeric attribute's value as h5py's ``attrs[key]`` reads it (a NumPy scalar), from its AttrID."""
-    from h5py import h5t
-
     value = np.zeros((), dtype=dtype)
-    attr.read(value, mtype=h5t.py_create(dtype))
+    attr.read(value, mtype=_memory_type(dtype))
     return value[()]
 
 

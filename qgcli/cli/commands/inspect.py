@@ -226,7 +226,7 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
 
     from qgcli.families import groups as run_groups_of
     from qgcli.storage.hdf5 import walk as h5walk
-    from qgcli.storage.h5 import tagged_bfloat16
+    from qgcli.storage.h5 import read_plain_dataset as read_plain, tagged_bfloat16
     from qgcli.signals import deferred
 
     groups, datasets, links = [], [], []
@@ -265,7 +265,10 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
                          else numpy_dtype)
                 datasets.append({"path": name, "shape": shape, "dtype": dtype, "attributes": None, "error": None})
                 if reads is not None and shape is not None and reads[1](name):
-                    datasets[-1]["read"] = _read_open(obj, name, reads[0], shape, file_dtype)
+                    # a small plain dataset in one low-level read (the usual case, no call or import per dataset)
+                    array = read_plain(obj, shape, file_dtype)
+                    datasets[-1]["read"] = (_read_open(obj, name, reads[0], shape, file_dtype) if array is None
+                                            else (array.shape, array.dtype, tensor_stats(array), None))
                 pending.append((datasets[-1], obj, False))
                 parent, _, leaf = name.rpartition("/")
                 children.get("/" + parent, []).append((leaf, shape, numpy_dtype))
@@ -291,20 +294,18 @@ def _dtype_name(dtype):
 
 
 def _read_open(dsid, name, label, shape, dtype):
-    """What :func:`_read_entry` reads of a dataset, from the open DatasetID (as ``Container.read`` reads it);
-    ``shape`` and ``dtype``: the walk's, so that a small plain dataset is read in one low-level call."""
+    """What :func:`_read_entry` reads of a dataset, from the open DatasetID (as ``Container.read`` reads it), where
+    the one-call read of a small plain dataset (:func:`qgcli.storage.h5.read_plain_dataset`) gave None."""
     import h5py
 
     from qgcli.storage import h5
     from qgcli.errors import FileFormatError
 
-    array = h5.read_plain_dataset(dsid, shape, dtype)
-    if array is None:
-        try:
-            obj = h5py.Dataset(dsid, readonly=True)
-            array = h5.read_dataset_node(h5.checked_dataset(obj, name, label), name, label)
-        except FileFormatError as exc:
-            return None, None, None, str(exc)
+    try:
+        obj = h5py.Dataset(dsid, readonly=True)
+        array = h5.read_dataset_node(h5.checked_dataset(obj, name, label), name, label)
+    except FileFormatError as exc:
+        return None, None, None, str(exc)
     return array.shape, array.dtype, tensor_stats(array), None
 
 
@@ -576,13 +577,17 @@ def inspect(files, as_json, csv_out, parquet, force, no_stats, quiet):
     table_out.check(csv_out, parquet, force=force, inputs=paths, as_json=as_json)
     stdin = io.Stdin()
     doc = {"command": "inspect", "schema": INSPECT_SCHEMA, "qgcli_version": __version__, "files": []}
-    with Progress("reading", total=0, quiet=quiet) as progress:
-        for text in files:
-            doc["files"].append(inspect_source(text, stdin, with_stats=not no_stats, progress=progress))
-    # --csv / --parquet: one row per tensor of every file (its file first)
-    table_out.write([{"file": f["file"], **t} for f in doc["files"] for t in f["tensors"]], csv=csv_out,
-                    parquet=parquet, force=force, inputs=paths)
-    if as_json:
-        dump_json(doc)
-    elif "-" not in (csv_out, parquet):
-        render_inspect(stdout_console(), doc)
+    from qgcli import collector
+
+    # A listing of thousands of objects builds thousands of entries and no cycles (qgcli.collector).
+    with collector.paused():
+        with Progress("reading", total=0, quiet=quiet) as progress:
+            for text in files:
+                doc["files"].append(inspect_source(text, stdin, with_stats=not no_stats, progress=progress))
+        # --csv / --parquet: one row per tensor of every file (its file first)
+        table_out.write([{"file": f["file"], **t} for f in doc["files"] for t in f["tensors"]], csv=csv_out,
+                        parquet=parquet, force=force, inputs=paths)
+        if as_json:
+            dump_json(doc)
+        elif "-" not in (csv_out, parquet):
+            render_inspect(stdout_console(), doc)

@@ -719,6 +719,10 @@ def _report_layers(targets, options, percentiles, threshold, top, as_json, table
     with contextlib.ExitStack() as stack:
         if scheduler is not None:  # the layers' rows computed on a Dask cluster (qgcli.execution.cluster)
             cluster = stack.enter_context(cluster_at(scheduler))
+        else:  # thousands of rows' small objects, no cycles (qgcli.collector)
+            from qgcli import collector
+
+            stack.enter_context(collector.paused())
         with Progress("reading layers", total=None, quiet=quiet) as progress:
             rows, skipped = report_layers(targets, options=options, percentiles=percentiles, device=device,
                                           on_layer=lambda name: progress.update(description=f"layer {name}"),

@@ -9,9 +9,7 @@ HDF5 is not thread-safe: the worker holds h5py's lock while it reads (see :func:
 stuck no HDF5 call may follow.  Under the CLI the process then ends at once with its one-line error; a library
 caller gets a FileFormatError, and its next h5py call in that process waits for ever.
 """
-import contextlib
 import ctypes
-import gc
 import os
 import queue
 import sys
@@ -20,6 +18,7 @@ import time
 
 from h5py._objects import phil
 
+from qgcli import collector
 from qgcli.errors import FileFormatError
 from qgcli.ops.blocked import name_this_thread
 from qgcli.signals import Terminated, cli_handlers_installed, pending
@@ -105,19 +104,8 @@ def _run(call, describe):
         with phil:
             return call()
 
-    with _collector_paused():
+    with collector.paused():
         return _wait(locked, describe)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _wait(call, describe):

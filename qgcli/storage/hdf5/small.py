@@ -46,17 +46,19 @@ class SmallWriter:
 
     def attributes(self, gid, attrs):
         """``attrs[key] = value`` for each item (scalars: numbers, bools, strings); others by h5py's own call."""
+        bare = not h5a.get_num_attrs(gid)  # a group just made: none to replace, no lookup per attribute
         for key, value in attrs.items():
             kind = _PLAIN.get(type(value))
             data = np.asarray(value, dtype=kind) if kind is not None else base.array_for_new_object(value)
             name = key.encode("utf-8") if isinstance(key, str) else key
+            bare = bare and name is not key  # a bytes key may spell a str key's name: looked up
             if data.shape != () or data.dtype.subdtype is not None:
                 from h5py import AttributeManager
 
                 AttributeManager(_Parent(gid))[key] = value
                 continue
             ftype, mtype = self._type(data.dtype)
-            if h5a.exists(gid, name):
+            if not bare and h5a.exists(gid, name):
                 h5a.delete(gid, name)
             attr = h5a.create(gid, name, ftype, self._scalar)
             try:

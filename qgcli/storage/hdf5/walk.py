@@ -60,11 +60,9 @@ def walk(top, *, label, operand="FILE", datasets=True, stop=None):
     groups = 0
     # Paths are the file's (without the leading "/"), as the walk's names are when it starts at the root.
     base = b"" if top.name == "/" else top.name.lstrip("/").encode("utf-8", "surrogateescape") + b"/"
-    # The stack holds, per open group: (its GroupID, its raw path with a trailing b"/", its link names, the next
-    # one to visit, its depth).
-    names = []
-    top.id.links.iterate(names.append)
-    stack = [(top.id, base, names, 0, 0)]
+    # The stack holds, per open group: (its GroupID, its raw path with a trailing b"/", its links as (name, type,
+    # the object's address for a hard link), the next one to visit, its depth).
+    stack = [(top.id, base, _links(top.id), 0, 0)]
     readonly = top.file.mode == "r"
     while stack:
         gid, prefix, names, i, depth = stack[-1]
@@ -72,20 +70,18 @@ def walk(top, *, label, operand="FILE", datasets=True, stop=None):
             stack.pop()
             continue
         stack[-1] = (gid, prefix, names, i + 1, depth)
-        name = names[i]
+        name, kind, addr = names[i]
         raw = prefix + name
         path = _decode(raw)
-        links = gid.links
-        kind = links.get_info(name).type
         if kind == h5l.TYPE_EXTERNAL:
-            filebytes, linkbytes = links.get_val(name)
+            filebytes, linkbytes = gid.links.get_val(name)
             node = Node(path, "external", target=f"{filename_decode(filebytes)}:{_decode(linkbytes)}", raw=raw)
         elif kind == h5l.TYPE_SOFT:
-            node = Node(path, "soft", target=_decode(links.get_val(name)), raw=raw)
+            node = Node(path, "soft", target=_decode(gid.links.get_val(name)), raw=raw)
         elif kind != h5l.TYPE_HARD:
             raise TypeError("Unknown link type")  # as h5py's own link lookup
         else:
-            node = _hard(gid, name, raw, path, seen, datasets, readonly, h5py, h5i, h5o)
+            node = _hard(gid, name, addr, raw, path, seen, datasets, readonly, h5py, h5i, h5o)
             if node.kind == "group":
                 groups += 1
                 if depth + 1 > max_depth:
@@ -93,23 +89,28 @@ def walk(top, *, label, operand="FILE", datasets=True, stop=None):
                             "--max-depth", "QGCLI_MAX_DEPTH")
                 if groups > max_groups:
                     _refuse(label, operand, f"holds more than {max_groups} groups", "--max-groups", "QGCLI_MAX_GROUPS")
-                children = []
-                node.obj.id.links.iterate(children.append)
-                stack.append((node.obj.id, raw + b"/", children, 0, depth + 1))
+                stack.append((node.obj.id, raw + b"/", _links(node.obj.id), 0, depth + 1))
         yield node
         if stop is not None and stop(node):
             return
 
 
-def _hard(gid, name, raw, path, seen, datasets, readonly, h5py, h5i, h5o):
-    """The Node of a hard link: the object opened once (relative to its parent group)."""
+def _links(gid):
+    """A group's links in name order as ``(name, type, address)``: the address of a hard link's object (what
+    ``h5o.get_info(obj).addr`` gives) comes with the iteration, with no call per link."""
+    out = []
+    gid.links.iterate(lambda name, info: out.append((name, info.type, info.u)), info=True)
+    return out
+
+
+def _hard(gid, name, addr, raw, path, seen, datasets, readonly, h5py, h5i, h5o):
+    """The Node of a hard link to the object at ``addr``: the object opened once (relative to its parent group)."""
     if not datasets and h5o.get_info(gid, name).type == h5o.TYPE_DATASET:
         return Node(path, "dataset", raw=raw)
     try:
         oid = h5o.open(gid, name)
         OPENS[0] += 1
         otype = h5i.get_type(oid)
-        addr = h5o.get_info(oid).addr if otype == h5i.GROUP else None  # only groups are entered, so only they repeat
     except Exception as exc:  # noqa: BLE001 - a damaged object: listed, not the end of the walk
         return Node(path, "broken", error=f"cannot open: {type(exc).__name__}: {exc}", raw=raw)
     if otype == h5i.GROUP:
