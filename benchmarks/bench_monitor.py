@@ -132,10 +132,25 @@ def llama_qat():
 # --- timing -----------------------------------------------------------------------------------------------
 
 def _history_size(path):
+    """The history's bytes, samples and layers, and its growth per sample: the pages of its ``samples`` table
+    (SQLite's dbstat), less the free bytes of the last leaf page, which the next samples fill."""
+    import sqlite3
+    from contextlib import closing
+
     from qgcli.monitor.history import read_history
 
     h = read_history(path)
-    return {"bytes": os.path.getsize(path), "samples": len(h.steps), "layers": len(h.layers)}
+    with closing(sqlite3.connect(path)) as db:
+        pages, free = db.execute("SELECT sum(pgsize), max(CASE WHEN pagetype = 'leaf' THEN unused END) FROM dbstat "
+                                 "WHERE name = 'samples'").fetchone()
+    return {"bytes": os.path.getsize(path), "samples": len(h.steps), "layers": len(h.layers),
+            "per_sample": (pages - free) / max(len(h.steps), 1)}
+
+
+def _print_size(every, s):
+    print(f"  every={every:<3} history {s['bytes'] / 1024:.0f} KiB, {s['samples']} samples x {s['layers']} layers: "
+          f"{s['per_sample'] / 1024:.2f} KiB per sample, {s['per_sample'] / 1024 * 100 / s['layers']:.2f} KiB per "
+          f"sample per 100 layers")
 
 
 def train(make, steps, every, folder, warmup):
@@ -172,9 +187,9 @@ def train(make, steps, every, folder, warmup):
 
 
 def interleaved(make, steps, folder, warmup):
-    """CPU s of ``steps`` steps without the monitor, with every=10 and with every=1, the three models stepped in
-    turn in one process (a busy machine slows them alike; the statistics' kernels or, with QGCLI_NATIVE=0, the
-    torch ops)."""
+    """CPU s of ``steps`` steps without the monitor, with every=10 and with every=1 (and the histories' sizes),
+    the three models stepped in turn in one process (a busy machine slows them alike; the statistics' kernels or,
+    with QGCLI_NATIVE=0, the torch ops)."""
     from qgcli.monitor.torch import monitor
 
     g = torch.Generator().manual_seed(1)
@@ -184,9 +199,10 @@ def interleaved(make, steps, folder, warmup):
         runs[every] = model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = [batch(g) for _ in range(min(steps, 8))]
     total = dict.fromkeys(runs, 0.0)
+    paths = {every: os.path.join(folder, f"i{every}_{time.monotonic_ns()}") for every in (10, 1)}
     with contextlib.ExitStack() as stack:
         for every in (10, 1):
-            stack.enter_context(monitor(runs[every][0], os.path.join(folder, f"i{every}"), every=every,
+            stack.enter_context(monitor(runs[every][0], paths[every], every=every,
                                         optimizer=runs[every][1]))
         for i in range(warmup + steps):
             x, y = data[i % len(data)]
@@ -197,7 +213,7 @@ def interleaved(make, steps, folder, warmup):
                 nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
                 opt.step()
                 total[every] += (time.process_time() - start) if i >= warmup else 0.0
-    return total
+    return total, {every: _history_size(path) for every, path in paths.items()}
 
 
 # --- tf_keras + tfmot, model.fit ----------------------------------------------------------------------------
@@ -259,9 +275,11 @@ def main():
     if args.interleave:
         with tempfile.TemporaryDirectory() as folder:
             for name in args.models.split(","):
-                total = interleaved(makers[name], args.steps, folder, args.warmup)
+                total, sizes = interleaved(makers[name], args.steps, folder, args.warmup)
                 print(f"{name}, interleaved, CPU s: without the monitor {total[None]:.2f}, " + ", ".join(
                     f"every={every} {total[every]:.2f} {total[every] / total[None]:.3f}x" for every in (10, 1)))
+                for every in (10, 1):
+                    _print_size(every, sizes[every])
         return
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models.split(","):
@@ -283,12 +301,8 @@ def main():
             for every in (10, 1):
                 wall = statistics.median(t[0] for t in times[every])
                 cpu = statistics.median(t[1] for t in times[every])
-                s = sizes[every]
-                per_sample = (s["bytes"] - 4096 * 3) / max(s["samples"], 1)
-                print(f"  every={every:<3} wall {wall:.2f} s {wall / wall0:.3f}x, CPU {cpu:.2f} s {cpu / cpu0:.3f}x; "
-                      f"history {s['bytes'] / 1024:.0f} KiB, {s['samples']} samples x {s['layers']} layers: "
-                      f"{per_sample / 1024:.2f} KiB per sample, "
-                      f"{per_sample / 1024 * 100 / s['layers']:.1f} KiB per sample per 100 layers")
+                print(f"  every={every:<3} wall {wall:.2f} s {wall / wall0:.3f}x, CPU {cpu:.2f} s {cpu / cpu0:.3f}x")
+                _print_size(every, sizes[every])
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ Precision: float32 (``<f4``) holds the statistics as the monitors compute them (
 SQNR and the batch norms' variance ratio (:data:`HALF`) are float16 (``<f2``: 11 significant bits, relative
 error at most 2**-11 above 6.1e-5, absolute at most 3e-8 below), rounded to nearest except that a value that
 is not 0 does not become 0, one that is not 1 does not become 1 (a share of 0.9999 is not "all": the next
-float16 toward it) and a finite one does not become infinite (the largest finite value instead).  One compressed row per sample
-instead of a row of ~30 columns per layer: about a third of the bytes (schema version 2).  Schema versions 1
-(``stats`` a table of REAL columns) and 2 (``stats`` a view over integer codes) are still read.
+float16 toward it) and a finite one does not become infinite (the largest finite value instead).  One
+compressed row per sample instead of a row of ~30 columns per layer (schema version 2): 40 to 50 % of the
+bytes.  Schema versions 1 (``stats`` a table of REAL columns) and 2 (``stats`` a view over integer codes) are
+still read.
 
 A history is recognised by its content (SQLite's magic and the ``meta`` row ``format``), whatever its name.
 """
@@ -114,8 +115,10 @@ def pack(rows):
     for lid, stats in rows.items():
         sampled[lid - 1] = 1
         values[lid - 1] = [np.nan if (v := stats.get(name)) is None else float(v) for name in NAMES]
-    parts = [sampled] + [narrow(values[:, j], dtype) for j, (_, dtype) in enumerate(COLUMNS[1:])]
-    return count, zlib.compress(b"".join(p.tobytes() for p in parts), 9)
+    values = values.T  # column by column; each dtype narrowed in one call (a sample costs ~0.1 ms, not ~1)
+    narrowed = {dtype: narrow(values, dtype) for dtype in {"<f4", "<f2"}}
+    parts = [sampled] + [narrowed[dtype][j] for j, (_, dtype) in enumerate(COLUMNS[1:])]
+    return count, zlib.compress(b"".join(p.tobytes() for p in parts))
 
 
 def unpack(layers, stats, columns=COLUMNS):
