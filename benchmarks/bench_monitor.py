@@ -132,19 +132,12 @@ def llama_qat():
 # --- timing -----------------------------------------------------------------------------------------------
 
 def _history_size(path):
-    """The history's bytes, samples and layers, and its growth per sample: the pages of its ``samples`` table
-    (SQLite's dbstat), less the free bytes of the last leaf page, which the next samples fill."""
-    import sqlite3
-    from contextlib import closing
-
-    from qgcli.monitor.history import read_history
+    """The history's bytes, samples and layers, and its growth per sample (the pages of its ``samples`` table)."""
+    from qgcli.monitor.history import read_history, sample_bytes
 
     h = read_history(path)
-    with closing(sqlite3.connect(path)) as db:
-        pages, free = db.execute("SELECT sum(pgsize), max(CASE WHEN pagetype = 'leaf' THEN unused END) FROM dbstat "
-                                 "WHERE name = 'samples'").fetchone()
     return {"bytes": os.path.getsize(path), "samples": len(h.steps), "layers": len(h.layers),
-            "per_sample": (pages - free) / max(len(h.steps), 1)}
+            "per_sample": sample_bytes(path)}
 
 
 def _print_size(every, s):

@@ -200,6 +200,27 @@ class HistoryWriter:
             self._db = None
 
 
+def as_stored(rows):
+    """``rows`` (layer id -> {stat name: value}) as the history stores them and :func:`read_history` gives them
+    back: float32 or float16, None where there is no value (what a live view of the samples should show)."""
+    out = {}
+    _add_sample(out, None, unpack(*pack(rows)))
+    return {lid: samples[0][1] for lid, samples in out.items()}
+
+
+def sample_bytes(path):
+    """The bytes per sample of history ``path`` (schema version 3): the pages of its ``samples`` table (SQLite's
+    ``dbstat``), less the free bytes of the last leaf page, which the next samples fill, over the samples."""
+    db = _connect(path)
+    try:
+        pages, free, count = db.execute(
+            "SELECT sum(pgsize), max(CASE WHEN pagetype = 'leaf' THEN unused END), "
+            "(SELECT count(*) FROM samples) FROM dbstat WHERE name = 'samples'").fetchone()
+    finally:
+        db.close()
+    return (pages - free) / max(count, 1)
+
+
 def is_history(path):
     """True when ``path`` is a qgcli history (by content, whatever its name)."""
     try:
