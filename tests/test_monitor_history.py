@@ -56,6 +56,16 @@ def test_read_back(tmp_path):
     assert s["steps"] == [1, 10] and s["dy_norm"] == [1.0, 10.0] and s["clip_low"] == pytest.approx([0.2, 0.2], rel=2 ** -11)  # ids count from 1
 
 
+def test_a_sample_of_no_layer(tmp_path):
+    w = HistoryWriter(tmp_path / "h")
+    w.add_sample(1, {})
+    w.layer_id("q", "fake_quant", "weight", "M", {})
+    w.add_sample(2, {1: {"dy_norm": 2.0}})
+    w.close()
+    h = read_history(tmp_path / "h")
+    assert h.steps == [1, 2] and h.series("q")["steps"] == [2] and h.series("q")["dy_norm"] == [2.0]
+
+
 def test_recognised_by_content(tmp_path):
     other = tmp_path / "plain.sqlite"
     with closing(sqlite3.connect(other)) as db:

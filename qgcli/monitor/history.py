@@ -124,7 +124,8 @@ def pack(rows):
 def unpack(layers, stats, columns=COLUMNS):
     """The record of a ``samples`` row: one field per column, each an array of ``layers`` values (layer ids 1 to
     ``layers``)."""
-    return np.frombuffer(zlib.decompress(stats), [(name, dtype, (layers,)) for name, dtype in columns])[0]
+    dtype = np.dtype([(name, dtype, (layers,)) for name, dtype in columns])
+    return np.zeros((), dtype) if not layers else np.frombuffer(zlib.decompress(stats), dtype)[0]
 
 
 class HistoryWriter:
