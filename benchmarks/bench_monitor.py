@@ -13,6 +13,7 @@ layers, not with batch size.
 
     python benchmarks/bench_monitor.py --steps 200 --rounds 3
     python benchmarks/bench_monitor.py --models llama --steps 100 --interleave   # one process, CPU time
+    python benchmarks/bench_monitor.py --models keras --steps 40 --interleave
 """
 import argparse
 import contextlib
@@ -132,12 +133,19 @@ def llama_qat():
 # --- timing -----------------------------------------------------------------------------------------------
 
 def _history_size(path):
-    """The history's bytes, samples and layers, and its growth per sample (the pages of its ``samples`` table)."""
-    from qgcli.monitor.history import read_history, sample_bytes
+    """The history's bytes, samples and layers, and its growth per sample (the pages of its ``samples`` table,
+    measured in a fresh Python: the SQLite that TensorFlow loads has no dbstat)."""
+    import subprocess
+    import sys
+
+    from qgcli.monitor.history import read_history
 
     h = read_history(path)
+    code = "import sys; from qgcli.monitor.history import sample_bytes; print(sample_bytes(sys.argv[1]))"
+    per_sample = float(subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                                      check=True).stdout)
     return {"bytes": os.path.getsize(path), "samples": len(h.steps), "layers": len(h.layers),
-            "per_sample": sample_bytes(path)}
+            "per_sample": per_sample}
 
 
 def _print_size(every, s):
@@ -211,14 +219,13 @@ def interleaved(make, steps, folder, warmup):
 
 # --- tf_keras + tfmot, model.fit ----------------------------------------------------------------------------
 
-def keras_fit(steps, every, folder, warmup):
+def keras_model():
+    """The tf_keras + tfmot QAT CNN, compiled, and its 8 batches of 32 (NumPy)."""
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import numpy as np
     import tensorflow as tf
     import tensorflow_model_optimization as tfmot
-
-    from qgcli.monitor.keras import Monitor
 
     tf.keras.backend.clear_session()
     tf.keras.utils.set_random_seed(0)
@@ -232,8 +239,15 @@ def keras_fit(steps, every, folder, warmup):
     model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9),
                   tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.RandomState(1)
-    x = rng.randn(32 * 8, 32, 32, 3).astype("float32")
-    y = rng.randint(0, 10, 32 * 8)
+    return model, rng.randn(32 * 8, 32, 32, 3).astype("float32"), rng.randint(0, 10, 32 * 8)
+
+
+def keras_fit(steps, every, folder, warmup):
+    import tensorflow as tf
+
+    from qgcli.monitor.keras import Monitor
+
+    model, x, y = keras_model()
     total = warmup + steps
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat().take(total)
     clock = {}
@@ -252,6 +266,38 @@ def keras_fit(steps, every, folder, warmup):
     return (w1 - w0, c1 - c0), None if every is None else _history_size(path)
 
 
+def keras_interleaved(steps, folder, warmup):
+    """CPU s of ``steps`` calls of the unmonitored train step, of the callback's step between samples
+    (``light``: the oscillation update only) and of its sampling step with the sample read back and written
+    (``sample``), called in turn in one process; every=10 is 9 light steps and one sampling step in 10."""
+    import tensorflow as tf
+
+    from qgcli.monitor.keras import Monitor
+
+    model, x, y = keras_model()
+    batches = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat())
+    plain = model.make_train_function(force=True)
+    path = os.path.join(folder, f"k_{time.monotonic_ns()}")
+    callback = Monitor(path, every=1)
+    callback.set_model(model)
+    callback.on_train_begin()
+    light, full = callback._steps["light"], callback._steps["full"]
+
+    def sample():
+        full(batches)
+        callback.watch.end_step()
+
+    calls = {"plain": lambda: plain(batches), "light": lambda: light(batches), "sample": sample}
+    total = dict.fromkeys(calls, 0.0)
+    for i in range(warmup + steps):
+        for name, call in calls.items():
+            start = time.process_time()
+            call()
+            total[name] += (time.process_time() - start) if i >= warmup else 0.0
+    callback.on_train_end()
+    return total, _history_size(path)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -259,7 +305,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="resnet18,llama,keras")
     parser.add_argument("--interleave", action="store_true",
-                        help="PyTorch models only: step the three configurations in turn in one process")
+                        help="step the three configurations in turn in one process (Keras: the unmonitored "
+                             "step, the monitor's step between samples and its sampling step)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     makers = {"resnet18": resnet18_qat, "llama": llama_qat}
@@ -268,6 +315,15 @@ def main():
     if args.interleave:
         with tempfile.TemporaryDirectory() as folder:
             for name in args.models.split(","):
+                if name == "keras":
+                    t, size = keras_interleaved(args.steps, folder, args.warmup)
+                    base, every10 = t["plain"], (9 * t["light"] + t["sample"]) / 10
+                    print(f"keras, interleaved, CPU s: without the monitor {base:.2f}, between samples "
+                          f"{t['light']:.2f} {t['light'] / base:.3f}x, sampling {t['sample']:.2f} "
+                          f"{t['sample'] / base:.3f}x; so every=10 {every10 / base:.3f}x, every=1 "
+                          f"{t['sample'] / base:.3f}x")
+                    _print_size(1, size)
+                    continue
                 total, sizes = interleaved(makers[name], args.steps, folder, args.warmup)
                 print(f"{name}, interleaved, CPU s: without the monitor {total[None]:.2f}, " + ", ".join(
                     f"every={every} {total[every]:.2f} {total[every] / total[None]:.3f}x" for every in (10, 1)))

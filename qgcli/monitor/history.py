@@ -211,7 +211,8 @@ def as_stored(rows):
 
 def sample_bytes(path):
     """The bytes per sample of history ``path`` (schema version 3): the pages of its ``samples`` table (SQLite's
-    ``dbstat``), less the free bytes of the last leaf page, which the next samples fill, over the samples."""
+    ``dbstat``, which Python's ``sqlite3`` has; not where TensorFlow's own SQLite was loaded first), less the free
+    bytes of the last leaf page, which the next samples fill, over the samples."""
     db = _connect(path)
     try:
         pages, free, count = db.execute(
