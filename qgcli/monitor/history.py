@@ -16,8 +16,9 @@ Schema (``SCHEMA_VERSION`` 3)::
 ``kind`` is ``fake_quant`` or ``batch_norm``; ``role`` ``weight``, ``activation`` or ``batch_norm``; ``info``
 a JSON object (quant_min, quant_max, per_channel, learnable, ...).  A sample's ``stats`` is the zlib-compressed
 table of its ``layers`` rows, column by column: for each entry of ``columns`` in ``position`` order, ``layers``
-values of NumPy type ``dtype`` (``layer_id`` ``<u4``, then one ``<f4`` or ``<f2`` column per name in
-:data:`STATS`; a statistic a layer does not have is NaN).  In NumPy::
+values of NumPy type ``dtype`` (``sampled`` ``<u1``, 0 for a layer the sample does not have, then one ``<f4``
+or ``<f2`` column per name in :data:`STATS`; row ``i`` is layer id ``i + 1``; a statistic a layer does not have
+is NaN).  In NumPy::
 
     numpy.frombuffer(zlib.decompress(stats), [(name, dtype, layers) for name, dtype in columns])[0]
 
