@@ -211,14 +211,15 @@ def as_stored(rows):
 
 
 def sample_bytes(path):
-    """The bytes per sample of history ``path`` (schema version 3): the pages of its ``samples`` table (SQLite's
-    ``dbstat``, which Python's ``sqlite3`` has; not where TensorFlow's own SQLite was loaded first), less the free
-    bytes of the last leaf page, which the next samples fill, over the samples."""
+    """The bytes per sample of history ``path`` (schema version 3): the leaf and overflow pages of its ``samples``
+    table (SQLite's ``dbstat``, which Python's ``sqlite3`` has; not where TensorFlow's own SQLite was loaded
+    first), less the free bytes of the last leaf page, which the next samples fill, over the samples.  Interior
+    pages are left out: one per thousands of leaves in a long run, but a whole page in a short one."""
     db = _connect(path)
     try:
         pages, free, count = db.execute(
             "SELECT sum(pgsize), max(CASE WHEN pagetype = 'leaf' THEN unused END), "
-            "(SELECT count(*) FROM samples) FROM dbstat WHERE name = 'samples'").fetchone()
+            "(SELECT count(*) FROM samples) FROM dbstat WHERE name = 'samples' AND pagetype != 'internal'").fetchone()
     finally:
         db.close()
     return (pages - free) / max(count, 1)
