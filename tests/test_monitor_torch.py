@@ -631,6 +631,8 @@ def test_sigkill_of_a_training_process(tmp_path):
         proc.wait()
         proc.stdout.close()
         h = read_history(path)
-        assert h.steps[:done] == list(range(1, done + 1)) and len(h.steps) <= done + 1
+        # every sample it reported, and the ones it completed between our last read and the kill (it does not
+        # wait for us: with its short steps, several), with no gap
+        assert len(h.steps) >= done and h.steps == list(range(1, len(h.steps) + 1))
         for layer in h.layers:  # every sample whole: each layer in each
             assert h.series(layer["path"])["steps"] == h.steps
