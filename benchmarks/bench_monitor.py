@@ -13,6 +13,7 @@ layers, not with batch size.
 
     python benchmarks/bench_monitor.py --steps 200 --rounds 3
     python benchmarks/bench_monitor.py --models llama --steps 100 --interleave   # one process, CPU time
+    python benchmarks/bench_monitor.py --models keras --steps 40 --interleave
 """
 import argparse
 import contextlib
@@ -132,10 +133,25 @@ def llama_qat():
 # --- timing -----------------------------------------------------------------------------------------------
 
 def _history_size(path):
+    """The history's bytes, samples and layers, and its growth per sample (the pages of its ``samples`` table,
+    measured in a fresh Python: the SQLite that TensorFlow loads has no dbstat)."""
+    import subprocess
+    import sys
+
     from qgcli.monitor.history import read_history
 
     h = read_history(path)
-    return {"bytes": os.path.getsize(path), "samples": len(h.steps), "layers": len(h.layers)}
+    code = "import sys; from qgcli.monitor.history import sample_bytes; print(sample_bytes(sys.argv[1]))"
+    per_sample = float(subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                                      check=True).stdout)
+    return {"bytes": os.path.getsize(path), "samples": len(h.steps), "layers": len(h.layers),
+            "per_sample": per_sample}
+
+
+def _print_size(every, s):
+    print(f"  every={every:<3} history {s['bytes'] / 1024:.0f} KiB, {s['samples']} samples x {s['layers']} layers: "
+          f"{s['per_sample'] / 1024:.2f} KiB per sample, {s['per_sample'] / 1024 * 100 / s['layers']:.2f} KiB per "
+          f"sample per 100 layers")
 
 
 def train(make, steps, every, folder, warmup):
@@ -172,9 +188,9 @@ def train(make, steps, every, folder, warmup):
 
 
 def interleaved(make, steps, folder, warmup):
-    """CPU s of ``steps`` steps without the monitor, with every=10 and with every=1, the three models stepped in
-    turn in one process (a busy machine slows them alike; the statistics' kernels or, with QGCLI_NATIVE=0, the
-    torch ops)."""
+    """CPU s of ``steps`` steps without the monitor, with every=10 and with every=1 (and the histories' sizes),
+    the three models stepped in turn in one process (a busy machine slows them alike; the statistics' kernels or,
+    with QGCLI_NATIVE=0, the torch ops)."""
     from qgcli.monitor.torch import monitor
 
     g = torch.Generator().manual_seed(1)
@@ -184,9 +200,10 @@ def interleaved(make, steps, folder, warmup):
         runs[every] = model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = [batch(g) for _ in range(min(steps, 8))]
     total = dict.fromkeys(runs, 0.0)
+    paths = {every: os.path.join(folder, f"i{every}_{time.monotonic_ns()}") for every in (10, 1)}
     with contextlib.ExitStack() as stack:
         for every in (10, 1):
-            stack.enter_context(monitor(runs[every][0], os.path.join(folder, f"i{every}"), every=every,
+            stack.enter_context(monitor(runs[every][0], paths[every], every=every,
                                         optimizer=runs[every][1]))
         for i in range(warmup + steps):
             x, y = data[i % len(data)]
@@ -197,19 +214,18 @@ def interleaved(make, steps, folder, warmup):
                 nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
                 opt.step()
                 total[every] += (time.process_time() - start) if i >= warmup else 0.0
-    return total
+    return total, {every: _history_size(path) for every, path in paths.items()}
 
 
 # --- tf_keras + tfmot, model.fit ----------------------------------------------------------------------------
 
-def keras_fit(steps, every, folder, warmup):
+def keras_model():
+    """The tf_keras + tfmot QAT CNN, compiled, and its 8 batches of 32 (NumPy)."""
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import numpy as np
     import tensorflow as tf
     import tensorflow_model_optimization as tfmot
-
-    from qgcli.monitor.keras import Monitor
 
     tf.keras.backend.clear_session()
     tf.keras.utils.set_random_seed(0)
@@ -223,8 +239,15 @@ def keras_fit(steps, every, folder, warmup):
     model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9),
                   tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.RandomState(1)
-    x = rng.randn(32 * 8, 32, 32, 3).astype("float32")
-    y = rng.randint(0, 10, 32 * 8)
+    return model, rng.randn(32 * 8, 32, 32, 3).astype("float32"), rng.randint(0, 10, 32 * 8)
+
+
+def keras_fit(steps, every, folder, warmup):
+    import tensorflow as tf
+
+    from qgcli.monitor.keras import Monitor
+
+    model, x, y = keras_model()
     total = warmup + steps
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat().take(total)
     clock = {}
@@ -243,6 +266,38 @@ def keras_fit(steps, every, folder, warmup):
     return (w1 - w0, c1 - c0), None if every is None else _history_size(path)
 
 
+def keras_interleaved(steps, folder, warmup):
+    """CPU s of ``steps`` calls of the unmonitored train step, of the callback's step between samples
+    (``light``: the oscillation update only) and of its sampling step with the sample read back and written
+    (``sample``), called in turn in one process; every=10 is 9 light steps and one sampling step in 10."""
+    import tensorflow as tf
+
+    from qgcli.monitor.keras import Monitor
+
+    model, x, y = keras_model()
+    batches = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat())
+    plain = model.make_train_function(force=True)
+    path = os.path.join(folder, f"k_{time.monotonic_ns()}")
+    callback = Monitor(path, every=1)
+    callback.set_model(model)
+    callback.on_train_begin()
+    light, full = callback._steps["light"], callback._steps["full"]
+
+    def sample():
+        full(batches)
+        callback.watch.end_step()
+
+    calls = {"plain": lambda: plain(batches), "light": lambda: light(batches), "sample": sample}
+    total = dict.fromkeys(calls, 0.0)
+    for i in range(warmup + steps):
+        for name, call in calls.items():
+            start = time.process_time()
+            call()
+            total[name] += (time.process_time() - start) if i >= warmup else 0.0
+    callback.on_train_end()
+    return total, _history_size(path)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -250,7 +305,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default="resnet18,llama,keras")
     parser.add_argument("--interleave", action="store_true",
-                        help="PyTorch models only: step the three configurations in turn in one process")
+                        help="step the three configurations in turn in one process (Keras: the unmonitored "
+                             "step, the monitor's step between samples and its sampling step)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     makers = {"resnet18": resnet18_qat, "llama": llama_qat}
@@ -259,9 +315,20 @@ def main():
     if args.interleave:
         with tempfile.TemporaryDirectory() as folder:
             for name in args.models.split(","):
-                total = interleaved(makers[name], args.steps, folder, args.warmup)
+                if name == "keras":
+                    t, size = keras_interleaved(args.steps, folder, args.warmup)
+                    base, every10 = t["plain"], (9 * t["light"] + t["sample"]) / 10
+                    print(f"keras, interleaved, CPU s: without the monitor {base:.2f}, between samples "
+                          f"{t['light']:.2f} {t['light'] / base:.3f}x, sampling {t['sample']:.2f} "
+                          f"{t['sample'] / base:.3f}x; so every=10 {every10 / base:.3f}x, every=1 "
+                          f"{t['sample'] / base:.3f}x")
+                    _print_size(1, size)
+                    continue
+                total, sizes = interleaved(makers[name], args.steps, folder, args.warmup)
                 print(f"{name}, interleaved, CPU s: without the monitor {total[None]:.2f}, " + ", ".join(
                     f"every={every} {total[every]:.2f} {total[every] / total[None]:.3f}x" for every in (10, 1)))
+                for every in (10, 1):
+                    _print_size(every, sizes[every])
         return
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models.split(","):
@@ -283,12 +350,8 @@ def main():
             for every in (10, 1):
                 wall = statistics.median(t[0] for t in times[every])
                 cpu = statistics.median(t[1] for t in times[every])
-                s = sizes[every]
-                per_sample = (s["bytes"] - 4096 * 3) / max(s["samples"], 1)
-                print(f"  every={every:<3} wall {wall:.2f} s {wall / wall0:.3f}x, CPU {cpu:.2f} s {cpu / cpu0:.3f}x; "
-                      f"history {s['bytes'] / 1024:.0f} KiB, {s['samples']} samples x {s['layers']} layers: "
-                      f"{per_sample / 1024:.2f} KiB per sample, "
-                      f"{per_sample / 1024 * 100 / s['layers']:.1f} KiB per sample per 100 layers")
+                print(f"  every={every:<3} wall {wall:.2f} s {wall / wall0:.3f}x, CPU {cpu:.2f} s {cpu / cpu0:.3f}x")
+                _print_size(every, sizes[every])
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_trend_tensorboard_read_back(history, tmp_path):
     # the share of layers where an event's condition holds: conv2.act's jump at 20, fc.weight's NaN at 30
     assert [e.value for e in acc.Scalars("aggregate/share_with_events")] == pytest.approx([0, 0, 1 / 3, 1 / 3])
     worst = [e.value for e in acc.Scalars("aggregate/worst_5_gradient_blocked")]
-    assert worst[2] == pytest.approx((0.6 + 0.02 + 0.02) / 3, rel=1e-6)
+    assert worst[2] == pytest.approx((0.6 + 0.02 + 0.02) / 3, rel=2 ** -11)  # float16 shares
     assert [x.step for x in acc.Histograms("distribution/gradient_blocked")] == list(history_samples.STEPS)
 
 

@@ -59,7 +59,7 @@ def test_every_event_kind_at_its_onset(tmp_path):
     assert all(set(e) == {"step", "layer", "kind", "message"} and e["message"] for e in doc["events"])
     assert [e["step"] for e in doc["events"]] == sorted(e["step"] for e in doc["events"])
     layer = doc["layers"][0]
-    assert layer["path"] == "blocked" and layer["steps"] == STEPS and layer["blocked"] == pytest.approx([0.02] * 2 + [0.6] * 4, rel=1e-7)  # float32 precision
+    assert layer["path"] == "blocked" and layer["steps"] == STEPS and layer["blocked"] == pytest.approx([0.02] * 2 + [0.6] * 4, rel=2 ** -11)  # float16
 
 
 def test_a_fault_that_returns_is_a_new_event(tmp_path):

@@ -205,7 +205,7 @@ def test_batch_norm_running_against_batch_statistics(tmp_path, monkeypatch):
         s = h.series(path)
         assert s["steps"] == [1, 2, 4, 6, 8]
         assert s["bn_mean_shift"] == pytest.approx([w[0] for w in want[i]], rel=1e-4)
-        assert s["bn_var_ratio"] == pytest.approx([w[1] for w in want[i]], rel=1e-4)
+        assert s["bn_var_ratio"] == pytest.approx([w[1] for w in want[i]], rel=1e-4 + 2 ** -11)  # float16
         assert s["nan_inputs"] == [0] * 5
     first = h.series(paths[0])  # 20 times the inputs: the batch variance about 400 times the running one
     assert first["bn_var_ratio"][-1] > max(first["bn_var_ratio"][:-1]) + 2

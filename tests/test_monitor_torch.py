@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 from qgcli.cli import main  # noqa: E402
-from qgcli.monitor.history import read_history  # noqa: E402
+from qgcli.monitor.history import HALF, read_history  # noqa: E402
 from qgcli.monitor.torch import monitor  # noqa: E402
 
 nn = torch.nn
@@ -274,10 +274,10 @@ def test_oscillation(tmp_path):
     assert f["step"] == 5 and f["severity"] == "warning"
     assert s["oscillating"][-1] == 1 and s["codes_changed"][-1] == 1  # 5 steps between samples: all moved
     # counted at every step, not at samples: the frequency at step 5 is 1 - 0.99^3 (flips at steps 3, 4, 5)
-    assert s["oscillation_max"][1] == pytest.approx(1 - 0.99 ** 3, rel=1e-5)
+    assert s["oscillation_max"][1] == pytest.approx(1 - 0.99 ** 3, rel=1e-5 + 2 ** -11)  # float16 in the history
     every_step = run(tmp_path / "every1", 1)
     # (the same up to float rounding: the frequency's decay is applied lazily, at each sample)
-    assert [every_step["oscillation_max"][i - 1] for i in s["steps"]] == pytest.approx(s["oscillation_max"], rel=1e-6)
+    assert [every_step["oscillation_max"][i - 1] for i in s["steps"]] == pytest.approx(s["oscillation_max"], rel=2 ** -10)
 
 
 def test_oscillation_kernel_matches_torch_ops(tmp_path, monkeypatch):
@@ -416,8 +416,10 @@ def test_sample_statistics_kernel_matches_torch_ops(tmp_path, monkeypatch):
                     continue  # qg_oscillation keeps a NaN weight's last code; torch's cast of NaN has none
                 want = ops[path][stat]
                 assert [v is None for v in values] == [v is None for v in want], (name, path, stat)
+                # a float16 statistic in the history: float32 values 2e-6 apart may round one float16 step apart
+                rel = 2 ** -10 if stat in HALF else 2e-6
                 assert [v for v in values if v is not None] == pytest.approx(
-                    [v for v in want if v is not None], rel=2e-6, abs=1e-7, nan_ok=True), (name, path, stat)
+                    [v for v in want if v is not None], rel=rel, abs=1e-7, nan_ok=True), (name, path, stat)
 
         def seen(stat):
             return [v for s in compiled.values() for v in s.get(stat, []) if v is not None]
@@ -431,9 +433,9 @@ def test_sample_statistics_kernel_matches_torch_ops(tmp_path, monkeypatch):
 
 
 def test_history_grows_by_a_few_bytes_per_layer_and_sample_whatever_the_batch(tmp_path):
-    """A real monitored run sampled at every step: the history grows by under 100 bytes per layer and sample
-    (about 80 measured; so under 10 KiB per sample per 100 layers), and not with the batch size."""
-    import os
+    """A real monitored run sampled at every step: the history grows by under 50 bytes per layer and sample
+    (about 35 measured; so under 5 KiB per sample per 100 layers), and not with the batch size."""
+    from qgcli.monitor.history import sample_bytes
 
     def grown(batch, steps):
         model = _net()
@@ -446,12 +448,11 @@ def test_history_grows_by_a_few_bytes_per_layer_and_sample_whatever_the_batch(tm
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
-        return os.path.getsize(path), len(read_history(path).layers)
+        return sample_bytes(path), len(read_history(path).layers)
 
-    (small, layers), (large, _) = grown(4, 5), grown(4, 40)
-    per_row = (large - small) / 35 / layers
-    assert layers == 9 and 20 < per_row < 100, per_row
-    assert abs(grown(64, 40)[0] - large) <= 0.05 * (large - small)  # sixteen times the batch: the same rows
+    per_sample, layers = grown(4, 40)
+    assert layers == 9 and 10 < per_sample / layers < 50, per_sample / layers
+    assert abs(grown(64, 40)[0] - per_sample) <= 0.1 * per_sample  # sixteen times the batch: rows of the same size
 
 
 def test_symmetric_zero_point_reset_every_call_is_no_finding(tmp_path):
@@ -493,7 +494,7 @@ def test_batch_norm_running_against_batch_statistics(tmp_path):
     s = read_history(tmp_path / "h").series("1")
     assert s["steps"] == [1, 2, 4, 6, 8, 10, 12]
     assert s["bn_mean_shift"][0] == pytest.approx(mean_shift, rel=1e-5)
-    assert s["bn_var_ratio"][0] == pytest.approx(var_ratio, rel=1e-5)
+    assert s["bn_var_ratio"][0] == pytest.approx(var_ratio, rel=1e-5 + 2 ** -11)  # float16 in the history
     # 20 times the inputs: the batch variance 400 times the running one (log 400 = 6)
     assert s["bn_var_ratio"][-1] > max(s["bn_var_ratio"][:-1]) + 2 and all(v > 0 for v in s["dy_norm"])
     assert s["bn_mean_shift"][-1] > 5 * max(s["bn_mean_shift"][:-1])
@@ -652,10 +653,8 @@ def test_sigkill_of_a_training_process(tmp_path):
     import os
     import random
     import signal
-    import sqlite3
     import subprocess
     import sys
-    from contextlib import closing
 
     rng = random.Random(37)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
@@ -675,7 +674,8 @@ def test_sigkill_of_a_training_process(tmp_path):
         proc.wait()
         proc.stdout.close()
         h = read_history(path)
-        assert h.steps[:done] == list(range(1, done + 1)) and len(h.steps) <= done + 1
-        with closing(sqlite3.connect(path)) as db:
-            counts = {n for _, n in db.execute("select step, count(*) from stats group by step")}
-        assert counts == {len(h.layers)}  # every sample whole: one row per layer
+        # every sample it reported, and the ones it completed between our last read and the kill (it does not
+        # wait for us: with its short steps, several), with no gap
+        assert len(h.steps) >= done and h.steps == list(range(1, len(h.steps) + 1))
+        for layer in h.layers:  # every sample whole: each layer in each
+            assert h.series(layer["path"])["steps"] == h.steps

@@ -39,7 +39,7 @@ import contextlib
 import inspect
 
 from qgcli.errors import UsageProblem
-from qgcli.monitor.history import HistoryWriter
+from qgcli.monitor.history import HistoryWriter, as_stored
 from qgcli.monitor.tensorboard import LiveEvents
 
 _OPS = ("fake_quant_with_min_max_vars", "fake_quant_with_min_max_vars_per_channel", "fake_quant_with_min_max_args")
@@ -131,8 +131,9 @@ class _Watch:
         rows.update({lid: {"fake_quant_enabled": 0.0} for name, lid in self.ids.items()
                      if name not in pending and self.layers[name][0] == "fake_quant"})
         self.writer.add_sample(step, rows)
-        if self.events is not None:
-            self.events.add_sample(step, pending)
+        if self.events is not None:  # the values as the history holds them: the same as trend --tensorboard
+            stored = as_stored(rows)
+            self.events.add_sample(step, {name: stored[self.ids[name]] for name in pending})
 
     # --- the wrapped ops --------------------------------------------------------------------------------
 
@@ -326,7 +327,10 @@ class _Watch:
                            "needs_grad": tf.constant(1.0)}
                     if "mask" in slot:
                         mass = tf.abs(dy)
-                        out["blocked"] = tf.reduce_sum(mass * (1 - slot["mask"]())) / tf.reduce_sum(mass)
+                        total = tf.reduce_sum(mass)
+                        out["blocked"] = tf.reduce_sum(mass * (1 - slot["mask"]())) / total
+                        if self.mode == "full":  # no branch: the input gradient's tap reuses it
+                            slot["dy_mass"] = total
                     return out
 
                 done = self._sampled(slot, name, "dy", stats, names)
@@ -351,7 +355,8 @@ class _Watch:
                     if compared:
                         reference = dy * slot["mask"]()
                         den = tf.reduce_sum(tf.abs(reference))
-                        den = tf.where(den > 0, den, tf.reduce_sum(tf.abs(dy)))
+                        total = slot["dy_mass"] if "dy_mass" in slot else tf.reduce_sum(tf.abs(dy))
+                        den = tf.where(den > 0, den, total)
                         out["ste_error"] = tf.reduce_sum(tf.abs(dx - reference)) / den
                     return out
 

@@ -31,7 +31,7 @@ import math
 import sys
 
 from qgcli.errors import UsageProblem
-from qgcli.monitor.history import HistoryWriter
+from qgcli.monitor.history import HistoryWriter, as_stored
 from qgcli.monitor.tensorboard import LiveEvents
 
 #: statistic -> how ranks combine it (others: the mean)
@@ -533,8 +533,9 @@ class Monitor:
                                                   info)
             out[layer.lid] = flat[layer.path]
         self._writer.add_sample(step, out, ranks=self.world)
-        if self._events is not None:
-            self._events.add_sample(step, {layer.path: flat[layer.path] for layer in self._layers
+        if self._events is not None:  # the values as the history holds them: the same as trend --tensorboard
+            stored = as_stored(out)
+            self._events.add_sample(step, {layer.path: stored[layer.lid] for layer in self._layers
                                            if layer.path in flat})
 
 
