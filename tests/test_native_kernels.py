@@ -373,3 +373,34 @@ def test_onnx_matches_the_numpy_path(monkeypatch, dtype, mode):
                 assert got.quantized.dtype == want.quantized.dtype
                 assert np.array_equal(got.quantized.view(np.uint8), want.quantized.view(np.uint8))
                 same_bits(got.outputs, want.outputs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_block_size_does_not_change_bits(monkeypatch, threads):
+    # The compiled kernels take blocks sized to the tensor (blocked.native_block): a few per worker, up to
+    # NATIVE_BLOCK_MAX values. Small limits cut the same tensor into many blocks (leaf blocks of one leaf, rows
+    # of a channel row each): the same bits as the blocks of the default sizes.
+    from qgcli.ops import blocked
+
+    monkeypatch.setenv("QGCLI_THREADS", threads)
+    rng = np.random.default_rng(8)
+    shape = (7, 61, 200, 13)  # 1.1 M values: the per-tensor gradient's plan has 136 leaves
+    g, x = hostile(rng, shape), hostile(rng, shape)
+    mn, mx = np.linspace(-3, -0.5, 13).astype(f32), np.linspace(0.5, 3, 13).astype(f32)
+    mn[4] = mx[4] = 0  # a 0..0 channel
+
+    def run():
+        return (ops.fake_quant_with_min_max_vars(x, -2.5, 2.0), ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx),
+                ops.fake_quant_with_min_max_args_gradient(g, x, -2.5, 2.0),
+                *ops.fake_quant_with_min_max_vars_gradient(g, x, -2.5, 2.0),
+                *ops.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, mn, mx),
+                *ops.fake_quant_with_min_max_args_and_gradient(g, x, -2.5, 2.0))
+
+    default = [blocked.native_block(x.size)]
+    want = run()
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 4096)
+    monkeypatch.setattr(blocked, "NATIVE_BLOCK_MAX", 4096)
+    assert blocked.native_block(x.size) == 4096 < default[0]
+    for a, b in zip(run(), want):
+        same_bits(a, b)
