@@ -277,7 +277,8 @@ static inline __attribute__((always_inline)) int64_t qg_row_avx2(
             v = _mm256_sub_ps(v, nmin);
             v = divide ? _mm256_div_ps(v, _mm256_loadu_ps(f.scale + c)) : _mm256_mul_ps(v, _mm256_loadu_ps(f.inv + c));
             v = _mm256_add_ps(_mm256_sub_ps(v, _mm256_loadu_ps(f.qz + c)), half);
-            v = _mm256_mul_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _mm256_loadu_ps(f.scale + c));
+            v = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            v = _mm256_mul_ps(v, _mm256_loadu_ps(f.scale + c));
             if (pt) v = _mm256_and_ps(v, _mm256_cmp_ps(_mm256_loadu_ps(f.passthrough + c), zero, _CMP_EQ_OQ));
             _mm256_storeu_ps(out + c, v);
         }
