@@ -108,8 +108,8 @@ def main(argv=None):
           f" CPU time, min of {args.calls} calls, best of {args.rounds} rounds")
     for tree in args.trees:
         r1 = best[(tree, threads[0])]
-        print(f"\n{tree} (kernels {kernels[tree]}): np.copyto {r1['copy'] * 1e3:.2f} ms, np.copy {r1['np.copy'] * 1e3:.2f}"
-              " ms of CPU for one tensor")
+        print(f"\n{tree} (kernels {kernels[tree]}): np.copyto {r1['copy'] * 1e3:.2f} ms, "
+              f"np.copy {r1['np.copy'] * 1e3:.2f} ms of CPU for one tensor")
         head = ["op"] + [f"{mode}, {t} thread{'s' if t != '1' else ''}" for t in threads for mode in ("fresh", "out=")]
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         table = {t: ratios(best[(tree, t)]) for t in threads}
