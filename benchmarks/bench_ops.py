@@ -15,6 +15,9 @@ median wall time (after warm-up, at least ``--repeats`` timed calls) and ratios 
 * **out=**: qgcli again with its tensor-sized output written into a buffer kept from call to call (``out=``,
   touched once before timing), where the fresh-output column allocates it on every call and pays its page
   faults (the fused rows keep both of theirs: ``out=`` and ``outputs_out=``).
+* ``--cpu`` times everything (qgcli, the floors, the frameworks) in CPU time of the process
+  (``time.process_time``: all its threads) instead of wall time: on a machine other work shares, wall
+  times measure the other work as much as the op.
 * **TensorFlow** (``tf.raw_ops``, eager, results forced with ``.numpy()``) and **PyTorch** (CPU) on the same
   tensors.  Each framework is used in-process when it imports in this interpreter; otherwise
   ``--tf-python`` / ``--torch-python`` name an interpreter (a throwaway venv) in which this script re-runs
@@ -125,12 +128,17 @@ def torch_grid(mn, mx):
 
 # ---------------------------------------------------------------------------------------------- timing
 
+CLOCK = {"clock": time.perf_counter}  # time.process_time under --cpu (and in workers asked for CPU time)
+
+
 def measure(fn, repeats, min_time, warmup=2):
-    """Median (and minimum) wall time of ``fn()`` over at least ``repeats`` calls and ``min_time`` seconds.
+    """Median (and minimum) time of ``fn()`` over at least ``repeats`` calls and ``min_time`` seconds of wall
+    time, on ``CLOCK["clock"]`` (wall time, or CPU time under ``--cpu``).
 
     The first warm-up call pays for first-touch page faults, thread pools and lazy set-up; a second one
     follows only when a call is short (a second of warm-up on a 1 s op buys nothing).
     """
+    clock = CLOCK["clock"]
     for i in range(warmup):
         t0 = time.perf_counter()
         fn()
@@ -139,9 +147,9 @@ def measure(fn, repeats, min_time, warmup=2):
     times = []
     start = time.perf_counter()
     while len(times) < repeats or (time.perf_counter() - start < min_time and len(times) < 2000):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return {"median": statistics.median(times), "min": min(times), "n": len(times)}
 
 
@@ -352,6 +360,7 @@ class LocalRunner:
             return {"absent": True}
         try:
             if req["cmd"] == "time":
+                CLOCK["clock"] = time.process_time if req.get("cpu") else time.perf_counter
                 return measure(calls[name], req["repeats"], req["min_time"])
             out = calls[name]()
             out = out if isinstance(out, list) else [out]
@@ -587,6 +596,8 @@ def parse(argv):
                    help="TensorFlow intra-op / PyTorch threads (default: os.cpu_count()).")
     p.add_argument("--rounds", type=int, default=1,
                    help="Repeat the whole measurement; each op keeps its fastest median (default 1).")
+    p.add_argument("--cpu", action="store_true",
+                   help="Time in CPU time of the process (all its threads; the workers' too) instead of wall time.")
     p.add_argument("--no-memory", action="store_true", help="Skip the peak-memory subprocesses.")
     p.add_argument("--no-check", action="store_true", help="Skip the comparison with TensorFlow's outputs.")
     p.add_argument("--json", metavar="PATH", help="Also save the results as JSON.")
@@ -634,6 +645,8 @@ def main(argv=None):
 
     load_start = os.getloadavg()
     started = time.time()
+    if args.cpu:
+        CLOCK["clock"] = time.process_time
     data_dir = tempfile.mkdtemp(prefix="qgcli_bench_")
     check_dir = None if args.no_check or "small" not in args.sizes else os.path.join(data_dir, "check")
     if check_dir:
@@ -668,7 +681,7 @@ def main(argv=None):
                         if runner is None:
                             continue
                         reply = runner.request({"cmd": "time", "size": size, "op": name, "repeats": args.repeats,
-                                                "min_time": args.min_time})
+                                                "min_time": args.min_time, "cpu": args.cpu})
                         if "error" in reply:
                             notes.append(f"{kind} {name}/{size}: {reply['error']}")
                             if reply.get("fatal"):
@@ -714,6 +727,7 @@ def main(argv=None):
         "tf": (frameworks["tf"] or {}).get("info"), "torch": (frameworks["torch"] or {}).get("info"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
         "rounds": args.rounds, "repeats": args.repeats, "min_time": args.min_time,
+        "clock": "cpu (time.process_time)" if args.cpu else "wall (time.perf_counter)",
     }
 
     print(f"\nqgcli {__version__} | NumPy {np.__version__} | {machine['processor']} | "
@@ -728,6 +742,7 @@ def main(argv=None):
           + "; floor = t_copy * (tensors read + written) / 2; fresh floor: the same with np.copy (a fresh "
           "destination: " + ", ".join(f"{s} {floor_fresh[s]['median']:.4g} s" for s in args.sizes if s in floor_fresh)
           + ")")
+    print("clock: " + machine["clock"] + ("" if not args.cpu else ", all threads of the process counted"))
     print(f"medians of >= {args.repeats} timed calls (>= {args.min_time:g} s) after warm-up"
           + (f"; best median of {args.rounds} rounds per op" if args.rounds > 1 else "")
           + "; per op, qgcli, TF and PyTorch timed back to back")

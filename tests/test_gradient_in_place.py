@@ -179,6 +179,46 @@ def test_read_only_or_shared_gradients_are_not_overwritten():
     assert not np.shares_memory(out["backprops_wrt_input"], x)
 
 
+@pytest.mark.parametrize("variant", ["args", "vars", "per-channel"])
+def test_the_forward_writes_over_its_own_inputs(variant):
+    # fakequant in memory: the outputs take the buffer of the inputs it read (no fresh tensor-sized array), the
+    # same bits; the +-inf counts of the summary's note are taken first, the inputs read-only stay untouched.
+    rng = np.random.default_rng(10)
+    x = hostile(rng, (300, 16))
+    mn, mx = ranges(rng, 16) if variant == "per-channel" else (f32(-1.0), f32(1.5))
+    kw = dict(num_bits=8, narrow_range=False, axis=None, xp=np)
+    want, _, want_stats = run_fake_quant(variant, None, x.copy(), mn, mx, overwrite=False, **kw)
+    own, infinities = x.copy(), {}
+    got, _, got_stats = run_fake_quant(variant, None, own, mn, mx, overwrite=True, infinities=infinities, **kw)
+    assert got["outputs"] is own and got_stats == want_stats
+    assert infinities["inputs"] == (np.count_nonzero(x == np.inf), np.count_nonzero(x == -np.inf)) != (0, 0)
+    assert_same_bits(want["outputs"], got["outputs"])
+    kept = x.copy()
+    kept.setflags(write=False)
+    got, _, _ = run_fake_quant(variant, None, kept, mn, mx, overwrite=True, **kw)
+    assert not np.shares_memory(got["outputs"], kept) and kept.tobytes() == x.tobytes()
+
+
+def test_cli_forward_writes_the_outputs_and_counts_the_infinities_first(cli, tmp_path):
+    # fakequant (no --plot: nothing draws the inputs afterwards) writes its outputs over the inputs it read; the
+    # summary's note still counts the +-inf they held, and the input file is untouched.
+    import json
+
+    rng = np.random.default_rng(11)
+    x = hostile(rng, (4, 6, 6, 8))
+    mn, mx = ranges(rng, 8)
+    with h5py.File(tmp_path / "b.h5", "w") as f:
+        f["inputs"], f["min"], f["max"] = x, mn, mx
+    r = cli("fakequant", tmp_path / "b.h5", "-o", tmp_path / "o.h5", "--json")
+    assert r.exit_code == 0, r.output
+    pos, neg, nan = (int(np.count_nonzero(v)) for v in (x == np.inf, x == -np.inf, np.isnan(x)))
+    assert pos and neg and f"({nan} NaN, {pos} +inf, {neg} -inf of {x.size} elements)" in " ".join(
+        json.loads(r.stdout)["notes"])
+    want = ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx)
+    with h5py.File(tmp_path / "o.h5", "r") as a, h5py.File(tmp_path / "b.h5", "r") as b:
+        assert a["outputs"][()].tobytes() == want.tobytes() and b["inputs"][()].tobytes() == x.tobytes()
+
+
 def test_cli_outputs_and_summary_with_and_without_a_figure(cli, tmp_path):
     # --plot keeps the gradients for the figure (no reuse); both runs must write the same file and summary.
     import json

@@ -373,3 +373,66 @@ def test_onnx_matches_the_numpy_path(monkeypatch, dtype, mode):
                 assert got.quantized.dtype == want.quantized.dtype
                 assert np.array_equal(got.quantized.view(np.uint8), want.quantized.view(np.uint8))
                 same_bits(got.outputs, want.outputs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_block_size_does_not_change_bits(monkeypatch, threads):
+    # The compiled kernels take blocks sized to the tensor (blocked.native_block): a few per worker, up to
+    # NATIVE_BLOCK_MAX values. Small limits cut the same tensor into many blocks (leaf blocks of one leaf, rows
+    # of a channel row each): the same bits as the blocks of the default sizes.
+    from qgcli.ops import blocked
+
+    monkeypatch.setenv("QGCLI_THREADS", threads)
+    rng = np.random.default_rng(8)
+    shape = (7, 61, 200, 13)  # 1.1 M values: the per-tensor gradient's plan has 136 leaves
+    g, x = hostile(rng, shape), hostile(rng, shape)
+    mn, mx = np.linspace(-3, -0.5, 13).astype(f32), np.linspace(0.5, 3, 13).astype(f32)
+    mn[4] = mx[4] = 0  # a 0..0 channel
+
+    def run():
+        return (ops.fake_quant_with_min_max_vars(x, -2.5, 2.0), ops.fake_quant_with_min_max_vars_per_channel(x, mn, mx),
+                ops.fake_quant_with_min_max_args_gradient(g, x, -2.5, 2.0),
+                *ops.fake_quant_with_min_max_vars_gradient(g, x, -2.5, 2.0),
+                *ops.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, mn, mx),
+                *ops.fake_quant_with_min_max_args_and_gradient(g, x, -2.5, 2.0))
+
+    default = [blocked.native_block(x.size)]
+    want = run()
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 4096)
+    monkeypatch.setattr(blocked, "NATIVE_BLOCK_MAX", 4096)
+    assert blocked.native_block(x.size) == 4096 < default[0]
+    for a, b in zip(run(), want):
+        same_bits(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("depth", [8, 13, 40])
+@pytest.mark.parametrize("zero_channel", [False, True])
+@pytest.mark.parametrize("tiny", [False, True])
+def test_per_channel_rows_eight_channels_at_a_time(monkeypatch, depth, zero_channel, tiny):
+    # The AVX2 row of the per-channel leaves (qg_row_avx2) takes 8 channels a step and the C loop the rest;
+    # without a 0..0 channel it drops the passthrough blend, and a grid step below 2**-100 makes the forward
+    # flush (fake_quant._FLUSH_SCALE). The fused op and the gradient against the NumPy kernels, leaf and
+    # packet tails included (8227 rows: one leaf of 8192 and one of 35).
+    from qgcli.ops.fake_quant import nudge
+
+    rng = np.random.default_rng(depth)
+    g, x = hostile(rng, (8227, depth)), hostile(rng, (8227, depth))
+    g[~np.isfinite(g)] = 1.0  # a NaN or inf gradient makes its channel's sums NaN: finite ones compare the sums
+    mn, mx = -rng.uniform(0.5, 2, depth).astype(f32), rng.uniform(0.5, 2, depth).astype(f32)
+    if tiny:
+        # a grid step of about 1.25e-38: a subnormal input is up to 0.94 of a step, which flushing it to 0 rounds away
+        mn[depth - 1], mx[depth - 1] = -1.6e-36, 1.6e-36
+        x[:, depth - 1] *= f32(1e-36)
+        x[::5, depth - 1] = np.resize(np.array([1.1e-38, -1.1e-38, 6e-39, -1.2e-38, 1e-45], f32), x[::5].shape[0])
+    if zero_channel:
+        mn[2] = mx[2] = 0.0
+    grid = nudge(mn, mx)
+    x[3::11] = grid.mask_lo  # values on the mask's bounds: inside, neither below nor above
+    x[4::11] = grid.mask_hi
+    got, want = both(monkeypatch, lambda: ops.fake_quant_with_min_max_vars_per_channel_and_gradient(g, x, mn, mx))
+    got_g, want_g = both(monkeypatch, lambda: ops.fake_quant_with_min_max_vars_per_channel_gradient(g, x, mn, mx))
+    for a, b in zip(got + got_g, want + want_g):
+        same_bits(a, b)
+    assert not np.isnan(got_g[1]).any()

@@ -66,14 +66,17 @@ def load_fake_quant_operands(operands, variant, *, with_gradients):
 
 
 def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range, axis, xp, overwrite=False,
-                   statistics=True, forward_too=False):
+                   statistics=True, forward_too=False, infinities=None):
     """Call the op for ``variant``; returns (outputs dict, grid, clipping statistics, or None without
     ``statistics``).
 
-    ``overwrite``: ``gradients`` is this job's own array and nothing reads it afterwards, so the backprops may
-    take its buffer (no second tensor-sized array to allocate and fault in); the statistics, which need the
-    gradients, are taken before the op.  ``forward_too``: with gradients, the forward's ``outputs`` as well,
-    from the fused op (one pass over inputs and gradients).
+    ``overwrite``: the arrays read for this job are its own and nothing reads them afterwards, so the op's
+    tensor-sized result may take the buffer of one (no second tensor-sized array to allocate and fault in):
+    the backprops the gradients', the forward's outputs (no gradients) the inputs'.  What the summary needs
+    of them is taken before the op: the statistics, and, where the inputs are overwritten, their counts of
+    +inf and -inf, put in the dict ``infinities`` (key "inputs", see :func:`input_infinities`).
+    ``forward_too``: with gradients, the forward's ``outputs`` as well, from the fused op (one pass over
+    inputs and gradients).
     """
 
     attrs = dict(num_bits=num_bits, narrow_range=narrow_range)
@@ -96,13 +99,17 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
             x_last, g_last = (None if a is None else xp.moveaxis(a, axis, -1) for a in (x, g))
         stats = clip_statistics(x_last, grid, g_last)
     out = g if overwrite and can_take(g, x) else None
+    if g is None and overwrite and can_take(x):  # the forward writes its outputs over the inputs
+        out = x
+        if infinities is not None:
+            infinities["inputs"] = input_infinities(stats, x)
     forward_too = forward_too and g is not None
     if variant == "args":
         if forward_too:
             y, dx = ops.fake_quant_with_min_max_args_and_gradient(g, x, lo, hi, out=out, **attrs)
             return {"outputs": y, "backprops": dx}, grid, stats
         if g is None:
-            outputs = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, **attrs)}
+            outputs = {"outputs": ops.fake_quant_with_min_max_args(x, lo, hi, out=out, **attrs)}
         else:
             outputs = {"backprops": ops.fake_quant_with_min_max_args_gradient(g, x, lo, hi, out=out, **attrs)}
         return outputs, grid, stats
@@ -118,7 +125,7 @@ def run_fake_quant(variant, gradients, inputs, mn, mx, *, num_bits, narrow_range
         res = both(g, x, mn, mx, out=out, **attrs)
         return dict(zip(("outputs", "backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res)), grid, stats
     if g is None:
-        return {"outputs": forward(x, mn, mx, **attrs)}, grid, stats
+        return {"outputs": forward(x, mn, mx, out=out, **attrs)}, grid, stats
     res = gradient(g, x, mn, mx, out=out, **attrs)
     return dict(zip(("backprops_wrt_input", "backprop_wrt_min", "backprop_wrt_max"), res)), grid, stats
 
@@ -149,18 +156,25 @@ def range_warnings(grid):
     return notes
 
 
-def nan_warnings(stats, inputs=None, grid=None, variant=None):
-    """A note when the inputs hold NaN or +-inf: NaN from the statistics already taken; +-inf, which the
-    statistics count as clipped, by a pass over ``inputs`` only when some value clipped on that side."""
+def input_infinities(stats, inputs):
+    """``(+inf count, -inf count)`` of ``inputs``, which the statistics count as clipped: a pass over them only
+    when some value clipped on that side."""
+    pos = neg = 0
+    if stats and inputs is not None and getattr(inputs, "dtype", None) is not None and inputs.dtype.kind == "f":
+        xp = array_module(inputs)
+        pos = int(xp.count_nonzero(inputs == np.inf)) if stats.get("clipped_above") else 0
+        neg = int(xp.count_nonzero(inputs == -np.inf)) if stats.get("clipped_below") else 0
+    return pos, neg
+
+
+def nan_warnings(stats, inputs=None, grid=None, variant=None, infinities=None):
+    """A note when the inputs hold NaN or +-inf: NaN from the statistics already taken; +-inf from
+    ``infinities`` (counted before the inputs were overwritten) or :func:`input_infinities` of ``inputs``."""
     if not stats:
         return []
     n = stats["elements"]
     nan = round(stats.get("nan", 0.0) * n)
-    pos = neg = 0
-    if inputs is not None and getattr(inputs, "dtype", None) is not None and inputs.dtype.kind == "f":
-        xp = array_module(inputs)
-        pos = int(xp.count_nonzero(inputs == np.inf)) if stats.get("clipped_above") else 0
-        neg = int(xp.count_nonzero(inputs == -np.inf)) if stats.get("clipped_below") else 0
+    pos, neg = infinities if infinities is not None else input_infinities(stats, inputs)
     return nonfinite_note(n, nan, pos, neg, grid, variant)
 
 
@@ -185,13 +199,13 @@ def nonfinite_note(n, nan, pos, neg, grid=None, variant=None):
             f"0{to_vars}"]
 
 
-def build_summary(command, op, variant, operands, raw, outputs, grid, stats, attrs, output):
+def build_summary(command, op, variant, operands, raw, outputs, grid, stats, attrs, output, infinities=None):
     notes = []
     for name, value in raw.items():
         dtype = getattr(value, "dtype", None)
         if dtype is not None and str(dtype) not in ("float32",) and name in ("inputs", "gradients"):
             notes.append(f"{name} is {dtype}; computed in float32 as TensorFlow does")
-    notes += range_warnings(grid) + nan_warnings(stats, raw.get("inputs"), grid, variant)
+    notes += range_warnings(grid) + nan_warnings(stats, raw.get("inputs"), grid, variant, infinities)
     return json_safe({
         "command": command,
         "op": op,
@@ -216,11 +230,12 @@ def compute(job, operands):
         raise OptionError("only applies to --variant per-channel", param_hint="'--axis'")
     xp, (gradients, inputs) = to_device([gradients, inputs], job.output.device)
     op = TF_OPS[variant] + ("Gradient" if with_gradients else "")
-    # The figure draws the gradients, so they are only overwritten without one.
+    # The figure draws the gradients and the inputs, so they are only overwritten without one.
+    infinities = {}
     outputs, grid, stats = run_fake_quant(variant, gradients, inputs, mn, mx, num_bits=job.num_bits,
                                           narrow_range=job.narrow_range, axis=axis, xp=xp,
                                           overwrite=not job.output.plot, statistics=job.output.shows_summary,
-                                          forward_too=job.forward_too)
+                                          forward_too=job.forward_too, infinities=infinities)
     attrs = {"op": op, "variant": variant, "num_bits": job.num_bits, "narrow_range": job.narrow_range}
     if variant == "per-channel":
         attrs["axis"] = -1 if axis is None else axis
@@ -230,7 +245,8 @@ def compute(job, operands):
     # Nobody sees the summary (--quiet, or a run-file group past the table): its op only, the one thing the
     # run file's record keeps of it.
     summary = build_summary(job.command, op, variant, operands, raw, outputs, grid, stats, attrs,
-                            job.output.destination) if job.output.shows_summary else {"op": op}
+                            job.output.destination, infinities.get("inputs")
+                            ) if job.output.shows_summary else {"op": op}
 
     def figure():
         """The STE figure of this run (staircase, mask, backprops); per-channel data drawn flattened."""

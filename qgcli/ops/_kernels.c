@@ -47,13 +47,14 @@ static inline float qg_forward(float x, float nmin, float nmax, float scale, flo
     return passthrough != 0.0f ? 0.0f : v;
 }
 
-/* The loops with `divide` and `flush` constant, so each variant vectorizes without branches.  out may be x
- * itself (the outputs written over the inputs): neither is restrict, each x[k] is read before out[k] is
- * written, and ivdep spares the vectoriser a run-time overlap check (as in qg_backprop_rows below). */
+/* The loops with `divide`, `flush` and `pt` (some channel is 0..0) constant, so each variant vectorizes
+ * without branches (and without a passthrough blend where no channel needs one).  out may be x itself (the
+ * outputs written over the inputs): neither is restrict, each x[k] is read before out[k] is written, and
+ * ivdep spares the vectoriser a run-time overlap check (as in qg_backprop_rows below). */
 static inline __attribute__((always_inline)) void qg_quantize_rows(
     const float *x, float *out, int64_t rows, int64_t depth, const float *restrict nmin,
     const float *restrict nmax, const float *restrict scale, const float *restrict inv,
-    const float *restrict qz, const float *restrict passthrough, const int divide, const int flush) {
+    const float *restrict qz, const float *restrict passthrough, const int divide, const int flush, const int pt) {
     if (depth == 1) {
         float a = nmin[0], b = nmax[0], s = scale[0], i = inv[0], q = qz[0], p = passthrough[0];
 #pragma GCC ivdep
@@ -65,8 +66,16 @@ static inline __attribute__((always_inline)) void qg_quantize_rows(
         float *orow = out + r * depth;
 #pragma GCC ivdep
         for (int64_t c = 0; c < depth; ++c)
-            orow[c] = qg_forward(xr[c], nmin[c], nmax[c], scale[c], inv[c], qz[c], passthrough[c], divide, flush);
+            orow[c] = qg_forward(xr[c], nmin[c], nmax[c], scale[c], inv[c], qz[c], pt ? passthrough[c] : 0.0f,
+                                 divide, flush);
     }
+}
+
+/* Whether any of the n values is not 0 (a passthrough row holding a 1.0: some channel is 0..0). */
+static inline int qg_any(const float *restrict v, int64_t n) {
+    int any = 0;
+    for (int64_t k = 0; k < n; ++k) any |= v[k] != 0.0f;
+    return any;
 }
 
 /* params: [6][depth] rows nudged_min, nudged_max, scale, inv_scale, quant_zero, passthrough (1.0 or 0.0);
@@ -75,10 +84,19 @@ void qg_quantize(const float *x, float *out, int64_t rows, int64_t depth,
                  const float *restrict params, int divide, int flush) {
     const float *nmin = params, *nmax = params + depth, *scale = params + 2 * depth, *inv = params + 3 * depth,
                 *qz = params + 4 * depth, *passthrough = params + 5 * depth;
-    if (divide && flush) qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 1, 1);
-    else if (divide) qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 1, 0);
-    else if (flush) qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 0, 1);
-    else qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, 0, 0);
+#define QG_Q(d, fl, p) qg_quantize_rows(x, out, rows, depth, nmin, nmax, scale, inv, qz, passthrough, d, fl, p)
+#define QG_MODES(p)                    \
+    if (divide && flush) QG_Q(1, 1, p); \
+    else if (divide) QG_Q(1, 0, p);     \
+    else if (flush) QG_Q(0, 1, p);      \
+    else QG_Q(0, 0, p);
+    if (depth > 1 && qg_any(passthrough, depth)) {
+        QG_MODES(1)
+    } else {
+        QG_MODES(0)
+    }
+#undef QG_MODES
+#undef QG_Q
 }
 
 /* TF's Nudge() of n ranges in float32 under FTZ/DAZ (the NumPy version: fake_quant.nudge).  out: [11][n]
@@ -230,12 +248,65 @@ static inline __attribute__((always_inline)) void qg_leaf_flat(
     *sum_max = qg_leaf_total(p_max, t_max);
 }
 
+#ifdef __AVX2__
+#include <immintrin.h>
+/* One row of the column leaves 8 channels at a time, written out in AVX2 (GCC's own vectorisation of the
+ * loop below reloads the bounds after each store and keeps a passthrough blend every channel pays for): the
+ * operations of qg_dx, qg_below, qg_above and qg_forward on each lane, each value the same bits.  The blends
+ * take g * 1 as g and g * 0 as fg * 0, as GCC compiles those products (-fno-signaling-nans: a NaN stays a
+ * NaN).  Returns the channels done (a multiple of 8); the caller does the rest. */
+static inline __attribute__((always_inline)) int64_t qg_row_avx2(
+    const float *g, const float *restrict x, float *dx, float *restrict out, int64_t depth,
+    const float *restrict lo, const float *restrict hi, const float *restrict passthrough, float *restrict am,
+    float *restrict ax, qg_fparams f, const int fwd, const int divide, const int flush, const int pt) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 tiny = _mm256_set1_ps(QG_TINY), zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
+    int64_t c = 0;
+    for (; c + 8 <= depth; c += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + c), xv = _mm256_loadu_ps(x + c);
+        const __m256 l = _mm256_loadu_ps(lo + c), h = _mm256_loadu_ps(hi + c);
+        if (fwd) {
+            __m256 v = _mm256_min_ps(_mm256_loadu_ps(f.nmax + c), xv); /* (nmax < x) ? nmax : x */
+            const __m256 nmin = _mm256_loadu_ps(f.nmin + c);
+            v = _mm256_max_ps(nmin, v); /* (v < nmin) ? nmin : v */
+            if (flush) {
+                __m256 small = _mm256_cmp_ps(_mm256_and_ps(v, absmask), tiny, _CMP_LT_OQ);
+                v = _mm256_blendv_ps(v, _mm256_and_ps(v, signmask), small);
+            }
+            v = _mm256_sub_ps(v, nmin);
+            v = divide ? _mm256_div_ps(v, _mm256_loadu_ps(f.scale + c)) : _mm256_mul_ps(v, _mm256_loadu_ps(f.inv + c));
+            v = _mm256_add_ps(_mm256_sub_ps(v, _mm256_loadu_ps(f.qz + c)), half);
+            v = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            v = _mm256_mul_ps(v, _mm256_loadu_ps(f.scale + c));
+            if (pt) v = _mm256_and_ps(v, _mm256_cmp_ps(_mm256_loadu_ps(f.passthrough + c), zero, _CMP_EQ_OQ));
+            _mm256_storeu_ps(out + c, v);
+        }
+        const __m256 small = _mm256_cmp_ps(_mm256_and_ps(gv, absmask), tiny, _CMP_LT_OQ);
+        const __m256 fg = _mm256_blendv_ps(gv, _mm256_and_ps(gv, signmask), small); /* qg_flush(g) */
+        const __m256 z = _mm256_mul_ps(fg, zero);                                   /* fg * 0 */
+        const __m256 below = _mm256_cmp_ps(xv, l, _CMP_LT_OQ), above = _mm256_cmp_ps(xv, h, _CMP_GT_OQ);
+        const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(xv, l, _CMP_GE_OQ), _mm256_cmp_ps(xv, h, _CMP_LE_OQ));
+        __m256 d = _mm256_blendv_ps(z, fg, inside);
+        if (pt) d = _mm256_blendv_ps(d, gv, _mm256_cmp_ps(_mm256_loadu_ps(passthrough + c), zero, _CMP_NEQ_UQ));
+        _mm256_storeu_ps(dx + c, d);
+        _mm256_storeu_ps(am + c, _mm256_add_ps(_mm256_loadu_ps(am + c), _mm256_blendv_ps(z, fg, below)));
+        _mm256_storeu_ps(ax + c, _mm256_add_ps(_mm256_loadu_ps(ax + c), _mm256_blendv_ps(z, fg, above)));
+    }
+    return c;
+}
+#define QG_ROW(gr, xr, dr, orow, am, ax) \
+    qg_row_avx2(gr, xr, dr, orow, depth, lo, hi, passthrough, am, ax, f, fwd, divide, flush, pt)
+#else
+#define QG_ROW(gr, xr, dr, orow, am, ax) ((int64_t)0)
+#endif
+
 /* Rows of `depth` channels: the same packet sums, down each column.  `acc` holds 2 * 41 * depth floats. */
 static inline __attribute__((always_inline)) void qg_leaf_columns(
     const float *g, const float *restrict x, float *dx, float *restrict out, int64_t length, int64_t depth,
     const float *restrict lo, const float *restrict hi, const float *restrict passthrough, float *restrict acc,
     float *restrict sums_min, float *restrict sums_max, qg_fparams f, const int fwd, const int divide,
-    const int flush) {
+    const int flush, const int pt) {
     float *restrict acc_min = acc, *acc_max = acc + 32 * depth;           /* [32][depth] each */
     float *restrict p_min = acc + 64 * depth, *p_max = acc + 72 * depth;  /* [8][depth] each */
     float *restrict t_min = acc + 80 * depth, *t_max = acc + 81 * depth;  /* [depth] each */
@@ -245,8 +316,9 @@ static inline __attribute__((always_inline)) void qg_leaf_columns(
         const float *gr = g + j * depth, *restrict xr = x + j * depth;
         float *dr = dx + j * depth, *am = acc_min + (j & 31) * depth, *ax = acc_max + (j & 31) * depth;
         float *restrict orow = fwd ? out + j * depth : NULL;
+        int64_t c0 = QG_ROW(gr, xr, dr, orow, am, ax);
 #pragma GCC ivdep
-        for (int64_t c = 0; c < depth; ++c) {
+        for (int64_t c = c0; c < depth; ++c) {
             float gv = gr[c], xv = xr[c];
             if (fwd) orow[c] = QG_FWD(xv, c);
             dr[c] = qg_dx(gv, xv, lo[c], hi[c], passthrough[c]);
@@ -267,8 +339,9 @@ static inline __attribute__((always_inline)) void qg_leaf_columns(
         float *dr = dx + j * depth, *restrict orow = fwd ? out + j * depth : NULL;
         float *restrict pm = j < whole ? p_min + (j & 7) * depth : t_min;
         float *restrict pa = j < whole ? p_max + (j & 7) * depth : t_max;
+        int64_t c0 = QG_ROW(gr, xr, dr, orow, pm, pa);
 #pragma GCC ivdep
-        for (int64_t c = 0; c < depth; ++c) {
+        for (int64_t c = c0; c < depth; ++c) {
             float gv = gr[c], xv = xr[c];
             if (fwd) orow[c] = QG_FWD(xv, c);
             dr[c] = qg_dx(gv, xv, lo[c], hi[c], passthrough[c]);
@@ -295,6 +368,7 @@ static inline __attribute__((always_inline)) int qg_leaves(
     const float *g, const float *restrict x, float *dx, float *restrict out, int64_t depth, int64_t n_leaves,
     const int64_t *restrict lengths, const float *restrict bounds, float *restrict sums, qg_fparams f,
     const int fwd, const int divide, const int flush) {
+    const int pt = depth > 1 && qg_any(bounds + 2 * depth, depth); /* some channel is 0..0 */
     const float *lo = bounds, *hi = bounds + depth, *passthrough = bounds + 2 * depth;
     float *sums_min = sums, *sums_max = sums + n_leaves * depth;
     float *restrict acc = NULL;
@@ -305,7 +379,7 @@ static inline __attribute__((always_inline)) int qg_leaves(
                          fwd, divide, flush);
         else
             qg_leaf_columns(g, x, dx, out, lengths[i], depth, lo, hi, passthrough, acc, sums_min + i * depth,
-                            sums_max + i * depth, f, fwd, divide, flush);
+                            sums_max + i * depth, f, fwd, divide, flush, pt);
         g += lengths[i] * depth;
         x += lengths[i] * depth;
         dx += lengths[i] * depth;
@@ -1253,7 +1327,7 @@ QG_SUMS void qg_monitor_downstream(const float *restrict dx, const float *restri
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 22; }
+int qg_abi_version(void) { return 23; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

@@ -25,6 +25,10 @@ from qgcli.signals import deferred
 
 _F32 = np.float32
 BLOCK_ELEMENTS = 1 << 17  # 512 KiB of float32 per operand: the chain stays in L2/L3
+# The compiled kernels make one pass per block and keep nothing in cache between blocks: their blocks only share
+# the work among the threads, and each costs a call and (on the pool) a hand-over of some 10-50 us of CPU, which
+# 196 blocks of BLOCK_ELEMENTS made a quarter of a 103 MB forward op on two threads.
+NATIVE_BLOCK_MAX = 1 << 22  # 16 MiB of float32 per operand
 _pools = {}  # name: ThreadPoolExecutor
 _pool_lock = threading.Lock()
 
@@ -126,9 +130,19 @@ def _scratch(name, shape, dtype):
     return buf[:size].reshape(shape)
 
 
-def _row_ranges(rows, row_elements):
-    step = max(1, BLOCK_ELEMENTS // max(1, row_elements))
+def _row_ranges(rows, row_elements, block=BLOCK_ELEMENTS):
+    step = max(1, block // max(1, row_elements))
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def native_block(elements):
+    """Values per block of a compiled kernel over ``elements`` values: about four blocks per worker (so the
+    threads finish together), each at least BLOCK_ELEMENTS and at most NATIVE_BLOCK_MAX."""
+    return min(NATIVE_BLOCK_MAX, max(BLOCK_ELEMENTS, elements // (4 * workers())))
+
+
+def _native_row_ranges(rows, depth):
+    return _row_ranges(rows, depth, native_block(rows * depth))
 
 
 def _has_subnormal(a):
@@ -160,7 +174,7 @@ def quantize(x2, params, divide, flush, *, table=None, out=None):
             offset = 4 * r0 * depth
             lib.qg_quantize(x_at + offset, out_at + offset, r1 - r0, depth, table_at, int(divide), int(flush))
 
-        _map(run_native, _row_ranges(rows, depth))
+        _map(run_native, _native_row_ranges(rows, depth))
         return out
 
     def run(rng):
@@ -230,7 +244,7 @@ def fused(g2, x2, params, divide, flush, bounds, *, reduce, kind, out=None, tabl
             lib.qg_fused(g_at + offset, x_at + offset, dx_at + offset, out_at + offset, rng[1] - rng[0], depth,
                          p_at, b_at, *modes)
 
-        _map(run, _row_ranges(rows, depth))
+        _map(run, _native_row_ranges(rows, depth))
         return outputs, dx
     p = reduction.plan(rows, kind=kind)
 
@@ -243,7 +257,7 @@ def fused(g2, x2, params, divide, flush, bounds, *, reduce, kind, out=None, tabl
             raise MemoryError("no memory for the per-channel sums of a gradient block")
         return sums
 
-    parts = _map(run_leaves, _native_leaf_blocks(p.leaves, depth))
+    parts = _map(run_leaves, _native_leaf_blocks(p.leaves, depth, native_block(rows * depth)))
     sums = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     return (outputs, dx, *finish_sums(p, sums[0], sums[1], bounds[2]))
 
@@ -331,7 +345,7 @@ def _backprop_rows_native(lib, g2, x2, dx, bounds, leaves):
             offset = 4 * r0 * depth
             lib.qg_backprop(g_at + offset, x_at + offset, dx_at + offset, r1 - r0, depth, bounds_at)
 
-        _map(run_dx, _row_ranges(rows, depth))
+        _map(run_dx, _native_row_ranges(rows, depth))
         return dx, None, None
     first = leaves[0][0]
 
@@ -344,30 +358,30 @@ def _backprop_rows_native(lib, g2, x2, dx, bounds, leaves):
             raise MemoryError("no memory for the per-channel sums of a gradient block")
         return sums
 
-    parts = _map(run, _native_leaf_blocks(tuple(leaves), depth))
+    parts = _map(run, _native_leaf_blocks(tuple(leaves), depth, native_block(rows * depth)))
     sums = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     return dx, sums[0], sums[1]
 
 
 @functools.lru_cache(maxsize=32)
-def _native_leaf_blocks(leaves, depth):
-    """:func:`_leaf_blocks` as the compiled kernel takes them, once per set of leaves: ``(row0, lengths,
-    the lengths' address)`` (the cache keeps each read-only lengths array alive)."""
+def _native_leaf_blocks(leaves, depth, block):
+    """:func:`_leaf_blocks` of about ``block`` values as the compiled kernel takes them, once per set of leaves:
+    ``(row0, lengths, the lengths' address)`` (the cache keeps each read-only lengths array alive)."""
     blocks = []
-    for r0, _, block_leaves in _leaf_blocks(leaves, depth):
+    for r0, _, block_leaves in _leaf_blocks(leaves, depth, block):
         lengths = np.array([length for _, length in block_leaves], np.int64)
         lengths.setflags(write=False)
         blocks.append((r0, lengths, lengths.__array_interface__["data"][0]))
     return tuple(blocks)
 
 
-def _leaf_blocks(leaves, depth):
-    """Group consecutive leaves into blocks of about BLOCK_ELEMENTS values: ``(row0, row1, leaves)``."""
+def _leaf_blocks(leaves, depth, block=BLOCK_ELEMENTS):
+    """Group consecutive leaves into blocks of about ``block`` values: ``(row0, row1, leaves)``."""
     blocks, current, size = [], [], 0
     for leaf in leaves:
         current.append(leaf)
         size += leaf[1] * depth
-        if size >= BLOCK_ELEMENTS:
+        if size >= block:
             blocks.append(current)
             current, size = [], 0
     if current:
