@@ -21,6 +21,27 @@ class SmallWriter:
         self._dcpl.set_obj_track_times(False)  # h5py's default (create_dataset's track_times=False)
         self._types = {}  # dtype -> (file type, memory type), as h5py derives them
         self._scalar = h5s.create(h5s.SCALAR)
+        self._lcpl = {}  # coding -> h5py's link creation properties with that character set
+
+    def link_name(self, name):
+        """``name`` encoded as h5py encodes link names, with its link creation properties (parents created)."""
+        name, coding = _encoded(name)
+        lcpl = self._lcpl.get(coding)
+        if lcpl is None:
+            lcpl = self._lcpl[coding] = base.dlcpl.copy()  # h5py's own: parents created
+            lcpl.set_char_encoding(coding)
+        return name, lcpl
+
+    def child(self, gid, name):
+        """A new group ``name`` (a path: its missing parents are made) below the group ``gid``."""
+        name, lcpl = self.link_name(name)
+        return h5g.create(gid, name, lcpl=lcpl)
+
+    def allocated(self, gid, name, shape, dtype, dcpl):
+        """An empty dataset ``name`` of ``shape`` and ``dtype`` in the group ``gid``, made with ``dcpl`` (its
+        storage allocated at once, where the caller writes it): its DatasetID."""
+        ftype, _ = self._type(np.dtype(dtype))
+        return h5d.create(gid, self.link_name(name)[0], ftype, h5s.create_simple(tuple(shape)), dcpl=dcpl)
 
     def group(self, path):
         """The GroupID at ``path`` (text as h5py spells names), created with its parents where missing."""
@@ -33,19 +54,20 @@ class SmallWriter:
             return h5g.open(self.file.id, name)
 
     def dataset(self, gid, name, array):
-        """``create_dataset(name, data=array)`` in the group ``gid`` for a non-empty array of plain numbers;
-        False (nothing made) for anything else, which the caller writes with h5py's own call."""
-        if array.ndim == 0 or array.size == 0 or array.dtype.kind not in "biuf" or array.dtype.fields is not None:
+        """``create_dataset(name, data=array)`` in the group ``gid`` for a non-empty array (or a scalar) of plain
+        numbers; False (nothing made) for anything else, which the caller writes with h5py's own call."""
+        if array.size == 0 or array.dtype.kind not in "biuf" or array.dtype.fields is not None:
             return False
-        array = np.ascontiguousarray(array)
+        space = h5s.create_simple(array.shape) if array.ndim else self._scalar
+        array = np.ascontiguousarray(array)  # (a 0-d array comes out 1-d: the space is the array's own)
         ftype, _ = self._type(array.dtype)
-        dsid = h5d.create(gid, base.CommonStateObject()._e(name), ftype, h5s.create_simple(array.shape),
-                          dcpl=self._dcpl)
+        dsid = h5d.create(gid, self.link_name(name)[0], ftype, space, dcpl=self._dcpl)
         dsid.write(h5s.ALL, h5s.ALL, array)
         return True
 
-    def attributes(self, gid, attrs):
-        """``attrs[key] = value`` for each item (scalars: numbers, bools, strings); others by h5py's own call."""
+    def attributes(self, gid, attrs, *, new=False):
+        """``attrs[key] = value`` for each item (scalars: numbers, bools, strings); others by h5py's own call.
+        ``new``: the object has none of these attributes yet (nothing to replace: not looked for)."""
         for key, value in attrs.items():
             kind = _PLAIN.get(type(value))
             data = np.asarray(value, dtype=kind) if kind is not None else base.array_for_new_object(value)
@@ -56,7 +78,7 @@ class SmallWriter:
                 AttributeManager(_Parent(gid))[key] = value
                 continue
             ftype, mtype = self._type(data.dtype)
-            if h5a.exists(gid, name):
+            if not new and h5a.exists(gid, name):
                 h5a.delete(gid, name)
             attr = h5a.create(gid, name, ftype, self._scalar)
             try:
@@ -69,6 +91,16 @@ class SmallWriter:
         if types is None:
             types = self._types[dtype] = (h5t.py_create(dtype, logical=True), h5t.py_create(dtype))
         return types
+
+
+def _encoded(name):
+    """A link name as h5py encodes it (``CommonStateObject._e``): ASCII where it can be, else UTF-8."""
+    if isinstance(name, bytes):
+        return name, h5t.CSET_ASCII
+    try:
+        return name.encode("ascii"), h5t.CSET_ASCII
+    except UnicodeEncodeError:
+        return name.encode("utf8"), h5t.CSET_UTF8
 
 
 #: The dtype h5py gives a plain Python value (``base.guess_dtype``, then NumPy's own), looked up by its type.
