@@ -137,9 +137,9 @@ def _allocated():
 
 
 def _background(value):
-    """Whether ``value`` goes to the file through :class:`BackgroundWrites`: a non-empty numeric array of at
-    least one dimension in native byte order (h5py stores it as it is in memory); the others through h5py."""
-    return value.ndim >= 1 and value.size > 0 and value.dtype.kind in "biufc" and value.dtype.isnative
+    """Whether ``value`` goes to the file through :class:`BackgroundWrites`: a non-empty numeric array (or scalar)
+    in native byte order (h5py stores it as it is in memory); the others through h5py."""
+    return value.size > 0 and value.dtype.kind in "biufc" and value.dtype.isnative
 
 
 def ancestors(path):
@@ -377,8 +377,7 @@ class RunFileWriter:
             staged = f".g{self._opened:05d}"  # flat until the commit names it
             self._opened += 1
             self.groups[path] = staged
-            gid = self._small.child(staging.id, staged)
-            self._small.attributes(gid, clean, new=True)
+            gid = self._small.attributed(staging.id, staged, clean)
         return Group(self, path, gid, staged)
 
     def drop(self, path):
@@ -521,7 +520,9 @@ class RunFileWriter:
             self._writes.wait(raise_error=False)
             self._writes.close()
             self._writes = None
-        self._small = None
+        if self._small is not None:
+            self._small.close()
+            self._small = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -8,7 +8,7 @@ that.  Anything they were not written for (a compressed or chunked dataset, a no
 to h5py's own calls by the caller or here.
 """
 import numpy as np
-from h5py import h5a, h5d, h5g, h5p, h5s, h5t
+from h5py import h5a, h5d, h5g, h5o, h5p, h5s, h5t
 from h5py._hl import base
 
 
@@ -22,6 +22,9 @@ class SmallWriter:
         self._types = {}  # dtype -> (file type, memory type), as h5py derives them
         self._scalar = h5s.create(h5s.SCALAR)
         self._lcpl = {}  # coding -> h5py's link creation properties with that character set
+        self._templates = None  # an in-memory HDF5 file of groups with attributes only, copied by attributed()
+        self._copy = None  # the object copy properties of those copies
+        self._made = {}  # the attributes of a template (as a hashable key) -> its name in that file
 
     def link_name(self, name):
         """``name`` encoded as h5py encodes link names, with its link creation properties (parents created)."""
@@ -37,11 +40,44 @@ class SmallWriter:
         name, lcpl = self.link_name(name)
         return h5g.create(gid, name, lcpl=lcpl)
 
+    def attributed(self, gid, name, attrs):
+        """A new group ``name`` below the group ``gid`` with the scalar attributes ``attrs``: one copy (H5Ocopy)
+        of a group made once with them, in an in-memory file (17 us where the group and 4 attributes made one by
+        one take 68 us); the same objects as :meth:`child` and :meth:`attributes`."""
+        key = _key(attrs)
+        if key is None or (key not in self._made and len(self._made) >= MAX_TEMPLATES):
+            made = self.child(gid, name)
+            self.attributes(made, attrs, new=True)
+            return made
+        template = self._made.get(key)
+        if template is None:
+            if self._templates is None:
+                import os
+
+                from h5py import File
+
+                self._templates = File(f"qgcli-templates-{os.urandom(8).hex()}", "w", driver="core",
+                                       backing_store=False)
+                self._copy = h5p.create(h5p.OBJECT_COPY)
+            template = self._made[key] = f"t{len(self._made)}".encode()
+            self.attributes(h5g.create(self._templates.id, template), attrs, new=True)
+        link, lcpl = self.link_name(name)
+        h5o.copy(self._templates.id, template, gid, link, copypl=self._copy, lcpl=lcpl)
+        return h5g.open(gid, link)
+
+    def close(self):
+        """Free the templates of :meth:`attributed`."""
+        if self._templates is not None:
+            self._templates.close()
+            self._templates = None
+        self._made = {}
+
     def allocated(self, gid, name, shape, dtype, dcpl):
         """An empty dataset ``name`` of ``shape`` and ``dtype`` in the group ``gid``, made with ``dcpl`` (its
         storage allocated at once, where the caller writes it): its DatasetID."""
         ftype, _ = self._type(np.dtype(dtype))
-        return h5d.create(gid, self.link_name(name)[0], ftype, h5s.create_simple(tuple(shape)), dcpl=dcpl)
+        space = h5s.create_simple(tuple(shape)) if len(shape) else self._scalar
+        return h5d.create(gid, self.link_name(name)[0], ftype, space, dcpl=dcpl)
 
     def group(self, path):
         """The GroupID at ``path`` (text as h5py spells names), created with its parents where missing."""
@@ -91,6 +127,21 @@ class SmallWriter:
         if types is None:
             types = self._types[dtype] = (h5t.py_create(dtype, logical=True), h5t.py_create(dtype))
         return types
+
+
+#: Templates one writer keeps at most (one per distinct set of attributes; past it, groups are made one by one).
+MAX_TEMPLATES = 4096
+
+
+def _key(attrs):
+    """``attrs`` as a hashable key (the type of each value too: 1 and True make different attributes), None
+    where a value is no scalar."""
+    try:
+        key = tuple((k, type(v), v) for k, v in sorted(attrs.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _encoded(name):
