@@ -58,12 +58,19 @@ def _malloc_trim():
 _TRIM = []
 
 
+_STATM = []  # (pid, descriptor of its /proc/self/statm, page size): opened once per process
+
+
 def resident_bytes():
-    """The process's resident memory now (Linux's ``/proc/self/statm``; None elsewhere)."""
+    """The process's resident memory now (Linux's ``/proc/self/statm``, read again at offset 0 from a descriptor
+    opened once per process: opening it each time cost a captured ResNet-18 step 0.08 s on a busy machine; None
+    elsewhere)."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        if not _STATM or _STATM[0][0] != os.getpid():  # (a forked child reads its own)
+            _STATM[:] = [(os.getpid(), os.open("/proc/self/statm", os.O_RDONLY), os.sysconf("SC_PAGE_SIZE"))]
+        _, fd, page = _STATM[0]
+        return int(os.pread(fd, 256, 0).split()[1]) * page
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
