@@ -5,8 +5,9 @@ A capture instead creates each dataset with its storage allocated at once (conti
 offset in the file, and hands the bytes here: they are copied into a ring buffer (a ``memcpy``: the step may
 change its tensors in place afterwards, an optimizer its weights), and a thread writes them with
 ``os.pwrite``, which releases the GIL, and hashes the ones kept as a digest (``hashlib`` releases it too) into
-the 32 bytes the caller gives (a row of the step's digest table, written when the step is committed).  Memory: the ring, whatever the step; an array larger than the ring, or small
-(:data:`INLINE_BYTES`), is written at once by the caller.  :meth:`BackgroundWrites.wait` returns when
+the 32 bytes the caller gives (a row of the step's digest table, written when the step is committed).
+Memory: the ring, whatever the step; an array larger than the ring, or small (:data:`INLINE_BYTES`), is
+written at once by the caller.  :meth:`BackgroundWrites.wait` returns when
 everything handed over is in the file (before HDF5 reads, frees or flushes anything), and raises the thread's
 error, if any.
 """
