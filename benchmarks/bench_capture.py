@@ -16,8 +16,17 @@ appended to the file the earlier ones made), timing each.  Printed, against the 
   imports, then the captured steps: ru_maxrss before and after), the comparison that the imports and the
   allocator's state do not skew;
 * each appended step's time / the first captured step's -- goal <= 1.2x.
+
+``--against DIR`` (a checkout of other code, e.g. a worktree of main) compares the two codes in one run on a
+busy machine: three processes (plain steps; captured steps with this checkout's qgcli; with DIR's) built
+once, then stepped in turn, one step each per round for ``--steps`` rounds (the order rotated), so that the
+load of the moment slows them alike; printed: the median wall and CPU time (process, all threads) of each,
+and for TF the goal from h5py writing one captured step's datasets of each file:
+
+    python benchmarks/bench_capture.py tf --against ../main-worktree --steps 15
 """
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -144,6 +153,103 @@ def _child(framework, mode, steps, repeat, path, threads):
     print(json.dumps(result))
 
 
+def _loop(framework, mode, path, threads):
+    """A child of ``--against``: the model built (and, captured, the capture open: every step appended), then one
+    step per line read (``step N``), its wall and CPU seconds printed; ``end`` closes the capture."""
+    import qgcli
+
+    if framework == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+    step, capture = (_torch_model if framework == "torch" else _tf_model)()
+    with contextlib.ExitStack() as stack:
+        if mode == "plain":
+            step()
+            step()
+        else:
+            cap = stack.enter_context(capture(path, every=1))
+            step()  # the warm-up (TF: the trace with the taps), not captured
+        print(json.dumps({"ready": qgcli.__file__}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "end":
+                break
+            i = int(line.split()[1])
+            t, c = time.perf_counter(), time.process_time()
+            if mode == "plain":
+                step()
+            else:
+                with cap.step(i):
+                    step()
+            print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - c}), flush=True)
+
+
+def _against(framework, args, directory):
+    """Plain steps, captured steps with this checkout and captured steps with ``args.against``, in turn."""
+    runs = {"plain": ROOT, "capture": ROOT, "capture, --against": os.path.abspath(args.against)}
+    children = {}
+    for name, code in runs.items():
+        path = os.path.join(directory, f"{framework}-{len(children)}.h5")
+        cmd = [sys.executable, os.path.abspath(__file__), "--loop", framework,
+               "plain" if name == "plain" else "capture", "--path", path, "--threads", str(args.threads)]
+        env = dict(os.environ, PYTHONPATH=code + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        children[name] = (subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                           cwd=code), path)
+    for name, (child, _) in children.items():  # built side by side; each says which qgcli it imported
+        line = child.stdout.readline()
+        if not line:
+            sys.exit(f"{framework} {name} failed to start")
+        print(f"{name:20s} qgcli from {json.loads(line)['ready']}")
+    times = {name: [] for name in children}
+    names = list(children)
+    first = None  # TF: the first captured step's datasets, which h5py alone writes in each round (the yardstick)
+    for i in range(args.steps):
+        for name in names[i % 3:] + names[:i % 3]:
+            child = children[name][0]
+            child.stdin.write(f"step {i}\n")
+            child.stdin.flush()
+            times[name].append(json.loads(child.stdout.readline()))
+        if framework == "tf":
+            if first is None:  # step 0, committed and flushed: read while the capture holds the file open
+                first = _first_step(children["capture"][1])
+            t, c = time.perf_counter(), time.process_time()
+            _h5py_write_seconds(first, directory, repeat=1)
+            times.setdefault("h5py alone", []).append({"wall": time.perf_counter() - t,
+                                                       "cpu": time.process_time() - c})
+    for child, _ in children.values():
+        child.stdin.write("end\n")
+        child.stdin.close()
+        child.wait()
+    medians = {name: {k: statistics.median(t[k] for t in steps) for k in ("wall", "cpu")}
+               for name, steps in times.items()}
+    plain = medians["plain"]
+    print(f"== {framework}: {args.steps} rounds, one step of each per round (median wall s / CPU s, process)")
+    for name, m in medians.items():
+        print(f"{name:20s} {m['wall']:.3f} / {m['cpu']:.3f}  = {m['wall'] / plain['wall']:.2f}x / "
+              f"{m['cpu'] / plain['cpu']:.2f}x plain")
+    if framework == "tf":
+        write = medians["h5py alone"]
+        goal = {k: plain[k] + 1.2 * write[k] for k in ("wall", "cpu")}
+        print(f"goal: plain + 1.2x h5py alone ({sum(a.nbytes for a in first) / 1e6:.1f} MB, {len(first)} datasets) "
+              f"= {goal['wall']:.3f} s wall / {goal['cpu']:.3f} s CPU")
+        for name in ("capture", "capture, --against"):
+            print(f"{name:20s} {medians[name]['wall'] / goal['wall']:.2f}x / "
+                  f"{medians[name]['cpu'] / goal['cpu']:.2f}x the goal (wall / CPU)")
+
+
+def _first_step(path):
+    """The datasets of the file's first step, as arrays (the file may be open for writing by a capture)."""
+    import h5py
+
+    arrays = []
+    with h5py.File(path, "r", locking=False) as f:
+        step = f[sorted(f)[0]]
+        step.visititems(lambda name, obj: arrays.append(obj[()])
+                        if isinstance(obj, h5py.Dataset) and "op" in obj.parent.attrs or
+                        isinstance(obj, h5py.Dataset) and obj.parent.name.endswith("/reference") else None)
+    return arrays
+
+
 def _file_figures(path):
     """(operand bytes: the datasets outside reference/, the largest group's bytes in the file, the first
     step's datasets as arrays)."""
@@ -175,11 +281,11 @@ def _datasets(group):
     return names
 
 
-def _h5py_write_seconds(datasets, directory):
+def _h5py_write_seconds(datasets, directory, repeat=3):
     import h5py
 
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeat):
         path = os.path.join(directory, "rewrite.h5")
         t = time.perf_counter()
         with h5py.File(path, "w") as f:
@@ -244,15 +350,20 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the machine may be shared)")
+    parser.add_argument("--against", metavar="DIR", help="a checkout of other code: step it in turn with this one")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--loop", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child[0], args.child[1], args.steps, args.repeat, args.path, args.threads)
         return
+    if args.loop:
+        _loop(args.loop[0], args.loop[1], args.path, args.threads)
+        return
     with tempfile.TemporaryDirectory() as directory:
         for framework in (("torch", "tf") if args.which == "all" else (args.which,)):
-            _run(framework, args, directory)
+            (_against if args.against else _run)(framework, args, directory)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ pytest.importorskip("tf_keras")
 
 from qgcli.capture.tensorflow import capture  # noqa: E402
 from qgcli.cli import main  # noqa: E402
+from qgcli.storage.hdf5.digests import digests_of  # noqa: E402
 
 EXPECTED = ["sequential/quantize_layer/AllValuesQuantize", "sequential/quant_conv/LastValueQuant",
             "sequential/quant_bn", "sequential/quant_relu/MovingAvgQuantize", "sequential/quant_fc/LastValueQuant",
@@ -70,7 +71,8 @@ def test_every_quantizer_and_batch_norm_is_captured(qat_run):
         assert w.attrs["num_bits"] == 8 and w.attrs["narrow_range"]
         a = s["sequential/quant_relu/MovingAvgQuantize"]
         assert a.attrs["op"] == "FakeQuantWithMinMaxVars" and a["min"].shape == ()
-        assert "gradients" in a and {"backprops_wrt_input", "backprop_wrt_min"} <= set(a["reference"])
+        kept = set(a["reference"]) | set(digests_of(f, a.name))  # backprops_wrt_input: a digest
+        assert "gradients" in a and {"backprops_wrt_input", "backprop_wrt_min"} <= kept
         bn = s["sequential/quant_bn"]
         assert bn.attrs["op"] == "FusedBatchNormV3" and bn.attrs["data_format"] == "NHWC"
         assert bn["x"].shape == (8, 4, 4, 4) and bn.attrs["variance_kind"] == "variance"
@@ -142,3 +144,60 @@ def test_a_failed_step_writes_nothing_and_restores_tf(tmp_path):
             raise RuntimeError("diverged")
     assert not path.exists()
     assert tf.quantization.fake_quant_with_min_max_vars is original and not tf.config.functions_run_eagerly()
+
+
+def _converted_frames():
+    """The AutoGraph ``converted_call`` frames on the calling thread's Python stack."""
+    import sys
+
+    frame, found = sys._getframe(1), 0
+    while frame is not None:
+        code = frame.f_code
+        found += code.co_name == "converted_call" and "autograph" in code.co_filename
+        frame = frame.f_back
+    return found
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["left-unconverted", "converted-control"])
+def test_the_recording_callbacks_run_unconverted_by_autograph(tmp_path, monkeypatch, plain):
+    """tf.function converts the code of its step with AutoGraph, and code that it converts converts what it calls:
+    a wrapper converted so would run every callback of every captured step through ``converted_call`` (most of
+    a MobileNetV2 step's callback time before the wrappers were marked ``do_not_convert``).  The callbacks look
+    at their own Python stack as they write; the control (the wrappers not marked) shows that the look sees
+    conversion where there is some."""
+    import qgcli.capture.runfile_writer as writer
+    import qgcli.capture.tensorflow as captf
+
+    if not plain:
+        monkeypatch.setattr(captf, "_plain_python", lambda tf, wrapper: wrapper)
+    seen = []
+    put = writer.Group.put
+
+    def watched(self, operands):
+        seen.append(_converted_frames())
+        return put(self, operands)
+
+    monkeypatch.setattr(writer.Group, "put", watched)
+    x = tf.constant(np.linspace(-2, 2, 24, dtype=np.float32).reshape(4, 6))
+    lo, hi = tf.Variable(-1.0), tf.Variable(1.0)
+    gamma, beta = tf.Variable(np.ones(6, np.float32)), tf.Variable(np.zeros(6, np.float32))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            q = tf.quantization.fake_quant_with_min_max_vars(x, lo, hi)
+            if tf.reduce_sum(q) > -100.0:  # control flow on a tensor: AutoGraph converts this body
+                q = q * 2.0
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(tf.reshape(q, (4, 1, 1, 6)), gamma, beta)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, lo, hi, gamma, beta])
+
+    with capture(str(tmp_path / "run.h5"), step=0) as cap:
+        step(x)
+    assert sorted(cap.groups) == ["batch_norm", "fake_quant"]
+    assert len(seen) == 4  # each group's forward operands and upstream gradient
+    if plain:
+        assert seen == [0, 0, 0, 0]
+    else:
+        assert min(seen) > 0

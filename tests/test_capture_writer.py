@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from qgcli import ops
-from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.runfile_writer import RunFileWriter, digest
 from qgcli.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,16 +40,61 @@ def test_digests_store_each_tensor_once_and_verify_checks_them(tmp_path, runner)
     x, g = _arrays(0)
     with RunFileWriter(path, step=1) as w:
         _fake_quant(w, "net.act", x, g)
-    with h5py.File(path) as f:
+        _fake_quant(w, "net.out", g, x)
+    with h5py.File(path) as f:  # one table per step, not a dataset (and 3 attributes) per digest
+        table = f["step_000001/qgcli_digests"]
+        assert table.attrs["digest"] == "sha256" and table.shape == (4,)
+        rows = {(r["group"].decode(), r["name"].decode()): r for r in table[()]}
+        assert sorted(rows) == [("net/act", "backprops_wrt_input"), ("net/act", "outputs"),
+                                ("net/out", "backprops_wrt_input"), ("net/out", "outputs")]
+        out = ops.fake_quant_with_min_max_vars(g, np.float32(-1.0), np.float32(0.8), num_bits=8, narrow_range=False)
+        row = rows["net/out", "outputs"]
+        assert bytes(row["sha256"]) == bytes(digest(out)) and tuple(row["shape"]) == g.shape
+        assert row["dtype"].decode() == "<f4"
         ref = f["step_000001/net/act/reference"]
-        assert ref["outputs"].shape == (32,) and ref["outputs"].attrs["digest"] == "sha256"
-        assert tuple(ref["outputs"].attrs["shape"]) == x.shape and ref["backprop_wrt_min"].shape == ()
-    assert os.path.getsize(path) < 1.1 * (x.nbytes + g.nbytes) + 20_000
+        assert sorted(ref) == ["backprop_wrt_max", "backprop_wrt_min"] and ref["backprop_wrt_min"].shape == ()
+    assert os.path.getsize(path) < 1.1 * 2 * (x.nbytes + g.nbytes) + 20_000
+    r = runner.invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 0, r.output
+    layers = json.loads(r.stdout)["layers"]
+    assert [la["status"] for la in layers] == ["identical"] * 2
+    assert all(la["outputs"][k]["digest"] == "sha256" for la in layers for k in ("outputs", "backprops_wrt_input"))
+    with h5py.File(path, "a") as f:  # a digest that differs by one bit fails its layer, and only it
+        table = f["step_000001/qgcli_digests"]
+        rows = table[()]
+        i = [n for n, r in enumerate(rows) if (r["group"], r["name"]) == (b"net/out", b"outputs")][0]
+        rows[i]["sha256"][0] ^= 1
+        table[i] = rows[i]
+    r = runner.invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 1
+    failed = [la for la in json.loads(r.stdout)["layers"] if not la["passed"]]
+    assert [la["path"] for la in failed] == ["step_000001/net/out"]
+    assert "SHA-256" in failed[0]["outputs"]["outputs"]["error"]
+
+
+def test_verify_reads_the_digests_of_files_written_before_the_table(tmp_path, runner):
+    """Run files written before the digest table kept each digest as a 32-byte dataset in reference/, with
+    attributes digest, shape and dtype (as an older capture wrote them, by h5py's own calls)."""
+    path = str(tmp_path / "run.h5")
+    x, g = _arrays(5)
+    lo, hi = np.float32(-1.0), np.float32(0.8)
+    dx, dmin, dmax = ops.fake_quant_with_min_max_vars_gradient(g, x, lo, hi, num_bits=8, narrow_range=False)
+    out = ops.fake_quant_with_min_max_vars(x, lo, hi, num_bits=8, narrow_range=False)
+    with h5py.File(path, "w") as f:
+        grp = f.create_group("step_000001/net/act")
+        grp.attrs.update({"op": "FakeQuantWithMinMaxVars", "num_bits": 8, "narrow_range": False})
+        for k, v in {"inputs": x, "min": lo, "max": hi, "gradients": g}.items():
+            grp[k] = v
+        ref = grp.create_group("reference")
+        ref["backprop_wrt_min"], ref["backprop_wrt_max"] = dmin, dmax
+        for k, v in {"outputs": out, "backprops_wrt_input": dx}.items():
+            d = ref.create_dataset(k, data=digest(v))
+            d.attrs.update({"digest": "sha256", "shape": np.asarray(v.shape, np.int64), "dtype": v.dtype.str})
     r = runner.invoke(main, ["verify", path, "--json"])
     assert r.exit_code == 0, r.output
     layer = json.loads(r.stdout)["layers"][0]
-    assert layer["status"] == "identical" and layer["outputs"]["outputs"]["digest"] == "sha256"
-    with h5py.File(path, "a") as f:  # a reference that differs by one bit fails
+    assert layer["status"] == "identical" and layer["outputs"]["backprops_wrt_input"]["digest"] == "sha256"
+    with h5py.File(path, "a") as f:
         d = f["step_000001/net/act/reference/outputs"]
         d[0] = d[0] ^ 1
     r = runner.invoke(main, ["verify", path, "--json"])
@@ -98,7 +143,7 @@ def test_a_failed_step_leaves_the_file_as_it_was(tmp_path):
 
 _APPEND = """
 import sys, numpy as np
-from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.runfile_writer import RunFileWriter, digest
 w = RunFileWriter(sys.argv[1], step=2)
 rng = np.random.default_rng(0)
 for i in range(10000):
@@ -141,20 +186,21 @@ def test_layers_keep_and_compression(tmp_path):
         assert _fake_quant(w, "conv1.act_q", x, g) is None
         assert _fake_quant(w, "fc.act_q", x, g) == "fc/act_q"
     with h5py.File(path) as f:
-        assert sorted(f) == ["conv1", "fc"] and list(f["conv1"]) == ["weight_q"]
+        assert sorted(f) == ["conv1", "fc", "qgcli_digests"] and list(f["conv1"]) == ["weight_q"]
         assert f["fc/act_q/inputs"].compression == "gzip"
         assert f["fc/act_q/inputs"].id.get_storage_size() < x.nbytes / 2
     path = str(tmp_path / "forward.h5")
     with RunFileWriter(path, keep="forward") as w:
         _fake_quant(w, "a", x, g)
     with h5py.File(path) as f:
-        assert set(f["a"]) == {"inputs", "min", "max", "reference"} and set(f["a/reference"]) == {"outputs"}
+        assert set(f["a"]) == {"inputs", "min", "max"}  # no gradient, nor its reference; outputs as a digest:
+        assert [(r["group"], r["name"]) for r in f["qgcli_digests"][()]] == [(b"a", b"outputs")]
     path = str(tmp_path / "weights.h5")
     with RunFileWriter(path, keep="weights") as w:
         _fake_quant(w, "a", x, g)
         _fake_quant(w, "w", x, g, weight=True)
     with h5py.File(path) as f:
-        assert list(f) == ["w"]
+        assert list(f) == ["qgcli_digests", "w"]
     with pytest.raises(ValueError):
         RunFileWriter(str(tmp_path / "x.h5"), keep="some")
 
@@ -172,7 +218,7 @@ def test_names_below_a_group_take_a_suffix_at_its_level(tmp_path):
 _HEAP = """
 import ctypes, os, sys
 import numpy as np
-from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.runfile_writer import RunFileWriter, digest
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -219,17 +265,18 @@ def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
         writes = BackgroundWrites(fd, capacity=16, inline_below=2)  # the 1-byte array written by the caller
-        offsets, offset = [], 0
+        offsets, offset, digests = [], 0, []
         for a in arrays:
             offsets.append(offset)
-            writes.write(a, offset, digest_offset=offset + a.nbytes)
+            digests.append(np.zeros(32, np.uint8))
+            writes.write(a, offset, digest_into=digests[-1])
             a[:] = 0  # the caller may change its array at once: the bytes were copied
-            offset += a.nbytes + 32
+            offset += a.nbytes
         writes.wait()
         data = np.fromfile(path, dtype=np.uint8)
-        for start, want in zip(offsets, expected):
+        for start, want, got in zip(offsets, expected, digests):
             assert np.array_equal(data[start:start + want.nbytes], want)
-            assert np.array_equal(data[start + want.nbytes:start + want.nbytes + 32], sha256(want))
+            assert np.array_equal(got, sha256(want))
         writes.close()
         bad = BackgroundWrites(-1, capacity=16, inline_below=0)
         bad.write(np.ones(4, np.uint8), 0)

@@ -70,3 +70,28 @@ def test_a_new_groups_attributes_take_no_lookup_but_a_bytes_key_still_replaces(t
         gid = writer.group("g")
         writer.attributes(gid, {"op": "a", "num_bits": 8, b"op": "b"})
         assert dict(f["g"].attrs) == {"op": "b", "num_bits": 8}
+
+
+def test_attributed_groups_hold_what_groups_made_one_by_one_hold(tmp_path):
+    """attributed() copies a template group (made once per set of attributes, in memory): the copies hold the same
+    attributes, of the same types, as a group made by child() and attributes(); 1 and True make two templates;
+    a value no template can key (an array) makes the group one by one."""
+    scalars = {k: v for k, v in ATTRS.items() if k != "vector"}
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        writer = SmallWriter(f)
+        root = writer.group("/")
+        for i in range(3):
+            writer.attributed(root, f"copied/{i}", scalars)  # parents made, as child() makes them
+        writer.attributes(writer.child(root, "made"), scalars, new=True)
+        writer.attributed(root, "int", {"v": 1})
+        writer.attributed(root, "bool", {"v": True})
+        writer.attributed(root, "array", ATTRS)
+        assert len(writer._made) == 3
+        writer.close()
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        want = {k: (type(v), v) for k, v in f["made"].attrs.items()}
+        assert want["op"] == (str, ATTRS["op"]) and set(want) == set(scalars)
+        for i in range(3):
+            assert {k: (type(v), v) for k, v in f[f"copied/{i}"].attrs.items()} == want
+        assert type(f["int"].attrs["v"]) is np.int64 and type(f["bool"].attrs["v"]) is np.bool_
+        assert f["array"].attrs["vector"].tolist() == [0, 1, 2] and f["array"].attrs["unicode"] == "µ-law"

@@ -5,8 +5,9 @@ A capture instead creates each dataset with its storage allocated at once (conti
 offset in the file, and hands the bytes here: they are copied into a ring buffer (a ``memcpy``: the step may
 change its tensors in place afterwards, an optimizer its weights), and a thread writes them with
 ``os.pwrite``, which releases the GIL, and hashes the ones kept as a digest (``hashlib`` releases it too) into
-their own 32-byte dataset.  Memory: the ring, whatever the step; an array larger than the ring, or small
-(:data:`INLINE_BYTES`), is written at once by the caller.  :meth:`BackgroundWrites.wait` returns when
+the 32 bytes the caller gives (a row of the step's digest table, written when the step is committed).
+Memory: the ring, whatever the step; an array larger than the ring, or small (:data:`INLINE_BYTES`), is
+written at once by the caller.  :meth:`BackgroundWrites.wait` returns when
 everything handed over is in the file (before HDF5 reads, frees or flushes anything), and raises the thread's
 error, if any.
 """
@@ -49,23 +50,24 @@ class BackgroundWrites:
         self._ring = None
         self._head = 0  # where the next copy goes
         self._used = 0  # bytes of the ring not written yet
-        self._jobs = deque()  # (start, nbytes, offset, digest offset or None, ring bytes held)
+        self._jobs = deque()  # (start, nbytes, offset, digest row or None, ring bytes held)
         self._cond = threading.Condition()
         self._put = threading.Lock()
         self._error = None
         self._thread = None
         self._stop = False
 
-    def write(self, array, offset, *, digest_offset=None):
-        """Write ``array``'s C-order bytes at ``offset`` (None: none) and, with ``digest_offset``, their
-        SHA-256 there.  Returns at once unless the ring is full (or the array larger than the ring)."""
+    def write(self, array, offset, *, digest_into=None):
+        """Write ``array``'s C-order bytes at ``offset`` (None: none) and, with ``digest_into`` (32 writable
+        ``uint8``), put their SHA-256 there.  Returns at once unless the ring is full (or the array larger than the
+        ring); the digest is there once :meth:`wait` returns."""
         raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self._raise()
         if raw.nbytes > self.capacity or raw.nbytes < self.inline_below:  # no room, or small: the caller writes it
             if offset is not None:
                 pwrite_all(self.fd, raw, offset)
-            if digest_offset is not None:
-                pwrite_all(self.fd, sha256(raw), digest_offset)
+            if digest_into is not None:
+                digest_into[:] = sha256(raw)
             return
         if self._ring is None:
             self._ring = np.empty(self.capacity, dtype=np.uint8)
@@ -87,7 +89,7 @@ class BackgroundWrites:
                 self._used += held
             self._ring[start:start + n] = raw
             with self._cond:
-                self._jobs.append((start, n, offset, digest_offset, held))
+                self._jobs.append((start, n, offset, digest_into, held))
                 self._cond.notify_all()
 
     def _run(self):
@@ -97,14 +99,14 @@ class BackgroundWrites:
                     self._cond.wait()
                 if not self._jobs:
                     return
-                start, n, offset, digest_offset, held = self._jobs[0]
+                start, n, offset, digest_into, held = self._jobs[0]
             try:
                 if self._error is None:
                     data = self._ring[start:start + n]
                     if offset is not None:
                         pwrite_all(self.fd, data, offset)
-                    if digest_offset is not None:
-                        pwrite_all(self.fd, sha256(data), digest_offset)
+                    if digest_into is not None:
+                        digest_into[:] = sha256(data)
             except BaseException as exc:  # reported to the step by the next write or wait
                 self._error = exc
             with self._cond:

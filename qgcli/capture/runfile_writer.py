@@ -7,8 +7,11 @@ Framework-free: the capture helpers hand it arrays, group by group, and each arr
 (memory: the group being written, not the step): its dataset is created with its storage allocated and its
 bytes written there by a background thread (:mod:`qgcli.capture.background_writes`), beside the step.
 Results that ``verify`` compares bit for bit can be kept as a digest (``digest=`` of :meth:`RunFileWriter.add`:
-a 32-byte ``uint8`` dataset under the output's name, with attributes ``digest = "sha256"``, ``shape`` and
-``dtype``, the SHA-256 of the array's C-order bytes), so that each tensor of the step is stored once.
+the SHA-256 of the array's C-order bytes), so that each tensor of the step is stored once.  The digests of a
+step are one table at the step's root (:mod:`qgcli.storage.hdf5.digests`), written when the step is committed:
+one HDF5 object per step rather than a dataset and three attributes per result.
+Groups, attributes and datasets are made with HDF5's low-level calls (:mod:`qgcli.storage.hdf5.small`): a
+step makes thousands of them, and h5py's high-level calls cost three times as much.
 
 Atomic, step by step: a step is written into an anonymous HDF5 group (reachable from no link, so invisible to
 every reader) and linked under its name (``step_000300``) only when it is complete, then flushed; a new file is
@@ -26,7 +29,6 @@ from qgcli import __version__
 from qgcli.capture.background_writes import BackgroundWrites, sha256
 
 REFERENCE = "reference"
-DIGEST = "sha256"
 #: Operands and results that belong to the backward pass (``keep="forward"`` drops them).
 GRADIENT_OPERANDS = ("gradients", "y_backprop")
 FORWARD_REFERENCES = ("outputs", "scale", "zero_point")
@@ -56,12 +58,19 @@ def _malloc_trim():
 _TRIM = []
 
 
+_STATM = []  # (pid, descriptor of its /proc/self/statm, page size): opened once per process
+
+
 def resident_bytes():
-    """The process's resident memory now (Linux's ``/proc/self/statm``; None elsewhere)."""
+    """The process's resident memory now (Linux's ``/proc/self/statm``, read again at offset 0 from a descriptor
+    opened once per process: opening it each time cost a captured ResNet-18 step 0.08 s on a busy machine; None
+    elsewhere)."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        if not _STATM or _STATM[0][0] != os.getpid():  # (a forked child reads its own)
+            _STATM[:] = [(os.getpid(), os.open("/proc/self/statm", os.O_RDONLY), os.sysconf("SC_PAGE_SIZE"))]
+        _, fd, page = _STATM[0]
+        return int(os.pread(fd, 256, 0).split()[1]) * page
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
@@ -129,14 +138,44 @@ def _allocated():
         dcpl.set_layout(h5py.h5d.CONTIGUOUS)
         dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
         dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        dcpl.set_obj_track_times(False)  # as h5py's create_dataset
         _DCPL.append(dcpl)
     return _DCPL[0]
 
 
 def _background(value):
-    """Whether ``value`` goes to the file through :class:`BackgroundWrites`: a non-empty numeric array of at
-    least one dimension in native byte order (h5py stores it as it is in memory); the others through h5py."""
-    return value.ndim >= 1 and value.size > 0 and value.dtype.kind in "biufc" and value.dtype.isnative
+    """Whether ``value`` goes to the file through :class:`BackgroundWrites`: a non-empty numeric array (or scalar)
+    in native byte order (h5py stores it as it is in memory); the others through h5py."""
+    return value.size > 0 and value.dtype.kind in "biufc" and value.dtype.isnative
+
+
+def ancestors(path):
+    """The groups above a group path, outermost first: ``a``, ``a/b`` for ``a/b/c``."""
+    parts = path.split("/")
+    return ["/".join(parts[:n]) for n in range(1, len(parts))]
+
+
+class Paths(dict):
+    """A step's groups (path -> staged name) and ``inner``: the count of groups below each path that has some
+    (so that :meth:`RunFileWriter.unique` looks up a name's neighbours instead of scanning every group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = {}
+
+    def __setitem__(self, path, staged):
+        if path not in self:
+            for p in ancestors(path):
+                self.inner[p] = self.inner.get(p, 0) + 1
+        super().__setitem__(path, staged)
+
+    def pop(self, path, *default):
+        if path in self:
+            for p in ancestors(path):
+                self.inner[p] -= 1
+                if not self.inner[p]:
+                    del self.inner[p]
+        return super().pop(path, *default)
 
 
 def _patterns(layers):
@@ -192,7 +231,7 @@ class RunFileWriter:
             raise ValueError(f"keep={keep!r}: one of {', '.join(KEEP)}")
         self.keep = keep
         self.compression = self._compression(compression)
-        self.groups = {}  # path below the step -> staged group name, for the step being written
+        self.groups = Paths()  # path below the step -> staged group name, for the step being written
         self.steps = []  # the steps committed so far
         self.bytes_written = 0
         self._unchecked = 0  # bytes handed over since the resident memory was last read
@@ -200,6 +239,9 @@ class RunFileWriter:
         self._rss_limit = None  # resident bytes above which the freed heap memory is handed back (this step)
         self.lock = threading.RLock()  # TensorFlow runs its graph callbacks on several threads
         self._file = None
+        self._small = None  # the low-level maker of the file's groups, datasets and attributes
+        self._opened = 0  # groups opened in the file so far (their staged names)
+        self._digests = []  # the step's digest rows: (staged group, name, shape, dtype, 32 bytes filled later)
         self._writes = None  # the background writes of the file's arrays (opened with the file)
         self._tmp = None  # the new file's temporary name until its first commit
         self._staging = None
@@ -263,10 +305,10 @@ class RunFileWriter:
         base = clean_path(name)
         path, n = base, 0
         with self.lock:
-            while path in self.groups or any(p.startswith(path + "/") or path.startswith(p + "/")
-                                             for p in self.groups):
+            groups = self.groups
+            while path in groups or path in groups.inner or any(p in groups for p in ancestors(path)):
                 n += 1
-                above = [p for p in self.groups if base.startswith(p + "/")]
+                above = [p for p in ancestors(base) if p in groups]
                 # a group above: its level takes the suffix (``a/b`` under a group ``a``: ``a_1/b``)
                 path = f"{above[0]}_{n}{base[len(above[0]):]}" if above else f"{base}_{n}"
         return path
@@ -279,7 +321,7 @@ class RunFileWriter:
             if self._staging is not None:
                 raise RuntimeError(f"step {self.step} is not committed yet")
             self.step = step_group(step)
-            self.groups = {}
+            self.groups = Paths()
             self._refuse_existing_step()
         self.release_memory(now=True)  # what the uncaptured steps before left on the heap
 
@@ -298,6 +340,9 @@ class RunFileWriter:
                 self._tmp = os.path.join(parent, f".qgcli-{os.urandom(8).hex()}.tmp")
                 self._file = h5py.File(self._tmp, "w")
             self._writes = BackgroundWrites(self._file.id.get_vfd_handle())
+            from qgcli.storage.hdf5.small import SmallWriter
+
+            self._small = SmallWriter(self._file)
         f = self._file
         if self.step is None:
             if self.steps:
@@ -336,12 +381,11 @@ class RunFileWriter:
         with self.lock:
             staging = self._open()
             path = self.unique(name)
-            staged = f".g{len(self.groups):05d}"  # flat until the commit names it
+            staged = f".g{self._opened:05d}"  # flat until the commit names it
+            self._opened += 1
             self.groups[path] = staged
-            h5 = staging.create_group(staged)
-            for key, value in clean.items():
-                h5.attrs[key] = value
-        return Group(self, path, h5)
+            gid = self._small.attributed(staging.id, staged, clean)
+        return Group(self, path, gid, staged)
 
     def drop(self, path):
         """Remove group ``path`` from the step being written (an incomplete one: its space stays unused)."""
@@ -352,25 +396,37 @@ class RunFileWriter:
                 del self._staging[staged]
 
     def _dataset(self, parent, key, value):
+        """Dataset ``key`` of ``value`` in the group ``parent`` (a GroupID)."""
         value = np.asarray(value)
         options = self.compression if value.size >= _COMPRESS_MIN else {}
-        if options or not _background(value):
-            parent.create_dataset(key, data=value, **options)
-        else:  # its bytes copied (the step may change the tensor) and written beside the step
-            d = parent.create_dataset(key, shape=value.shape, dtype=value.dtype, dcpl=_allocated())
-            self._writes.write(value, d.id.get_offset())
+        if options:
+            h5py_group(parent).create_dataset(key, data=value, **options)
+        elif _background(value):  # its bytes copied (the step may change the tensor) and written beside the step
+            d = self._small.allocated(parent, key, value.shape, value.dtype, _allocated())
+            self._writes.write(value, d.get_offset())
+        elif not self._small.dataset(parent, key, value):
+            h5py_group(parent).create_dataset(key, data=value)
         self.bytes_written += value.nbytes
         self._unchecked += value.nbytes
 
-    def _digest_dataset(self, parent, key, value):
-        """A 32-byte dataset that receives the SHA-256 of ``value`` (computed beside the step)."""
+    def _digest(self, staged, key, value):
+        """A row of the step's digest table for ``value`` (its SHA-256 computed beside the step)."""
         value = np.asarray(value)
-        d = parent.create_dataset(key, shape=(32,), dtype=np.uint8, dcpl=_allocated())
-        d.attrs["digest"] = DIGEST
-        d.attrs["shape"] = np.asarray(value.shape, dtype=np.int64)
-        d.attrs["dtype"] = value.dtype.str
-        self._writes.write(value, None, digest_offset=d.id.get_offset())
+        row = np.empty(32, dtype=np.uint8)
+        self._digests.append((staged, key, value.shape, value.dtype.str, row))
+        self._writes.write(value, None, digest_into=row)
         self._unchecked += value.nbytes
+
+    def _digest_table(self, staging):
+        """Write the step's digest rows (of the groups it keeps) as one table in ``staging``."""
+        named = {staged: path for path, staged in self.groups.items()}
+        rows = [(named[staged], key, shape, dtype, row) for staged, key, shape, dtype, row in self._digests
+                if staged in named]
+        self._digests = []
+        if rows:
+            from qgcli.storage.hdf5 import digests
+
+            digests.write_table(staging, rows)
 
     def wait(self, *, raise_error=True):
         """Return when every array handed over is in the file (before HDF5 reads, frees or flushes)."""
@@ -407,13 +463,14 @@ class RunFileWriter:
                 return
             f, staging = self._file, self._staging
             self.wait()  # a failed write fails the step: nothing of it is linked
+            self._digest_table(staging)
+            links = staging.id.links
             for path, staged in self.groups.items():
-                parent = path.rpartition("/")[0]
-                if parent:
-                    staging.require_group(parent)
-                # a hard link and an unlink, not H5Lmove (which crashes inside an anonymous group)
-                staging[path] = staging[staged]
-                del staging[staged]
+                # a hard link (its parents made) and an unlink, not H5Lmove (which crashes inside an anonymous
+                # group)
+                name, lcpl = self._small.link_name(path)
+                links.create_hard(name, staging.id, staged.encode(), lcpl=lcpl)
+                staging.id.unlink(staged.encode())
             if self.step is None:
                 for name in list(staging):
                     f.move(f"{_STAGING}/{name}", name)
@@ -438,7 +495,8 @@ class RunFileWriter:
         with self.lock:
             self.wait(raise_error=False)  # before the step's space is freed and reused
             staging, self._staging = self._staging, None
-            self.groups = {}
+            self.groups = Paths()
+            self._digests = []
             if staging is not None and self.step is None:
                 del self._file[_STAGING]
 
@@ -469,6 +527,9 @@ class RunFileWriter:
             self._writes.wait(raise_error=False)
             self._writes.close()
             self._writes = None
+        if self._small is not None:
+            self._small.close()
+            self._small = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -493,8 +554,9 @@ class RunFileWriter:
 class Group:
     """One op group being written: :meth:`put` its operands, :meth:`put_reference` the framework's results."""
 
-    def __init__(self, writer, path, h5):
-        self.writer, self.path, self.h5 = writer, path, h5
+    def __init__(self, writer, path, gid, staged):
+        self.writer, self.path, self.gid, self.staged = writer, path, gid, staged
+        self._reference = None  # the GroupID of reference/, made at its first dataset
 
     def put(self, operands):
         """Write operands (None values skipped; the upstream gradients too under ``keep="forward"``)."""
@@ -503,12 +565,12 @@ class Group:
             for key, value in operands.items():
                 if value is None or (key in GRADIENT_OPERANDS and not w.backward):
                     continue
-                w._dataset(self.h5, key, value)
+                w._dataset(self.gid, key, value)
             w.release_memory()
 
     def put_reference(self, reference, *, digest=()):
-        """Write the framework's results under ``reference/`` (``digest``: names stored as their SHA-256,
-        computed beside the step)."""
+        """Write the framework's results under ``reference/`` (``digest``: names kept as their SHA-256 in the
+        step's digest table, computed beside the step)."""
         w = self.writer
         if not w.references:
             return
@@ -517,23 +579,28 @@ class Group:
         if not kept:
             return
         with w.lock:
-            r = self.h5.require_group(REFERENCE)
             for key, value in kept.items():
                 if key in digest:
-                    w._digest_dataset(r, key, value)
+                    w._digest(self.staged, key, value)
                 else:
-                    w._dataset(r, key, value)
+                    if self._reference is None:
+                        self._reference = w._small.child(self.gid, REFERENCE)
+                    w._dataset(self._reference, key, value)
             w.release_memory()
 
     def get(self, key):
         """An operand written before, read back (the backward pass replays kernels on the stored inputs)."""
         with self.writer.lock:
             self.writer.wait()
-            return self.h5[key][()]
+            return h5py_group(self.gid)[key][()]
 
     def set_attrs(self, **attrs):
         with self.writer.lock:
-            for key, value in attrs.items():
-                if value is not None:
-                    self.h5.attrs[key] = value
+            self.writer._small.attributes(self.gid, {k: v for k, v in attrs.items() if v is not None})
 
+
+def h5py_group(gid):
+    """The h5py Group of a low-level GroupID."""
+    import h5py
+
+    return h5py.Group(gid)

@@ -50,7 +50,7 @@ import inspect
 
 import numpy as np
 
-from qgcli.capture.runfile_writer import RunFileWriter
+from qgcli.capture.runfile_writer import RunFileWriter, ancestors
 from qgcli.capture.steps import StepCapture
 from qgcli.monitor.quiet_tensorflow import import_tensorflow
 
@@ -107,8 +107,9 @@ class Capture(StepCapture):
         with w.lock:
             opened = [(path, w.groups.pop(path)) for path in list(w.groups)]
             names = [self.raw[path] for path, _ in opened]
+            inner = {p for other, _ in names for p in ancestors(other)}  # the names with another below them
             for (_, staged), (name, leaf) in zip(opened, names):
-                if any(other.startswith(name + "/") for other, _ in names):
+                if name in inner:
                     name = f"{name}/{leaf}"
                 w.groups[w.unique(name)] = staged
         self.open, self.raw = {}, {}

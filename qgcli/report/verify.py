@@ -1,5 +1,6 @@
 """``qgcli verify``: recompute every group of a run file with qgcli and compare with the framework's own
-results stored beside it (``<group>/reference/``, written by :mod:`qgcli.capture`).
+results stored beside it (``<group>/reference/``, and those kept as digests in the step's digest table,
+:mod:`qgcli.storage.hdf5.digests`; written by :mod:`qgcli.capture`).
 
 Each group runs through the runner of its family exactly as ``fakequant`` / ``fakequant-grad`` / ``bn-grad``
 run it over a run file (:func:`qgcli.families.groups.job_from_group`, the group's attributes; no option overrides), and
@@ -33,6 +34,7 @@ from qgcli.families import groups, registry, tf_fake_quant
 from qgcli.jobs import OutputOptions, RunFileJob
 from qgcli.report.summaries import json_safe
 from qgcli.storage import runfile
+from qgcli.storage.hdf5.digests import Digest, digests_of
 from qgcli.storage.operands import Operands
 
 #: Fake-quant outputs computed element by element: bit-identical or failed (``backprops``: the input gradient
@@ -40,16 +42,6 @@ from qgcli.storage.operands import Operands
 ELEMENTWISE = ("outputs", "backprops_wrt_input", "backprops")
 REFERENCE = "reference"
 DEFAULT_RTOL = 1e-5
-
-
-class Digest:
-    """A reference kept as the SHA-256 of its C-order bytes (``digest = "sha256"``, ``shape``, ``dtype``
-    attributes of a 32-byte dataset, as :mod:`qgcli.capture` writes bit-for-bit results): equal or not."""
-
-    def __init__(self, dataset):
-        self.sha256 = bytes(np.asarray(dataset[()], dtype=np.uint8))
-        self.shape = tuple(int(n) for n in dataset.attrs["shape"])
-        self.dtype = np.dtype(str(dataset.attrs["dtype"]))
 
 
 def _compare_digest(ours, theirs):
@@ -163,14 +155,20 @@ def verify(target, *, rtol=DEFAULT_RTOL, scheduler=None):
 
 
 def _reference_of(handle, layer):
+    """The layer's references: the arrays of its ``reference/``, and its digests (the step's digest table, or
+    the 32-byte datasets of ``reference/`` in files written before the table)."""
     import h5py
 
     g = handle[layer.path] if layer.path != "/" else handle
     ref = g.get(REFERENCE)
-    if not isinstance(ref, h5py.Group):
-        return None
-    return {k: Digest(v) if v.attrs.get("digest") == "sha256" else np.asarray(v[()])
-            for k, v in ref.items() if isinstance(v, h5py.Dataset)}
+    found = {}
+    if isinstance(ref, h5py.Group):
+        for k, v in ref.items():
+            if isinstance(v, h5py.Dataset):
+                found[k] = Digest.of_dataset(v) or np.asarray(v[()])
+    if layer.path != "/":
+        found.update(digests_of(handle, layer.path))
+    return found or None
 
 
 def _verify_layer(container, handle, path, layer, rtol):

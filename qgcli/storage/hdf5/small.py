@@ -8,7 +8,7 @@ that.  Anything they were not written for (a compressed or chunked dataset, a no
 to h5py's own calls by the caller or here.
 """
 import numpy as np
-from h5py import h5a, h5d, h5g, h5p, h5s, h5t
+from h5py import h5a, h5d, h5g, h5o, h5p, h5s, h5t
 from h5py._hl import base
 
 
@@ -21,6 +21,63 @@ class SmallWriter:
         self._dcpl.set_obj_track_times(False)  # h5py's default (create_dataset's track_times=False)
         self._types = {}  # dtype -> (file type, memory type), as h5py derives them
         self._scalar = h5s.create(h5s.SCALAR)
+        self._lcpl = {}  # coding -> h5py's link creation properties with that character set
+        self._templates = None  # an in-memory HDF5 file of groups with attributes only, copied by attributed()
+        self._copy = None  # the object copy properties of those copies
+        self._made = {}  # the attributes of a template (as a hashable key) -> its name in that file
+
+    def link_name(self, name):
+        """``name`` encoded as h5py encodes link names, with its link creation properties (parents created)."""
+        name, coding = _encoded(name)
+        lcpl = self._lcpl.get(coding)
+        if lcpl is None:
+            lcpl = self._lcpl[coding] = base.dlcpl.copy()  # h5py's own: parents created
+            lcpl.set_char_encoding(coding)
+        return name, lcpl
+
+    def child(self, gid, name):
+        """A new group ``name`` (a path: its missing parents are made) below the group ``gid``."""
+        name, lcpl = self.link_name(name)
+        return h5g.create(gid, name, lcpl=lcpl)
+
+    def attributed(self, gid, name, attrs):
+        """A new group ``name`` below the group ``gid`` with the scalar attributes ``attrs``: one copy (H5Ocopy)
+        of a group made once with them, in an in-memory file (17 us where the group and 4 attributes made one by
+        one take 68 us); the same objects as :meth:`child` and :meth:`attributes`."""
+        key = _key(attrs)
+        if key is None or (key not in self._made and len(self._made) >= MAX_TEMPLATES):
+            made = self.child(gid, name)
+            self.attributes(made, attrs, new=True)
+            return made
+        template = self._made.get(key)
+        if template is None:
+            if self._templates is None:
+                import os
+
+                from h5py import File
+
+                self._templates = File(f"qgcli-templates-{os.urandom(8).hex()}", "w", driver="core",
+                                       backing_store=False)
+                self._copy = h5p.create(h5p.OBJECT_COPY)
+            template = self._made[key] = f"t{len(self._made)}".encode()
+            self.attributes(h5g.create(self._templates.id, template), attrs, new=True)
+        link, lcpl = self.link_name(name)
+        h5o.copy(self._templates.id, template, gid, link, copypl=self._copy, lcpl=lcpl)
+        return h5g.open(gid, link)
+
+    def close(self):
+        """Free the templates of :meth:`attributed`."""
+        if self._templates is not None:
+            self._templates.close()
+            self._templates = None
+        self._made = {}
+
+    def allocated(self, gid, name, shape, dtype, dcpl):
+        """An empty dataset ``name`` of ``shape`` and ``dtype`` in the group ``gid``, made with ``dcpl`` (its
+        storage allocated at once, where the caller writes it): its DatasetID."""
+        ftype, _ = self._type(np.dtype(dtype))
+        space = h5s.create_simple(tuple(shape)) if len(shape) else self._scalar
+        return h5d.create(gid, self.link_name(name)[0], ftype, space, dcpl=dcpl)
 
     def group(self, path):
         """The GroupID at ``path`` (text as h5py spells names), created with its parents where missing."""
@@ -33,20 +90,21 @@ class SmallWriter:
             return h5g.open(self.file.id, name)
 
     def dataset(self, gid, name, array):
-        """``create_dataset(name, data=array)`` in the group ``gid`` for a non-empty array of plain numbers;
-        False (nothing made) for anything else, which the caller writes with h5py's own call."""
-        if array.ndim == 0 or array.size == 0 or array.dtype.kind not in "biuf" or array.dtype.fields is not None:
+        """``create_dataset(name, data=array)`` in the group ``gid`` for a non-empty array (or a scalar) of plain
+        numbers; False (nothing made) for anything else, which the caller writes with h5py's own call."""
+        if array.size == 0 or array.dtype.kind not in "biuf" or array.dtype.fields is not None:
             return False
-        array = np.ascontiguousarray(array)
+        space = h5s.create_simple(array.shape) if array.ndim else self._scalar
+        array = np.ascontiguousarray(array)  # (a 0-d array comes out 1-d: the space is the array's own)
         ftype, _ = self._type(array.dtype)
-        dsid = h5d.create(gid, base.CommonStateObject()._e(name), ftype, h5s.create_simple(array.shape),
-                          dcpl=self._dcpl)
+        dsid = h5d.create(gid, self.link_name(name)[0], ftype, space, dcpl=self._dcpl)
         dsid.write(h5s.ALL, h5s.ALL, array)
         return True
 
-    def attributes(self, gid, attrs):
-        """``attrs[key] = value`` for each item (scalars: numbers, bools, strings); others by h5py's own call."""
-        bare = not h5a.get_num_attrs(gid)  # a group just made: none to replace, no lookup per attribute
+    def attributes(self, gid, attrs, *, new=False):
+        """``attrs[key] = value`` for each item (scalars: numbers, bools, strings); others by h5py's own call.
+        ``new``: the object has no attributes yet (the caller just made it; otherwise asked of HDF5)."""
+        bare = new or not h5a.get_num_attrs(gid)  # a group just made: none to replace, no lookup per attribute
         for key, value in attrs.items():
             kind = _PLAIN.get(type(value))
             data = np.asarray(value, dtype=kind) if kind is not None else base.array_for_new_object(value)
@@ -71,6 +129,31 @@ class SmallWriter:
         if types is None:
             types = self._types[dtype] = (h5t.py_create(dtype, logical=True), h5t.py_create(dtype))
         return types
+
+
+#: Templates one writer keeps at most (one per distinct set of attributes; past it, groups are made one by one).
+MAX_TEMPLATES = 4096
+
+
+def _key(attrs):
+    """``attrs`` as a hashable key (the type of each value too: 1 and True make different attributes), None
+    where a value is no scalar."""
+    try:
+        key = tuple((k, type(v), v) for k, v in sorted(attrs.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _encoded(name):
+    """A link name as h5py encodes it (``CommonStateObject._e``): ASCII where it can be, else UTF-8."""
+    if isinstance(name, bytes):
+        return name, h5t.CSET_ASCII
+    try:
+        return name.encode("ascii"), h5t.CSET_ASCII
+    except UnicodeEncodeError:
+        return name.encode("utf8"), h5t.CSET_UTF8
 
 
 #: The dtype h5py gives a plain Python value (``base.guess_dtype``, then NumPy's own), looked up by its type.
