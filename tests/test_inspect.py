@@ -145,6 +145,28 @@ def test_qgcli_provenance_is_shown_plainly(cli, tmp_path):
     assert all(t["attributes"]["op"] == f["attributes"]["op"] for t in f["tensors"])
 
 
+@pytest.mark.parametrize("stats", [True, False])
+def test_a_captured_steps_digest_table_is_listed_as_such(cli, tmp_path, stats):
+    """capture's digest table (one row per result verify compares) is listed as "sha256 digests", with no
+    statistics and no "not a tensor" note: not as a compound dtype qgcli cannot read."""
+    from qgcli.storage.hdf5 import digests
+
+    path = tmp_path / "run.h5"
+    with h5py.File(path, "w") as f:
+        step = f.create_group("step_000001")
+        digests.write_table(step, [("layer/q", "outputs", (4,), "<f4", np.arange(32, dtype=np.uint8)),
+                                   ("layer/q", "backprops_wrt_input", (4,), "<f4", np.zeros(32, np.uint8))])
+        step["layer/q/inputs"] = np.ones(4, np.float32)
+    args = [path] + ([] if stats else ["--no-stats"])
+    (f,) = inspect_json(cli, *args)["files"]
+    (table,) = [t for t in f["tensors"] if t["name"] == "step_000001/qgcli_digests"]
+    assert table["dtype"] == "sha256 digests" and table["shape"] == [2] and table["error"] is None
+    assert table["min"] is None and table["attributes"] == {"digest": "sha256"}
+    r = cli("inspect", *args)
+    assert r.exit_code == 0 and "not a tensor" not in r.output and "names" not in r.output, r.output
+    assert "sha256 digests" in r.stdout
+
+
 def test_no_stats_reads_no_data(cli):
     (f,) = inspect_json(cli, PER_CHANNEL, "--no-stats")["files"]
     t = f["tensors"][1]

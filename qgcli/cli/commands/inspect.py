@@ -173,6 +173,10 @@ def _tiny_stats(a):
     return out
 
 
+#: The dtype column of a run file's digest table (:mod:`qgcli.storage.hdf5.digests`).
+DIGEST_TABLE = "sha256 digests"
+
+
 def _tensor_entry(name, shape, dtype, attributes, *, stats=None, error=None):
     import math
 
@@ -225,7 +229,7 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
     import h5py
 
     from qgcli.families import groups as run_groups_of
-    from qgcli.storage.hdf5 import walk as h5walk
+    from qgcli.storage.hdf5 import digests, walk as h5walk
     from qgcli.storage.h5 import read_plain_dataset as read_plain, tagged_bfloat16
     from qgcli.signals import deferred
 
@@ -264,7 +268,11 @@ def _h5_structure(source, *, label="-", layers=None, reads=None):
                 dtype = ("bfloat16" if file_dtype.kind == "u" and tagged_bfloat16(h5py.Dataset(obj, readonly=True))
                          else numpy_dtype)
                 datasets.append({"path": name, "shape": shape, "dtype": dtype, "attributes": None, "error": None})
-                if reads is not None and shape is not None and reads[1](name):
+                if file_dtype.names is not None and name.rpartition("/")[2] == digests.DIGESTS:
+                    # capture's digest table (a row per result verify compares): listed as such, not a tensor
+                    datasets[-1]["dtype"] = DIGEST_TABLE
+                    datasets[-1]["read"] = (shape, DIGEST_TABLE, None, None)
+                elif reads is not None and shape is not None and reads[1](name):
                     # a small plain dataset in one low-level read (the usual case, no call or import per dataset)
                     array = read_plain(obj, shape, file_dtype)
                     datasets[-1]["read"] = (_read_open(obj, name, reads[0], shape, file_dtype) if array is None
