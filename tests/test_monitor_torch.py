@@ -435,8 +435,6 @@ def test_sample_statistics_kernel_matches_torch_ops(tmp_path, monkeypatch):
 def test_history_grows_by_a_few_bytes_per_layer_and_sample_whatever_the_batch(tmp_path):
     """A real monitored run sampled at every step: the history grows by under 50 bytes per layer and sample
     (about 35 measured; so under 5 KiB per sample per 100 layers), and not with the batch size."""
-    from qgcli.monitor.history import sample_bytes
-
     def grown(batch, steps):
         model = _net()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -448,11 +446,29 @@ def test_history_grows_by_a_few_bytes_per_layer_and_sample_whatever_the_batch(tm
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
-        return sample_bytes(path), len(read_history(path).layers)
+        return _sample_bytes(path), len(read_history(path).layers)
 
     per_sample, layers = grown(4, 40)
     assert layers == 9 and 10 < per_sample / layers < 50, per_sample / layers
     assert abs(grown(64, 40)[0] - per_sample) <= 0.1 * per_sample  # sixteen times the batch: rows of the same size
+
+
+def _sample_bytes(path):
+    """history.sample_bytes in a fresh process: it reads SQLite's dbstat table, which Python's sqlite3 has but
+    not once TensorFlow's own SQLite is loaded (another test of this session may have imported TensorFlow)."""
+    import os
+    import subprocess
+    import sys
+
+    import qgcli
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (os.path.dirname(os.path.dirname(qgcli.__file__)), os.environ.get("PYTHONPATH")) if p))
+    code = "import sys; from qgcli.monitor.history import sample_bytes; print(sample_bytes(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout)
 
 
 def test_symmetric_zero_point_reset_every_call_is_no_finding(tmp_path):
