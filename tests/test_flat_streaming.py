@@ -101,7 +101,9 @@ def test_flat_inputs_over_the_limit_stream_with_the_in_memory_bits(folder, comma
     options, in_memory, streamed, tiny = CASES[command]
     base = _run(folder, f"{command}-tiny.h5", command, *options, *tiny)
     memory = _run(folder, f"{command}-memory.h5", command, *options, *in_memory)
-    assert memory > base + 64, (base, memory)  # in memory: at least a whole 64 MiB tensor more
+    # in memory: a whole 64 MiB tensor more (fakequant writes its outputs over the inputs it read, so one tensor
+    # may be all; the RSS of the tiny run's start-up varies by a few MiB), above what streaming may use
+    assert memory > base + 56, (base, memory)
     expected = _outputs(folder / f"{command}-memory.h5")
     for fmt, args in streamed.items():
         if fmt == "safetensors" and not (folder / "t.safetensors").exists():
