@@ -374,11 +374,10 @@ def _fake_quant_hook(torch, cap, name, fx_sites):
         group.put_reference({"outputs": out}, digest=_DIGESTED)
         if backward:
             node = _kernel_node(output, _fake_quant_nodes(s))
-            if node is None:  # what the replay is checked against
-                s["outputs"] = digest(out)
             if node is not None:  # the step's own gradients, as its kernel's node hands them on: no replay
                 node.register_hook(lambda dxs, dys: _live_fake_quant(torch, group, s, dxs, dys))
             else:
+                s["outputs"] = digest(out)  # what the replay is checked against
                 _on_gradient(output, lambda dy: _backward_fake_quant(torch, group, s, dy))
 
     return hook
