@@ -231,7 +231,7 @@ def block_view(formats, operands):
     return bf.block_view("QuantizeLinear", f"ONNX QuantizeLinear {dtype}, {where}", unit, x, res.outputs, u,
                          ops.grid_values(dtype), f["block_size"], axis,
                          log2_scales=log2 if blocked else log2.reshape(-1),
-                         yu=np.asarray(res.quantized).astype(np.float64), gradient=gradient)
+                         yu=np.asarray(res.quantized).astype(np.float64), gradient=gradient, scale=sb, zero=zb)
 
 
 def report_analysis(formats, operands, inputs=None):
