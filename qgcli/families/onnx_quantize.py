@@ -221,7 +221,9 @@ def block_view(formats, operands):
     blocked = _whole_blocks(np.shape(x), y_scale, f)
     axis = f["axis"] % x.ndim if blocked else None
     where = (f"blocks of {f['block_size']} along axis {f['axis']}" if blocked else
-             "per tensor" if np.size(y_scale) == 1 else f"per axis {f['axis']}")
+             "per tensor" if np.size(y_scale) == 1 else
+             f"blocks of {f['block_size']} along axis {f['axis']}, the last one partial: drawn as one block"
+             if f["block_size"] else f"per axis {f['axis']}")
     unit = "x / y_scale" + ("" if dtype in ops.FLOAT_TYPES else " + y_zero_point")
 
     def gradient(dy):
