@@ -158,3 +158,27 @@ def test_inspect_records_and_group_lines_fit_80_columns(tmp_path, cli):
     assert r.exit_code == 0
     assert ("  group step_000100/head/logits_quant/  (max=6.0, min=-6.0, narrow_range=False, num_bits=8, "
             "op=FakeQuantWithMinMaxArgs)") in r.output.splitlines()
+
+
+def test_a_run_of_block_formats_shows_their_numbers_not_empty_columns(tmp_path, cli):
+    """fakequant over MX / NVFP4 / QuantizeLinear groups printed TensorFlow's clip<, clip> and blocked, "-" in
+    every row, and left out op and shape to fit them; now their clipped share and SQNR, and no column that no
+    group has a value for."""
+    from test_block_staircase import _write
+
+    run = _write(tmp_path / "blocks.h5")
+    r = cli("fakequant", run, "-o", tmp_path / "j.h5", "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    sqnr = {layer["path"]: layer["statistics"]["sqnr_db"] for layer in json.loads(r.stdout)["layers"]}
+    code, lines = _pty(["fakequant", run, "-o", "out.h5"], 80, tmp_path)
+    assert code == 0 and all(len(ln) <= 80 for ln in lines), lines
+    header = next(ln for ln in lines if ln.startswith("group ")).split()
+    assert header[:1] == ["group"] and "dB" in header and not {"clip<", "clip>", "blocked"} & set(header), header
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] and ln.split()[0] in sqnr}
+    assert len(rows) == len(sqnr)
+    at = header.index("SQNR")
+    for path, value in sqnr.items():
+        assert rows[path][at] == f"{value:.1f}", (path, rows[path])
+    assert all(any(row[k] != "-" for row in rows.values()) for k in range(1, at + 1))
