@@ -83,10 +83,13 @@ def estimator_name(o, *, masked_ok, why_not=""):
     return "ste" if name == "identity" else name
 
 
-def run_file_estimator(run, masked_ok):
-    """A run file's --estimator for a block-format group: None/ste/identity only (masked-ste: one bundle)."""
+def run_file_estimator(run, masked_ok, own="ste"):
+    """A run file's --estimator for a block-format group: None (the group's ``own``: ste, or masked-ste where a
+    QuantizeLinear group says so) or ste/identity (the identity STE) only (masked-ste typed: one bundle)."""
     est = run.estimator
-    if est is None or est.name in ("ste", "identity"):
+    if est is None:
+        return own
+    if est.name in ("ste", "identity"):
         return "ste"
     raise QgcliError(f"--estimator {est.text} does not apply to a {run.command} block-format group (the "
                      "identity STE; masked-ste runs on one bundle)")
@@ -110,7 +113,8 @@ def job_of_group(run, family, formats, operand_specs, output, pick, *, masked_ok
     are refused (``what``: the group's name in the message)."""
     for name in pick.given:
         raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to {what} (its attributes say it)")
-    formats["estimator"] = run_file_estimator(run, masked_ok) if run.with_gradients else None
+    formats["estimator"] = (run_file_estimator(run, masked_ok, formats.get("estimator") or "ste")
+                            if run.with_gradients else None)
     return FakeQuantJob(command=run.command, family=family, with_gradients=run.with_gradients,
                         operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
 
