@@ -92,7 +92,8 @@ def run_file_estimator(run, masked_ok, own="ste"):
     if est.name in ("ste", "identity"):
         return "ste"
     raise QgcliError(f"--estimator {est.text} does not apply to a {run.command} block-format group (the "
-                     "identity STE; masked-ste runs on one bundle)")
+                     "identity STE, or masked-ste where a QuantizeLinear group's estimator attribute says so; "
+                     "--estimator masked-ste runs on one bundle)")
 
 
 def job_of_options(o, family, formats, specs, *, masked_ok, why_not):

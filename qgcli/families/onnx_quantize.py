@@ -89,8 +89,9 @@ def _group_formats(attrs):
         raise ValueError(f"estimator={estimator!r} is not ste or masked-ste")
     if estimator == "masked-ste" and dtype is not None and dtype not in INTEGER_TYPES:
         raise ValueError(f"estimator='masked-ste' is for the integer types, not {dtype}")
-    return {"semantics": "onnx", "dtype": dtype, "axis": int(a.get("axis", 1)), "block_size": int(a.get("block_size", 0)),
-            "saturate": bool(a.get("saturate", True)), "estimator": estimator}
+    return {"semantics": "onnx", "dtype": dtype, "axis": int(a.get("axis", 1)),
+            "block_size": int(a.get("block_size", 0)), "saturate": bool(a.get("saturate", True)),
+            "estimator": estimator}
 
 
 group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)

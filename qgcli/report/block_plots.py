@@ -429,8 +429,9 @@ def _data_units_axes(ax, view, block, why, max_points):
     ax.grid(True, alpha=0.5)
     ax.set_xlabel("inputs", fontsize=8)
     ax.tick_params(labelsize=7)
-    ax.set_title(("the tensor" if view.stats["blocks"] == 1 else f"block {block}") + ", in the data's units" + (f"\n{why}" if why else "") + f"\nscale {scale:.4g}"
-                 + (f", zero point {zero:g}" if zero else ""), fontsize=8)
+    head = ("the tensor" if view.stats["blocks"] == 1 else f"block {block}") + ", in the data's units"
+    tail = f"\nscale {scale:.4g}" + (f", zero point {zero:g}" if zero else "")
+    ax.set_title(head + (f"\n{why}" if why else "") + tail, fontsize=8)
     return {"block": block, "why": why, "scale": scale, "zero": zero, "points": int(idx.size),
             "step_drawn": step is not None}, handles
 

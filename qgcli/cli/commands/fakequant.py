@@ -137,8 +137,9 @@ def fakequant(operands, attributes, quantize, qdq, semantics, torchao, formats, 
                   formats=formats))
 
 
-@click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="Fake-quant gradients (STE masks, range sums, estimators): "
-               "TF, QDQ, QuantizeV2, PyTorch, torchao, MX, NVFP4, ONNX.")
+@click.command("fakequant-grad", epilog=_FQG_EPILOG,
+               short_help="Fake-quant gradients (STE masks, range sums, estimators): "
+                          "TF, QDQ, QuantizeV2, PyTorch, torchao, MX, NVFP4, ONNX.")
 @operand_group(
     bundle_argument(),
     spec_option("gradients", "Upstream gradient (TF operand 'gradients')."),
