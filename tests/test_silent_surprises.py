@@ -11,10 +11,14 @@ NOTEBOOK = os.path.join(ROOT, "samples", "notebook.h5")
 PER_CHANNEL = os.path.join(ROOT, "samples", "per_channel.h5")
 
 
-def _notes(cli, *args):
+def _doc(cli, *args):
     r = cli(*args, "--json")
     assert r.exit_code == 0, r.output
-    return json.loads(r.stdout)["notes"]
+    return json.loads(r.stdout)
+
+
+def _notes(cli, *args):
+    return _doc(cli, *args)["notes"]
 
 
 def test_a_range_without_zero_is_said(cli, tmp_path):
@@ -223,19 +227,26 @@ def test_streamed_tensors_say_their_nan_and_inf_as_in_memory(cli, tmp_path, comm
     def said(notes):
         return [n for n in notes if n.startswith("inputs hold")]
 
-    in_memory = _notes(cli, command, *operands("h5"), *args, "-o", tmp_path / "m.h5")
+    def counted(doc):  # --json's statistics that a stream counts too (the clipped shares it does not)
+        return {k: doc["statistics"][k] for k in ("elements", "nan")}
+
+    memory_doc = _doc(cli, command, *operands("h5"), *args, "-o", tmp_path / "m.h5")
+    in_memory = memory_doc["notes"]
     assert not any(n.startswith(("streamed", "computed in")) for n in in_memory)
     expected = said(in_memory)
     assert len(expected) == 1 and ("(5 NaN, 2 +inf, 1 -inf of 1048576 elements)" if kinds != "nan" else
                                      "(5 of 1048576 elements)") in expected[0]
-    streamed = _notes(cli, command, *operands("h5"), *args, "--memory-limit", "1M", "-o", tmp_path / "s.h5")
+    assert counted(memory_doc) == {"elements": 1048576, "nan": 5 / 1048576}
+    streamed_doc = _doc(cli, command, *operands("h5"), *args, "--memory-limit", "1M", "-o", tmp_path / "s.h5")
+    streamed = streamed_doc["notes"]
     assert any(n.startswith("streamed from disk") for n in streamed)
-    assert said(streamed) == expected
+    assert said(streamed) == expected and counted(streamed_doc) == counted(memory_doc)
     if store is None:
         return
-    blocks = _notes(cli, command, *operands("zarr"), *args, "--memory-limit", "1M", "-o", tmp_path / "b.zarr")
+    blocks_doc = _doc(cli, command, *operands("zarr"), *args, "--memory-limit", "1M", "-o", tmp_path / "b.zarr")
+    blocks = blocks_doc["notes"]
     assert any(n.startswith("computed in") and "block" in n for n in blocks), blocks
-    assert said(blocks) == expected
+    assert said(blocks) == expected and counted(blocks_doc) == counted(memory_doc)
 
 
 def test_streamed_inputs_with_both_infinities_in_one_block_are_counted_without_a_warning(cli, tmp_path):
