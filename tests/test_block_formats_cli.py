@@ -556,3 +556,46 @@ def test_report_rows_give_the_block_statistics(cli, tmp_path):
     line = next(ln for ln in text.stdout.splitlines() if ln.startswith("m: "))
     assert f"flushed to zero {100 * rows['m']['flushed']:.1f}%" in line and "scale saturated in" in line
     assert f"worst block {rows['m']['worst_channel']} at {rows['m']['worst_channel_sqnr_db']:.1f} dB" in line
+
+
+def test_a_quantize_linear_group_that_says_masked_ste_runs_and_is_drawn_masked(cli, tmp_path):
+    """A QuantizeLinear group whose ``estimator`` attribute is masked-ste (ModelOpt's pass_through_bwd=False,
+    onnxruntime training's FakeQuant) gets that gradient in fakequant-grad RUN and in plot ste RUN (the mask
+    drawn with its 0s), the same bits as the bundle with --estimator masked-ste; the other groups keep the
+    identity; masked-ste on a float type, or another estimator, makes the group invalid with the reason."""
+    x = np.array([[-1.0, -0.6, 0.0, 3.0, 3.6, 100.0, -50.0, 0.2]], np.float32)  # int4 with scale 0.5: [-8, 7]
+    g = np.linspace(1, 8, x.size, dtype=np.float32).reshape(x.shape)
+    run = tmp_path / "run.h5"
+    with h5py.File(run, "w") as f:
+        for name, attrs in (("masked", {"estimator": "masked-ste"}), ("identity", {}),
+                            ("float_masked", {"estimator": "masked-ste", "dtype": "float8e4m3fn"}),
+                            ("bogus", {"estimator": "lsq"})):
+            grp = f.create_group(name)
+            grp.attrs.update(op="QuantizeLinear", dtype=attrs.pop("dtype", "int4"), axis=1, **attrs)
+            grp["x"], grp["y_scale"], grp["gradients"] = x, np.float32(0.5), g
+    r = cli("fakequant-grad", run, "-o", tmp_path / "bad.h5")
+    assert r.exit_code == 2 and "2 of 4 groups" in r.stderr and not (tmp_path / "bad.h5").exists()
+    r = cli("fakequant-grad", run, "-o", tmp_path / "g.h5", "--json", "--skip-invalid")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    reasons = {item["path"]: item["reason"] for item in s["invalid"]}
+    assert set(reasons) == {"float_masked", "bogus"}
+    assert "masked-ste" in reasons["float_masked"] and "float8e4m3fn" in reasons["float_masked"]
+    assert "'lsq'" in reasons["bogus"]
+    b = _bundle(tmp_path / "b.h5", x=x, y_scale=np.float32(0.5), gradients=g)
+    r = cli("fakequant-grad", b, "--semantics", "onnx", "--dtype", "int4", "--estimator", "masked-ste",
+            "-o", tmp_path / "m.npz")
+    assert r.exit_code == 0, r.output
+    want = load_npz(tmp_path / "m.npz")["backprops_wrt_input"]
+    assert want.tolist() == [[1.0, 2.0, 3.0, 4.0, 5.0, 0.0, 0.0, 8.0]]  # round(7.2) = 7 passes, 200 and -100 not
+    with h5py.File(tmp_path / "g.h5", "r") as f:
+        assert f["masked/backprops_wrt_input"][()].view(np.uint32).tolist() == want.view(np.uint32).tolist()
+        assert np.array_equal(f["identity/backprops_wrt_input"][()], g)
+    r = cli("fakequant-grad", run, "--estimator", "ste", "-o", tmp_path / "s.h5", "--quiet", "--skip-invalid")
+    assert r.exit_code == 0, r.output  # typed on the command line, the identity for every group
+    with h5py.File(tmp_path / "s.h5", "r") as f:
+        assert np.array_equal(f["masked/backprops_wrt_input"][()], g)
+    for layer, values in (("masked", [0.0, 1.0]), ("identity", [1.0])):
+        r = cli("plot", "ste", run, "--layer", layer, "-o", tmp_path / f"{layer}.png", "--json")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["mask_values"] == values

@@ -138,3 +138,58 @@ def test_plot_ste_and_staircase_of_a_plain_tensor_with_semantics(cli, tmp_path, 
     assert r.exit_code == 2 and "--mode" in r.stderr and not (tmp_path / "bad.png").exists()
     r = cli("plot", "staircase", "--inputs", "x.npy", "--mx-format", "mxfp4", "-o", "bad.png")
     assert r.exit_code == 2 and "--semantics mx" in r.stderr and not (tmp_path / "bad.png").exists()
+
+
+def _lines(fig, gid):
+    return [line for ax in fig.axes for line in ax.get_lines() if line.get_gid() == gid]
+
+
+def _blocks_of(a, axis, block_size):
+    return np.moveaxis(np.asarray(a, np.float64), axis, -1).reshape(-1, block_size)
+
+
+@pytest.mark.parametrize("family, name", CASES)
+def test_staircase_draws_the_telling_blocks_in_the_datas_units(run, family, name):
+    """Below the element grid, the block with the largest |x| and the worst block by SQNR (one block when they are
+    the same), in the data's own units: the framework's inputs and outputs of that block as points, on the
+    element values times the block's scale.  A tensor quantized as one block with one scale: that block; a scale
+    per channel inside one drawn block (a blocked QuantizeLinear whose last block is partial): none."""
+    from qgcli.report import layer_figures
+
+    (task,), _ = layer_figures.plan(run, "staircase", layer=f"{family}/{name}")
+    fig = layer_figures.draw(task)
+    drawn = fig.qgcli_summary["data_units"]
+    data, a = {"mx": MX, "nvfp4": NVFP4, "onnx": ONNX}[family][name]
+    x, y = data["x" if family == "onnx" else "inputs"], data["outputs"]
+    if family == "onnx":
+        if a["mode"] != "per-tensor":  # blocks of 2 over an axis of 5: said, not "per axis"
+            assert drawn == [] and _lines(fig, "block_outputs") == []
+            assert x.shape[int(a["axis"])] % int(a["block_size"])
+            assert "blocks of 2 along axis -1, the last one partial" in " ".join(fig.axes[0].get_title().split())
+            return
+        axis, size = -1, x.size
+    else:
+        axis, size = int(a["axis"]), int(a["block_size"]) if family == "mx" else 16
+    xb, yb = _blocks_of(x, axis, size), _blocks_of(y, axis, size)
+    with np.errstate(all="ignore"):
+        amax = int(np.where(np.isfinite(xb), np.abs(xb), -1).max(axis=1).argmax())
+        sqnr = 10 * np.log10((xb ** 2).sum(axis=1) / ((xb - yb) ** 2).sum(axis=1))
+    sqnr = np.where(np.isnan(sqnr), np.inf, sqnr)
+    expected = [amax] + ([int(sqnr.argmin())] if np.isfinite(sqnr.min()) and sqnr.argmin() != amax else [])
+    assert [d["block"] for d in drawn] == expected, drawn
+    if len(xb) > 1:
+        assert "largest |x|" in drawn[0]["why"] and "worst SQNR" in drawn[-1]["why"]
+    points, steps = _lines(fig, "block_outputs"), _lines(fig, "block_step")
+    assert len(points) == len(steps) == len(expected)
+    for d, p, step in zip(drawn, points, steps):
+        title = p.axes.get_title()
+        assert (f"block {d['block']}" in title or len(xb) == 1) and (d["why"].split(",")[0] in title)
+        pairs = set(zip(xb[d["block"]].tolist(), yb[d["block"]].tolist()))
+        px, py = np.asarray(p.get_xdata()), np.asarray(p.get_ydata())
+        assert len(px) and set(zip(px.tolist(), py.tolist())) <= pairs  # the framework's own pairs
+        xs, ys = np.asarray(step.get_xdata()), np.asarray(step.get_ydata())
+        assert np.all(np.diff(xs) >= 0) and len(set(ys.tolist())) > 1
+        for u, v in zip(px.tolist(), py.tolist()):  # each output on the step (float32 op, float64 line)
+            tol = 1e-6 * max(1.0, abs(u))
+            at = [ys[i] for i in range(0, len(xs), 2) if xs[i] - tol <= u <= xs[i + 1] + tol]
+            assert any(abs(w - v) <= 1e-6 * max(1.0, abs(v)) for w in at), (u, v, at)

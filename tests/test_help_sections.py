@@ -2,6 +2,7 @@
 in the help, every input format and capture named in the top-level help, no command's line cut short.  On an
 80-column pseudo-terminal and on pipes; the run on the floor constraints checks click 8.1, the newest run the
 newest click."""
+import itertools
 import os
 import re
 import subprocess
@@ -89,3 +90,28 @@ def test_compare_semantics_help_names_every_framework_it_compares(where, tmp_pat
     flat = " ".join(own.split())
     for name in ("TensorFlow", "PyTorch", "torchao", "ONNX QuantizeLinear"):
         assert name in flat.split("Options:")[0], name
+
+
+#: How the top-level help names each fake-quant family (the registry's keys; batch norm is bn-grad's).
+FAMILY_WORDS = {"tf": "TF", "estimator": "estimators", "torch": "PyTorch", "quantize-dequantize": "QuantizeV2",
+                "torchao": "torchao", "quantize-and-dequantize": "QDQ", "mx": "MX", "nvfp4": "NVFP4", "onnx": "ONNX"}
+
+
+@pytest.mark.parametrize("where", ["terminal", "pipe"])
+def test_fakequant_one_liners_name_every_family_they_run(where, tmp_path):
+    """Their one-line help said "TF fake-quant forward (Args/Vars/PerChannel)" long after they ran PyTorch,
+    torchao, QDQ, QuantizeV2, MX, NVFP4 and ONNX groups too."""
+    from qgcli.families import registry
+
+    assert set(FAMILY_WORDS) == set(registry.FAMILIES) - {"batch-norm"}  # a new family is named here too
+    code, text = _help([], where, tmp_path)
+    assert code == 0
+    lines = text.splitlines()
+    for command in ("fakequant", "fakequant-grad"):
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"  {command} "))
+        entry = [lines[start]] + list(itertools.takewhile(lambda line: line.startswith(" " * 19),
+                                                          lines[start + 1:]))
+        assert len(entry) <= 2 and all(len(line) <= 80 for line in entry) or where == "pipe", entry
+        one_line = " ".join(" ".join(entry).split())
+        words = [w for f, w in FAMILY_WORDS.items() if f != "estimator" or command == "fakequant-grad"]
+        assert [w for w in words if not re.search(rf"\b{w}\b", one_line)] == [], one_line

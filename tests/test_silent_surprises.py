@@ -11,10 +11,14 @@ NOTEBOOK = os.path.join(ROOT, "samples", "notebook.h5")
 PER_CHANNEL = os.path.join(ROOT, "samples", "per_channel.h5")
 
 
-def _notes(cli, *args):
+def _doc(cli, *args):
     r = cli(*args, "--json")
     assert r.exit_code == 0, r.output
-    return json.loads(r.stdout)["notes"]
+    return json.loads(r.stdout)
+
+
+def _notes(cli, *args):
+    return _doc(cli, *args)["notes"]
 
 
 def test_a_range_without_zero_is_said(cli, tmp_path):
@@ -223,16 +227,94 @@ def test_streamed_tensors_say_their_nan_and_inf_as_in_memory(cli, tmp_path, comm
     def said(notes):
         return [n for n in notes if n.startswith("inputs hold")]
 
-    in_memory = _notes(cli, command, *operands("h5"), *args, "-o", tmp_path / "m.h5")
+    def counted(doc):  # --json's statistics that a stream counts too (the clipped shares it does not)
+        return {k: doc["statistics"][k] for k in ("elements", "nan")}
+
+    memory_doc = _doc(cli, command, *operands("h5"), *args, "-o", tmp_path / "m.h5")
+    in_memory = memory_doc["notes"]
     assert not any(n.startswith(("streamed", "computed in")) for n in in_memory)
     expected = said(in_memory)
     assert len(expected) == 1 and ("(5 NaN, 2 +inf, 1 -inf of 1048576 elements)" if kinds != "nan" else
                                      "(5 of 1048576 elements)") in expected[0]
-    streamed = _notes(cli, command, *operands("h5"), *args, "--memory-limit", "1M", "-o", tmp_path / "s.h5")
+    assert counted(memory_doc) == {"elements": 1048576, "nan": 5 / 1048576}
+    streamed_doc = _doc(cli, command, *operands("h5"), *args, "--memory-limit", "1M", "-o", tmp_path / "s.h5")
+    streamed = streamed_doc["notes"]
     assert any(n.startswith("streamed from disk") for n in streamed)
+    assert said(streamed) == expected and counted(streamed_doc) == counted(memory_doc)
+    if store is None:
+        return
+    blocks_doc = _doc(cli, command, *operands("zarr"), *args, "--memory-limit", "1M", "-o", tmp_path / "b.zarr")
+    blocks = blocks_doc["notes"]
+    assert any(n.startswith("computed in") and "block" in n for n in blocks), blocks
+    assert said(blocks) == expected and counted(blocks_doc) == counted(memory_doc)
+
+
+def test_streamed_inputs_with_both_infinities_in_one_block_are_counted_without_a_warning(cli, tmp_path):
+    # The per-block check summed the block: +inf and -inf in one block (inf - inf) or values whose float32 sum
+    # overflows printed numpy's RuntimeWarning on stderr (an error under pytest) instead of just counting.
+    import h5py
+
+    x = np.full((1024, 1024), 3e38, np.float32)  # every block's sum overflows
+    x[3, 3], x[3, 4], x[900, 1] = np.inf, -np.inf, np.nan
+    with h5py.File(tmp_path / "b.h5", "w") as f:
+        f["inputs"], f["min"], f["max"] = x, np.float32(-1), np.float32(1)
+    streamed = _notes(cli, "fakequant", str(tmp_path / "b.h5"), "--memory-limit", "1M", "-o", tmp_path / "s.h5")
+    assert any(n.startswith("streamed from disk") for n in streamed)
+    in_memory = _notes(cli, "fakequant", str(tmp_path / "b.h5"), "-o", tmp_path / "m.h5")
+    said = [n for n in in_memory if n.startswith("inputs hold")]
+    assert said and "(1 NaN, 1 +inf, 1 -inf of 1048576 elements)" in said[0]
+    assert [n for n in streamed if n.startswith("inputs hold")] == said
+
+
+def _bn_bundle(folder):
+    """bn-grad operands of 2 MiB (past --memory-limit 1M) whose x holds a NaN and an inf, y_backprop a NaN, as .h5
+    and as a Zarr store (None on the CI floor)."""
+    import h5py
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((512, 4, 4, 64)).astype(np.float32)
+    x[3, 2, 1, 5], x[400, 1, 0, 7] = np.nan, np.inf
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dy[200, 0, 0, 9] = np.nan  # x_backprop's NaN in inference too (it does not depend on x there)
+    arrays = {"y_backprop": dy, "x": x,
+              "scale": np.ones(64, np.float32), "reserve_space_1": np.zeros(64, np.float32),
+              "reserve_space_2": np.ones(64, np.float32)}
+    with h5py.File(folder / "bn.h5", "w") as f:
+        for name, value in arrays.items():
+            f[name] = value
+    try:
+        import zarr
+    except ImportError:
+        return str(folder / "bn.h5"), None
+    group = zarr.create_group(str(folder / "bn.zarr"), zarr_format=3)
+    for name, value in arrays.items():
+        group.create_array(name, data=value, chunks=(32, 4, 4, 64) if value.ndim == 4 else value.shape)
+    return str(folder / "bn.h5"), str(folder / "bn.zarr")
+
+
+@__import__("pytest").mark.parametrize("training", [True, False])
+def test_streamed_bn_grad_says_its_nan_and_inf_as_in_memory(cli, tmp_path, training):
+    # bn-grad in memory notes the NaN/inf of x_backprop and of the per-channel outputs; streamed from disk in
+    # blocks (HDF5 in order, Zarr blocks computed apart) it said nothing.  Counted as its blocks are written.
+    h5, store = _bn_bundle(tmp_path)
+    mode = [] if training else ["--no-is-training"]
+
+    def said(notes):
+        return [n for n in notes if "non-finite" in n]
+
+    in_memory = _notes(cli, "bn-grad", h5, *mode, "-o", tmp_path / "m.h5")
+    assert not any(n.startswith(("streamed", "computed in")) for n in in_memory)
+    expected = said(in_memory)
+    with __import__("h5py").File(tmp_path / "m.h5") as f:  # the counts are those of the outputs written
+        counts = {k: int((~np.isfinite(f[k][()])).sum()) for k in ("x_backprop", "scale_backprop", "offset_backprop")}
+    assert expected == [f"{k} has {v} non-finite values (NaN/inf propagate as in TensorFlow)"
+                        for k, v in counts.items() if v]
+    assert counts["x_backprop"] > 0 and counts["scale_backprop"] > 0
+    streamed = _notes(cli, "bn-grad", h5, *mode, "--memory-limit", "1M", "-o", tmp_path / "s.h5")
+    assert any(n.startswith("streamed from disk") for n in streamed), streamed
     assert said(streamed) == expected
     if store is None:
         return
-    blocks = _notes(cli, command, *operands("zarr"), *args, "--memory-limit", "1M", "-o", tmp_path / "b.zarr")
-    assert any(n.startswith("computed in") and "block" in n for n in blocks), blocks
+    blocks = _notes(cli, "bn-grad", store, *mode, "--memory-limit", "1M", "-o", tmp_path / "b.zarr")
+    assert any(n.startswith("computed in") for n in blocks), blocks
     assert said(blocks) == expected

@@ -136,3 +136,49 @@ def test_run_file_summaries_fit_80_columns(captured, tmp_path, command):
     # the first line is broken between items, never inside a word
     assert lines[0].startswith(f"{command} over ") and "skipped" in "\n".join(lines[:2])
     assert not any(ln.startswith(("ipped", "kipped")) for ln in lines)
+
+
+def test_inspect_records_and_group_lines_fit_80_columns(tmp_path, cli):
+    """`inspect RUN --no-stats` lists a layer per record when its table is too wide: an operands list of 109
+    columns (a batch norm's five) went past the terminal's edge, broken there mid-name, and a group's attributes
+    ran to column 83; now broken between items, the next line under the value's first character.  Off a
+    terminal every line is whole."""
+    run = ROOT / "samples" / "run.h5"
+    code, lines = _pty(["inspect", run, "--no-stats"], 80, tmp_path)
+    assert code == 0, lines
+    assert all(len(ln) <= 80 for ln in lines), [ln for ln in lines if len(ln) > 80]
+    k = lines.index("step_000100/backbone/conv1/bn")
+    value = lines[k + 2].index("reserve_space_1")
+    assert lines[k + 2].startswith("  operands  ") and lines[k + 3].startswith(" " * value + "x [4, 8, 8, 16]")
+    assert " ".join(" ".join(lines[k + 2:k + 4]).split()) == ("operands reserve_space_1 [16], reserve_space_2 [16], "
+                                                              "scale [16], x [4, 8, 8, 16], y_backprop [4, 8, 8, 16]")
+    g = next(i for i, ln in enumerate(lines) if ln.startswith("  group step_000100/head/logits_quant/"))
+    assert lines[g + 1].startswith("    ") and "op=FakeQuantWithMinMaxArgs)" in lines[g + 1]
+    r = cli("inspect", run, "--no-stats")
+    assert r.exit_code == 0
+    assert ("  group step_000100/head/logits_quant/  (max=6.0, min=-6.0, narrow_range=False, num_bits=8, "
+            "op=FakeQuantWithMinMaxArgs)") in r.output.splitlines()
+
+
+def test_a_run_of_block_formats_shows_their_numbers_not_empty_columns(tmp_path, cli):
+    """fakequant over MX / NVFP4 / QuantizeLinear groups printed TensorFlow's clip<, clip> and blocked, "-" in
+    every row, and left out op and shape to fit them; now their clipped share and SQNR, and no column that no
+    group has a value for."""
+    from test_block_staircase import _write
+
+    run = _write(tmp_path / "blocks.h5")
+    r = cli("fakequant", run, "-o", tmp_path / "j.h5", "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    sqnr = {layer["path"]: layer["statistics"]["sqnr_db"] for layer in json.loads(r.stdout)["layers"]}
+    code, lines = _pty(["fakequant", run, "-o", "out.h5"], 80, tmp_path)
+    assert code == 0 and all(len(ln) <= 80 for ln in lines), lines
+    header = next(ln for ln in lines if ln.startswith("group ")).split()
+    assert header[:1] == ["group"] and "dB" in header and not {"clip<", "clip>", "blocked"} & set(header), header
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] and ln.split()[0] in sqnr}
+    assert len(rows) == len(sqnr)
+    at = header.index("SQNR")
+    for path, value in sqnr.items():
+        assert rows[path][at] == f"{value:.1f}", (path, rows[path])
+    assert all(any(row[k] != "-" for row in rows.values()) for k in range(1, at + 1))

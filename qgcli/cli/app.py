@@ -216,9 +216,9 @@ def _internal(exc):
 def main():
     """Quantization-gradient analysis on saved tensors (.npy, .npz, .h5, .safetensors, PyTorch .pt, Zarr).
 
-    TensorFlow-exact fake-quant and batch-norm gradients, PyTorch's and torchao's fake quant, gradient
-    estimators, plots and reports, on the CPU (NumPy) or the GPU (CuPy). Results go to files or stdout;
-    diagnostics to stderr.
+    TensorFlow-exact fake-quant and batch-norm gradients; PyTorch's, torchao's, MX, NVFP4 and ONNX
+    QuantizeLinear fake quant, bit for bit with each framework; gradient estimators, plots and reports, on the
+    CPU (NumPy) or the GPU (CuPy). Results go to files or stdout; diagnostics to stderr.
 
     An operand is a SPEC: FILE.npy, FILE.npz:KEY, FILE.h5:DATASET, FILE.safetensors:KEY, FILE.pt:KEY,
     STORE.zarr, - (stdin) or a literal number or list. Whole models: capture a training step into a run

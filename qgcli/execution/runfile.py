@@ -261,7 +261,8 @@ def render_run(console, s):
     batch_norm = s["command"] == "bn-grad"
     cols = (Col("group", "left", priority=0, shorten=True), Col("op", "left", priority=2), Col("shape", priority=2))
     cols += ((Col("|x_backprop|", priority=0), Col("|scale_backprop|", priority=1)) if batch_norm else
-             (Col("clip<", priority=1), Col("clip>", priority=1), Col("blocked", priority=0)))
+             (Col("clip<", priority=1), Col("clip>", priority=1), Col("clipped", priority=1),
+              Col("blocked", priority=0), Col("SQNR dB", priority=1), Col("flushed", priority=2)))
     rows = []
     for layer in s["layers"][:TABLE_ROWS]:
         inputs = layer.get("inputs", {})
@@ -272,10 +273,16 @@ def render_run(console, s):
             row += [_num(n.get("x_backprop")), _num(n.get("scale_backprop"))]
         else:
             st = layer.get("statistics") or {}
+            # TensorFlow's clipped shares below / above; a block format's clipped share, SQNR and flushed share
             row += [_share(st.get("clipped_below"), percent), _share(st.get("clipped_above"), percent),
-                    _share(st.get("gradient_blocked"), percent)]
+                    _share(st.get("clipped"), percent), _share(st.get("gradient_blocked"), percent),
+                    "-" if st.get("sqnr_db") is None else f"{st['sqnr_db']:.1f}", _share(st.get("flushed"), percent)]
         rows.append(row)
-    print_table(console, cols, rows, legend=False, hint="--json for all", whole="--json")
+    # A column no group of this run has a value for is left out (a block format's in a TensorFlow run, and
+    # TensorFlow's in a run of block formats), so that the ones with values fit.
+    keep = [0] + [i for i in range(1, len(cols)) if any(r[i] != "-" for r in rows)]
+    print_table(console, [cols[i] for i in keep], [[r[i] for i in keep] for r in rows], legend=False,
+                hint="--json for all", whole="--json")
     if len(s["layers"]) > TABLE_ROWS:
         console.print(f"... {counted(len(s['layers']) - TABLE_ROWS, 'more group')} (--json for all)")
     for item in s["invalid"]:

@@ -112,6 +112,17 @@ def run_bn_grad(raw, *, epsilon, data_format, is_training, variance_kind, versio
     return {"x_backprop": dx, "scale_backprop": dscale, "offset_backprop": doffset}, convention
 
 
+def nonfinite_notes(counts):
+    """A note per output holding NaN or inf (``counts``: output name -> how many), in memory and streamed."""
+    return [f"{name} has {count} non-finite values (NaN/inf propagate as in TensorFlow)"
+            for name, count in counts.items() if count]
+
+
+def nonfinite_counts(arrays):
+    """The NaN/inf count of each array (name -> count)."""
+    return {k: int(np.size(v) - np.isfinite(np.asarray(v, np.float32)).sum()) for k, v in arrays.items()}
+
+
 def build_summary(op, attrs, operands, raw, outputs, convention, notes, output, *, with_norms=True):
     """The summary; without ``with_norms`` (nobody will see it) x_backprop is not read again: no norms, and
     its non-finite values are not counted."""
@@ -120,12 +131,9 @@ def build_summary(op, attrs, operands, raw, outputs, convention, notes, output, 
         norms = channel_norms(dx, attrs["data_format"]) if dx.size else np.zeros(outputs["scale_backprop"].shape)
     # A NaN or inf in a channel makes its float64 sum of squares non-finite: with every norm finite,
     # x_backprop holds none, and its full-size isfinite pass (a third of the summary's time) is skipped.
-    nonfinite = {k: 0 if k == "x_backprop" and (norms is None or np.isfinite(norms).all()) else
-                 int(np.size(v) - np.isfinite(np.asarray(v, np.float32)).sum()) for k, v in outputs.items()}
-    notes = list(notes)
-    for name, count in nonfinite.items():
-        if count:
-            notes.append(f"{name} has {count} non-finite values (NaN/inf propagate as in TensorFlow)")
+    nonfinite = nonfinite_counts({k: v for k, v in outputs.items() if k != "x_backprop" or (
+        norms is not None and not np.isfinite(norms).all())})
+    notes = list(notes) + nonfinite_notes({k: nonfinite.get(k, 0) for k in outputs})
     inputs = describe_arrays({k: v for k, v in raw.items() if v is not None})
     for name, source in operands.sources.items():
         if name in inputs:
@@ -236,7 +244,10 @@ def block_summary(job, operands, datasets, setup, small, notes):
         "norms": {"x_backprop": None,
                   "scale_backprop": float(np.linalg.norm(np.asarray(small["scale_backprop"], np.float64))),
                   "offset_backprop": float(np.linalg.norm(np.asarray(small["offset_backprop"], np.float64)))},
-        "outputs": outputs, "output": job.output.destination, "notes": notes,
+        "outputs": outputs, "output": job.output.destination,
+        # x_backprop's NaN/inf counted block by block as it was written; the per-channel outputs here
+        "notes": list(notes) + nonfinite_notes({"x_backprop": sum(setup.get("nonfinite", ())),
+                                                **nonfinite_counts({k: small[k] for k in OUTPUTS[1:]})}),
     })
 
 

@@ -83,13 +83,17 @@ def estimator_name(o, *, masked_ok, why_not=""):
     return "ste" if name == "identity" else name
 
 
-def run_file_estimator(run, masked_ok):
-    """A run file's --estimator for a block-format group: None/ste/identity only (masked-ste: one bundle)."""
+def run_file_estimator(run, masked_ok, own="ste"):
+    """A run file's --estimator for a block-format group: None (the group's ``own``: ste, or masked-ste where a
+    QuantizeLinear group says so) or ste/identity (the identity STE) only (masked-ste typed: one bundle)."""
     est = run.estimator
-    if est is None or est.name in ("ste", "identity"):
+    if est is None:
+        return own
+    if est.name in ("ste", "identity"):
         return "ste"
     raise QgcliError(f"--estimator {est.text} does not apply to a {run.command} block-format group (the "
-                     "identity STE; masked-ste runs on one bundle)")
+                     "identity STE, or masked-ste where a QuantizeLinear group's estimator attribute says so; "
+                     "--estimator masked-ste runs on one bundle)")
 
 
 def job_of_options(o, family, formats, specs, *, masked_ok, why_not):
@@ -110,7 +114,8 @@ def job_of_group(run, family, formats, operand_specs, output, pick, *, masked_ok
     are refused (``what``: the group's name in the message)."""
     for name in pick.given:
         raise QgcliError(f"{OVERRIDABLE.get(name, name)} does not apply to {what} (its attributes say it)")
-    formats["estimator"] = run_file_estimator(run, masked_ok) if run.with_gradients else None
+    formats["estimator"] = (run_file_estimator(run, masked_ok, formats.get("estimator") or "ste")
+                            if run.with_gradients else None)
     return FakeQuantJob(command=run.command, family=family, with_gradients=run.with_gradients,
                         operands=operand_specs, output=output, axis=formats["axis"], formats=formats)
 
@@ -234,7 +239,9 @@ class BlockView(NamedTuple):
     statistics of :func:`block_statistics` (``stats``, ``per_block``, ``shape``: the blocks' grid) and each
     block's ``log2_scales`` (None where there is no scale per block).  For ``plot staircase`` / ``plot ste``:
     ``yu``, the op's outputs in the same units (the element values of its codes), and ``gradient``, the op's own
-    gradient as a function of the upstream gradient (None where the family gives none)."""
+    gradient as a function of the upstream gradient (None where the family gives none); ``scale`` and ``zero``,
+    each element's block scale and zero point (shaped like ``x``: ``x = (u - zero) * scale``), for the staircase
+    of a block in the data's own units (None where the family gives none)."""
 
     op: str
     title: str
@@ -251,10 +258,12 @@ class BlockView(NamedTuple):
     log2_scales: Any = None
     yu: Any = None
     gradient: Any = None
+    scale: Any = None
+    zero: Any = None
 
 
 def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scales=None, saturated=None, yu=None,
-               gradient=None):
+               gradient=None, scale=None, zero=0.0):
     """A :class:`BlockView`; ``axis`` None: the tensor is one block; ``log2_scales`` and ``saturated`` shaped
     like the scales (the block axis in its place), put in the order of :func:`block_statistics`' blocks."""
     x = np.asarray(x, np.float32)
@@ -273,7 +282,9 @@ def block_view(op, title, unit, x, y, u, levels, block_size, axis, *, log2_scale
         stats, per_block, shape = block_statistics(x, y, block_size, axis=axis, saturated=saturated)
     return BlockView(op, title, unit, x, y, np.asarray(u, np.float64), np.asarray(levels, np.float64),
                      int(block_size if axis is not None else max(1, x.size)), axis, stats, per_block, shape,
-                     ordered(log2_scales), None if yu is None else np.asarray(yu, np.float64), gradient)
+                     ordered(log2_scales), None if yu is None else np.asarray(yu, np.float64), gradient,
+                     None if scale is None else np.broadcast_to(np.asarray(scale, np.float64), x.shape),
+                     None if scale is None else np.broadcast_to(np.asarray(zero, np.float64), x.shape))
 
 
 # --- the summary -------------------------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def block_view(formats, operands):
     return bf.block_view("mx", f"MX {f['format']}, scale mode {f['scale_mode']}, blocks of {bs} along axis "
                          f"{f['axis']}", "x / block scale 2^(E8M0 - 127)", x, res.outputs, u,
                          ops.element_values(f["format"]), bs, axis, log2_scales=log2,
-                         saturated=saturated_scales(res.scales, f), yu=yu, gradient=gradient)
+                         saturated=saturated_scales(res.scales, f), yu=yu, gradient=gradient, scale=scales)
 
 
 def report_analysis(formats, operands=None, inputs=None):

@@ -151,7 +151,8 @@ def block_view(formats, operands):
     t = 1.0 if res.tensor_scale is None else float(res.tensor_scale)
     scale = np.asarray(res.block_scales).astype(np.float64) * t
     with np.errstate(all="ignore"):
-        u = x / np.repeat(scale, BLOCK_SIZE, axis=axis)
+        element_scales = np.repeat(scale, BLOCK_SIZE, axis=axis)
+        u = x / element_scales
         log2 = np.log2(scale)
     q = np.asarray(res.quantized)  # fp4 e2m1 codes: the sign bit 8, the magnitude 0..7
     yu = np.where(q & 8, -1.0, 1.0) * _FP4_VALUES[q & 7]
@@ -164,7 +165,7 @@ def block_view(formats, operands):
                          "x / (E4M3 block scale x tensor scale)", x, res.outputs, u, element_values("mxfp4"),
                          BLOCK_SIZE, axis, log2_scales=log2,
                          saturated=saturated_scales(res.block_scales, res.tensor_scale is not None),
-                         yu=yu, gradient=gradient)
+                         yu=yu, gradient=gradient, scale=element_scales)
 
 
 def report_analysis(formats, operands=None, inputs=None):

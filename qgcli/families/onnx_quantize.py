@@ -81,9 +81,17 @@ def _group_formats(attrs):
             raise ValueError(f"{name}={a[name]!r} is not an integer")
     if "saturate" in a and not is_bool(a["saturate"]):
         raise ValueError(f"saturate={a['saturate']!r} is not a boolean")
-    return {"semantics": "onnx", "dtype": None if dtype is None else str(dtype).lower().replace("_", ""),
-            "axis": int(a.get("axis", 1)), "block_size": int(a.get("block_size", 0)),
-            "saturate": bool(a.get("saturate", True)), "estimator": "ste"}
+    dtype = None if dtype is None else str(dtype).lower().replace("_", "")
+    # The group's own gradient: the identity (ModelOpt pass_through_bwd=True, torchao), or masked-ste where it
+    # says so (integer types; with the type from the zero point, checked when the group runs)
+    estimator = a.get("estimator", "ste")
+    if estimator not in ("ste", "masked-ste"):
+        raise ValueError(f"estimator={estimator!r} is not ste or masked-ste")
+    if estimator == "masked-ste" and dtype is not None and dtype not in INTEGER_TYPES:
+        raise ValueError(f"estimator='masked-ste' is for the integer types, not {dtype}")
+    return {"semantics": "onnx", "dtype": dtype, "axis": int(a.get("axis", 1)),
+            "block_size": int(a.get("block_size", 0)), "saturate": bool(a.get("saturate", True)),
+            "estimator": estimator}
 
 
 group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
@@ -212,6 +220,8 @@ def block_view(formats, operands):
     one block."""
     f = formats
     x, y_scale, zp, dtype, _ = load(operands, f)
+    if f.get("estimator") == "masked-ste" and dtype not in ops.INTEGER_TYPES:
+        raise OperandError(f"masked-ste is for the integer types, not {dtype}", operand="estimator")
     kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
     res = ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
     sb, zb = ops.broadcast_qparams(np.shape(x), y_scale, zp, **kw)
@@ -221,7 +231,9 @@ def block_view(formats, operands):
     blocked = _whole_blocks(np.shape(x), y_scale, f)
     axis = f["axis"] % x.ndim if blocked else None
     where = (f"blocks of {f['block_size']} along axis {f['axis']}" if blocked else
-             "per tensor" if np.size(y_scale) == 1 else f"per axis {f['axis']}")
+             "per tensor" if np.size(y_scale) == 1 else
+             f"blocks of {f['block_size']} along axis {f['axis']}, the last one partial: drawn as one block"
+             if f["block_size"] else f"per axis {f['axis']}")
     unit = "x / y_scale" + ("" if dtype in ops.FLOAT_TYPES else " + y_zero_point")
 
     def gradient(dy):
@@ -231,7 +243,7 @@ def block_view(formats, operands):
     return bf.block_view("QuantizeLinear", f"ONNX QuantizeLinear {dtype}, {where}", unit, x, res.outputs, u,
                          ops.grid_values(dtype), f["block_size"], axis,
                          log2_scales=log2 if blocked else log2.reshape(-1),
-                         yu=np.asarray(res.quantized).astype(np.float64), gradient=gradient)
+                         yu=np.asarray(res.quantized).astype(np.float64), gradient=gradient, scale=sb, zero=zb)
 
 
 def report_analysis(formats, operands, inputs=None):

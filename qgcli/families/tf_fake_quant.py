@@ -307,17 +307,19 @@ def big_output(job, variant):
 def block_summary(job, operands, datasets, setup, small, notes):
     """The summary of a job computed block by block (:func:`block_setup`; ``small``: the per-channel outputs)."""
     x_ds = datasets["inputs"]
+    n = int(np.prod(x_ds.shape, dtype=np.int64))
+    nan, pos, neg = setup.get("nonfinite", (0, 0, 0))
     outputs = {big_output(job, setup["variant"]): {"shape": list(x_ds.shape), "dtype": "float32"}}
     outputs.update({k: {"shape": list(np.shape(v)), "dtype": "float32"} for k, v in small.items()})
     return json_safe({
         "command": job.command, "op": setup["op"], "variant": setup["variant"], "attributes": setup["attrs"],
         "inputs": {n: {"shape": list(ds.shape), "dtype": str(ds.dtype), "source": operands.sources.get(n, n)}
                    for n, ds in datasets.items()},
-        "grid": grid_summary(setup["grid"]), "statistics": None, "outputs": outputs,
-        "output": job.output.destination,
-        "notes": list(notes) + range_warnings(setup["grid"]) + nonfinite_note(
-            int(np.prod(x_ds.shape, dtype=np.int64)), *setup.get("nonfinite", (0, 0, 0)), setup["grid"],
-            setup["variant"]),
+        # what the blocks counted as they were read, as in memory (the clipped shares are not computed)
+        "grid": grid_summary(setup["grid"]), "statistics": {"elements": n, "nan": nan / n if n else 0.0},
+        "outputs": outputs, "output": job.output.destination,
+        "notes": list(notes) + range_warnings(setup["grid"]) + nonfinite_note(n, nan, pos, neg, setup["grid"],
+                                                                             setup["variant"]),
     })
 
 
@@ -426,7 +428,7 @@ def render(console, s):
     else:
         rows = [["range", *(_fmt(grid[k]) for k in keys)]]
     print_table(console, cols, rows, hint="--json for every value")
-    if stats is not None:
+    if stats is not None and "clipped_below" in stats:  # streamed from disk: no clipped shares
         line = f"clipped below {percent(stats['clipped_below'])}, above {percent(stats['clipped_above'])}"
         if "gradient_blocked" in stats:
             line += f"; gradient mass blocked by the STE mask {percent(stats['gradient_blocked'])}"

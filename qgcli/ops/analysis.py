@@ -23,8 +23,9 @@ def add_nonfinite(counts, x):
     place), as a tensor streamed from disk is read.  One summing pass over a block whose values are all finite
     (their float32 sum is then finite, or overflows and the block is counted exactly); the elementwise count
     only for a block that holds some."""
-    if x.size == 0 or np.isfinite(np.add.reduce(x, axis=None)):
-        return counts
+    with np.errstate(over="ignore", invalid="ignore"):  # inf - inf, or a sum past float32: no warning
+        if x.size == 0 or np.isfinite(np.add.reduce(x, axis=None)):
+            return counts
     counts[0] += int(np.count_nonzero(np.isnan(x)))
     counts[1] += int(np.count_nonzero(x == np.inf))
     counts[2] += int(np.count_nonzero(x == -np.inf))

@@ -56,15 +56,20 @@ def _flush_width(levels):
     return float(levels[levels > 0].min()) / 2
 
 
+def _by_block(view, values):
+    """``values`` (shaped like the view's tensor) as ``[blocks, block size]``, in the order of the scales."""
+    u = np.asarray(values)
+    u = u if view.axis is None else np.moveaxis(u, view.axis, -1)
+    return u.reshape(-1, view.block_size)
+
+
 def _block_values(view, block, values=None):
     """The inputs (in grid units) of block ``block`` of the view (or ``values``, shaped like them)."""
     n = view.stats["blocks"]
     if not 0 <= block < n:
         raise OperandError(f"block {block} is out of range: the tensor has {counted(n, 'block', thousands=True)} "
                            f"(0..{n - 1}, in the order of the scales, block axis last)", operand="--channel")
-    u = view.u if values is None else np.asarray(values)
-    u = u if view.axis is None else np.moveaxis(u, view.axis, -1)
-    return u.reshape(-1, view.block_size)[block]
+    return _by_block(view, view.u if values is None else values)[block]
 
 
 def _summary_note(view):
@@ -359,18 +364,104 @@ def _block_title(view, what, channel):
     return f"{what}{where}{every}\n{view.title}"
 
 
-def staircase(view, *, channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=4.8):
+def chosen_blocks(view, channel=None):
+    """``[(block, why)]``: the blocks whose staircase :func:`staircase` draws in the data's own units: block
+    ``channel``; else the block with the largest finite ``|x|`` and the one with the worst SQNR (one entry when
+    they are the same block; no worst block when every block is exact).
+
+    >>> from qgcli.families.block_formats import block_view
+    >>> x = np.array([[0.1, 0.3, 2.0, 6.5]], np.float32)
+    >>> v = block_view("demo", "demo", "x", x, np.array([[0.0, 0.5, 2.0, 6.0]], np.float32), x,
+    ...                [0, 0.5, 1, 2, 4, 6], 2, 1, scale=1.0)
+    >>> chosen_blocks(v)
+    [(1, 'largest |x|: 6.5'), (0, 'worst SQNR: 3.01 dB')]
+    """
+    if channel is not None or view.stats["blocks"] == 1:
+        return [(0 if channel is None else int(channel), "")]
+    with np.errstate(invalid="ignore"):
+        mag = np.abs(_by_block(view, view.x).astype(np.float64))
+    mag = np.where(np.isfinite(mag), mag, -1.0).max(axis=1)
+    sqnr = np.asarray(view.per_block["sqnr_db"], np.float64)
+    out = []
+    if mag.size and mag.max() >= 0:
+        out.append([int(mag.argmax()), [f"largest |x|: {mag.max():.4g}"]])
+    scored = np.where(np.isnan(sqnr), np.inf, sqnr)
+    if scored.size and np.isfinite(scored.min()):
+        worst = int(scored.argmin())
+        why = f"worst SQNR: {scored[worst]:.2f} dB"
+        if out and out[0][0] == worst:
+            out[0][1].append(why)
+        else:
+            out.append([worst, [why]])
+    return [(b, ", ".join(why)) for b, why in out]
+
+
+def _block_affine(view, block):
+    """``(scale, zero)`` of block ``block`` when the whole block has one finite positive scale, else None (a
+    tensor drawn as one block with a scale per channel, a NaN scale)."""
+    if view.scale is None:
+        return None
+    s, z = _block_values(view, block, view.scale), _block_values(view, block, view.zero)
+    if not s.size or not (s == s[0]).all() or not (z == z[0]).all() or not (np.isfinite(s[0]) and s[0] > 0):
+        return None
+    return float(s[0]), float(z[0])
+
+
+def _data_units_axes(ax, view, block, why, max_points):
+    """Block ``block``'s staircase in the data's own units on ``ax``: its inputs and the op's outputs as points,
+    the element grid's step function times the block's scale (the zero point subtracted first) under them.
+    Returns ``(a summary of what was drawn, legend handles)``."""
+    scale, zero = _block_affine(view, block)
+    x, y = (np.asarray(_block_values(view, block, a), np.float64) for a in (view.x, view.y))
+    u, yu = (_block_values(view, block, a) for a in (_grid_inputs(view), view.yu))
+    idx = subsample(x, y, max_points=max_points)
+    step = element_step(view.levels, u, yu)
+    (points,) = ax.plot(x[idx], y[idx], ls="none", marker="+", ms=5, color=C_OUTPUTS, gid="block_outputs",
+                        label="the block's inputs -> outputs")
+    handles = [points]
+    if step is not None:
+        xs, ys = ((v - zero) * scale for v in step)
+        (line,) = ax.plot(xs, ys, ls="-", lw=1.0, color="0.35", gid="block_step", zorder=1,
+                          label="element values x the block's scale")
+        handles.append(line)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.grid(True, alpha=0.5)
+    ax.set_xlabel("inputs", fontsize=8)
+    ax.tick_params(labelsize=7)
+    head = ("the tensor" if view.stats["blocks"] == 1 else f"block {block}") + ", in the data's units"
+    tail = f"\nscale {scale:.4g}" + (f", zero point {zero:g}" if zero else "")
+    ax.set_title(head + (f"\n{why}" if why else "") + tail, fontsize=8)
+    return {"block": block, "why": why, "scale": scale, "zero": zero, "points": int(idx.size),
+            "step_drawn": step is not None}, handles
+
+
+def staircase(view, *, channel=None, max_points=DEFAULT_MAX_POINTS, title=None, width=6.4, height=None):
     """The quantization staircase of a block format, in its element grid's units (each input divided by its
     block's scale, plus the zero point: every block on one grid), ``channel``: block K only.  The op's outputs
-    are points; the element grid's exact step function is drawn under them when every point is on it."""
+    are points; the element grid's exact step function is drawn under them when every point is on it.  Below,
+    in the data's own units, the blocks of :func:`chosen_blocks` (the one with the largest ``|x|`` and the worst
+    by SQNR, or block K): their inputs and outputs as points over the element values times the block's scale."""
     u, yu = _block_view_arrays(view, channel, _grid_inputs(view), view.yu)
-    fig = new_figure(width, height)
-    ax = fig.add_subplot()
+    blocks = [(b, why) for b, why in chosen_blocks(view, channel) if _block_affine(view, b) is not None]
+    fig = new_figure(width, height if height is not None else (8.2 if blocks else 4.8))
+    rows = fig.add_gridspec(2 if blocks else 1, 1, height_ratios=[3, 2] if blocks else [1], hspace=0.35)
+    ax = fig.add_subplot(rows[0])
     idx, handles, note, step = _element_staircase_axes(ax, view, u, yu, max_points)
+    drawn = []
+    if blocks:
+        cells = rows[1].subgridspec(1, len(blocks), wspace=0.3)
+        for k, (block, why) in enumerate(blocks):
+            a = fig.add_subplot(cells[k])
+            done, more = _data_units_axes(a, view, block, why, max_points)
+            drawn.append(done)
+            if k == 0:
+                a.set_ylabel("outputs", fontsize=8)
+                handles += more
     _figure_legend(fig, handles, note + "\n" + _summary_note(view))
     ax.set_title(_wrapped(fig, title if title is not None else _block_title(view, "Quantization staircase",
                                                                              channel), 9), fontsize=9)
-    fig.qgcli_summary = _step_summary("staircase", view, channel, u, idx, step)
+    fig.qgcli_summary = {**_step_summary("staircase", view, channel, u, idx, step), "data_units": drawn}
     return fig
 
 

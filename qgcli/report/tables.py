@@ -301,43 +301,44 @@ def _print_blocks(console, cols, rows, styles, shown):
             console.print()
         head = (Text(f"{cols[shown[0]].name} ") if cols[shown[0]].prefix else Text()) + r[shown[0]]
         console.print(head, style=style or "bold", soft_wrap=True)
-        for i in shown[1:]:
-            line = Text(f"  {cols[i].name.ljust(label_width)}  ") + r[i]
-            console.print(line, style=style, soft_wrap=True)
+        for i in shown[1:]:  # a long value wrapped between its items, under its own first character
+            name = f"  {cols[i].name.ljust(label_width)}  "
+            print_items(console, Text(name) + r[i], style=style, indent=len(name))
 
 
-def print_lines(console, lines):
+def print_lines(console, lines, *, indent=0):
     """:func:`print_items` of each of ``lines`` (plain text, not markup), the same bytes; off a terminal written
     straight to the console's file in large blocks, as :func:`_write_plain` writes a table: a rich line costs
     ~0.1 ms, and an inspect of 20,000 groups prints a line per group.  Lines with a tab (which rich expands)
     go through rich."""
     if not plain(console) or console.record or any("\t" in text for text in lines):
         for text in lines:
-            print_items(console, text, markup=False)
+            print_items(console, text, markup=False, indent=indent)
         return
     for start in range(0, len(lines), 4096):
         console.file.write("".join(text + "\n" for text in lines[start:start + 4096]))
 
 
-def print_items(console, text, *, style=None, markup=True, soft_wrap=None):
+def print_items(console, text, *, style=None, markup=True, soft_wrap=None, indent=0):
     """A long line: full length off a terminal; on a terminal wrapped only between items (``; `` and ``, ``
-    separated parts stay whole where they fit), never inside a number or a name.  ``text`` is rich markup
-    (file strings in it escaped with :func:`qgcli.report.text.markup`) unless ``markup=False``; ``soft_wrap`` is
-    accepted for ``console.print`` compatibility and ignored."""
+    separated parts stay whole where they fit), never inside a number or a name, the lines after the first
+    ``indent`` spaces in.  ``text`` is rich markup (file strings in it escaped with
+    :func:`qgcli.report.text.markup`) unless ``markup=False``, or a rich Text; ``soft_wrap`` is accepted for
+    ``console.print`` compatibility and ignored."""
     from rich.text import Text
 
-    line = Text.from_markup(text) if markup else Text(text)
+    line = text.copy() if isinstance(text, Text) else Text.from_markup(text) if markup else Text(text)
     if style:
         line.stylize(style)
     if plain(console) or line.cell_len <= console.width:
         console.print(line, soft_wrap=True)
         return
-    width = console.width
+    width = console.width - indent  # every line but the first has the indent before it
     plain_text = line.plain
-    # Break points outside brackets only ("[4, 8, 8, 16]", "(ch 3 59.0%, ...)" stay whole): after two spaces,
-    # then within a part too long for a line after "; ", then ", ", then any space; a word longer than a line
-    # goes whole (the terminal wraps it, nothing is cut).
-    depth, breaks = 0, {"  ": [], "; ": [], ", ": [], " ": []}
+    # Break points outside brackets ("[4, 8, 8, 16]", "(ch 3 59.0%, ...)" stay whole): after two spaces,
+    # then within a part too long for a line after "; ", then ", ", then any space, then after ", " inside
+    # brackets; a word longer than a line goes whole (the terminal wraps it, nothing is cut).
+    depth, breaks = 0, {"  ": [], "; ": [], ", ": [], " ": [], "(, ": []}
     for k, c in enumerate(plain_text):
         if c in "([{":
             depth += 1
@@ -347,7 +348,10 @@ def print_items(console, text, *, style=None, markup=True, soft_wrap=None):
             breaks[" "].append(k + 1)
             if k and plain_text[k - 1] in ";, ":
                 breaks[plain_text[k - 1] + " "].append(k + 1)
-    seps = ("  ", "; ", ", ", " ")  # two spaces part a heading from its list
+        elif c == " " and k and plain_text[k - 1] == ",":
+            breaks["(, "].append(k + 1)
+    # two spaces part a heading from its list; last, ", " inside brackets, for a bracketed list longer than a line
+    seps = ("  ", "; ", ", ", " ", "(, ")
 
     def split(a, b, level):  # the parts of [a, b) at seps[level], the parts too long split at the next level
         ends = [k for k in breaks[seps[level]] if a < k < b] + [b]
@@ -364,14 +368,14 @@ def print_items(console, text, *, style=None, markup=True, soft_wrap=None):
     for a, b in pieces:
         if cur is None:
             cur = [a, b]
-        elif len(plain_text[cur[0]:b].rstrip()) <= width:
+        elif len(plain_text[cur[0]:b].rstrip()) <= width + (0 if out else indent):
             cur[1] = b
         else:
             out.append(cur)
             cur = [a, b]
     if cur is not None:
         out.append(cur)
-    for a, b in out:
+    for k, (a, b) in enumerate(out):
         part = line[a:b]
         part.rstrip()
-        console.print(part, soft_wrap=True)
+        console.print(Text(" " * indent) + part if k and indent else part, soft_wrap=True)

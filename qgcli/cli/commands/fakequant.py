@@ -99,7 +99,8 @@ Examples:
 """
 
 
-@click.command("fakequant", epilog=_FQ_EPILOG, short_help="TF fake-quant forward (Args/Vars/PerChannel), bit-exact.")
+@click.command("fakequant", epilog=_FQ_EPILOG, short_help="Fake quant, bit for bit: TF (Args/Vars/PerChannel, QDQ, "
+               "QuantizeV2), PyTorch, torchao, MX, NVFP4, ONNX.")
 @operand_group(
     bundle_argument(),
     spec_option("inputs", "Tensor to fake-quantize (TF operand 'inputs')."),
@@ -136,7 +137,9 @@ def fakequant(operands, attributes, quantize, qdq, semantics, torchao, formats, 
                   formats=formats))
 
 
-@click.command("fakequant-grad", epilog=_FQG_EPILOG, short_help="TF fake-quant gradients (STE masks, min/max sums).")
+@click.command("fakequant-grad", epilog=_FQG_EPILOG,
+               short_help="Fake-quant gradients (STE masks, range sums, estimators): "
+                          "TF, QDQ, QuantizeV2, PyTorch, torchao, MX, NVFP4, ONNX.")
 @operand_group(
     bundle_argument(),
     spec_option("gradients", "Upstream gradient (TF operand 'gradients')."),

@@ -528,7 +528,7 @@ def render_inspect(console, doc):
             print_table(console, cols, rows, styles=styles, choice=True)
         # Plain text, not markup: names escaped one by one still form a tag together ("[" + "/  (]").
         print_lines(console, [f"  group {g['path']}/" + (f"  ({_attr_text(g['attributes'])})" if g["attributes"] else "")
-                              for g in f["groups"] if g["path"] != "/"])
+                              for g in f["groups"] if g["path"] != "/"], indent=4)
         for lk in f["links"]:
             how = {"external": "not followed", "soft": "not followed", "hard": "listed once"}.get(lk["kind"], "not a tensor")
             print_items(console, f"  {lk['kind']} link {lk['path']} -> {lk['target']} ({how})", markup=False)

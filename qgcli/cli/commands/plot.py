@@ -426,14 +426,16 @@ Example:
 @_block_options_of_quantize
 @_MAX_POINTS
 @_LAYER
-@_figure_options(6.4, 4.8)
+@_figure_options(6.4, None, "4.8; 8.2 for a block format, its blocks in the data's units below")
 def staircase(operands, attributes, channel, quantize, qdq, semantics, formats, max_points, layer, figure):
     """Inputs vs fake-quantized outputs: the quantization staircase.
 
     Axes through 0, grid, the raw (dashed) and nudged (dotted) bounds and the quantization levels
     marked; the title gives num_bits and the nudged range. With --semantics mx / nvfp4 / onnx, the block
     format's element grid: each input divided by its block's scale (plus the zero point) against its output in
-    the same units, every block on one grid, the grid's step function under them.
+    the same units, every block on one grid, the grid's step function under them; below, in the data's own
+    units, the block with the largest |x| and the worst block by SQNR (--channel K: block K), their element
+    values times the block's scale.
     """
     if semantics != "tf":
         return _block_staircase("plot staircase", operands, attributes, semantics, formats, quantize, qdq, channel,
@@ -445,7 +447,8 @@ def staircase(operands, attributes, channel, quantize, qdq, semantics, formats, 
         x, mn, mx, var, qdq_attrs = _load_staircase(operands, attributes, channel, quantize, qdq)
         (x,) = on_device(x)
         return plots.staircase(x, mn, mx, max_points=max_points,
-                               **_view_kwargs(attributes, var, channel, figure, quantize, qdq_attrs))
+                               **_view_kwargs(attributes, var, channel, figure._replace(height=figure.height or 4.8),
+                                              quantize, qdq_attrs))
 
     _refuse_qdq_options(attributes, qdq)
     _run("plot staircase", operands, figure, draw, layer=layer,

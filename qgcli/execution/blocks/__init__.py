@@ -52,6 +52,7 @@ def stream(runner, job, operands, datasets, budget):
             return {}
     else:
         small_in = setup["small_in"]
+        setup["nonfinite"] = [0, 0, 0]  # x_backprop's NaN, +inf, -inf, counted as its blocks are written
         passes = 2 if setup["is_training"] else 1  # inference: x_backprop does not wait for the sums
         how = "in two passes" if passes == 2 else "in one pass"
 
@@ -60,7 +61,7 @@ def stream(runner, job, operands, datasets, budget):
                 datasets["y_backprop"], datasets["x"], small_in["scale"], small_in["reserve_space_1"],
                 small_in["reserve_space_2"], out, epsilon=setup["epsilon"], data_format=setup["data_format"],
                 is_training=setup["is_training"], variance_kind=setup["variance_kind"], attrs=attrs,
-                compression=compression, budget=budget, progress=advance)
+                compression=compression, budget=budget, progress=advance, nonfinite=setup["nonfinite"])
             small.update(setup["extra_outputs"])
             return small
 

@@ -257,12 +257,15 @@ def _read_float(read, start, stop):
 
 
 def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, out, *, epsilon, data_format,
-                        is_training, variance_kind, attrs, compression, budget, progress=None):
+                        is_training, variance_kind, attrs, compression, budget, progress=None, nonfinite=None):
     """FusedBatchNormGrad streamed from HDF5 datasets; ``x_backprop`` goes into ``out``.
 
     Training takes two passes: the per-channel float64 sums, then ``x_backprop`` block by block.  Inference
     takes one (its ``x_backprop`` does not depend on the sums).  Returns the per-channel outputs.
+    ``nonfinite``: a list of three ints that takes ``x_backprop``'s NaN, +inf and -inf counts, block by block
+    as it is written (:func:`qgcli.ops.analysis.add_nonfinite`).
     """
+    nonfinite = [0, 0, 0] if nonfinite is None else nonfinite
     small_in = {"scale": scale, "reserve_space_1": reserve_space_1, "reserve_space_2": reserve_space_2}
     checked = two_pass.checked(y_backprop, x, small_in, epsilon=epsilon, data_format=data_format,
                                variance_kind=variance_kind)
@@ -298,6 +301,7 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
         dx_b = dy_b if dy_b.dtype == out_dtype and dy_b.flags.writeable else np.empty(dy_b.shape, out_dtype)
         if n:
             two_pass.x_backprop(dy_b, x_b, dx_b, coefs, channels_first)
+        add_nonfinite(nonfinite, dx_b)
         output.write(i, dx_b.view(np.uint16) if out_dtype.name == "bfloat16" else dx_b)
         _tick(progress, dy_b.nbytes + x_b.nbytes)
     output.finish()

@@ -204,7 +204,8 @@ def sums_block(work, block):
 
 
 def dx_block(work, block):
-    """Pass 2: this block's chunk of ``x_backprop``, written into the output store."""
+    """Pass 2: this block's chunk of ``x_backprop``, written into the output store; returns
+    ``{"nonfinite": its [NaN, +inf, -inf], "seconds": ...}``."""
     started = time.perf_counter()
     arrays, out = arrays_of(work)
     i0, i1 = block.items
@@ -214,7 +215,8 @@ def dx_block(work, block):
     two_pass.x_backprop(dy, x, dx, work.coefs, work.channels_first)
     computed = time.perf_counter()
     out[i0:i1] = dx.view(np.uint16) if dx.dtype.name == "bfloat16" else dx
-    return {"seconds": _seconds(started, read, computed, time.perf_counter())}
+    return {"nonfinite": add_nonfinite([0, 0, 0], dx), "seconds": _seconds(started, read, computed,
+                                                                           time.perf_counter())}
 
 
 def _two_pass_run(setup, arrays, x, items):
@@ -245,6 +247,7 @@ def _two_pass_run(setup, arrays, x, items):
                                       variance_kind=setup["variance_kind"])
         second = compute_all(dx_block, dataclasses.replace(work, coefs=coefs, out_dtype=out_dtype), blocks)
         small = {**two_pass.small_outputs(coefs, n, checked.channels), **setup["extra_outputs"]}
+        setup["nonfinite"] = [sum(r["nonfinite"][i] for r in second) for i in range(3)]
         return small, first + second, {"count": len(blocks), "passes": 2}
 
     note = f"computed in two passes of {counted(len(blocks), 'block')} of {counted(items, 'row')} of the first axis"
