@@ -234,15 +234,27 @@ def _when_recording(tf, callback, tensors):
     return tf.cond(_flag[0], record, lambda: tf.constant(0, tf.int32))
 
 
+def _after(tf, done, tensor):
+    """``tensor``, made to wait for the tap ``done`` only where nothing else would run it: a graph without
+    automatic control dependencies (TF1's).  Eagerly the tap has run already; in a ``tf.function``, automatic
+    control dependencies run every stateful op (each tap's ``tf.cond`` holds one), those without a resource input
+    one after the other in the order they were made (a group's backward taps after its forward one), and the
+    function returns once they are done (before the step's commit).  So the step does not wait for each
+    callback: the callbacks copy their arrays into the writer's ring and write them beside the rest of the step,
+    where a core is free."""
+    if tf.executing_eagerly() or getattr(tf.compat.v1.get_default_graph(), "_add_control_dependencies", False):
+        return tensor
+    with tf.control_dependencies([done]):
+        return tf.identity(tensor)
+
+
 def _tap(tf, tensor, on_gradient):
-    """``tensor`` through an identity whose gradient hands ``dy`` to ``on_gradient(dy)`` (a tensor that the
-    returned gradient then depends on)."""
+    """``tensor`` through an identity whose gradient hands ``dy`` to ``on_gradient(dy)`` (a tap: see
+    :func:`_after`)."""
     @tf.custom_gradient
     def identity(t):
         def grad(dy):
-            done = on_gradient(dy)
-            with tf.control_dependencies([done]):
-                return tf.identity(dy)
+            return _after(tf, on_gradient(dy), tf.identity(dy))
         return tf.identity(t), grad
 
     return identity(tensor)
@@ -344,9 +356,7 @@ def _fake_quant_wrapper(tf, op, original):
 
         a["inputs"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
         out = original(**a)
-        done = _when_recording(tf, _forward(site, write_forward), lambda: [x, out] + bounds)
-        with tf.control_dependencies([done]):
-            out = tf.identity(out)
+        out = _after(tf, _when_recording(tf, _forward(site, write_forward), lambda: [x, out] + bounds), out)
         return _tap(tf, out, record_dy)
 
     wrapper.__wrapped__ = original
@@ -406,12 +416,12 @@ def _batch_norm_wrapper(tf, original):
                                                epsilon=epsilon, exponential_avg_factor=1.0, data_format=fmt,
                                                is_training=True)
 
-        def write_forward(cap, group, x, scale, rs1, rs2, rs3, y, y_rerun):
+        def write_forward(cap, group, x, scale, rs1, rs2, rs3, *rerun):
             operands = {"x": x, "scale": scale, "reserve_space_1": rs1, "reserve_space_2": rs2}
             if rs3.size:
                 operands["reserve_space_3"] = rs3
             group.put(operands)
-            if not np.array_equal(y, y_rerun):
+            if rerun and not np.array_equal(*rerun):  # (the step's y, the rerun's)
                 group.note = "the step's output differs from FusedBatchNormV3 rerun on the stored x"
                 group.set_attrs(note=group.note)
             if cap.writer.backward:
@@ -430,27 +440,46 @@ def _batch_norm_wrapper(tf, original):
                 previous = getattr(group, "note", None)
                 group.set_attrs(note=f"{previous}; {note}" if previous else note)
 
-        def record_dy(dy):
-            fwd = rerun()
-            grad = tf.raw_ops.FusedBatchNormGradV3(
-                y_backprop=dy, x=x, scale=scale, reserve_space_1=fwd.reserve_space_1,
-                reserve_space_2=fwd.reserve_space_2, reserve_space_3=fwd.reserve_space_3, epsilon=epsilon,
-                data_format=fmt, is_training=True)
-            return [dy, grad.x_backprop, grad.scale_backprop, grad.offset_backprop]
-
         a["x"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
         y, mean, variance = original(**a)
+        own = _reserve_spaces(tf, y, epsilon, fmt)
 
-        def forward_tensors():
+        def reserve_spaces():  # the step's own (traced), or those of a rerun (eager: the op is gone)
+            return own if own is not None else rerun()[3:]
+
+        def record_dy(dy):
+            rs1, rs2, rs3 = reserve_spaces()
+            grad = tf.raw_ops.FusedBatchNormGradV3(
+                y_backprop=dy, x=x, scale=scale, reserve_space_1=rs1, reserve_space_2=rs2, reserve_space_3=rs3,
+                epsilon=epsilon, data_format=fmt, is_training=True)
+            return [dy, grad.x_backprop, grad.scale_backprop, grad.offset_backprop]
+
+        def forward_tensors():  # a rerun's output is checked against the step's
+            if own is not None:
+                return [x, scale, *own]
             fwd = rerun()
             return [x, scale, fwd.reserve_space_1, fwd.reserve_space_2, fwd.reserve_space_3, y, fwd.y]
 
-        done = _when_recording(tf, _forward(site, write_forward), forward_tensors)
-        with tf.control_dependencies([done]):
-            y = tf.identity(y)
+        y = _after(tf, _when_recording(tf, _forward(site, write_forward), forward_tensors), y)
         y = _tap(tf, y, lambda dy: _when_recording(tf, _backward(site, write_backward), lambda: record_dy(dy)))
         return y, mean, variance
 
     wrapper.__wrapped__ = original
     return _plain_python(tf, wrapper)
 
+
+def _reserve_spaces(tf, y, epsilon, fmt):
+    """In a graph being traced, the reserve spaces of the ``FusedBatchNormV3`` op that made ``y`` (the batch mean
+    and variance its gradient reads, whatever its running averages), so that the taps need not rerun the op on
+    ``x`` twice (forward and backward) for them; None eagerly (the op is not kept) or for another op."""
+    if tf.executing_eagerly():
+        return None
+    op = getattr(y, "op", None)
+    if op is None or op.type != "FusedBatchNormV3" or len(op.outputs) != 6:
+        return None
+    try:
+        same = (op.get_attr("is_training") and op.get_attr("data_format").decode() == fmt
+                and np.float32(op.get_attr("epsilon")) == np.float32(epsilon))
+    except (ValueError, AttributeError):
+        return None
+    return list(op.outputs[3:]) if same else None
