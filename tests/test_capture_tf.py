@@ -248,7 +248,8 @@ def _ops_of_type(concrete, op_type):
 def test_a_traced_batch_norm_is_not_rerun_for_its_taps(tmp_path, runner):
     """Traced, a batch norm's taps store the reserve spaces of the step's own FusedBatchNormV3 (what its gradient
     reads) and give them to the reference gradient kernel: no rerun of the op on x (two per batch norm before,
-    one in the forward tap, one in the backward); verify still passes."""
+    one in the forward tap, one in the backward); two taps (two tf.conds), not three (the input-gradient check,
+    eager only); verify still passes."""
     rng = np.random.default_rng(2)
     x = tf.constant(rng.standard_normal((4, 3, 3, 5)).astype(np.float32))
     gamma, beta = tf.Variable(np.full(5, 1.5, np.float32)), tf.Variable(np.zeros(5, np.float32))
@@ -266,7 +267,9 @@ def test_a_traced_batch_norm_is_not_rerun_for_its_taps(tmp_path, runner):
     with capture(path, step=0) as cap:
         step(x)
     assert cap.groups == ["batch_norm"]
-    assert _ops_of_type(step.get_concrete_function(x), "FusedBatchNormV3") == 1
+    concrete = step.get_concrete_function(x)
+    assert _ops_of_type(concrete, "FusedBatchNormV3") == 1
+    assert _ops_of_type(concrete, "If") + _ops_of_type(concrete, "StatelessIf") == 2
     r = runner.invoke(main, ["verify", path, "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["failed"] == 0

@@ -218,10 +218,17 @@ def _recording():
 
 
 class _Site:
-    """One wrapped call as traced (eager: each call is its own site): its name and what its callbacks write."""
+    """One wrapped call as traced (eager: each call is its own site): its name and what its callbacks write.
 
-    def __init__(self, name, leaf, op, attrs, weight):
+    ``check_dx``: whether a third tap, on the op's input, compares the step's own input gradient with the
+    reference kernel's (a group ``note`` when they differ).  Eagerly only: in a traced step the reference is
+    the gradient TF registers for the op (the same kernel on the same tensors: for a batch norm, the reserve
+    spaces of the step's own op, :func:`_reserve_spaces`), and each tap costs the trace a ``tf.cond`` (two
+    branch functions, kept by TensorFlow: about 0.3 MB and 25 ms each; a MobileNetV2 has 170 sites)."""
+
+    def __init__(self, name, leaf, op, attrs, weight, check_dx):
         self.name, self.leaf, self.op, self.attrs, self.weight = name, leaf, op, attrs, weight
+        self.check_dx = check_dx
 
 
 def _when_recording(tf, callback, tensors):
@@ -318,7 +325,8 @@ def _fake_quant_wrapper(tf, op, original):
         else:
             a["min"], a["max"] = (tf.cast(tf.convert_to_tensor(a[k]), tf.float32) for k in ("min", "max"))
             bounds = [a["min"], a["max"]]
-        site = _Site(name, "fake_quant", op, attrs, _is_variable(tf, args[0] if args else kwargs.get("inputs")))
+        site = _Site(name, "fake_quant", op, attrs, _is_variable(tf, args[0] if args else kwargs.get("inputs")),
+                     tf.executing_eagerly())
         grad_name = "backprops" if op == "FakeQuantWithMinMaxArgs" else "backprops_wrt_input"
 
         def write_forward(cap, group, x, out, *bounds):
@@ -335,7 +343,8 @@ def _fake_quant_wrapper(tf, op, original):
             group.put({"gradients": dy})
             names = [grad_name] + (["backprop_wrt_min", "backprop_wrt_max"] if len(grads) == 3 else [])
             group.put_reference(dict(zip(names, grads)), digest=_DIGESTED)
-            group.dx = grads[0]  # TF's array (it holds the tensor): compared, not hashed, and dropped
+            if site.check_dx:
+                group.dx = grads[0]  # TF's array (it holds the tensor): compared, not hashed, and dropped
 
         def write_dx(cap, group, dx):  # the step's own input gradient against TF's kernel on the stored operands
             if not _same(group, dx):
@@ -354,7 +363,8 @@ def _fake_quant_wrapper(tf, op, original):
         def record_dy(dy):
             return _when_recording(tf, _backward(site, write_backward), lambda: reference_gradients(dy))
 
-        a["inputs"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
+        if site.check_dx:
+            a["inputs"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
         out = original(**a)
         out = _after(tf, _when_recording(tf, _forward(site, write_forward), lambda: [x, out] + bounds), out)
         return _tap(tf, out, record_dy)
@@ -408,7 +418,7 @@ def _batch_norm_wrapper(tf, original):
         offset = tf.cast(tf.convert_to_tensor(a["offset"]), tf.float32)
         attrs = {"epsilon": float(np.float32(epsilon)), "data_format": fmt, "is_training": True,
                  "variance_kind": "variance", "framework": "tensorflow"}
-        site = _Site(name, "batch_norm", "FusedBatchNormV3", attrs, False)
+        site = _Site(name, "batch_norm", "FusedBatchNormV3", attrs, False, tf.executing_eagerly())
         empty = tf.zeros((0,), tf.float32)
 
         def rerun():  # TF's forward on the same x: its reserve spaces, which the gradient kernel takes
@@ -431,7 +441,8 @@ def _batch_norm_wrapper(tf, original):
         def write_backward(cap, group, dy, dx, dscale, doffset):
             group.put({"y_backprop": dy})
             group.put_reference({"x_backprop": dx, "scale_backprop": dscale, "offset_backprop": doffset})
-            group.dx = dx
+            if site.check_dx:
+                group.dx = dx
             group.done = True
 
         def write_dx(cap, group, dx):
@@ -440,7 +451,8 @@ def _batch_norm_wrapper(tf, original):
                 previous = getattr(group, "note", None)
                 group.set_attrs(note=f"{previous}; {note}" if previous else note)
 
-        a["x"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
+        if site.check_dx:
+            a["x"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
         y, mean, variance = original(**a)
         own = _reserve_spaces(tf, y, epsilon, fmt)
 
