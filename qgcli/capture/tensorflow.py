@@ -38,9 +38,11 @@ How: each wrapped call runs the original op and adds taps to the computation, th
 graph being traced: a ``tf.numpy_function`` that receives the operands and the output, and, through a
 ``tf.custom_gradient`` identity on the output, one that receives the upstream gradient ``dy`` together with
 TF's own gradient kernel run on the same tensors (``tf.raw_ops.FakeQuantWithMinMax*Gradient``,
-``FusedBatchNormGradV3`` on the reserve spaces of ``FusedBatchNormV3`` rerun on ``x``): those are the
-reference results (``reference/``).  Each callback writes its arrays to the file at once (TF runs them on its
-own threads, beside the rest of the step).  The taps sit under a ``tf.cond`` on one boolean variable, on only
+``FusedBatchNormGradV3`` on the reserve spaces of the step's own ``FusedBatchNormV3`` when traced, of the op
+rerun on ``x`` eagerly): those are the reference results (``reference/``); eagerly, a third tap on the op's
+input checks the step's own input gradient against the reference.  Each callback hands its arrays to the file
+at once (TF runs them on its own threads); in a ``tf.function`` the step does not wait for them, only the
+function's end does (:func:`_after`).  The taps sit under a ``tf.cond`` on one boolean variable, on only
 while a captured step runs, so a compiled step costs about nothing outside captured steps.  A ``tf.function``
 is traced with the taps only when its first trace happens inside a capture block (``cap.keras_callback()``
 rebuilds ``model.fit``'s train function for that); a graph traced before runs without them.
