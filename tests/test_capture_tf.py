@@ -275,3 +275,29 @@ def test_a_traced_batch_norm_is_not_rerun_for_its_taps(tmp_path, runner):
     assert json.loads(r.stdout)["failed"] == 0
     with h5py.File(path) as f:
         assert "note" not in f["step_000000/batch_norm"].attrs
+
+
+def test_a_traced_forward_under_an_eager_tape_records_its_gradients(tmp_path, runner):
+    """The backward of a tf.function called under an eager GradientTape is a graph TensorFlow builds without
+    automatic control dependencies: there the backward taps stay control dependencies of the gradient (else
+    nothing would run them) and the group gets its upstream gradient and reference gradients."""
+    x = tf.constant(np.linspace(-2, 2, 24, dtype=np.float32).reshape(4, 6))
+    lo, hi = tf.Variable(-1.0), tf.Variable(1.0)
+
+    @tf.function
+    def forward(x):
+        return tf.quantization.fake_quant_with_min_max_vars(x, lo, hi)
+
+    path = str(tmp_path / "run.h5")
+    with capture(path, step=0) as cap:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(forward(x) * tf.range(24, dtype=tf.float32)[:, None][:4])
+        tape.gradient(loss, [x, lo, hi])
+    assert cap.groups == ["fake_quant"]
+    with h5py.File(path) as f:
+        g = f["step_000000/fake_quant"]
+        assert "gradients" in g and {"backprop_wrt_min", "backprop_wrt_max"} <= set(g["reference"])
+    r = runner.invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["failed"] == 0
