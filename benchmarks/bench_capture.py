@@ -20,8 +20,8 @@ appended to the file the earlier ones made), timing each.  Printed, against the 
 ``--against DIR`` (a checkout of other code, e.g. a worktree of main) compares the two codes in one run on a
 busy machine: three processes (plain steps; captured steps with this checkout's qgcli; with DIR's) built
 once, then stepped in turn, one step each per round for ``--steps`` rounds (the order rotated), so that the
-load of the moment slows them alike; printed: the median wall and CPU time (process, all threads) of each,
-and for TF the goal from h5py writing one captured step's datasets of each file:
+load of the moment slows them alike; printed: the median wall and CPU time (process, all threads; the step's
+thread) of each, and for TF the goal from h5py writing one captured step's datasets of each file:
 
     python benchmarks/bench_capture.py tf --against ../main-worktree --steps 15
 """
@@ -175,13 +175,14 @@ def _loop(framework, mode, path, threads):
             if line.strip() == "end":
                 break
             i = int(line.split()[1])
-            t, c = time.perf_counter(), time.process_time()
+            t, c, m = time.perf_counter(), time.process_time(), time.thread_time()
             if mode == "plain":
                 step()
             else:
                 with cap.step(i):
                     step()
-            print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - c}), flush=True)
+            print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - c,
+                              "thread": time.thread_time() - m}), flush=True)
 
 
 def _against(framework, args, directory):
@@ -220,13 +221,14 @@ def _against(framework, args, directory):
         child.stdin.write("end\n")
         child.stdin.close()
         child.wait()
-    medians = {name: {k: statistics.median(t[k] for t in steps) for k in ("wall", "cpu")}
+    medians = {name: {k: statistics.median(t.get(k, t["cpu"]) for t in steps) for k in ("wall", "cpu", "thread")}
                for name, steps in times.items()}
     plain = medians["plain"]
-    print(f"== {framework}: {args.steps} rounds, one step of each per round (median wall s / CPU s, process)")
+    print(f"== {framework}: {args.steps} rounds, one step of each per round, load {os.getloadavg()[0]:.1f} "
+          "(median wall s / CPU s, process / CPU s, the step's thread)")
     for name, m in medians.items():
-        print(f"{name:20s} {m['wall']:.3f} / {m['cpu']:.3f}  = {m['wall'] / plain['wall']:.2f}x / "
-              f"{m['cpu'] / plain['cpu']:.2f}x plain")
+        print(f"{name:20s} {m['wall']:.3f} / {m['cpu']:.3f} / {m['thread']:.3f}  = {m['wall'] / plain['wall']:.2f}x / "
+              f"{m['cpu'] / plain['cpu']:.2f}x / {m['thread'] / plain['cpu']:.2f}x plain")
     if framework == "tf":
         write = medians["h5py alone"]
         goal = {k: plain[k] + 1.2 * write[k] for k in ("wall", "cpu")}

@@ -3,6 +3,7 @@ calling the ops: a few training steps on data made here, one step captured; ever
 is in the run file, `qgcli verify` passes (fake quant bit-identical with TF's kernels, batch norm within
 1e-5) and the file feeds `report` and `plot layers`."""
 import json
+import threading
 import os
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.keras is tf_keras, as tfmot needs; before TF's import
@@ -201,3 +202,102 @@ def test_the_recording_callbacks_run_unconverted_by_autograph(tmp_path, monkeypa
         assert seen == [0, 0, 0, 0]
     else:
         assert min(seen) > 0
+
+
+def test_a_traced_step_does_not_wait_for_its_forward_callbacks(tmp_path):
+    """Inside a tf.function the rest of the step runs while a tap's callback writes (automatic control
+    dependencies run the taps, in order, and the function returns once they are done): here a forward callback
+    waits until an op downstream of the fake quant's output has run, which it could not if the output waited
+    for the callback (the step then hung until the callback gave up)."""
+    downstream_ran = threading.Event()
+    waited = []
+    x = tf.constant(np.linspace(-2, 2, 24, dtype=np.float32))
+
+    def downstream(v):
+        downstream_ran.set()
+        return v
+
+    @tf.function
+    def step(x):
+        q = tf.quantization.fake_quant_with_min_max_args(x, min=-1.0, max=1.0)
+        return tf.reduce_sum(tf.numpy_function(downstream, [q], tf.float32, stateful=False))
+
+    path = str(tmp_path / "run.h5")
+    with capture(path, step=0) as cap:
+        open_group = cap.writer.open_group
+
+        def slow_open(*args, **kwargs):  # the forward callback, before it writes anything
+            waited.append(downstream_ran.wait(timeout=20))
+            return open_group(*args, **kwargs)
+
+        cap.writer.open_group = slow_open
+        total = float(step(x))
+    assert waited == [True]
+    assert total == pytest.approx(float(tf.reduce_sum(tf.quantization.fake_quant_with_min_max_args(x, -1.0, 1.0))))
+    with h5py.File(path) as f:  # the step's commit waited for the callback's writes
+        np.testing.assert_array_equal(f["step_000000/fake_quant/inputs"][()], x.numpy())
+
+
+def _ops_of_type(concrete, op_type):
+    """The ops of ``op_type`` in a traced function's graph and in every function it calls (the tf.cond branches)."""
+    graph = concrete.graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return sum(n.op == op_type for n in nodes)
+
+
+def test_a_traced_batch_norm_is_not_rerun_for_its_taps(tmp_path, runner):
+    """Traced, a batch norm's taps store the reserve spaces of the step's own FusedBatchNormV3 (what its gradient
+    reads) and give them to the reference gradient kernel: no rerun of the op on x (two per batch norm before,
+    one in the forward tap, one in the backward); two taps (two tf.conds), not three (the input-gradient check,
+    eager only); verify still passes."""
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.standard_normal((4, 3, 3, 5)).astype(np.float32))
+    gamma, beta = tf.Variable(np.full(5, 1.5, np.float32)), tf.Variable(np.zeros(5, np.float32))
+    w = tf.constant(rng.standard_normal((4, 3, 3, 5)).astype(np.float32))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, epsilon=1e-3)
+            loss = tf.reduce_sum(y * w)
+        return tape.gradient(loss, [x, gamma, beta])
+
+    path = str(tmp_path / "run.h5")
+    with capture(path, step=0) as cap:
+        step(x)
+    assert cap.groups == ["batch_norm"]
+    concrete = step.get_concrete_function(x)
+    assert _ops_of_type(concrete, "FusedBatchNormV3") == 1
+    assert _ops_of_type(concrete, "If") + _ops_of_type(concrete, "StatelessIf") == 2
+    r = runner.invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["failed"] == 0
+    with h5py.File(path) as f:
+        assert "note" not in f["step_000000/batch_norm"].attrs
+
+
+def test_a_traced_forward_under_an_eager_tape_records_its_gradients(tmp_path, runner):
+    """The backward of a tf.function called under an eager GradientTape is a graph TensorFlow builds without
+    automatic control dependencies: there the backward taps stay control dependencies of the gradient (else
+    nothing would run them) and the group gets its upstream gradient and reference gradients."""
+    x = tf.constant(np.linspace(-2, 2, 24, dtype=np.float32).reshape(4, 6))
+    lo, hi = tf.Variable(-1.0), tf.Variable(1.0)
+
+    @tf.function
+    def forward(x):
+        return tf.quantization.fake_quant_with_min_max_vars(x, lo, hi)
+
+    path = str(tmp_path / "run.h5")
+    with capture(path, step=0) as cap:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(forward(x) * tf.range(24, dtype=tf.float32)[:, None][:4])
+        tape.gradient(loss, [x, lo, hi])
+    assert cap.groups == ["fake_quant"]
+    with h5py.File(path) as f:
+        g = f["step_000000/fake_quant"]
+        assert "gradients" in g and {"backprop_wrt_min", "backprop_wrt_max"} <= set(g["reference"])
+    r = runner.invoke(main, ["verify", path, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["failed"] == 0

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import h5py
@@ -251,11 +252,19 @@ def test_a_committed_step_hands_freed_heap_memory_back(tmp_path):
     assert before - after > 200, (before, after)  # 36 freed 8 MB copies: 288 MB held, then handed back
 
 
-def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_path):
+@pytest.mark.parametrize("slice_bytes", [None, 5, 16])
+def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_path, slice_bytes, monkeypatch):
     """The bytes of each array reach their offset whatever the ring's state: sizes that wrap the ring with room
-    left at its end, an array as large as the ring, one larger (written by the caller), digests; a write
-    that fails fails the next write and every wait, and stays failed."""
+    left at its end, an array as large as the ring, larger ones (through the ring in slices, their digests
+    hashed slice by slice), slices of 2 (an eighth of the ring), 5 and 16 bytes; only the small array is written
+    by the caller's thread; a write that fails fails the next write and every wait, and stays failed."""
+    from qgcli.capture import background_writes
     from qgcli.capture.background_writes import BackgroundWrites, sha256
+
+    writers = []  # (thread, bytes) of each pwrite
+    pwrite_all = background_writes.pwrite_all
+    monkeypatch.setattr(background_writes, "pwrite_all", lambda fd, data, offset: (
+        writers.append((threading.current_thread(), np.asarray(data).nbytes)), pwrite_all(fd, data, offset))[1])
 
     rng = np.random.default_rng(0)
     sizes = [5, 12, 3, 16, 1, 9, 7, 16, 20, 2, 11, 15, 4]  # bytes, against a 16-byte ring
@@ -264,7 +273,7 @@ def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_
     path = tmp_path / "raw.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        writes = BackgroundWrites(fd, capacity=16, inline_below=2)  # the 1-byte array written by the caller
+        writes = BackgroundWrites(fd, capacity=16, inline_below=2, slice_bytes=slice_bytes)  # 1 byte: the caller's
         offsets, offset, digests = [], 0, []
         for a in arrays:
             offsets.append(offset)
@@ -273,6 +282,8 @@ def test_background_writes_wrap_the_ring_in_order_and_report_a_failed_write(tmp_
             a[:] = 0  # the caller may change its array at once: the bytes were copied
             offset += a.nbytes
         writes.wait()
+        assert [n for thread, n in writers if thread is threading.current_thread()] == [1]
+        assert max(n for _, n in writers) == (slice_bytes or 2)
         data = np.fromfile(path, dtype=np.uint8)
         for start, want, got in zip(offsets, expected, digests):
             assert np.array_equal(data[start:start + want.nbytes], want)

@@ -38,9 +38,11 @@ How: each wrapped call runs the original op and adds taps to the computation, th
 graph being traced: a ``tf.numpy_function`` that receives the operands and the output, and, through a
 ``tf.custom_gradient`` identity on the output, one that receives the upstream gradient ``dy`` together with
 TF's own gradient kernel run on the same tensors (``tf.raw_ops.FakeQuantWithMinMax*Gradient``,
-``FusedBatchNormGradV3`` on the reserve spaces of ``FusedBatchNormV3`` rerun on ``x``): those are the
-reference results (``reference/``).  Each callback writes its arrays to the file at once (TF runs them on its
-own threads, beside the rest of the step).  The taps sit under a ``tf.cond`` on one boolean variable, on only
+``FusedBatchNormGradV3`` on the reserve spaces of the step's own ``FusedBatchNormV3`` when traced, of the op
+rerun on ``x`` eagerly): those are the reference results (``reference/``); eagerly, a third tap on the op's
+input checks the step's own input gradient against the reference.  Each callback hands its arrays to the file
+at once (TF runs them on its own threads); in a ``tf.function`` the step does not wait for them, only the
+function's end does (:func:`_after`).  The taps sit under a ``tf.cond`` on one boolean variable, on only
 while a captured step runs, so a compiled step costs about nothing outside captured steps.  A ``tf.function``
 is traced with the taps only when its first trace happens inside a capture block (``cap.keras_callback()``
 rebuilds ``model.fit``'s train function for that); a graph traced before runs without them.
@@ -218,10 +220,17 @@ def _recording():
 
 
 class _Site:
-    """One wrapped call as traced (eager: each call is its own site): its name and what its callbacks write."""
+    """One wrapped call as traced (eager: each call is its own site): its name and what its callbacks write.
 
-    def __init__(self, name, leaf, op, attrs, weight):
+    ``check_dx``: whether a third tap, on the op's input, compares the step's own input gradient with the
+    reference kernel's (a group ``note`` when they differ).  Eagerly only: in a traced step the reference is
+    the gradient TF registers for the op (the same kernel on the same tensors: for a batch norm, the reserve
+    spaces of the step's own op, :func:`_reserve_spaces`), and each tap costs the trace a ``tf.cond`` (two
+    branch functions, kept by TensorFlow: about 0.3 MB and 25 ms each; a MobileNetV2 has 170 sites)."""
+
+    def __init__(self, name, leaf, op, attrs, weight, check_dx):
         self.name, self.leaf, self.op, self.attrs, self.weight = name, leaf, op, attrs, weight
+        self.check_dx = check_dx
 
 
 def _when_recording(tf, callback, tensors):
@@ -234,15 +243,27 @@ def _when_recording(tf, callback, tensors):
     return tf.cond(_flag[0], record, lambda: tf.constant(0, tf.int32))
 
 
+def _after(tf, done, tensor):
+    """``tensor``, made to wait for the tap ``done`` only where nothing else would run it: a graph without
+    automatic control dependencies (TF1's).  Eagerly the tap has run already; in a ``tf.function``, automatic
+    control dependencies run every stateful op (each tap's ``tf.cond`` holds one), those without a resource input
+    one after the other in the order they were made (a group's backward taps after its forward one), and the
+    function returns once they are done (before the step's commit).  So the step does not wait for each
+    callback: the callbacks copy their arrays into the writer's ring and write them beside the rest of the step,
+    where a core is free."""
+    if tf.executing_eagerly() or getattr(tf.compat.v1.get_default_graph(), "_add_control_dependencies", False):
+        return tensor
+    with tf.control_dependencies([done]):
+        return tf.identity(tensor)
+
+
 def _tap(tf, tensor, on_gradient):
-    """``tensor`` through an identity whose gradient hands ``dy`` to ``on_gradient(dy)`` (a tensor that the
-    returned gradient then depends on)."""
+    """``tensor`` through an identity whose gradient hands ``dy`` to ``on_gradient(dy)`` (a tap: see
+    :func:`_after`)."""
     @tf.custom_gradient
     def identity(t):
         def grad(dy):
-            done = on_gradient(dy)
-            with tf.control_dependencies([done]):
-                return tf.identity(dy)
+            return _after(tf, on_gradient(dy), tf.identity(dy))
         return tf.identity(t), grad
 
     return identity(tensor)
@@ -306,7 +327,8 @@ def _fake_quant_wrapper(tf, op, original):
         else:
             a["min"], a["max"] = (tf.cast(tf.convert_to_tensor(a[k]), tf.float32) for k in ("min", "max"))
             bounds = [a["min"], a["max"]]
-        site = _Site(name, "fake_quant", op, attrs, _is_variable(tf, args[0] if args else kwargs.get("inputs")))
+        site = _Site(name, "fake_quant", op, attrs, _is_variable(tf, args[0] if args else kwargs.get("inputs")),
+                     tf.executing_eagerly())
         grad_name = "backprops" if op == "FakeQuantWithMinMaxArgs" else "backprops_wrt_input"
 
         def write_forward(cap, group, x, out, *bounds):
@@ -323,7 +345,8 @@ def _fake_quant_wrapper(tf, op, original):
             group.put({"gradients": dy})
             names = [grad_name] + (["backprop_wrt_min", "backprop_wrt_max"] if len(grads) == 3 else [])
             group.put_reference(dict(zip(names, grads)), digest=_DIGESTED)
-            group.dx = grads[0]  # TF's array (it holds the tensor): compared, not hashed, and dropped
+            if site.check_dx:
+                group.dx = grads[0]  # TF's array (it holds the tensor): compared, not hashed, and dropped
 
         def write_dx(cap, group, dx):  # the step's own input gradient against TF's kernel on the stored operands
             if not _same(group, dx):
@@ -342,11 +365,10 @@ def _fake_quant_wrapper(tf, op, original):
         def record_dy(dy):
             return _when_recording(tf, _backward(site, write_backward), lambda: reference_gradients(dy))
 
-        a["inputs"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
+        if site.check_dx:
+            a["inputs"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
         out = original(**a)
-        done = _when_recording(tf, _forward(site, write_forward), lambda: [x, out] + bounds)
-        with tf.control_dependencies([done]):
-            out = tf.identity(out)
+        out = _after(tf, _when_recording(tf, _forward(site, write_forward), lambda: [x, out] + bounds), out)
         return _tap(tf, out, record_dy)
 
     wrapper.__wrapped__ = original
@@ -398,7 +420,7 @@ def _batch_norm_wrapper(tf, original):
         offset = tf.cast(tf.convert_to_tensor(a["offset"]), tf.float32)
         attrs = {"epsilon": float(np.float32(epsilon)), "data_format": fmt, "is_training": True,
                  "variance_kind": "variance", "framework": "tensorflow"}
-        site = _Site(name, "batch_norm", "FusedBatchNormV3", attrs, False)
+        site = _Site(name, "batch_norm", "FusedBatchNormV3", attrs, False, tf.executing_eagerly())
         empty = tf.zeros((0,), tf.float32)
 
         def rerun():  # TF's forward on the same x: its reserve spaces, which the gradient kernel takes
@@ -406,12 +428,12 @@ def _batch_norm_wrapper(tf, original):
                                                epsilon=epsilon, exponential_avg_factor=1.0, data_format=fmt,
                                                is_training=True)
 
-        def write_forward(cap, group, x, scale, rs1, rs2, rs3, y, y_rerun):
+        def write_forward(cap, group, x, scale, rs1, rs2, rs3, *rerun):
             operands = {"x": x, "scale": scale, "reserve_space_1": rs1, "reserve_space_2": rs2}
             if rs3.size:
                 operands["reserve_space_3"] = rs3
             group.put(operands)
-            if not np.array_equal(y, y_rerun):
+            if rerun and not np.array_equal(*rerun):  # (the step's y, the rerun's)
                 group.note = "the step's output differs from FusedBatchNormV3 rerun on the stored x"
                 group.set_attrs(note=group.note)
             if cap.writer.backward:
@@ -421,7 +443,8 @@ def _batch_norm_wrapper(tf, original):
         def write_backward(cap, group, dy, dx, dscale, doffset):
             group.put({"y_backprop": dy})
             group.put_reference({"x_backprop": dx, "scale_backprop": dscale, "offset_backprop": doffset})
-            group.dx = dx
+            if site.check_dx:
+                group.dx = dx
             group.done = True
 
         def write_dx(cap, group, dx):
@@ -430,27 +453,47 @@ def _batch_norm_wrapper(tf, original):
                 previous = getattr(group, "note", None)
                 group.set_attrs(note=f"{previous}; {note}" if previous else note)
 
+        if site.check_dx:
+            a["x"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
+        y, mean, variance = original(**a)
+        own = _reserve_spaces(tf, y, epsilon, fmt)
+
+        def reserve_spaces():  # the step's own (traced), or those of a rerun (eager: the op is gone)
+            return own if own is not None else rerun()[3:]
+
         def record_dy(dy):
-            fwd = rerun()
+            rs1, rs2, rs3 = reserve_spaces()
             grad = tf.raw_ops.FusedBatchNormGradV3(
-                y_backprop=dy, x=x, scale=scale, reserve_space_1=fwd.reserve_space_1,
-                reserve_space_2=fwd.reserve_space_2, reserve_space_3=fwd.reserve_space_3, epsilon=epsilon,
-                data_format=fmt, is_training=True)
+                y_backprop=dy, x=x, scale=scale, reserve_space_1=rs1, reserve_space_2=rs2, reserve_space_3=rs3,
+                epsilon=epsilon, data_format=fmt, is_training=True)
             return [dy, grad.x_backprop, grad.scale_backprop, grad.offset_backprop]
 
-        a["x"] = _tap(tf, x, lambda dx: _when_recording(tf, _backward(site, write_dx), lambda: [dx]))
-        y, mean, variance = original(**a)
-
-        def forward_tensors():
+        def forward_tensors():  # a rerun's output is checked against the step's
+            if own is not None:
+                return [x, scale, *own]
             fwd = rerun()
             return [x, scale, fwd.reserve_space_1, fwd.reserve_space_2, fwd.reserve_space_3, y, fwd.y]
 
-        done = _when_recording(tf, _forward(site, write_forward), forward_tensors)
-        with tf.control_dependencies([done]):
-            y = tf.identity(y)
+        y = _after(tf, _when_recording(tf, _forward(site, write_forward), forward_tensors), y)
         y = _tap(tf, y, lambda dy: _when_recording(tf, _backward(site, write_backward), lambda: record_dy(dy)))
         return y, mean, variance
 
     wrapper.__wrapped__ = original
     return _plain_python(tf, wrapper)
 
+
+def _reserve_spaces(tf, y, epsilon, fmt):
+    """In a graph being traced, the reserve spaces of the ``FusedBatchNormV3`` op that made ``y`` (the batch mean
+    and variance its gradient reads, whatever its running averages), so that the taps need not rerun the op on
+    ``x`` twice (forward and backward) for them; None eagerly (the op is not kept) or for another op."""
+    if tf.executing_eagerly():
+        return None
+    op = getattr(y, "op", None)
+    if op is None or op.type != "FusedBatchNormV3" or len(op.outputs) != 6:
+        return None
+    try:
+        same = (op.get_attr("is_training") and op.get_attr("data_format").decode() == fmt
+                and np.float32(op.get_attr("epsilon")) == np.float32(epsilon))
+    except (ValueError, AttributeError):
+        return None
+    return list(op.outputs[3:]) if same else None
