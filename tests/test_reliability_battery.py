@@ -125,6 +125,8 @@ ROWS = [
     ("literal-python-expression", ["nudge", "--min", "__import__('os').getcwd()", "--max", "1"], 2, "min",
      "neither a number"),
     ("literal-hex", ["report", "--inputs", "{d}/x.npy", "--min", "-1", "--max", "0x10"], 2, "max", "neither a number"),
+    ("literal-for-a-tensor", ["fakequant-grad", "--inputs", "{d}/x.npy", "--gradients", "1,1,1", "--min", "-1",
+                              "--max", "1", "-o", "{o}/o.h5"], 2, "gradients", "only range operands"),
     ("literal-empty", ["bn-grad", *BN_ALL[:4], "--scale", "", *BN[2:], "-o", "{o}/o.h5"], 2, "scale",
      "empty SPEC"),
     ("literal-nan-range", ["nudge", "--min", "nan", "--max", "1"], 2, "min", "finite"),

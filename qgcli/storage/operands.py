@@ -4,6 +4,8 @@
 HDF5 datasets for streaming); :func:`to_device` moves arrays to the job's device.  Nothing heavy is imported
 at module level.
 """
+import os
+
 import numpy as np
 
 from qgcli.backend import get_xp
@@ -38,7 +40,12 @@ class Operands:
         self._specs = {}
         for name, text in specs.items():
             if text is not None:
-                self._specs[name] = io.parse_spec(text, allow_literal=name in literal_ok)
+                spec = self._specs[name] = io.parse_spec(text, allow_literal=name in literal_ok)
+                if spec.path and io.parse_literal(text) is not None and not os.path.exists(spec.path):
+                    # A tensor's values typed as a list: say that only range operands take literals.
+                    raise self._error(name, f"{text!r} is a literal, which only range operands (min, max, scale, "
+                                            "...) take: give this tensor as a file (.npy, .npz:KEY, .h5:DATASET, "
+                                            "...) or - (stdin)")
         self.sources = {}
         self._opened = []  # containers kept open for streamed datasets
 
