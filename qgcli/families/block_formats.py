@@ -290,6 +290,9 @@ def render(console, s):
     fields = " ".join(f"{k}={v}" for k, v in s["attributes"].items() if v is not None)
     print_items(console, f"[bold]{markup(s['op'])}[/] {markup(fields)}", soft_wrap=True)
     st = s["statistics"]
+    if st is None:  # computed in row blocks: no per-block statistics (the notes say so)
+        render_closing_lines(console, s)
+        return
     sqnr = st.get("sqnr_db")
     line = (f"{counted(st['blocks'], 'block')} of {st['block_size']}: flushed to zero {percent(st['flushed'])} of "
             f"the nonzero inputs, SQNR {'exact' if sqnr is None and not st.get('nan_outputs') else sqnr if sqnr is None else f'{sqnr:.2f} dB'}")

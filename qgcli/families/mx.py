@@ -11,6 +11,7 @@ import numpy as np
 
 from qgcli.errors import OperandError, QgcliError
 from qgcli.families import block_formats as bf
+from qgcli.families import block_rows
 from qgcli.families.groups import plain
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
@@ -23,6 +24,8 @@ RUN_FILE_OPS = {"mx": None}
 GROUP_OPERANDS = {None: (("inputs",), ("gradients",))}
 VERIFY_BITWISE = ("outputs", "scales", "quantized", "backprops_wrt_input")
 DEFAULTS = {"format": "mxfp8-e4m3", "block_size": 32, "axis": -1, "scale_mode": "floor"}
+_GRADIENT_NOTE = ("gradient: the identity (torchao's MX QAT backward multiplies grad_output by the dequantized "
+                  "tensors: no mask, no scale path)")
 
 
 def claims(o):
@@ -118,8 +121,7 @@ def compute(job, operands):
                                            axis=int(f["axis"]), scale_mode=f["scale_mode"])
         out = {"backprops_wrt_input": dx}
         attrs["estimator"] = "ste"
-        notes.append("gradient: the identity (torchao's MX QAT backward multiplies grad_output by the dequantized "
-                     "tensors: no mask, no scale path)")
+        notes.append(_GRADIENT_NOTE)
     else:
         out = bf.as_bytes({"outputs": res.outputs, "scales": res.scales, "quantized": res.quantized}, attrs)
     if str(getattr(inputs, "dtype", "")) not in ("float32", "bfloat16"):
@@ -139,6 +141,40 @@ def compute(job, operands):
 
 
 render = bf.render
+
+
+# --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------
+
+def block_setup(job, operands, datasets):
+    """A tensor over --memory-limit in row blocks: its blocks are whole along the first axis when it is the
+    block axis (:mod:`qgcli.families.block_rows`)."""
+    f = job.formats
+    shape = tuple(datasets["inputs"].shape)
+    _check(f, shape)
+    axis = int(f["axis"]) % len(shape)
+    plan, dtype_attrs = block_rows.plan(job, datasets, x_name="inputs", axis=axis, block_size=int(f["block_size"]),
+                                        needs_x=False)
+    attrs = {"op": "mx", "semantics": "mx", **attributes(f), **dtype_attrs}
+    if job.with_gradients:
+        attrs["estimator"] = "ste"
+    setup = block_rows.setup(job, plan, attrs, f"MX {f['format']}")
+    setup["notes"] = [_GRADIENT_NOTE] if job.with_gradients else []
+    return setup
+
+
+def rows(plan, x, g, i0, i1, out=None):
+    """Rows ``[i0, i1)`` of the tensor (:meth:`qgcli.families.block_rows.RowPlan.compute`)."""
+    f = plan.formats
+    kw = dict(format=f["format"], block_size=int(f["block_size"]), axis=int(f["axis"]), scale_mode=f["scale_mode"])
+    if plan.gradient:
+        return {"backprops_wrt_input": ops.mx_fake_quantize_gradient(g, None, **kw)}, None, {}
+    res = ops.mx_fake_quantize(x, out=out, **kw)
+    return {"outputs": res.outputs, "scales": res.scales, "quantized": res.quantized}, res, {}
+
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    return block_rows.summary(job, operands, datasets, setup, small, notes, op=setup["op"],
+                              attributes=attributes(job.formats))
 
 
 def _element_scales(codes, block_size, axis):

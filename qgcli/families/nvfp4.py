@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 from qgcli.families import block_formats as bf
+from qgcli.families import block_rows
 from qgcli.families.groups import is_bool, plain
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
@@ -26,6 +27,8 @@ RUN_FILE_OPS = {"nvfp4": None}
 GROUP_OPERANDS = {None: (("inputs",), ("gradients",))}
 VERIFY_BITWISE = ("outputs", "block_scales", "tensor_scale", "quantized", "backprops_wrt_input")
 BLOCK_SIZE = 16
+_GRADIENT_NOTE = ("gradient: the identity (torchao's NVFP4 QAT backward multiplies grad_output by the dequantized "
+                  "tensors)")
 
 
 def claims(o):
@@ -114,8 +117,7 @@ def compute(job, operands):
                                               axis=f["axis"])
         out = {"backprops_wrt_input": dx}
         attrs["estimator"] = "ste"
-        notes.append("gradient: the identity (torchao's NVFP4 QAT backward multiplies grad_output by the "
-                     "dequantized tensors)")
+        notes.append(_GRADIENT_NOTE)
     else:
         parts = {"outputs": res.outputs, "block_scales": res.block_scales}
         if res.tensor_scale is not None:
@@ -136,6 +138,58 @@ def compute(job, operands):
 
 
 render = bf.render
+
+
+# --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------
+
+def block_setup(job, operands, datasets):
+    """A tensor over --memory-limit in row blocks; with the per-tensor scale in two passes: the tensor's amax,
+    then the blocks encoded with its scale (:mod:`qgcli.families.block_rows`)."""
+    f = job.formats
+    shape = tuple(datasets["inputs"].shape)
+    axis = check_blocks(shape, f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    two = f["per_tensor_scale"] and not job.with_gradients
+    plan, dtype_attrs = block_rows.plan(job, datasets, x_name="inputs", axis=axis, block_size=BLOCK_SIZE,
+                                        amax_pass=two, needs_x=False)
+    attrs = {"op": "nvfp4", "semantics": "nvfp4", **attributes(f), **dtype_attrs}
+    if job.with_gradients:
+        attrs["estimator"] = "ste"
+    setup = block_rows.setup(job, plan, attrs, "NVFP4")
+    setup["notes"] = [_GRADIENT_NOTE] if job.with_gradients else []
+    return setup
+
+
+def rows(plan, x, g, i0, i1, out=None):
+    """Rows ``[i0, i1)`` of the tensor with the whole tensor's per-tensor scale (counts: ``nan_introduced``,
+    ``nan_outputs`` where that scale makes torchao's outputs NaN)."""
+    f = plan.formats
+    if plan.gradient:
+        dx = ops.nvfp4_fake_quantize_gradient(g, None, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"])
+        return {"backprops_wrt_input": dx}, None, {}
+    t = plan.small.get("tensor_scale")
+    with warnings.catch_warnings():  # the note counts the whole tensor's NaN (block_summary)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = ops.nvfp4_fake_quantize(x, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"], out=out,
+                                      tensor_scale=t)
+    counts = {}
+    if t is not None and not (np.isfinite(t) and t > 0 and np.isfinite(np.float32(1) / t)):
+        nan_y = np.isnan(res.outputs)
+        counts = {"nan_introduced": int(np.count_nonzero(nan_y & ~np.isnan(np.asarray(x, np.float32)))),
+                  "nan_outputs": int(np.count_nonzero(nan_y))}
+    return {"outputs": res.outputs, "block_scales": res.block_scales, "quantized": res.quantized}, res, counts
+
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    counts, t = setup["counts"], small.get("tensor_scale")
+    extra = []
+    if counts.get("nan_introduced"):
+        n = int(np.prod(datasets["inputs"].shape, dtype=np.int64))
+        extra.append(f"NVFP4 per-tensor scale {float(t)!r} (tensor amax / 2688) is zero, NaN, infinite or too small "
+                     f"to invert: torchao's to_nvfp4(...).dequantize() gives NaN for {counts['nan_introduced']} of "
+                     f"{n} elements whose input is not NaN{' (every output is NaN)' if counts['nan_outputs'] == n else ''}"
+                     "; qgcli does the same (per_tensor_scale=False avoids it)")
+    return block_rows.summary(job, operands, datasets, setup, small, list(notes) + extra, op="NVFP4",
+                              attributes=attributes(job.formats))
 
 
 #: The magnitudes of the fp4 e2m1 codes 0..7 (its element values, as ``element_values("mxfp4")`` lists them).

@@ -15,6 +15,7 @@ import numpy as np
 
 from qgcli.errors import OperandError, OptionError
 from qgcli.families import block_formats as bf
+from qgcli.families import block_rows
 from qgcli.families.groups import is_bool, is_int, plain
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
@@ -112,6 +113,17 @@ def load(operands, formats):
     x = operands.get("x") if operands.has("x") else operands.get("inputs", required=False)
     if x is None:
         raise OperandError("is missing: give --x (or --inputs), or a bundle dataset named x or inputs", operand="x")
+    y_scale, zp, dtype, note = load_small(operands, formats)
+    x = np.asarray(x)
+    if x.dtype != np.float32 and x.dtype.kind == "f":
+        raise OperandError(f"dtype {x.dtype}: qgcli's QuantizeLinear takes float32 x (ONNX computes float16 and "
+                           "bfloat16 inputs in their own precision)", operand="x")
+    return x, y_scale, zp, dtype, note
+
+
+def load_small(operands, formats):
+    """``(y_scale, y_zero_point, dtype, note)``: the dtype by ONNX's rule (the zero point's type when no --dtype
+    was given, else uint8)."""
     y_scale = operands.get("y_scale")
     zp = operands.get("y_zero_point", required=False)
     dtype, note = formats["dtype"], None
@@ -121,11 +133,21 @@ def load(operands, formats):
             note = f"dtype {dtype}: the zero point's type (ONNX takes the output type from y_zero_point)"
         else:
             dtype = "uint8"
-    x = np.asarray(x)
-    if x.dtype != np.float32 and x.dtype.kind == "f":
-        raise OperandError(f"dtype {x.dtype}: qgcli's QuantizeLinear takes float32 x (ONNX computes float16 and "
-                           "bfloat16 inputs in their own precision)", operand="x")
-    return x, y_scale, zp, dtype, note
+    return y_scale, zp, dtype, note
+
+
+def _check_job(f, dtype):
+    """What the options say that ``dtype`` (resolved) refuses: saturate=0 and masked-ste outside their types."""
+    if not f["saturate"] and dtype not in ("float8e4m3fn", "float8e5m2"):
+        raise OperandError(f"saturate=0 applies to the float8 types, not {dtype}", operand="saturate")
+    if f["estimator"] == "masked-ste" and dtype not in ops.INTEGER_TYPES:
+        raise OperandError(f"masked-ste is for the integer types, not {dtype}", operand="estimator")
+
+
+def _gradient_note(est):
+    return ("gradient: the identity (ModelOpt pass_through_bwd=True, torchao)" if est == "ste" else
+            "gradient: masked-ste, +0 where round(x / y_scale) + y_zero_point is outside [qmin, qmax] "
+            "(ModelOpt pass_through_bwd=False, onnxruntime training's FakeQuant)")
 
 
 def attributes(formats, dtype):
@@ -139,10 +161,7 @@ def compute(job, operands):
     f = job.formats
     x, y_scale, zp, dtype, note = load(operands, f)
     gradients = operands.get("gradients") if job.with_gradients else None
-    if not f["saturate"] and dtype not in ("float8e4m3fn", "float8e5m2"):
-        raise OperandError(f"saturate=0 applies to the float8 types, not {dtype}", operand="saturate")
-    if f["estimator"] == "masked-ste" and dtype not in ops.INTEGER_TYPES:
-        raise OperandError(f"masked-ste is for the integer types, not {dtype}", operand="estimator")
+    _check_job(f, dtype)
     kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
     notes = [note] if note else []
     attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype)}
@@ -154,9 +173,7 @@ def compute(job, operands):
                                              estimator="masked" if est == "masked-ste" else "ste", **kw)
         out = {"backprops_wrt_input": dx}
         attrs["estimator"] = est
-        notes.append("gradient: the identity (ModelOpt pass_through_bwd=True, torchao)" if est == "ste" else
-                     "gradient: masked-ste, +0 where round(x / y_scale) + y_zero_point is outside [qmin, qmax] "
-                     "(ModelOpt pass_through_bwd=False, onnxruntime training's FakeQuant)")
+        notes.append(_gradient_note(est))
     else:
         out = bf.as_bytes({"outputs": res.outputs, "quantized": res.quantized}, attrs)
     stats = {}
@@ -198,6 +215,61 @@ def _statistics(x, res, y_scale, zp, dtype, f):
 
 
 render = bf.render
+
+
+# --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------
+
+def block_setup(job, operands, datasets):
+    """A tensor over --memory-limit in row blocks: ``y_scale`` and ``y_zero_point`` cut with the rows they
+    apply to (per axis or blocked along the first axis; blocked along another axis, one row of blocks per
+    row), whole quantization blocks along the first axis (the partial last one in the last rows)."""
+    f = dict(job.formats)
+    x_name = "x" if "x" in datasets else "inputs"
+    shape = tuple(datasets[x_name].shape)
+    y_scale, zp, dtype, note = load_small(operands, f)
+    _check_job(f, dtype)
+    f["dtype"] = dtype
+    ops._qparams(np, shape, y_scale, zp, dtype, f["axis"], f["block_size"], expand=False)  # checked whole
+    along = np.size(y_scale) > 1 or f["block_size"]
+    axis = f["axis"] % len(shape) if along and shape else None
+    plan, dtype_attrs = block_rows.plan(job._replace(formats=f), datasets, x_name=x_name, axis=axis,
+                                        block_size=f["block_size"] if np.size(y_scale) > 1 else 0,
+                                        small={"y_scale": np.asarray(y_scale), "y_zero_point": zp})
+    attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype), **dtype_attrs}
+    notes = [note] if note else []
+    if job.with_gradients:
+        attrs["estimator"] = f["estimator"]
+        notes.append(_gradient_note(f["estimator"]))
+    setup = block_rows.setup(job, plan, attrs, "QuantizeLinear + DequantizeLinear")
+    setup["notes"], setup["dtype"] = notes, dtype
+    return setup
+
+
+def _rows_of(a, f, ndim, i0, i1):
+    """The part of ``y_scale`` or ``y_zero_point`` that rows ``[i0, i1)`` of x take."""
+    if a is None or np.size(a) == 1:
+        return a
+    axis, bs = f["axis"] % ndim, f["block_size"]
+    if axis:
+        return a[i0:i1] if bs else a  # blocked along another axis: one row of blocks per row
+    return a[i0 // bs:-(-i1 // bs)] if bs else a[i0:i1]
+
+
+def rows(plan, x, g, i0, i1, out=None):
+    """Rows ``[i0, i1)`` of x (:meth:`qgcli.families.block_rows.RowPlan.compute`)."""
+    f, ndim = plan.formats, len(plan.shape)
+    s, z = (_rows_of(plan.small.get(k), f, ndim, i0, i1) for k in ("y_scale", "y_zero_point"))
+    kw = dict(dtype=f["dtype"], axis=f["axis"], block_size=f["block_size"], saturate=f["saturate"])
+    if plan.gradient:
+        est = "masked" if f["estimator"] == "masked-ste" else "ste"
+        return {"backprops_wrt_input": ops.onnx_fake_quantize_gradient(g, x, s, z, estimator=est, **kw)}, None, {}
+    res = ops.onnx_fake_quantize(x, s, z, out=out, **kw)
+    return {"outputs": res.outputs, "quantized": res.quantized}, res, {}
+
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    return block_rows.summary(job, operands, datasets, setup, small, notes, op=setup["op"],
+                              attributes=attributes(job.formats, setup["dtype"]))
 
 
 def _whole_blocks(shape, y_scale, f):
