@@ -204,9 +204,9 @@ class FakeQuantJob(NamedTuple):
 
     @property
     def large_operands(self):
-        """The operands as large as the tensor (the others are per channel at most); ONNX QuantizeLinear's is
-        ``x`` (which may come as ``inputs``: :func:`large_operands_in`)."""
-        x = "x" if self.family == "onnx" else "inputs"
+        """The operands as large as the tensor (the others are per channel at most): ``inputs``, or the name in
+        ``formats["tensor"]`` (ONNX QuantizeLinear's ``x``, which may come as ``inputs``: :func:`large_operands_in`)."""
+        x = (self.formats or {}).get("tensor", "inputs")
         return ("gradients", x) if self.with_gradients else (x,)
 
 

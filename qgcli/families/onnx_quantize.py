@@ -59,7 +59,7 @@ def job_from_options(o):
         raise OptionError("is QuantizeLinear's x given twice (--x and --inputs)", param_hint="'--inputs'")
     formats = {"semantics": "onnx", "dtype": dtype, "axis": 1 if o.attributes.axis is None else int(o.attributes.axis),
                "block_size": 0 if o.formats.block_size is None else int(o.formats.block_size),
-               "saturate": o.formats.saturate is not False, "estimator": None}
+               "saturate": o.formats.saturate is not False, "estimator": None, "tensor": "x"}
     if not formats["saturate"] and dtype is not None and dtype not in ("float8e4m3fn", "float8e5m2"):
         raise OptionError(f"applies to the float8 types (saturate is theirs), not --dtype {dtype}",
                           param_hint="'--no-saturate'")
@@ -84,7 +84,7 @@ def _group_formats(attrs):
         raise ValueError(f"saturate={a['saturate']!r} is not a boolean")
     return {"semantics": "onnx", "dtype": None if dtype is None else str(dtype).lower().replace("_", ""),
             "axis": int(a.get("axis", 1)), "block_size": int(a.get("block_size", 0)),
-            "saturate": bool(a.get("saturate", True)), "estimator": "ste"}
+            "saturate": bool(a.get("saturate", True)), "estimator": "ste", "tensor": "x"}
 
 
 group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)

@@ -1,0 +1,158 @@
+"""The block formats (--semantics mx, nvfp4, onnx) beyond --memory-limit: computed in row blocks of the first axis
+(issue 38), from HDF5 datasets, .npy files and Zarr stores, every output bit for bit the in-memory run's.
+
+The tensors (1024 x 192 float32, 0.75 MiB: more than --memory-limit 1M allows with its working copies) stream in
+blocks of a few dozen rows, so a block size along the first axis (16, 32, ONNX's 14 with a partial last block)
+must be respected by the cut for the scales to come out the same; NVFP4's per-tensor scale takes a pass of its
+own first.  The real CLI in-process (and in a subprocess for the peak RSS)."""
+import h5py
+import numpy as np
+import pytest
+
+ROWS, COLS = 1024, 192
+
+
+def _tensor(rng):
+    """Rows of very different magnitudes (scales from 2^-8 to 2^7), zeros, subnormals and values beyond fp4/fp8's
+    range: every branch of the encoders, finite (a NaN or an infinity makes NVFP4's per-tensor scale NaN)."""
+    x = rng.standard_normal((ROWS, COLS)).astype(np.float32) * np.exp2(rng.integers(-8, 8, (ROWS, 1))).astype(
+        np.float32)
+    x[5, :32] = 0
+    x[9, 40:48] = np.float32(1e-40)
+    x[13, 7] = 1e6
+    return x
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("block-streams")
+    rng = np.random.default_rng(38)
+    x = _tensor(rng)
+    g = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    with h5py.File(folder / "b.h5", "w") as f:
+        f["inputs"] = x
+        f["x"] = x
+        f["gradients"] = g
+        f["scale"] = np.float32(0.05)
+        f["zp"] = np.uint8(3)
+        f["scale_rows"] = (np.abs(rng.standard_normal(ROWS)) + 0.01).astype(np.float32)  # per axis 0
+        f["zp_rows"] = rng.integers(-5, 5, ROWS).astype(np.int8)
+        f["scale_blocks0"] = (np.abs(rng.standard_normal((-(-ROWS // 14), COLS))) + 0.01).astype(np.float32)
+        f["scale_blocks1"] = (np.abs(rng.standard_normal((ROWS, COLS // 12))) + 0.01).astype(np.float32)
+    nan = x.copy()
+    nan[100, 3] = np.nan
+    np.save(folder / "x.npy", x)
+    np.save(folder / "nan.npy", nan)
+    return folder
+
+
+def _datasets(path):
+    with h5py.File(path, "r") as f:
+        return {k: (f[k].shape, f[k].dtype, np.atleast_1d(f[k][()]).tobytes(),
+                    {a: f[k].attrs[a] for a in f[k].attrs if a.endswith("_dtype")}) for k in f}
+
+
+#: (name, command, options): each in memory and over --memory-limit 1M
+CASES = [
+    ("mx-last-axis", "fakequant", ("--semantics", "mx")),
+    ("mx-axis0-fp4-rceil", "fakequant", ("--semantics", "mx", "--axis", "0", "--block-size", "16",
+                                         "--mx-format", "mxfp4", "--scale-mode", "rceil")),
+    ("mx-axis0-e5m2", "fakequant", ("--semantics", "mx", "--axis", "0", "--mx-format", "mxfp8-e5m2")),
+    ("nvfp4-two-passes", "fakequant", ("--semantics", "nvfp4",)),
+    ("nvfp4-axis0", "fakequant", ("--semantics", "nvfp4", "--axis", "0")),
+    ("nvfp4-no-tensor-scale", "fakequant", ("--semantics", "nvfp4", "--no-per-tensor-scale")),
+    ("onnx-per-tensor", "fakequant", ("--semantics", "onnx", "--y-scale", "b.h5:scale", "--y-zero-point",
+                                      "b.h5:zp")),
+    ("onnx-per-axis0", "fakequant", ("--semantics", "onnx", "--y-scale", "b.h5:scale_rows", "--y-zero-point",
+                                     "b.h5:zp_rows", "--axis", "0")),
+    ("onnx-blocked-axis0-partial", "fakequant", ("--semantics", "onnx", "--y-scale", "b.h5:scale_blocks0",
+                                                 "--axis", "0", "--block-size", "14", "--dtype", "float8e4m3fn")),
+    ("onnx-blocked-axis1", "fakequant", ("--semantics", "onnx", "--y-scale", "b.h5:scale_blocks1", "--axis", "1",
+                                         "--block-size", "12", "--dtype", "int4")),
+    ("mx-grad", "fakequant-grad", ("--semantics", "mx", "--axis", "0")),
+    ("nvfp4-grad", "fakequant-grad", ("--semantics", "nvfp4")),
+    ("onnx-grad-masked", "fakequant-grad", ("--semantics", "onnx", "--y-scale", "b.h5:scale_rows", "--axis", "0",
+                                            "--dtype", "int8", "--estimator", "masked-ste")),
+]
+
+
+@pytest.mark.parametrize("name,command,options", CASES, ids=[c[0] for c in CASES])
+def test_hdf5_beyond_the_limit_streams_with_the_in_memory_bits(cli, bundle, monkeypatch, name, command, options):
+    monkeypatch.chdir(bundle)
+    memory = cli(command, "b.h5", *options, "-o", f"{name}-memory.h5", "-q")
+    assert memory.exit_code == 0, memory.output
+    streamed = cli(command, "b.h5", *options, "-o", f"{name}-streamed.h5", "--memory-limit", "1M", "--json")
+    assert streamed.exit_code == 0, streamed.output
+    assert "streamed from disk" in streamed.output
+    # NVFP4's per-tensor scale (the forward's) takes the tensor's amax first
+    assert ("two passes" in streamed.output) == (name in ("nvfp4-two-passes", "nvfp4-axis0"))
+    expected = _datasets(bundle / f"{name}-memory.h5")
+    got = _datasets(bundle / f"{name}-streamed.h5")
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        assert got[key] == expected[key], key
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+def test_compressed_streams_write_whole_chunk_rows_of_every_output(cli, bundle, monkeypatch, compression):
+    """Outputs, scales (a row per 32 rows along axis 0) and codes each in whole chunk rows, compressed."""
+    monkeypatch.chdir(bundle)
+    options = ("--semantics", "mx", "--axis", "0", "--compression", compression)
+    assert cli("fakequant", "b.h5", *options, "-o", f"c-{compression}-memory.h5", "-q").exit_code == 0
+    r = cli("fakequant", "b.h5", *options, "-o", f"c-{compression}-streamed.h5", "-q", "--memory-limit", "1M")
+    assert r.exit_code == 0, r.output
+    assert _datasets(bundle / f"c-{compression}-streamed.h5") == _datasets(bundle / f"c-{compression}-memory.h5")
+    with h5py.File(bundle / f"c-{compression}-streamed.h5", "r") as f:
+        assert f["scales"].compression == compression and f["scales"].chunks[0] * 32 == f["outputs"].chunks[0]
+
+
+def test_npy_inputs_stream_and_nvfp4_nan_note_counts_the_whole_tensor(cli, bundle, monkeypatch):
+    """A .npy tensor streams too; a NaN makes torchao's per-tensor scale NaN: every output NaN, said once for
+    the whole tensor as in memory."""
+    monkeypatch.chdir(bundle)
+    memory = cli("fakequant", "--inputs", "nan.npy", "--semantics", "nvfp4", "-o", "nan-memory.h5", "--json")
+    streamed = cli("fakequant", "--inputs", "nan.npy", "--semantics", "nvfp4", "-o", "nan-streamed.h5", "--json",
+                   "--memory-limit", "1M")
+    assert memory.exit_code == 0 and streamed.exit_code == 0, streamed.output
+    assert _datasets(bundle / "nan-streamed.h5") == _datasets(bundle / "nan-memory.h5")
+    note = f"gives NaN for {ROWS * COLS - 1} of {ROWS * COLS} elements whose input is not NaN (every output is NaN)"
+    assert note in memory.output and note in streamed.output
+
+
+def test_quantization_blocks_too_tall_for_the_limit_are_refused_in_one_line(cli, tmp_path):
+    """Along the first axis a row block holds whole blocks: 32 rows of 2^16 values (8 MiB with the outputs) do
+    not fit 1M; refused before any output is written."""
+    np.save(tmp_path / "wide.npy", np.ones((64, 1 << 14), np.float32))
+    out = tmp_path / "out.h5"
+    r = cli("fakequant", "--inputs", tmp_path / "wide.npy", "--semantics", "mx", "--axis", "0", "-o", out,
+            "--memory-limit", "1M")
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "--memory-limit" in lines[0] and "32 whole rows" in lines[0], r.output
+    assert "Traceback" not in r.output and not out.exists()
+
+
+@pytest.mark.parametrize("name,options", [
+    ("mx-axis0", ("--semantics", "mx", "--axis", "0", "--block-size", "32")),
+    ("nvfp4", ("--semantics", "nvfp4")),
+    ("onnx-blocked-axis0", ("--semantics", "onnx", "--y-scale", "b.h5:scale_blocks0", "--axis", "0",
+                            "--block-size", "14")),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_zarr_beyond_the_limit_runs_in_row_blocks_with_the_in_memory_bits(cli, bundle, monkeypatch, name, options):
+    zarr = pytest.importorskip("zarr")
+    monkeypatch.chdir(bundle)
+    with h5py.File("b.h5", "r") as f:
+        x = f["x"][()]
+    store = bundle / f"{name}.zarr"
+    root = zarr.open_group(str(store), mode="w")
+    root.create_array("inputs" if name != "onnx-blocked-axis0" else "x", data=x, chunks=(100, COLS))
+    assert cli("fakequant", store, *options, "-o", f"{name}-zarr-memory.h5", "-q").exit_code == 0
+    r = cli("fakequant", store, *options, "-o", f"{name}-blocks.zarr", "--memory-limit", "1M", "--json")
+    assert r.exit_code == 0, r.output
+    assert "blocks of" in r.output
+    expected = _datasets(bundle / f"{name}-zarr-memory.h5")
+    got = zarr.open_group(str(bundle / f"{name}-blocks.zarr"), mode="r")
+    assert sorted(got.array_keys()) == sorted(expected)
+    for key, (shape, dtype, data, _) in expected.items():
+        a = np.asarray(got[key][()])
+        assert (a.shape, a.dtype) == (shape, dtype) and np.atleast_1d(a).tobytes() == data, key
