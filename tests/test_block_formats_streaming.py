@@ -156,3 +156,27 @@ def test_zarr_beyond_the_limit_runs_in_row_blocks_with_the_in_memory_bits(cli, b
     for key, (shape, dtype, data, _) in expected.items():
         a = np.asarray(got[key][()])
         assert (a.shape, a.dtype) == (shape, dtype) and np.atleast_1d(a).tobytes() == data, key
+
+
+def test_a_64_mib_tensor_streams_in_bounded_memory(tmp_path):
+    """NVFP4 (two passes) of a 64 MiB .npy under --memory-limit 16M: the peak RSS stays within twice the limit
+    of a run on a tiny tensor (the in-memory run holds the tensor and its outputs: 64 MiB more at least), and
+    every output is the in-memory run's."""
+    from test_declared_sizes import qgcli
+
+    rng = np.random.default_rng(38)
+    x = rng.standard_normal((2048, 8192), dtype=np.float32)  # 64 MiB
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "tiny.npy", x[:1, :16])
+    runs = {}
+    for name, inputs, limit in (("tiny", "tiny.npy", ()), ("memory", "x.npy", ()),
+                                ("streamed", "x.npy", ("--memory-limit", "16M"))):
+        code, _, lines, rss, _ = qgcli("fakequant", "--inputs", inputs, "--semantics", "nvfp4", "-o", f"{name}.h5",
+                                       "-q", *limit, cwd=tmp_path)
+        assert code == 0, lines
+        runs[name] = rss
+    print(f"nvfp4 64 MiB: peak RSS {runs['streamed']:.0f} MiB streamed, {runs['memory']:.0f} MiB in memory, "
+          f"{runs['tiny']:.0f} MiB on a tiny input")
+    assert runs["memory"] > runs["tiny"] + 56, runs
+    assert runs["streamed"] < runs["tiny"] + 2 * 16, runs
+    assert _datasets(tmp_path / "streamed.h5") == _datasets(tmp_path / "memory.h5")
