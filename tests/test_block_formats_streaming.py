@@ -180,3 +180,84 @@ def test_a_64_mib_tensor_streams_in_bounded_memory(tmp_path):
     assert runs["memory"] > runs["tiny"] + 56, runs
     assert runs["streamed"] < runs["tiny"] + 2 * 16, runs
     assert _datasets(tmp_path / "streamed.h5") == _datasets(tmp_path / "memory.h5")
+
+
+# --- in memory: the outputs written over the inputs read (issue 38, item 2) --------------------------------------
+
+IN_PLACE_CASES = [
+    ("mx", ("--semantics", "mx")),
+    ("mx-axis0-fp4", ("--semantics", "mx", "--axis", "0", "--mx-format", "mxfp4")),
+    ("nvfp4", ("--semantics", "nvfp4")),
+    ("nvfp4-nan", ("--semantics", "nvfp4", "--inputs", "nan.npy")),
+    ("onnx-per-tensor-fp8", ("--semantics", "onnx", "--y-scale", "0.01", "--dtype", "float8e4m3fn")),
+    ("onnx-blocked-int4", ("--semantics", "onnx", "--y-scale", "scales.npy", "--block-size", "64", "--dtype",
+                           "int4")),
+    ("onnx-per-axis0-nan", ("--semantics", "onnx", "--y-scale", "rows.npy", "--axis", "0", "--dtype", "int8",
+                            "--inputs", "nan.npy")),
+]
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    """A 2 Mi-value tensor (more than block_rows.IN_PLACE_ELEMENTS: written over in row blocks) with a NaN copy."""
+    folder = tmp_path_factory.mktemp("in-place")
+    rng = np.random.default_rng(382)
+    x = rng.standard_normal((1024, 2048)).astype(np.float32) * np.exp2(rng.integers(-8, 8, (1024, 1))).astype(
+        np.float32)
+    x[3, :64] = 0
+    x[4, 5] = 1e30
+    np.save(folder / "x.npy", x)
+    x[7, 7] = np.nan
+    np.save(folder / "nan.npy", x)
+    np.save(folder / "scales.npy", (np.abs(rng.standard_normal((1024, 32))) + 0.01).astype(np.float32))
+    np.save(folder / "rows.npy", (np.abs(rng.standard_normal(1024)) + 0.01).astype(np.float32))
+    return folder
+
+
+@pytest.mark.parametrize("name,options", IN_PLACE_CASES, ids=[c[0] for c in IN_PLACE_CASES])
+def test_outputs_written_over_the_inputs_are_the_fresh_runs_bit_for_bit(cli, large, monkeypatch, name, options):
+    """The outputs over the inputs' array, row block by row block (statistics taken from each block first): the
+    same files and the same summary (statistics, notes) as the one-call path with fresh arrays."""
+    import json
+
+    from qgcli.families import block_rows
+
+    monkeypatch.chdir(large)
+    calls = []
+    real = block_rows.in_place
+    monkeypatch.setattr(block_rows, "in_place", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = ("fakequant", "--inputs", "x.npy", *options) if "--inputs" not in options else ("fakequant", *options)
+    over = cli(*args, "-o", f"{name}-over.h5", "--json")
+    assert over.exit_code == 0, over.output
+    assert calls == [1]
+    monkeypatch.setattr(block_rows, "IN_PLACE_ELEMENTS", 1 << 40)  # the one-call path, fresh outputs
+    fresh = cli(*args, "-o", f"{name}-fresh.h5", "--json")
+    assert fresh.exit_code == 0 and calls == [1], fresh.output
+    assert _datasets(large / f"{name}-over.h5") == _datasets(large / f"{name}-fresh.h5")
+    a, b = json.loads(over.stdout), json.loads(fresh.stdout)
+    assert a["statistics"] == b["statistics"] and a["notes"] == b["notes"] and a["outputs"] == b["outputs"]
+    with h5py.File(large / f"{name}-over.h5", "r") as f, h5py.File(large / f"{name}-fresh.h5", "r") as g:
+        assert dict(f.attrs).keys() == dict(g.attrs).keys()
+        assert {k: str(v) for k, v in f.attrs.items() if k.endswith("_dtype")} == \
+            {k: str(v) for k, v in g.attrs.items() if k.endswith("_dtype")}
+
+
+def test_an_in_memory_forward_holds_the_tensor_once(tmp_path):
+    """MX of a 64 MiB .npy in memory: the inputs' array takes the outputs, so with --quiet the peak holds the
+    tensor, its 16 MiB of codes and row-block temporaries (the fresh outputs held the tensor twice); with the
+    summary the statistics work a row block at a time and keep their per-block sums (48 bytes a block of 32:
+    96 MiB), where the whole tensor's float64 copies took about a GiB."""
+    from test_declared_sizes import qgcli
+
+    rng = np.random.default_rng(38)
+    np.save(tmp_path / "x.npy", rng.standard_normal((2048, 8192), dtype=np.float32))
+    np.save(tmp_path / "tiny.npy", np.ones((1, 32), np.float32))
+    rss = {}
+    for name, inputs, quiet in (("tiny", "tiny", ()), ("quiet", "x", ("-q",)), ("summary", "x", ())):
+        code, _, lines, rss[name], _ = qgcli("fakequant", "--inputs", f"{inputs}.npy", "--semantics", "mx", "-o",
+                                             f"{name}.h5", *quiet, cwd=tmp_path)
+        assert code == 0, lines
+    print(f"mx 64 MiB in memory: peak RSS {rss['quiet']:.0f} MiB quiet, {rss['summary']:.0f} MiB with the summary, "
+          f"{rss['tiny']:.0f} MiB on a tiny input")
+    assert rss["quiet"] < rss["tiny"] + 64 + 16 + 16, rss
+    assert rss["summary"] < rss["tiny"] + 64 + 16 + 96 + 24, rss

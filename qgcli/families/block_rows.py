@@ -73,6 +73,53 @@ class RowPlan:
         return {} if t is None or self.gradient else {"tensor_scale": np.asarray(t, np.float32)}
 
 
+#: Elements per row block of a tensor quantized in place in memory (:func:`in_place`), and the size from which
+#: a tensor is: the temporaries (the op's outputs of a row block, the statistics' float64 copies) stay this
+#: size whatever the tensor's, and smaller tensors (most run-file groups) keep the one-call path.
+IN_PLACE_ELEMENTS = 1 << 20
+
+
+def in_place_ok(x, job):
+    """Whether the forward may write its ``outputs`` over ``x``: the inputs array is its own (float32, C order,
+    writeable: :func:`qgcli.ops.out_array.can_take`) and large enough to gain from it."""
+    from qgcli.ops.out_array import can_take
+
+    return (not job.with_gradients and isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim >= 1
+            and x.size > IN_PLACE_ELEMENTS and can_take(x))
+
+
+def in_place(plan_, x, *, statistics=None):
+    """The forward of ``plan_`` over row blocks of the in-memory ``x`` (:func:`in_place_ok`), each block's
+    ``outputs`` written over its rows of ``x`` once the statistics have taken them (``statistics(x rows, y
+    rows)``, :func:`qgcli.families.block_formats.rows_statistics`); the other outputs into new arrays, as stored.
+    No tensor-sized array besides those.  Returns ``(outputs by name, the plan (with NVFP4's per-tensor scale),
+    counts, the statistics' row blocks)``."""
+    rows = x.shape[0]
+    per_row = max(1, x.size // max(rows, 1))
+    step = max(plan_.align, IN_PLACE_ELEMENTS // per_row // plan_.align * plan_.align)
+    sub = max(plan_.align, IN_PLACE_ELEMENTS // 8 // per_row // plan_.align * plan_.align)
+    if plan_.amax_pass:
+        plan_ = plan_.with_amax([plan_.amax(x)])
+    outs = {name: np.empty(shape, np.dtype(d)) for name, (shape, d, _) in plan_.outputs.items() if name != "outputs"}
+    counts, parts, prev = {}, [], None
+    for i in range(0, rows, step):
+        j = min(i + step, rows)
+        blocks, prev, found = plan_.compute(x[i:j], None, i, j, out=prev if prev is not None and len(prev[0]) == j - i
+                                            else None)
+        for key, n in found.items():
+            counts[key] = counts.get(key, 0) + n
+        for name, a in blocks.items():
+            if name == "outputs":
+                if statistics is not None:  # in smaller row blocks: the statistics' float64 temporaries
+                    for k in range(i, j, sub):
+                        parts.append(statistics(x[k:min(k + sub, j)], a[k - i:min(k + sub, j) - i]))
+                x[i:j] = a
+            else:
+                lo, hi = plan_.output_rows(name, i, j)
+                outs[name][lo:hi] = plan_.stored(name, a)
+    return {name: x if name == "outputs" else outs[name] for name in plan_.outputs}, plan_, counts, parts
+
+
 def float_dtype(ds):
     """The dtype of an unread dataset or Zarr array, bfloat16 where qgcli's tag says so."""
     from qgcli.families.batch_norm import dtype_of

@@ -113,10 +113,14 @@ def compute(job, operands):
     inputs = bf.float32_operand(operands.get("inputs"), "inputs")
     gradients = operands.get("gradients") if job.with_gradients else None
     _check(f, tuple(np.shape(inputs)))
-    res = forward(inputs, f) if not job.with_gradients or job.output.shows_summary else None
+    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
     attrs = {"op": "mx", "semantics": "mx", **attributes(f)}
     notes = []
-    if job.with_gradients:
+    in_place = block_rows.in_place_ok(inputs, job)
+    res = forward(inputs, f) if not in_place and (not job.with_gradients or job.output.shows_summary) else None
+    if in_place:  # the outputs over the inputs, row block by row block, the statistics taken first
+        out, stats = _in_place(job, inputs, attrs)
+    elif job.with_gradients:
         dx = ops.mx_fake_quantize_gradient(gradients, inputs, format=f["format"], block_size=int(f["block_size"]),
                                            axis=int(f["axis"]), scale_mode=f["scale_mode"])
         out = {"backprops_wrt_input": dx}
@@ -126,21 +130,36 @@ def compute(job, operands):
         out = bf.as_bytes({"outputs": res.outputs, "scales": res.scales, "quantized": res.quantized}, attrs)
     if str(getattr(inputs, "dtype", "")) not in ("float32", "bfloat16"):
         notes.append(f"inputs is {inputs.dtype}; computed on its float32 values (torchao takes float32 or bfloat16)")
-    stats = {}
-    if job.output.shows_summary:
+    if job.output.shows_summary and not in_place:
         stats, _, _ = bf.block_statistics(inputs, res.outputs, int(f["block_size"]), axis=int(f["axis"]),
                                           saturated=saturated_scales(res.scales, f),
                                           scale_shape=None)
+    elif not in_place:
+        stats = {}
+    if job.output.shows_summary:
         if job.with_gradients:
             stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")
         if stats.get("saturated_scale_blocks"):
             notes.append("a saturated scale: E8M0 code 0 (torchao quantizes with 2^-126 and dequantizes with "
                          "2^-127: the block comes back halved) or 254/255 (Inf/NaN inputs)")
-    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
     return Result(out, attrs, bf.summary(job, f"MX {f['format']}", attributes(f), described, out, stats, notes))
 
 
 render = bf.render
+
+
+def _in_place(job, x, attrs):
+    """The forward over row blocks of ``x``, its outputs written over it (:func:`qgcli.families.block_rows.in_place`):
+    ``(outputs as stored, statistics)``; ``attrs`` takes the small-float type names."""
+    f = job.formats
+    bs, axis = int(f["block_size"]), int(f["axis"])
+    plan, dtype_attrs = block_rows.plan(job, {"inputs": x}, x_name="inputs", axis=axis % x.ndim, block_size=bs)
+    attrs.update(dtype_attrs)
+    show = job.output.shows_summary
+    out, _, _, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(bs, axis) if show else None)
+    stats = bf.statistics_of_rows(rows, bs, x.shape, axis=axis, saturated=saturated_scales(out["scales"], f))[0] \
+        if show else {}
+    return out, stats
 
 
 # --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------

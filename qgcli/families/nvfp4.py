@@ -111,6 +111,10 @@ def compute(job, operands):
     gradients = operands.get("gradients") if job.with_gradients else None
     check_blocks(tuple(np.shape(inputs)), f["axis"], BLOCK_SIZE, what="NVFP4 block size")
     attrs = {"op": "nvfp4", "semantics": "nvfp4", **attributes(f)}
+    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
+    if block_rows.in_place_ok(inputs, job):  # the outputs over the inputs, the statistics taken first
+        out, stats, notes = _in_place(job, inputs, attrs)
+        return Result(out, attrs, bf.summary(job, "NVFP4", attributes(f), described, out, stats, notes))
     res, notes = (forward(inputs, f) if not job.with_gradients or job.output.shows_summary else (None, []))
     if job.with_gradients:
         dx = ops.nvfp4_fake_quantize_gradient(gradients, inputs, per_tensor_scale=f["per_tensor_scale"],
@@ -133,11 +137,43 @@ def compute(job, operands):
             stats["tensor_scale"] = float(res.tensor_scale)
         if job.with_gradients:
             stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")
-    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
     return Result(out, attrs, bf.summary(job, "NVFP4", attributes(f), described, out, stats, notes))
 
 
 render = bf.render
+
+
+def _in_place(job, x, attrs):
+    """The forward over row blocks of ``x``, its outputs written over it, the per-tensor scale from a pass of its
+    own first (:func:`qgcli.families.block_rows.in_place`): ``(outputs as stored, statistics, notes)``."""
+    f = job.formats
+    axis = check_blocks(x.shape, f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    plan, dtype_attrs = block_rows.plan(job, {"inputs": x}, x_name="inputs", axis=axis, block_size=BLOCK_SIZE,
+                                        amax_pass=f["per_tensor_scale"])
+    attrs.update(dtype_attrs)
+    show = job.output.shows_summary
+    out, plan, counts, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(BLOCK_SIZE, axis)
+                                                  if show else None)
+    small = plan.small_outputs()
+    if small:  # the file's order: outputs, block_scales, tensor_scale, quantized
+        out = {k: out[k] for k in ("outputs", "block_scales")} | small | {"quantized": out["quantized"]}
+    stats = {}
+    if show:
+        stats = bf.statistics_of_rows(rows, BLOCK_SIZE, x.shape, axis=axis, saturated=saturated_scales(
+            out["block_scales"], bool(small)))[0]
+        if small:
+            stats["tensor_scale"] = float(small["tensor_scale"])
+    return out, stats, _nan_note(small.get("tensor_scale"), counts, x.size)
+
+
+def _nan_note(t, counts, n):
+    """The note of torchao's NaN outputs (a per-tensor scale it cannot use), from the blocks' ``counts``."""
+    if not counts.get("nan_introduced"):
+        return []
+    every = " (every output is NaN)" if counts["nan_outputs"] == n else ""
+    return [f"NVFP4 per-tensor scale {float(t)!r} (tensor amax / 2688) is zero, NaN, infinite or too small to "
+            f"invert: torchao's to_nvfp4(...).dequantize() gives NaN for {counts['nan_introduced']} of {n} elements "
+            f"whose input is not NaN{every}; qgcli does the same (per_tensor_scale=False avoids it)"]
 
 
 # --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------
@@ -180,14 +216,8 @@ def rows(plan, x, g, i0, i1, out=None):
 
 
 def block_summary(job, operands, datasets, setup, small, notes):
-    counts, t = setup["counts"], small.get("tensor_scale")
-    extra = []
-    if counts.get("nan_introduced"):
-        n = int(np.prod(datasets["inputs"].shape, dtype=np.int64))
-        extra.append(f"NVFP4 per-tensor scale {float(t)!r} (tensor amax / 2688) is zero, NaN, infinite or too small "
-                     f"to invert: torchao's to_nvfp4(...).dequantize() gives NaN for {counts['nan_introduced']} of "
-                     f"{n} elements whose input is not NaN{' (every output is NaN)' if counts['nan_outputs'] == n else ''}"
-                     "; qgcli does the same (per_tensor_scale=False avoids it)")
+    extra = _nan_note(small.get("tensor_scale"), setup["counts"],
+                      int(np.prod(datasets["inputs"].shape, dtype=np.int64)))
     return block_rows.summary(job, operands, datasets, setup, small, list(notes) + extra, op="NVFP4",
                               attributes=attributes(job.formats))
 

@@ -165,9 +165,13 @@ def compute(job, operands):
     kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
     notes = [note] if note else []
     attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype)}
+    nan_in = job.output.shows_summary and dtype in ops.INTEGER_TYPES and bool(np.isnan(x).any())
+    in_place = block_rows.in_place_ok(x, job)
     res = (ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
-           if not job.with_gradients or job.output.shows_summary else None)
-    if job.with_gradients:
+           if not in_place and (not job.with_gradients or job.output.shows_summary) else None)
+    if in_place:  # the outputs over the inputs, the statistics taken first
+        out, stats = _in_place(job, x, y_scale, zp, dtype, attrs)
+    elif job.with_gradients:
         est = f["estimator"]
         dx = ops.onnx_fake_quantize_gradient(gradients, x, y_scale, zp, saturate=f["saturate"],
                                              estimator="masked" if est == "masked-ste" else "ste", **kw)
@@ -176,12 +180,12 @@ def compute(job, operands):
         notes.append(_gradient_note(est))
     else:
         out = bf.as_bytes({"outputs": res.outputs, "quantized": res.quantized}, attrs)
-    stats = {}
+    if not in_place:
+        stats = _statistics(x, res, y_scale, zp, dtype, f) if job.output.shows_summary else {}
     if job.output.shows_summary:
-        stats = _statistics(x, res, y_scale, zp, dtype, f)
         if job.with_gradients:
             stats["gradient"] = bf.gradient_statistics(gradients, dx, f["estimator"])
-        if dtype in ops.INTEGER_TYPES and np.isnan(x).any():
+        if nan_in:
             notes.append("NaN inputs quantize to qmin (onnxruntime's saturation; the reference's cast is undefined "
                          "there)")
     described = describe_arrays({k: v for k, v in (("gradients", gradients), ("x", x)) if v is not None})
@@ -194,24 +198,70 @@ def _statistics(x, res, y_scale, zp, dtype, f):
     share of elements at a saturated code (integer types: qmin or qmax; float types: the largest finite
     magnitude or beyond)."""
     bs = f["block_size"]
-    if _whole_blocks(np.shape(x), y_scale, f):
+    whole = not _whole_blocks(np.shape(x), y_scale, f)
+    if not whole:
         stats, _, _ = bf.block_statistics(x, res.outputs, bs, axis=f["axis"])
     else:
         stats, _, _ = bf.block_statistics(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)),
                                           max(1, int(np.size(x))))
-        stats["blocks"], stats["block_size"] = 1, int(np.size(x))
+    return _with_clipped(stats, res.quantized, dtype, whole)
+
+
+def _with_clipped(stats, quantized, dtype, whole):
+    """The statistics with ``clipped`` (the share of codes at a saturated value, counted a million at a time:
+    no tensor-sized temporary) and, for the tensor as one block, its size as the block size."""
+    q = np.asarray(quantized).reshape(-1)
+    if whole:
+        stats["blocks"], stats["block_size"] = 1, int(q.size)
         stats.pop("worst_blocks", None)
     if dtype in ops.INTEGER_TYPES:
         _, lo, hi = ops.INTEGER_TYPES[dtype]
-        q = np.asarray(res.quantized).astype(np.int64)
-        at_edge = (q == lo) | (q == hi)
-        stats["clipped"] = float(at_edge.mean()) if q.size else 0.0
+
+        def at_edge(part):
+            part = part.astype(np.int64)
+            return (part == lo) | (part == hi)
     else:
         fmax = ops.FLOAT_TYPES[dtype][1]
-        y = np.asarray(res.outputs)
-        stats["clipped"] = float((np.abs(np.asarray(res.quantized).astype(np.float32)) >= fmax).mean()) \
-            if y.size else 0.0
+
+        def at_edge(part):
+            return np.abs(part.astype(np.float32)) >= fmax
+    step = block_rows.IN_PLACE_ELEMENTS
+    edge = sum(int(np.count_nonzero(at_edge(q[i:i + step]))) for i in range(0, q.size, step))
+    stats["clipped"] = edge / q.size if q.size else 0.0
     return stats
+
+
+def _plan(job, f, datasets, x_name, y_scale, zp):
+    """The row-block plan (:mod:`qgcli.families.block_rows`) of ``f`` (the dtype resolved) over ``datasets``:
+    ``y_scale`` and ``y_zero_point`` are cut with the rows they apply to (:func:`rows`)."""
+    shape = tuple(datasets[x_name].shape)
+    ops._qparams(np, shape, y_scale, zp, f["dtype"], f["axis"], f["block_size"], expand=False)  # checked whole
+    along = np.size(y_scale) > 1 or f["block_size"]
+    axis = f["axis"] % len(shape) if along and shape else None
+    return block_rows.plan(job._replace(formats=f), datasets, x_name=x_name, axis=axis,
+                           block_size=f["block_size"] if np.size(y_scale) > 1 else 0,
+                           small={"y_scale": np.asarray(y_scale), "y_zero_point": zp})
+
+
+def _in_place(job, x, y_scale, zp, dtype, attrs):
+    """The forward over row blocks of ``x``, its outputs written over it, the statistics taken first
+    (:func:`qgcli.families.block_rows.in_place`): ``(outputs as stored, statistics)``."""
+    f = dict(job.formats, dtype=dtype)
+    plan, dtype_attrs = _plan(job, f, {"x": x}, "x", y_scale, zp)
+    attrs.update(dtype_attrs)
+    whole = not _whole_blocks(x.shape, y_scale, f)
+    show = job.output.shows_summary
+    out, _, _, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(
+        f["block_size"], f["axis"], whole=whole) if show else None)
+    if not show:
+        return out, {}
+    stats = bf.statistics_of_rows(rows, f["block_size"], x.shape, axis=f["axis"], whole=whole)[0]
+    q = out["quantized"]
+    if "quantized_dtype" in dtype_attrs:  # float8 / float4 codes stored as their bytes
+        import ml_dtypes
+
+        q = q.view(getattr(ml_dtypes, dtype_attrs["quantized_dtype"]))
+    return out, _with_clipped(stats, q, dtype, whole)
 
 
 render = bf.render
@@ -225,16 +275,10 @@ def block_setup(job, operands, datasets):
     row), whole quantization blocks along the first axis (the partial last one in the last rows)."""
     f = dict(job.formats)
     x_name = "x" if "x" in datasets else "inputs"
-    shape = tuple(datasets[x_name].shape)
     y_scale, zp, dtype, note = load_small(operands, f)
     _check_job(f, dtype)
     f["dtype"] = dtype
-    ops._qparams(np, shape, y_scale, zp, dtype, f["axis"], f["block_size"], expand=False)  # checked whole
-    along = np.size(y_scale) > 1 or f["block_size"]
-    axis = f["axis"] % len(shape) if along and shape else None
-    plan, dtype_attrs = block_rows.plan(job._replace(formats=f), datasets, x_name=x_name, axis=axis,
-                                        block_size=f["block_size"] if np.size(y_scale) > 1 else 0,
-                                        small={"y_scale": np.asarray(y_scale), "y_zero_point": zp})
+    plan, dtype_attrs = _plan(job, f, datasets, x_name, y_scale, zp)
     attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype), **dtype_attrs}
     notes = [note] if note else []
     if job.with_gradients:
