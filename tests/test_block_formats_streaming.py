@@ -261,3 +261,72 @@ def test_an_in_memory_forward_holds_the_tensor_once(tmp_path):
           f"{rss['tiny']:.0f} MiB on a tiny input")
     assert rss["quiet"] < rss["tiny"] + 64 + 16 + 16, rss
     assert rss["summary"] < rss["tiny"] + 64 + 16 + 96 + 24, rss
+
+
+# --- run files: the output arrays reused from group to group (issue 38, item 3) ----------------------------------
+
+@pytest.mark.parametrize("out_suffix", [".h5", ".zarr"])
+def test_run_file_groups_of_equal_shapes_reuse_their_output_arrays(cli, tmp_path, monkeypatch, out_suffix):
+    """Six groups of equal shapes, two per family (small ones, in one call each, and MX groups over
+    block_rows.IN_PLACE_ELEMENTS, written over their inputs): from the third group of a kind on, its outputs are
+    the arrays an earlier group of the same kind wrote (each sink writes a group when it adds it), and every
+    group's outputs are what the group gives alone."""
+    if out_suffix == ".zarr":
+        pytest.importorskip("zarr")
+    from qgcli.storage import h5, zarr_store
+
+    rng = np.random.default_rng(383)
+    run = tmp_path / "run.h5"
+    big = (1024, 1280)  # 1.25 Mi values: quantized in row blocks, in place
+    with h5py.File(run, "w") as f:
+        for i in range(3):
+            for name, attrs, shape in (("mx", dict(op="mx", format="mxfp4"), (64, 96)),
+                                       ("nvfp4", dict(op="nvfp4"), (64, 96)),
+                                       ("onnx", dict(op="QuantizeLinear", dtype="int8", axis=0), (64, 96)),
+                                       ("mxbig", dict(op="mx", format="mxfp8-e5m2"), big)):
+                g = f.create_group(f"step_{i}/{name}")
+                g.attrs.update(attrs)
+                g["x" if name == "onnx" else "inputs"] = (rng.standard_normal(shape) * (i + 1)).astype(np.float32)
+                if name == "onnx":
+                    g["y_scale"] = (np.abs(rng.standard_normal(shape[0])) + 0.01).astype(np.float32)
+    seen = {}
+    sink = (h5.GroupSink if out_suffix == ".h5" else zarr_store._GroupSink)
+    real_add = sink.add
+
+    held = []  # every group's arrays stay alive: an address seen again is an array reused, not malloc's reuse
+
+    def add(self, path, arrays, attrs):
+        held.append(dict(arrays))
+        seen[path] = {k: np.asarray(v).__array_interface__["data"][0] for k, v in arrays.items()}
+        return real_add(self, path, arrays, attrs)
+
+    monkeypatch.setattr(sink, "add", add)
+    out = tmp_path / f"out{out_suffix}"
+    r = cli("fakequant", run, "-o", out, "-q")
+    assert r.exit_code == 0, r.output
+    kinds = ("mx", "nvfp4", "onnx", "mxbig")
+    for name in kinds:
+        for i in (1, 2):  # the second group takes the first's arrays, the third the second's (kept the latest)
+            now, before = seen[f"step_{i}/{name}"], seen[f"step_{i - 1}/{name}"]
+            reused = {k for k in now if now[k] == before[k]}
+            # mxbig's outputs are its inputs' array (read for each group), NVFP4's tensor_scale a new scalar
+            assert reused == set(now) - {"tensor_scale"} - ({"outputs"} if name == "mxbig" else set()), \
+                (name, i, reused)
+    assert len(seen) == 12
+    # every group's outputs are those of the group run alone (fresh arrays)
+    for i in range(3):
+        for name in kinds:
+            alone = tmp_path / f"alone-{i}-{name}.h5"
+            assert cli("fakequant", f"{run}:step_{i}/{name}", "-o", alone, "-q").exit_code == 0  # the first group
+            with h5py.File(alone, "r") as f:
+                g = f[f"step_{i}/{name}"]
+                expected = {k: np.atleast_1d(g[k][()]).tobytes() for k in g}
+            if out_suffix == ".h5":
+                with h5py.File(out, "r") as f:
+                    got = {k: np.atleast_1d(f[f"step_{i}/{name}/{k}"][()]).tobytes() for k in expected}
+            else:
+                import zarr
+
+                g = zarr.open_group(str(out), mode="r")[f"step_{i}/{name}"]
+                got = {k: np.atleast_1d(np.asarray(g[k][()])).tobytes() for k in expected}
+            assert got == expected, (i, name)

@@ -88,11 +88,32 @@ def in_place_ok(x, job):
             and x.size > IN_PLACE_ELEMENTS and can_take(x))
 
 
-def in_place(plan_, x, *, statistics=None):
+#: Results a run file's groups keep for the next groups of the same shapes (:func:`keep`): that many shapes.
+KEPT_SHAPES = 4
+
+
+def kept(store, key):
+    """What an earlier run-file group of the same shapes and attributes (``key``) left in ``store`` for this one
+    to write over (the executor's ``kept``, None outside a run file: fresh arrays), or None."""
+    return None if store is None else store.get(key)
+
+
+def keep(store, key, value):
+    """Leave ``value`` (the op's result, or the outputs of :func:`in_place`) in ``store`` for the next group:
+    the arrays of the last :data:`KEPT_SHAPES` keys, the oldest dropped."""
+    if store is None or value is None:
+        return
+    store.pop(key, None)
+    store[key] = value
+    while len(store) > KEPT_SHAPES:
+        store.pop(next(iter(store)))
+
+
+def in_place(plan_, x, *, statistics=None, into=None):
     """The forward of ``plan_`` over row blocks of the in-memory ``x`` (:func:`in_place_ok`), each block's
     ``outputs`` written over its rows of ``x`` once the statistics have taken them (``statistics(x rows, y
     rows)``, :func:`qgcli.families.block_formats.rows_statistics`); the other outputs into new arrays, as stored.
-    No tensor-sized array besides those.  Returns ``(outputs by name, the plan (with NVFP4's per-tensor scale),
+    No tensor-sized array besides those (``into``: an earlier call's outputs, written over where they fit).  Returns ``(outputs by name, the plan (with NVFP4's per-tensor scale),
     counts, the statistics' row blocks)``."""
     rows = x.shape[0]
     per_row = max(1, x.size // max(rows, 1))
@@ -100,7 +121,9 @@ def in_place(plan_, x, *, statistics=None):
     sub = max(plan_.align, IN_PLACE_ELEMENTS // 8 // per_row // plan_.align * plan_.align)
     if plan_.amax_pass:
         plan_ = plan_.with_amax([plan_.amax(x)])
-    outs = {name: np.empty(shape, np.dtype(d)) for name, (shape, d, _) in plan_.outputs.items() if name != "outputs"}
+    into = into or {}
+    outs = {name: into[name] if name in into and into[name].shape == shape and into[name].dtype == np.dtype(d)
+            else np.empty(shape, np.dtype(d)) for name, (shape, d, _) in plan_.outputs.items() if name != "outputs"}
     counts, parts, prev = {}, [], None
     for i in range(0, rows, step):
         j = min(i + step, rows)

@@ -96,10 +96,10 @@ def attributes(formats):
     return {k: formats[k] for k in ("format", "block_size", "axis", "scale_mode")}
 
 
-def forward(inputs, formats):
-    """:func:`qgcli.ops.mx.mx_fake_quantize` with the job's attributes."""
+def forward(inputs, formats, out=None):
+    """:func:`qgcli.ops.mx.mx_fake_quantize` with the job's attributes (``out``: an earlier result to write over)."""
     return ops.mx_fake_quantize(inputs, format=formats["format"], block_size=int(formats["block_size"]),
-                                axis=int(formats["axis"]), scale_mode=formats["scale_mode"])
+                                axis=int(formats["axis"]), scale_mode=formats["scale_mode"], out=out)
 
 
 def saturated_scales(codes, formats):
@@ -108,7 +108,12 @@ def saturated_scales(codes, formats):
     return (c == 0) | (c >= 254)
 
 
-def compute(job, operands):
+#: A run-file executor whose sink writes a group's outputs when it adds them passes ``kept``: the output arrays
+#: of the last groups, reused for the next ones of the same shapes (:func:`qgcli.families.block_rows.keep`).
+REUSES_OUTPUTS = True
+
+
+def compute(job, operands, kept=None):
     f = job.formats
     inputs = bf.float32_operand(operands.get("inputs"), "inputs")
     gradients = operands.get("gradients") if job.with_gradients else None
@@ -117,9 +122,13 @@ def compute(job, operands):
     attrs = {"op": "mx", "semantics": "mx", **attributes(f)}
     notes = []
     in_place = block_rows.in_place_ok(inputs, job)
-    res = forward(inputs, f) if not in_place and (not job.with_gradients or job.output.shows_summary) else None
+    key = (NAME, np.shape(inputs), tuple(attributes(f).items()))
+    res = None
+    if not in_place and (not job.with_gradients or job.output.shows_summary):
+        res = forward(inputs, f, out=block_rows.kept(kept, key))
+        block_rows.keep(kept, key, res)
     if in_place:  # the outputs over the inputs, row block by row block, the statistics taken first
-        out, stats = _in_place(job, inputs, attrs)
+        out, stats = _in_place(job, inputs, attrs, kept, key)
     elif job.with_gradients:
         dx = ops.mx_fake_quantize_gradient(gradients, inputs, format=f["format"], block_size=int(f["block_size"]),
                                            axis=int(f["axis"]), scale_mode=f["scale_mode"])
@@ -148,15 +157,18 @@ def compute(job, operands):
 render = bf.render
 
 
-def _in_place(job, x, attrs):
+def _in_place(job, x, attrs, kept=None, key=None):
     """The forward over row blocks of ``x``, its outputs written over it (:func:`qgcli.families.block_rows.in_place`):
-    ``(outputs as stored, statistics)``; ``attrs`` takes the small-float type names."""
+    ``(outputs as stored, statistics)``; ``attrs`` takes the small-float type names; ``kept``: as for
+    :func:`compute`."""
     f = job.formats
     bs, axis = int(f["block_size"]), int(f["axis"])
     plan, dtype_attrs = block_rows.plan(job, {"inputs": x}, x_name="inputs", axis=axis % x.ndim, block_size=bs)
     attrs.update(dtype_attrs)
     show = job.output.shows_summary
-    out, _, _, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(bs, axis) if show else None)
+    out, _, _, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(bs, axis) if show else None,
+                                          into=block_rows.kept(kept, ("rows",) + key))
+    block_rows.keep(kept, ("rows",) + key, {k: v for k, v in out.items() if k != "outputs"})
     stats = bf.statistics_of_rows(rows, bs, x.shape, axis=axis, saturated=saturated_scales(out["scales"], f))[0] \
         if show else {}
     return out, stats

@@ -86,12 +86,13 @@ def attributes(formats):
     return {"block_size": BLOCK_SIZE, "axis": formats["axis"], "per_tensor_scale": formats["per_tensor_scale"]}
 
 
-def forward(inputs, formats):
+def forward(inputs, formats, out=None):
     """:func:`qgcli.ops.nvfp4.nvfp4_fake_quantize` with the job's attributes, and the note of its warning
     (torchao's NaN outputs), or None."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"])
+        res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"],
+                                      out=out)
     notes = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     return res, notes
 
@@ -105,17 +106,25 @@ def saturated_scales(block_scales, per_tensor=False):
     return (c == 0x08) if per_tensor else (c == 0x08) | (c == 0x7E)
 
 
-def compute(job, operands):
+#: Output arrays reused from run-file group to group (as :data:`qgcli.families.mx.REUSES_OUTPUTS`).
+REUSES_OUTPUTS = True
+
+
+def compute(job, operands, kept=None):
     f = job.formats
     inputs = bf.float32_operand(operands.get("inputs"), "inputs")
     gradients = operands.get("gradients") if job.with_gradients else None
     check_blocks(tuple(np.shape(inputs)), f["axis"], BLOCK_SIZE, what="NVFP4 block size")
     attrs = {"op": "nvfp4", "semantics": "nvfp4", **attributes(f)}
     described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
+    key = (NAME, np.shape(inputs), tuple(attributes(f).items()))
     if block_rows.in_place_ok(inputs, job):  # the outputs over the inputs, the statistics taken first
-        out, stats, notes = _in_place(job, inputs, attrs)
+        out, stats, notes = _in_place(job, inputs, attrs, kept, key)
         return Result(out, attrs, bf.summary(job, "NVFP4", attributes(f), described, out, stats, notes))
-    res, notes = (forward(inputs, f) if not job.with_gradients or job.output.shows_summary else (None, []))
+    res, notes = None, []
+    if not job.with_gradients or job.output.shows_summary:
+        res, notes = forward(inputs, f, out=block_rows.kept(kept, key))
+        block_rows.keep(kept, key, res)
     if job.with_gradients:
         dx = ops.nvfp4_fake_quantize_gradient(gradients, inputs, per_tensor_scale=f["per_tensor_scale"],
                                               axis=f["axis"])
@@ -143,7 +152,7 @@ def compute(job, operands):
 render = bf.render
 
 
-def _in_place(job, x, attrs):
+def _in_place(job, x, attrs, kept=None, key=None):
     """The forward over row blocks of ``x``, its outputs written over it, the per-tensor scale from a pass of its
     own first (:func:`qgcli.families.block_rows.in_place`): ``(outputs as stored, statistics, notes)``."""
     f = job.formats
@@ -153,7 +162,8 @@ def _in_place(job, x, attrs):
     attrs.update(dtype_attrs)
     show = job.output.shows_summary
     out, plan, counts, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(BLOCK_SIZE, axis)
-                                                  if show else None)
+                                                  if show else None, into=block_rows.kept(kept, ("rows",) + key))
+    block_rows.keep(kept, ("rows",) + key, {k: v for k, v in out.items() if k != "outputs"})
     small = plan.small_outputs()
     if small:  # the file's order: outputs, block_scales, tensor_scale, quantized
         out = {k: out[k] for k in ("outputs", "block_scales")} | small | {"quantized": out["quantized"]}

@@ -157,7 +157,11 @@ def attributes(formats, dtype):
     return a
 
 
-def compute(job, operands):
+#: Output arrays reused from run-file group to group (as :data:`qgcli.families.mx.REUSES_OUTPUTS`).
+REUSES_OUTPUTS = True
+
+
+def compute(job, operands, kept=None):
     f = job.formats
     x, y_scale, zp, dtype, note = load(operands, f)
     gradients = operands.get("gradients") if job.with_gradients else None
@@ -167,10 +171,13 @@ def compute(job, operands):
     attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype)}
     nan_in = job.output.shows_summary and dtype in ops.INTEGER_TYPES and bool(np.isnan(x).any())
     in_place = block_rows.in_place_ok(x, job)
-    res = (ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
-           if not in_place and (not job.with_gradients or job.output.shows_summary) else None)
+    key = (NAME, np.shape(x), tuple(attributes(f, dtype).items()))
+    res = None
+    if not in_place and (not job.with_gradients or job.output.shows_summary):
+        res = ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], out=block_rows.kept(kept, key), **kw)
+        block_rows.keep(kept, key, res)
     if in_place:  # the outputs over the inputs, the statistics taken first
-        out, stats = _in_place(job, x, y_scale, zp, dtype, attrs)
+        out, stats = _in_place(job, x, y_scale, zp, dtype, attrs, kept, key)
     elif job.with_gradients:
         est = f["estimator"]
         dx = ops.onnx_fake_quantize_gradient(gradients, x, y_scale, zp, saturate=f["saturate"],
@@ -243,7 +250,7 @@ def _plan(job, f, datasets, x_name, y_scale, zp):
                            small={"y_scale": np.asarray(y_scale), "y_zero_point": zp})
 
 
-def _in_place(job, x, y_scale, zp, dtype, attrs):
+def _in_place(job, x, y_scale, zp, dtype, attrs, kept=None, key=None):
     """The forward over row blocks of ``x``, its outputs written over it, the statistics taken first
     (:func:`qgcli.families.block_rows.in_place`): ``(outputs as stored, statistics)``."""
     f = dict(job.formats, dtype=dtype)
@@ -252,7 +259,8 @@ def _in_place(job, x, y_scale, zp, dtype, attrs):
     whole = not _whole_blocks(x.shape, y_scale, f)
     show = job.output.shows_summary
     out, _, _, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(
-        f["block_size"], f["axis"], whole=whole) if show else None)
+        f["block_size"], f["axis"], whole=whole) if show else None, into=block_rows.kept(kept, ("rows",) + key))
+    block_rows.keep(kept, ("rows",) + key, {k: v for k, v in out.items() if k != "outputs"})
     if not show:
         return out, {}
     stats = bf.statistics_of_rows(rows, f["block_size"], x.shape, axis=f["axis"], whole=whole)[0]
