@@ -188,7 +188,8 @@ def block_parts(x, y, block_size, *, axis=-1):
         return {"flushed": (nonzero & (yb == 0)).sum(axis=1), "nonzero": nonzero.sum(axis=1),
                 "amax": ax_.max(axis=1) if xb.size else np.zeros(0),
                 "amin": np.where(nonzero, ax_, np.inf).min(axis=1) if xb.size else np.zeros(0),
-                "sig": (np.where(fin, xb, 0.0) ** 2).sum(axis=1), "err": (np.where(fin, yb - xb, 0.0) ** 2).sum(axis=1),
+                "sig": (np.where(fin, xb, 0.0) ** 2).sum(axis=1),
+                "err": (np.where(fin, yb - xb, 0.0) ** 2).sum(axis=1),
                 "nan": int(np.isnan(yb).sum())}
 
 

@@ -113,8 +113,8 @@ def in_place(plan_, x, *, statistics=None, into=None):
     """The forward of ``plan_`` over row blocks of the in-memory ``x`` (:func:`in_place_ok`), each block's
     ``outputs`` written over its rows of ``x`` once the statistics have taken them (``statistics(x rows, y
     rows)``, :func:`qgcli.families.block_formats.rows_statistics`); the other outputs into new arrays, as stored.
-    No tensor-sized array besides those (``into``: an earlier call's outputs, written over where they fit).  Returns ``(outputs by name, the plan (with NVFP4's per-tensor scale),
-    counts, the statistics' row blocks)``."""
+    No tensor-sized array besides those (``into``: an earlier call's outputs, written over where they fit).
+    Returns ``(outputs by name, the plan (with NVFP4's per-tensor scale), counts, the statistics' row blocks)``."""
     rows = x.shape[0]
     per_row = max(1, x.size // max(rows, 1))
     step = max(plan_.align, IN_PLACE_ELEMENTS // per_row // plan_.align * plan_.align)

@@ -5,7 +5,8 @@ The family says what the blocks compute: its ``block_setup(job, operands, tensor
 (unread) and returns the block algorithm by name (``"leaves"``: TensorFlow's fake-quant ops, whose
 ``backprop_wrt_min/max`` keep Eigen's reduction order, :mod:`~qgcli.execution.blocks.leaves`; ``"two-pass"``:
 bn-grad's per-channel sums then ``x_backprop``, :mod:`~qgcli.execution.blocks.two_pass`; ``"rows"``: the block
-formats, each row block computed on its own, :mod:`qgcli.families.block_rows`) with its parameters; its ``block_summary`` renders the result.  The source says how blocks are read and written:
+formats, each row block computed on its own, :mod:`qgcli.families.block_rows`) with its parameters; its
+``block_summary`` renders the result.  The source says how blocks are read and written:
 
 - :mod:`~qgcli.execution.blocks.hdf5`: HDF5 datasets, and tensors that are plain bytes at an offset of a
   file (.npy, stored .npz members, .safetensors: :mod:`qgcli.storage.flat`), streamed in order into an .h5

@@ -396,8 +396,8 @@ def plan_for(job, operands, runner, locations):
         return None
     if not hasattr(runner, "block_setup"):
         raise OptionError(f"computes TensorFlow's fake-quant ops, bn-grad and the block formats on Zarr tensors in "
-                          f"blocks; "
-                          f"{runner.mode(job)} reads its Zarr operands whole (drop --scheduler, or raise --memory-limit)",
+                          f"blocks; {runner.mode(job)} reads its Zarr operands whole (drop --scheduler, or raise "
+                          "--memory-limit)",
                           param_hint="'--scheduler'" if job.output.scheduler else "'--memory-limit'")
     if job.output.device != "cpu":
         raise OptionError("a tensor computed in blocks runs on the CPU", param_hint="'--device'")
