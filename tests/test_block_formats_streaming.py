@@ -330,3 +330,33 @@ def test_run_file_groups_of_equal_shapes_reuse_their_output_arrays(cli, tmp_path
                 g = zarr.open_group(str(out), mode="r")[f"step_{i}/{name}"]
                 got = {k: np.atleast_1d(np.asarray(g[k][()])).tobytes() for k in expected}
             assert got == expected, (i, name)
+
+
+def test_run_file_groups_over_the_limit_stream_into_their_groups(cli, tmp_path):
+    """An mx group along axis 0, an nvfp4 group (two passes) and a QuantizeLinear group per axis 0, each over
+    --memory-limit 1M: streamed into their groups of the .h5 output, every dataset and the small-float type
+    attributes as the in-memory run writes them."""
+    rng = np.random.default_rng(384)
+    run = tmp_path / "run.h5"
+    with h5py.File(run, "w") as f:
+        for name, attrs, operand in (("mx", dict(op="mx", axis=0, format="mxfp8-e4m3"), "inputs"),
+                                     ("nv", dict(op="nvfp4"), "inputs"),
+                                     ("q", dict(op="QuantizeLinear", axis=0, dtype="float8e5m2"), "x")):
+            g = f.create_group(f"step/{name}")
+            g.attrs.update(attrs)
+            g[operand] = _tensor(rng)
+            if name == "q":
+                g["y_scale"] = np.full(ROWS, 0.03, np.float32)
+    assert cli("fakequant", run, "-o", tmp_path / "memory.h5", "-q").exit_code == 0
+    r = cli("fakequant", run, "-o", tmp_path / "streamed.h5", "--memory-limit", "1M")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("streamed from disk") == 3 and "two passes" in r.output
+
+    def walk(path):
+        found = {}
+        with h5py.File(path, "r") as f:
+            f.visititems(lambda n, o: found.__setitem__(n, np.atleast_1d(o[()]).tobytes() if isinstance(
+                o, h5py.Dataset) else {k: str(v) for k, v in o.attrs.items() if k.endswith("_dtype")}))
+        return found
+
+    assert walk(tmp_path / "streamed.h5") == walk(tmp_path / "memory.h5")
