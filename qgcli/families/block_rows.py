@@ -10,8 +10,11 @@ with the rows they apply to.  NVFP4's per-tensor scale needs the whole tensor's 
 over the blocks (:attr:`RowPlan.amax_pass`), then the encode pass with that scale (:meth:`RowPlan.with_amax`).
 
 The family says what one row block computes (its ``rows(plan, x, g, i0, i1, out)``: the outputs of rows
-``[i0, i1)`` as stored, small floats as their bytes, and the op's result to reuse as ``out`` for the next block of
-the same shape); this module plans the outputs and checks the operands before anything is read.
+``[i0, i1)``, small floats in ml_dtypes' types (:meth:`RowPlan.stored` gives their bytes), the op's result to
+reuse as ``out`` for the next block of the same shape, and counts to add up); this module plans the outputs and
+checks the operands before anything is read.  In memory the same plan quantizes a large tensor in row blocks
+written over its own array (:func:`in_place`), and a run file's groups keep their output arrays for the next
+group of the same shapes (:func:`kept`, :func:`keep`).
 """
 import dataclasses
 from dataclasses import dataclass, field
