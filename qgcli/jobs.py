@@ -204,8 +204,10 @@ class FakeQuantJob(NamedTuple):
 
     @property
     def large_operands(self):
-        """The operands as large as the tensor (the others are per channel at most)."""
-        return ("gradients", "inputs") if self.with_gradients else ("inputs",)
+        """The operands as large as the tensor (the others are per channel at most): ``inputs``, or the name in
+        ``formats["tensor"]`` (ONNX QuantizeLinear's ``x``, which may come as ``inputs``: :func:`large_operands_in`)."""
+        x = (self.formats or {}).get("tensor", "inputs")
+        return ("gradients", x) if self.with_gradients else (x,)
 
 
 class BatchNormJob(NamedTuple):
@@ -264,3 +266,10 @@ class Result:
     attrs: dict
     summary: dict
     figure: Optional[Callable[[], Any]] = None
+
+
+def large_operands_in(job, operands):
+    """``job.large_operands`` as the open ``operands`` name them: ONNX's ``x`` given as ``inputs`` (a bundle
+    holding ``inputs``, no ``x``) is ``inputs``."""
+    return tuple("inputs" if name == "x" and not operands.has("x") and operands.has("inputs") else name
+                 for name in job.large_operands)

@@ -221,6 +221,27 @@ def test_bn_grad_of_a_zarr_tensor_on_the_cluster_is_the_local_runs_bit_for_bit(c
     _same_store(tmp_path / "local.zarr", tmp_path / "remote.zarr")
 
 
+@pytest.mark.parametrize("options", [("--semantics", "nvfp4"), ("--semantics", "mx", "--axis", "0")],
+                         ids=["nvfp4-two-passes", "mx-axis0"])
+def test_a_block_format_on_the_cluster_is_the_in_memory_run_bit_for_bit(cli, cluster, tmp_path, options):
+    """NVFP4's amax pass, then its encode pass, as tasks (issue 38); MX's blocks along the first axis whole."""
+    import zarr
+
+    from test_zarr import same_bits
+
+    rng = np.random.default_rng(38)
+    x = rng.standard_normal((1024, 64)).astype(np.float32) * np.exp2(rng.integers(-6, 6, (1024, 1)))
+    store = tmp_path / "x.zarr"
+    zarr.open_group(str(store), mode="w").create_array("inputs", data=x.astype(np.float32), chunks=(100, 64))
+    assert cli("fakequant", store, *options, "-o", tmp_path / "memory.zarr", "-q").exit_code == 0
+    r = cli("fakequant", store, *options, "-o", tmp_path / "remote.zarr", "--scheduler", cluster, "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    two = options[1] == "nvfp4"
+    assert s["cluster"]["workers"] == 2 and s["cluster"]["tasks"] == s["blocks"]["count"] * (2 if two else 1)
+    same_bits(tmp_path / "memory.zarr", tmp_path / "remote.zarr")
+
+
 def _wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -11,7 +11,7 @@ from qgcli.errors import OptionError
 from qgcli.execution import memory
 from qgcli.execution.cluster import Cluster
 from qgcli.families import registry
-from qgcli.jobs import RunFileJob
+from qgcli.jobs import RunFileJob, large_operands_in
 from qgcli.storage.operands import Operands
 
 
@@ -46,7 +46,7 @@ def execute(job):
         from qgcli.storage import zarr_store
 
         blocks = None
-        locations = zarr_store.locations(operands, job.large_operands)
+        locations = zarr_store.locations(operands, large_operands_in(job, operands))
         if locations is not None:  # Zarr tensors: in row blocks (here or on a cluster) where they must be
             from qgcli.execution.blocks import zarr as zarr_blocks
 

@@ -85,8 +85,10 @@ def plan(job, operands, *, streams, mode=None):
     if not streams and limit is None:
         return None
     budget = parse_memory_limit(limit)
+    from qgcli.jobs import large_operands_in
+
     datasets, whole = {}, {}
-    for name in job.large_operands:
+    for name in large_operands_in(job, operands):
         ds = operands.dataset(name)
         if ds is None:  # .npy, a stored .npz member, .safetensors: plain bytes at an offset, streamed as well
             ds = operands.flat(name)
@@ -102,8 +104,8 @@ def plan(job, operands, *, streams, mode=None):
         return None
     if not streams:
         raise QgcliError(f"the inputs need about {_size(needed)}, more than {_size(budget)}, and {mode} cannot stream "
-                         "them from disk (only TensorFlow's fake-quant ops and bn-grad stream, on the CPU); raise "
-                         "--memory-limit or drop it", operand="--memory-limit")
+                         "them from disk (only TensorFlow's fake-quant ops, bn-grad and the block formats mx, nvfp4, "
+                         "onnx stream, on the CPU); raise --memory-limit or drop it", operand="--memory-limit")
     for name, ds in datasets.items():
         if not hasattr(ds, "id"):
             continue  # plain bytes of a file, which holds them all (qgcli.storage.flat)

@@ -118,11 +118,17 @@ def _each(job, container, path, layers, skipped, ran):
             skipped.append(layer)
 
 
-def _compute(job, layer, group_job, runner, operands, skipped):
-    """The runner's Result for one group, or None when it failed and --skip-invalid lets the run go on."""
+def _compute(job, layer, group_job, runner, operands, skipped, kept=None):
+    """The runner's Result for one group, or None when it failed and --skip-invalid lets the run go on.
+    ``kept``: where a runner that reuses its output arrays from group to group (``REUSES_OUTPUTS``) keeps them,
+    given when the sink has written a group's outputs once ``add`` returns (None: fresh arrays each group)."""
     remote = _TOOLS.get("remote")
     try:
-        return runner.compute(group_job, operands) if remote is None else remote.result(layer)
+        if remote is not None:
+            return remote.result(layer)
+        if kept is not None and getattr(runner, "REUSES_OUTPUTS", False):
+            return runner.compute(group_job, operands, kept=kept)
+        return runner.compute(group_job, operands)
     except _errors() as exc:
         layer.error = _failure(layer, exc)
         if not job.skip_invalid:
@@ -141,6 +147,7 @@ def _run_and_write(job, container, path, layers):
     memory_plan = _TOOLS["memory_plan"]
     ran, skipped, budgets = [], [], {}
     with fmt.group_sink(out.destination, compression=out.compression) as sink:
+        kept = {} if getattr(sink, "writes_on_add", False) else None  # the output arrays reused group to group
         for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped, ran):
             raise_pending()
             try:
@@ -158,7 +165,7 @@ def _run_and_write(job, container, path, layers):
                     sink.add(layer.path, small, streamed.attrs)
                     summary = streamed.summarise(small)
                 else:
-                    result = _compute(job, layer, group_job, runner, operands, skipped)
+                    result = _compute(job, layer, group_job, runner, operands, skipped, kept)
                     if result is None:
                         sink.discard(layer.path)
                         continue

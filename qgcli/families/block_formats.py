@@ -170,6 +170,14 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
     - ``saturated``: the per-block booleans given (the block's scale at its clamp, shaped like the scales or
       already in block order), else None.
     """
+    return parts_statistics(block_parts(x, y, block_size, axis=axis), block_size, np.shape(x), axis=axis,
+                            saturated=saturated, scale_shape=scale_shape)
+
+
+def block_parts(x, y, block_size, *, axis=-1):
+    """What :func:`block_statistics` sums per block of ``x`` (or of rows of it: :func:`joined_parts` puts the
+    rows' parts together): ``flushed`` and ``nonzero`` counts, ``amax``, ``amin`` (smallest nonzero), ``sig``
+    and ``err`` (sums of squares), each one per block in block order, and ``nan`` (NaN outputs)."""
     x = np.asarray(x, np.float32)
     y = np.asarray(y, np.float32)
     ax = axis % x.ndim if x.ndim else 0
@@ -181,38 +189,90 @@ def block_statistics(x, y, block_size, *, axis=-1, saturated=None, scale_shape=N
     fin = np.isfinite(xb) & np.isfinite(yb)
     ax_ = np.where(np.isfinite(xb), np.abs(xb), 0.0)
     nonzero = fin & (ax_ > 0)
-    flushed_n = (nonzero & (yb == 0)).sum(axis=1)
-    nz = nonzero.sum(axis=1)
     with np.errstate(all="ignore"):
-        amax = ax_.max(axis=1) if xb.size else np.zeros(0)
-        amin = np.where(nonzero, ax_, np.inf).min(axis=1) if xb.size else np.zeros(0)
+        return {"flushed": (nonzero & (yb == 0)).sum(axis=1), "nonzero": nonzero.sum(axis=1),
+                "amax": ax_.max(axis=1) if xb.size else np.zeros(0),
+                "amin": np.where(nonzero, ax_, np.inf).min(axis=1) if xb.size else np.zeros(0),
+                "sig": (np.where(fin, xb, 0.0) ** 2).sum(axis=1),
+                "err": (np.where(fin, yb - xb, 0.0) ** 2).sum(axis=1),
+                "nan": int(np.isnan(yb).sum())}
+
+
+_REDUCE = {"flushed": np.sum, "nonzero": np.sum, "amax": np.max, "amin": np.min, "sig": np.sum, "err": np.sum}
+
+
+def joined_parts(parts, grids=None, axis=0, whole=False):
+    """The :func:`block_parts` of row blocks of one tensor as the whole tensor's: the blocks of each row block
+    (``grids``: each one's blocks' grid, block axis last) joined along ``axis`` of that grid (where the tensor's
+    first axis lies), or, ``whole``, every row block's one block as one."""
+    if whole:
+        out = {k: np.array([reduce(np.concatenate([p[k] for p in parts]))]) for k, reduce in _REDUCE.items()}
+    else:
+        out = {k: np.concatenate([p[k].reshape(g) for p, g in zip(parts, grids)], axis=axis).reshape(-1)
+               for k in _REDUCE}
+    out["nan"] = sum(p["nan"] for p in parts)
+    return out
+
+
+def rows_statistics(block_size, axis, *, whole=False):
+    """What the statistics take of one row block (``x`` rows, ``y`` rows) of a tensor quantized in row blocks
+    (:func:`qgcli.families.block_rows.in_place`): its :func:`block_parts` and its blocks' grid (``whole``: the
+    tensor is one block)."""
+    def parts(x, y):
+        if whole:
+            return block_parts(np.reshape(x, (1, -1)), np.reshape(y, (1, -1)), max(1, np.size(x))), None
+        moved = np.moveaxis(np.empty(np.shape(x), np.bool_), axis % np.ndim(x), -1).shape
+        return block_parts(x, y, block_size, axis=axis), moved[:-1] + (moved[-1] // block_size,)
+
+    return parts
+
+
+def statistics_of_rows(rows, block_size, shape, *, axis=-1, whole=False, saturated=None):
+    """:func:`block_statistics` of the tensor of ``shape`` from its row blocks' ``rows`` (each
+    ``(parts, grid)`` of :func:`rows_statistics`, in order): the same numbers, but for ``whole`` (the tensor as
+    one block), whose sums of squares are added row block by row block (the last bits of its SQNR may differ)."""
+    parts, grids = zip(*rows)
+    ndim = len(shape)
+    if whole:
+        size = int(np.prod(shape))
+        return parts_statistics(joined_parts(parts, whole=True), max(1, size), (1, size))
+    ax = axis % ndim
+    joined = joined_parts(parts, grids, axis=0 if ax != 0 else ndim - 1)
+    return parts_statistics(joined, block_size, shape, axis=axis, saturated=saturated)
+
+
+def parts_statistics(parts, block_size, shape, *, axis=-1, saturated=None, scale_shape=None):
+    """:func:`block_statistics` of the tensor of ``shape`` from its :func:`block_parts`."""
+    ndim = len(shape)
+    ax = axis % ndim if ndim else 0
+    moved = tuple(np.moveaxis(np.empty(shape, np.bool_), ax, -1).shape) if ndim else ()
+    flushed_n, nz, amax, amin = parts["flushed"], parts["nonzero"], parts["amax"], parts["amin"]
+    sig_b, err_b = parts["sig"], parts["err"]
+    with np.errstate(all="ignore"):
         dyn = np.where(nz > 0, np.log2(amax) - np.log2(amin), np.nan)
-        sig = np.where(fin, xb, 0.0) ** 2
-        err = np.where(fin, yb - xb, 0.0) ** 2
-        sig_b, err_b = sig.sum(axis=1), err.sum(axis=1)
         sqnr = np.where(err_b > 0, 10 * np.log10(sig_b / err_b), np.inf)
         total_sqnr = float(10 * np.log10(sig_b.sum() / err_b.sum())) if err_b.sum() > 0 else float("inf")
-    n_blocks = xb.shape[0]
+    n_blocks = len(sig_b)
     stats = {"blocks": n_blocks, "block_size": int(block_size),
              "flushed": float(flushed_n.sum() / nz.sum()) if nz.sum() else 0.0,
              "sqnr_db": total_sqnr,
-             "nan_outputs": int(np.isnan(yb).sum()),
+             "nan_outputs": int(parts["nan"]),
              "dynamic_range_bits_max": float(np.nanmax(dyn)) if np.isfinite(dyn).any() else None,
              "dynamic_range_bits_median": float(np.nanmedian(dyn)) if np.isfinite(dyn).any() else None}
     sat = None
     if saturated is not None:
         sat = np.asarray(saturated)
-        if x.ndim and sat.ndim == x.ndim:  # shaped like the scales: the block axis last, as the blocks are
+        if ndim and sat.ndim == ndim:  # shaped like the scales: the block axis last, as the blocks are
             sat = np.moveaxis(sat, ax, -1)
         sat = sat.reshape(-1)
         stats["saturated_scale_blocks"] = float(sat.mean()) if sat.size else 0.0
     per_block = {"flushed": np.divide(flushed_n, nz, out=np.zeros(n_blocks), where=nz > 0),
                  "dynamic_range_bits": dyn, "sqnr_db": sqnr, "saturated": sat}
-    shape = scale_shape if scale_shape is not None else (x.shape[:-1] + (x.shape[-1] // block_size,) if x.ndim
+    shape = scale_shape if scale_shape is not None else (moved[:-1] + (moved[-1] // block_size,) if ndim
                                                          else ())
     order = np.lexsort((np.arange(n_blocks), -per_block["flushed"], sqnr))  # lowest SQNR first
     per_block["order"] = order
-    stats["worst_blocks"] = [block_row(per_block, int(i), shape, ax if x.ndim else None) for i in
+    stats["worst_blocks"] = [block_row(per_block, int(i), shape, ax if ndim else None) for i in
                              order[:WORST_BLOCKS] if np.isfinite(sqnr[i]) or per_block["flushed"][i] > 0]
     return stats, per_block, shape
 
@@ -301,6 +361,9 @@ def render(console, s):
     fields = " ".join(f"{k}={v}" for k, v in s["attributes"].items() if v is not None)
     print_items(console, f"[bold]{markup(s['op'])}[/] {markup(fields)}", soft_wrap=True)
     st = s["statistics"]
+    if st is None:  # computed in row blocks: no per-block statistics (the notes say so)
+        render_closing_lines(console, s)
+        return
     sqnr = st.get("sqnr_db")
     line = (f"{counted(st['blocks'], 'block')} of {st['block_size']}: flushed to zero {percent(st['flushed'])} of "
             f"the nonzero inputs, SQNR {'exact' if sqnr is None and not st.get('nan_outputs') else sqnr if sqnr is None else f'{sqnr:.2f} dB'}")

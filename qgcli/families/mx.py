@@ -11,6 +11,7 @@ import numpy as np
 
 from qgcli.errors import OperandError, QgcliError
 from qgcli.families import block_formats as bf
+from qgcli.families import block_rows
 from qgcli.families.groups import plain
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
@@ -23,6 +24,8 @@ RUN_FILE_OPS = {"mx": None}
 GROUP_OPERANDS = {None: (("inputs",), ("gradients",))}
 VERIFY_BITWISE = ("outputs", "scales", "quantized", "backprops_wrt_input")
 DEFAULTS = {"format": "mxfp8-e4m3", "block_size": 32, "axis": -1, "scale_mode": "floor"}
+_GRADIENT_NOTE = ("gradient: the identity (torchao's MX QAT backward multiplies grad_output by the dequantized "
+                  "tensors: no mask, no scale path)")
 
 
 def claims(o):
@@ -93,10 +96,10 @@ def attributes(formats):
     return {k: formats[k] for k in ("format", "block_size", "axis", "scale_mode")}
 
 
-def forward(inputs, formats):
-    """:func:`qgcli.ops.mx.mx_fake_quantize` with the job's attributes."""
+def forward(inputs, formats, out=None):
+    """:func:`qgcli.ops.mx.mx_fake_quantize` with the job's attributes (``out``: an earlier result to write over)."""
     return ops.mx_fake_quantize(inputs, format=formats["format"], block_size=int(formats["block_size"]),
-                                axis=int(formats["axis"]), scale_mode=formats["scale_mode"])
+                                axis=int(formats["axis"]), scale_mode=formats["scale_mode"], out=out)
 
 
 def saturated_scales(codes, formats):
@@ -105,40 +108,104 @@ def saturated_scales(codes, formats):
     return (c == 0) | (c >= 254)
 
 
-def compute(job, operands):
+#: A run-file executor whose sink writes a group's outputs when it adds them passes ``kept``: the output arrays
+#: of the last groups, reused for the next ones of the same shapes (:func:`qgcli.families.block_rows.keep`).
+REUSES_OUTPUTS = True
+
+
+def compute(job, operands, kept=None):
     f = job.formats
     inputs = bf.float32_operand(operands.get("inputs"), "inputs")
     gradients = operands.get("gradients") if job.with_gradients else None
     _check(f, tuple(np.shape(inputs)))
-    res = forward(inputs, f) if not job.with_gradients or job.output.shows_summary else None
+    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
     attrs = {"op": "mx", "semantics": "mx", **attributes(f)}
     notes = []
-    if job.with_gradients:
+    in_place = block_rows.in_place_ok(inputs, job)
+    key = (NAME, np.shape(inputs), tuple(attributes(f).items()))
+    res = None
+    if not in_place and (not job.with_gradients or job.output.shows_summary):
+        res = forward(inputs, f, out=block_rows.kept(kept, key))
+        block_rows.keep(kept, key, res)
+    if in_place:  # the outputs over the inputs, row block by row block, the statistics taken first
+        out, stats = _in_place(job, inputs, attrs, kept, key)
+    elif job.with_gradients:
         dx = ops.mx_fake_quantize_gradient(gradients, inputs, format=f["format"], block_size=int(f["block_size"]),
                                            axis=int(f["axis"]), scale_mode=f["scale_mode"])
         out = {"backprops_wrt_input": dx}
         attrs["estimator"] = "ste"
-        notes.append("gradient: the identity (torchao's MX QAT backward multiplies grad_output by the dequantized "
-                     "tensors: no mask, no scale path)")
+        notes.append(_GRADIENT_NOTE)
     else:
         out = bf.as_bytes({"outputs": res.outputs, "scales": res.scales, "quantized": res.quantized}, attrs)
     if str(getattr(inputs, "dtype", "")) not in ("float32", "bfloat16"):
         notes.append(f"inputs is {inputs.dtype}; computed on its float32 values (torchao takes float32 or bfloat16)")
-    stats = {}
-    if job.output.shows_summary:
+    if job.output.shows_summary and not in_place:
         stats, _, _ = bf.block_statistics(inputs, res.outputs, int(f["block_size"]), axis=int(f["axis"]),
                                           saturated=saturated_scales(res.scales, f),
                                           scale_shape=None)
+    elif not in_place:
+        stats = {}
+    if job.output.shows_summary:
         if job.with_gradients:
             stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")
         if stats.get("saturated_scale_blocks"):
             notes.append("a saturated scale: E8M0 code 0 (torchao quantizes with 2^-126 and dequantizes with "
                          "2^-127: the block comes back halved) or 254/255 (Inf/NaN inputs)")
-    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
     return Result(out, attrs, bf.summary(job, f"MX {f['format']}", attributes(f), described, out, stats, notes))
 
 
 render = bf.render
+
+
+def _in_place(job, x, attrs, kept=None, key=None):
+    """The forward over row blocks of ``x``, its outputs written over it (:func:`qgcli.families.block_rows.in_place`):
+    ``(outputs as stored, statistics)``; ``attrs`` takes the small-float type names; ``kept``: as for
+    :func:`compute`."""
+    f = job.formats
+    bs, axis = int(f["block_size"]), int(f["axis"])
+    plan, dtype_attrs = block_rows.plan(job, {"inputs": x}, x_name="inputs", axis=axis % x.ndim, block_size=bs)
+    attrs.update(dtype_attrs)
+    show = job.output.shows_summary
+    out, _, _, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(bs, axis) if show else None,
+                                          into=block_rows.kept(kept, ("rows",) + key))
+    block_rows.keep(kept, ("rows",) + key, {k: v for k, v in out.items() if k != "outputs"})
+    stats = bf.statistics_of_rows(rows, bs, x.shape, axis=axis, saturated=saturated_scales(out["scales"], f))[0] \
+        if show else {}
+    return out, stats
+
+
+# --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------
+
+def block_setup(job, operands, datasets):
+    """A tensor over --memory-limit in row blocks: its blocks are whole along the first axis when it is the
+    block axis (:mod:`qgcli.families.block_rows`)."""
+    f = job.formats
+    shape = tuple(datasets["inputs"].shape)
+    _check(f, shape)
+    axis = int(f["axis"]) % len(shape)
+    plan, dtype_attrs = block_rows.plan(job, datasets, x_name="inputs", axis=axis, block_size=int(f["block_size"]),
+                                        needs_x=False)
+    attrs = {"op": "mx", "semantics": "mx", **attributes(f), **dtype_attrs}
+    if job.with_gradients:
+        attrs["estimator"] = "ste"
+    setup = block_rows.setup(job, plan, attrs, f"MX {f['format']}")
+    setup["notes"] = [_GRADIENT_NOTE] if job.with_gradients else []
+    return setup
+
+
+def rows(plan, x, g, i0, i1, out=None):
+    """Rows ``[i0, i1)`` of the tensor (:meth:`qgcli.families.block_rows.RowPlan.compute`)."""
+    f = plan.formats
+    kw = dict(format=f["format"], block_size=int(f["block_size"]), axis=int(f["axis"]), scale_mode=f["scale_mode"])
+    if plan.gradient:
+        return {"backprops_wrt_input": ops.mx_fake_quantize_gradient(g, None, **kw)}, None, {}
+    res = ops.mx_fake_quantize(x, out=out, **kw)
+    return {"outputs": res.outputs, "scales": res.scales, "quantized": res.quantized}, res, {}
+
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    return block_rows.summary(job, operands, datasets, setup, small, notes, op=setup["op"],
+                              attributes=attributes(job.formats))
 
 
 def _element_scales(codes, block_size, axis):

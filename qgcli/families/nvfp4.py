@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 from qgcli.families import block_formats as bf
+from qgcli.families import block_rows
 from qgcli.families.groups import is_bool, plain
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
@@ -26,6 +27,8 @@ RUN_FILE_OPS = {"nvfp4": None}
 GROUP_OPERANDS = {None: (("inputs",), ("gradients",))}
 VERIFY_BITWISE = ("outputs", "block_scales", "tensor_scale", "quantized", "backprops_wrt_input")
 BLOCK_SIZE = 16
+_GRADIENT_NOTE = ("gradient: the identity (torchao's NVFP4 QAT backward multiplies grad_output by the dequantized "
+                  "tensors)")
 
 
 def claims(o):
@@ -83,12 +86,13 @@ def attributes(formats):
     return {"block_size": BLOCK_SIZE, "axis": formats["axis"], "per_tensor_scale": formats["per_tensor_scale"]}
 
 
-def forward(inputs, formats):
+def forward(inputs, formats, out=None):
     """:func:`qgcli.ops.nvfp4.nvfp4_fake_quantize` with the job's attributes, and the note of its warning
     (torchao's NaN outputs), or None."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"])
+        res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"],
+                                      out=out)
     notes = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     return res, notes
 
@@ -102,20 +106,31 @@ def saturated_scales(block_scales, per_tensor=False):
     return (c == 0x08) if per_tensor else (c == 0x08) | (c == 0x7E)
 
 
-def compute(job, operands):
+#: Output arrays reused from run-file group to group (as :data:`qgcli.families.mx.REUSES_OUTPUTS`).
+REUSES_OUTPUTS = True
+
+
+def compute(job, operands, kept=None):
     f = job.formats
     inputs = bf.float32_operand(operands.get("inputs"), "inputs")
     gradients = operands.get("gradients") if job.with_gradients else None
     check_blocks(tuple(np.shape(inputs)), f["axis"], BLOCK_SIZE, what="NVFP4 block size")
     attrs = {"op": "nvfp4", "semantics": "nvfp4", **attributes(f)}
-    res, notes = (forward(inputs, f) if not job.with_gradients or job.output.shows_summary else (None, []))
+    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
+    key = (NAME, np.shape(inputs), tuple(attributes(f).items()))
+    if block_rows.in_place_ok(inputs, job):  # the outputs over the inputs, the statistics taken first
+        out, stats, notes = _in_place(job, inputs, attrs, kept, key)
+        return Result(out, attrs, bf.summary(job, "NVFP4", attributes(f), described, out, stats, notes))
+    res, notes = None, []
+    if not job.with_gradients or job.output.shows_summary:
+        res, notes = forward(inputs, f, out=block_rows.kept(kept, key))
+        block_rows.keep(kept, key, res)
     if job.with_gradients:
         dx = ops.nvfp4_fake_quantize_gradient(gradients, inputs, per_tensor_scale=f["per_tensor_scale"],
                                               axis=f["axis"])
         out = {"backprops_wrt_input": dx}
         attrs["estimator"] = "ste"
-        notes.append("gradient: the identity (torchao's NVFP4 QAT backward multiplies grad_output by the "
-                     "dequantized tensors)")
+        notes.append(_GRADIENT_NOTE)
     else:
         parts = {"outputs": res.outputs, "block_scales": res.block_scales}
         if res.tensor_scale is not None:
@@ -131,11 +146,90 @@ def compute(job, operands):
             stats["tensor_scale"] = float(res.tensor_scale)
         if job.with_gradients:
             stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")
-    described = describe_arrays({k: v for k, v in (("gradients", gradients), ("inputs", inputs)) if v is not None})
     return Result(out, attrs, bf.summary(job, "NVFP4", attributes(f), described, out, stats, notes))
 
 
 render = bf.render
+
+
+def _in_place(job, x, attrs, kept=None, key=None):
+    """The forward over row blocks of ``x``, its outputs written over it, the per-tensor scale from a pass of its
+    own first (:func:`qgcli.families.block_rows.in_place`): ``(outputs as stored, statistics, notes)``."""
+    f = job.formats
+    axis = check_blocks(x.shape, f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    plan, dtype_attrs = block_rows.plan(job, {"inputs": x}, x_name="inputs", axis=axis, block_size=BLOCK_SIZE,
+                                        amax_pass=f["per_tensor_scale"])
+    attrs.update(dtype_attrs)
+    show = job.output.shows_summary
+    out, plan, counts, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(BLOCK_SIZE, axis)
+                                                  if show else None, into=block_rows.kept(kept, ("rows",) + key))
+    block_rows.keep(kept, ("rows",) + key, {k: v for k, v in out.items() if k != "outputs"})
+    small = plan.small_outputs()
+    if small:  # the file's order: outputs, block_scales, tensor_scale, quantized
+        out = {k: out[k] for k in ("outputs", "block_scales")} | small | {"quantized": out["quantized"]}
+    stats = {}
+    if show:
+        stats = bf.statistics_of_rows(rows, BLOCK_SIZE, x.shape, axis=axis, saturated=saturated_scales(
+            out["block_scales"], bool(small)))[0]
+        if small:
+            stats["tensor_scale"] = float(small["tensor_scale"])
+    return out, stats, _nan_note(small.get("tensor_scale"), counts, x.size)
+
+
+def _nan_note(t, counts, n):
+    """The note of torchao's NaN outputs (a per-tensor scale it cannot use), from the blocks' ``counts``."""
+    if not counts.get("nan_introduced"):
+        return []
+    every = " (every output is NaN)" if counts["nan_outputs"] == n else ""
+    return [f"NVFP4 per-tensor scale {float(t)!r} (tensor amax / 2688) is zero, NaN, infinite or too small to "
+            f"invert: torchao's to_nvfp4(...).dequantize() gives NaN for {counts['nan_introduced']} of {n} elements "
+            f"whose input is not NaN{every}; qgcli does the same (per_tensor_scale=False avoids it)"]
+
+
+# --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------
+
+def block_setup(job, operands, datasets):
+    """A tensor over --memory-limit in row blocks; with the per-tensor scale in two passes: the tensor's amax,
+    then the blocks encoded with its scale (:mod:`qgcli.families.block_rows`)."""
+    f = job.formats
+    shape = tuple(datasets["inputs"].shape)
+    axis = check_blocks(shape, f["axis"], BLOCK_SIZE, what="NVFP4 block size")
+    two = f["per_tensor_scale"] and not job.with_gradients
+    plan, dtype_attrs = block_rows.plan(job, datasets, x_name="inputs", axis=axis, block_size=BLOCK_SIZE,
+                                        amax_pass=two, needs_x=False)
+    attrs = {"op": "nvfp4", "semantics": "nvfp4", **attributes(f), **dtype_attrs}
+    if job.with_gradients:
+        attrs["estimator"] = "ste"
+    setup = block_rows.setup(job, plan, attrs, "NVFP4")
+    setup["notes"] = [_GRADIENT_NOTE] if job.with_gradients else []
+    return setup
+
+
+def rows(plan, x, g, i0, i1, out=None):
+    """Rows ``[i0, i1)`` of the tensor with the whole tensor's per-tensor scale (counts: ``nan_introduced``,
+    ``nan_outputs`` where that scale makes torchao's outputs NaN)."""
+    f = plan.formats
+    if plan.gradient:
+        dx = ops.nvfp4_fake_quantize_gradient(g, None, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"])
+        return {"backprops_wrt_input": dx}, None, {}
+    t = plan.small.get("tensor_scale")
+    with warnings.catch_warnings():  # the note counts the whole tensor's NaN (block_summary)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = ops.nvfp4_fake_quantize(x, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"], out=out,
+                                      tensor_scale=t)
+    counts = {}
+    if t is not None and not (np.isfinite(t) and t > 0 and np.isfinite(np.float32(1) / t)):
+        nan_y = np.isnan(res.outputs)
+        counts = {"nan_introduced": int(np.count_nonzero(nan_y & ~np.isnan(np.asarray(x, np.float32)))),
+                  "nan_outputs": int(np.count_nonzero(nan_y))}
+    return {"outputs": res.outputs, "block_scales": res.block_scales, "quantized": res.quantized}, res, counts
+
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    extra = _nan_note(small.get("tensor_scale"), setup["counts"],
+                      int(np.prod(datasets["inputs"].shape, dtype=np.int64)))
+    return block_rows.summary(job, operands, datasets, setup, small, list(notes) + extra, op="NVFP4",
+                              attributes=attributes(job.formats))
 
 
 #: The magnitudes of the fp4 e2m1 codes 0..7 (its element values, as ``element_values("mxfp4")`` lists them).

@@ -15,6 +15,7 @@ import numpy as np
 
 from qgcli.errors import OperandError, OptionError
 from qgcli.families import block_formats as bf
+from qgcli.families import block_rows
 from qgcli.families.groups import is_bool, is_int, plain
 from qgcli.families.registry import FAKE_QUANT
 from qgcli.jobs import Result
@@ -58,7 +59,7 @@ def job_from_options(o):
         raise OptionError("is QuantizeLinear's x given twice (--x and --inputs)", param_hint="'--inputs'")
     formats = {"semantics": "onnx", "dtype": dtype, "axis": 1 if o.attributes.axis is None else int(o.attributes.axis),
                "block_size": 0 if o.formats.block_size is None else int(o.formats.block_size),
-               "saturate": o.formats.saturate is not False, "estimator": None}
+               "saturate": o.formats.saturate is not False, "estimator": None, "tensor": "x"}
     if not formats["saturate"] and dtype is not None and dtype not in ("float8e4m3fn", "float8e5m2"):
         raise OptionError(f"applies to the float8 types (saturate is theirs), not --dtype {dtype}",
                           param_hint="'--no-saturate'")
@@ -91,7 +92,7 @@ def _group_formats(attrs):
         raise ValueError(f"estimator='masked-ste' is for the integer types, not {dtype}")
     return {"semantics": "onnx", "dtype": dtype, "axis": int(a.get("axis", 1)),
             "block_size": int(a.get("block_size", 0)), "saturate": bool(a.get("saturate", True)),
-            "estimator": estimator}
+            "estimator": estimator, "tensor": "x"}
 
 
 group_formats = _group_formats  # a group's attributes as a job's formats (qgcli plot's per-group figures)
@@ -120,6 +121,17 @@ def load(operands, formats):
     x = operands.get("x") if operands.has("x") else operands.get("inputs", required=False)
     if x is None:
         raise OperandError("is missing: give --x (or --inputs), or a bundle dataset named x or inputs", operand="x")
+    y_scale, zp, dtype, note = load_small(operands, formats)
+    x = np.asarray(x)
+    if x.dtype != np.float32 and x.dtype.kind == "f":
+        raise OperandError(f"dtype {x.dtype}: qgcli's QuantizeLinear takes float32 x (ONNX computes float16 and "
+                           "bfloat16 inputs in their own precision)", operand="x")
+    return x, y_scale, zp, dtype, note
+
+
+def load_small(operands, formats):
+    """``(y_scale, y_zero_point, dtype, note)``: the dtype by ONNX's rule (the zero point's type when no --dtype
+    was given, else uint8)."""
     y_scale = operands.get("y_scale")
     zp = operands.get("y_zero_point", required=False)
     dtype, note = formats["dtype"], None
@@ -129,11 +141,21 @@ def load(operands, formats):
             note = f"dtype {dtype}: the zero point's type (ONNX takes the output type from y_zero_point)"
         else:
             dtype = "uint8"
-    x = np.asarray(x)
-    if x.dtype != np.float32 and x.dtype.kind == "f":
-        raise OperandError(f"dtype {x.dtype}: qgcli's QuantizeLinear takes float32 x (ONNX computes float16 and "
-                           "bfloat16 inputs in their own precision)", operand="x")
-    return x, y_scale, zp, dtype, note
+    return y_scale, zp, dtype, note
+
+
+def _check_job(f, dtype):
+    """What the options say that ``dtype`` (resolved) refuses: saturate=0 and masked-ste outside their types."""
+    if not f["saturate"] and dtype not in ("float8e4m3fn", "float8e5m2"):
+        raise OperandError(f"saturate=0 applies to the float8 types, not {dtype}", operand="saturate")
+    if f["estimator"] == "masked-ste" and dtype not in ops.INTEGER_TYPES:
+        raise OperandError(f"masked-ste is for the integer types, not {dtype}", operand="estimator")
+
+
+def _gradient_note(est):
+    return ("gradient: the identity (ModelOpt pass_through_bwd=True, torchao)" if est == "ste" else
+            "gradient: masked-ste, +0 where round(x / y_scale) + y_zero_point is outside [qmin, qmax] "
+            "(ModelOpt pass_through_bwd=False, onnxruntime training's FakeQuant)")
 
 
 def attributes(formats, dtype):
@@ -143,36 +165,42 @@ def attributes(formats, dtype):
     return a
 
 
-def compute(job, operands):
+#: Output arrays reused from run-file group to group (as :data:`qgcli.families.mx.REUSES_OUTPUTS`).
+REUSES_OUTPUTS = True
+
+
+def compute(job, operands, kept=None):
     f = job.formats
     x, y_scale, zp, dtype, note = load(operands, f)
     gradients = operands.get("gradients") if job.with_gradients else None
-    if not f["saturate"] and dtype not in ("float8e4m3fn", "float8e5m2"):
-        raise OperandError(f"saturate=0 applies to the float8 types, not {dtype}", operand="saturate")
-    if f["estimator"] == "masked-ste" and dtype not in ops.INTEGER_TYPES:
-        raise OperandError(f"masked-ste is for the integer types, not {dtype}", operand="estimator")
+    _check_job(f, dtype)
     kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
     notes = [note] if note else []
     attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype)}
-    res = (ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
-           if not job.with_gradients or job.output.shows_summary else None)
-    if job.with_gradients:
+    nan_in = job.output.shows_summary and dtype in ops.INTEGER_TYPES and bool(np.isnan(x).any())
+    in_place = block_rows.in_place_ok(x, job)
+    key = (NAME, np.shape(x), tuple(attributes(f, dtype).items()))
+    res = None
+    if not in_place and (not job.with_gradients or job.output.shows_summary):
+        res = ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], out=block_rows.kept(kept, key), **kw)
+        block_rows.keep(kept, key, res)
+    if in_place:  # the outputs over the inputs, the statistics taken first
+        out, stats = _in_place(job, x, y_scale, zp, dtype, attrs, kept, key)
+    elif job.with_gradients:
         est = f["estimator"]
         dx = ops.onnx_fake_quantize_gradient(gradients, x, y_scale, zp, saturate=f["saturate"],
                                              estimator="masked" if est == "masked-ste" else "ste", **kw)
         out = {"backprops_wrt_input": dx}
         attrs["estimator"] = est
-        notes.append("gradient: the identity (ModelOpt pass_through_bwd=True, torchao)" if est == "ste" else
-                     "gradient: masked-ste, +0 where round(x / y_scale) + y_zero_point is outside [qmin, qmax] "
-                     "(ModelOpt pass_through_bwd=False, onnxruntime training's FakeQuant)")
+        notes.append(_gradient_note(est))
     else:
         out = bf.as_bytes({"outputs": res.outputs, "quantized": res.quantized}, attrs)
-    stats = {}
+    if not in_place:
+        stats = _statistics(x, res, y_scale, zp, dtype, f) if job.output.shows_summary else {}
     if job.output.shows_summary:
-        stats = _statistics(x, res, y_scale, zp, dtype, f)
         if job.with_gradients:
             stats["gradient"] = bf.gradient_statistics(gradients, dx, f["estimator"])
-        if dtype in ops.INTEGER_TYPES and np.isnan(x).any():
+        if nan_in:
             notes.append("NaN inputs quantize to qmin (onnxruntime's saturation; the reference's cast is undefined "
                          "there)")
     described = describe_arrays({k: v for k, v in (("gradients", gradients), ("x", x)) if v is not None})
@@ -185,27 +213,123 @@ def _statistics(x, res, y_scale, zp, dtype, f):
     share of elements at a saturated code (integer types: qmin or qmax; float types: the largest finite
     magnitude or beyond)."""
     bs = f["block_size"]
-    if _whole_blocks(np.shape(x), y_scale, f):
+    whole = not _whole_blocks(np.shape(x), y_scale, f)
+    if not whole:
         stats, _, _ = bf.block_statistics(x, res.outputs, bs, axis=f["axis"])
     else:
         stats, _, _ = bf.block_statistics(np.reshape(x, (1, -1)), np.reshape(res.outputs, (1, -1)),
                                           max(1, int(np.size(x))))
-        stats["blocks"], stats["block_size"] = 1, int(np.size(x))
+    return _with_clipped(stats, res.quantized, dtype, whole)
+
+
+def _with_clipped(stats, quantized, dtype, whole):
+    """The statistics with ``clipped`` (the share of codes at a saturated value, counted a million at a time:
+    no tensor-sized temporary) and, for the tensor as one block, its size as the block size."""
+    q = np.asarray(quantized).reshape(-1)
+    if whole:
+        stats["blocks"], stats["block_size"] = 1, int(q.size)
         stats.pop("worst_blocks", None)
     if dtype in ops.INTEGER_TYPES:
         _, lo, hi = ops.INTEGER_TYPES[dtype]
-        q = np.asarray(res.quantized).astype(np.int64)
-        at_edge = (q == lo) | (q == hi)
-        stats["clipped"] = float(at_edge.mean()) if q.size else 0.0
+
+        def at_edge(part):
+            part = part.astype(np.int64)
+            return (part == lo) | (part == hi)
     else:
         fmax = ops.FLOAT_TYPES[dtype][1]
-        y = np.asarray(res.outputs)
-        stats["clipped"] = float((np.abs(np.asarray(res.quantized).astype(np.float32)) >= fmax).mean()) \
-            if y.size else 0.0
+
+        def at_edge(part):
+            return np.abs(part.astype(np.float32)) >= fmax
+    step = block_rows.IN_PLACE_ELEMENTS
+    edge = sum(int(np.count_nonzero(at_edge(q[i:i + step]))) for i in range(0, q.size, step))
+    stats["clipped"] = edge / q.size if q.size else 0.0
     return stats
 
 
+def _plan(job, f, datasets, x_name, y_scale, zp):
+    """The row-block plan (:mod:`qgcli.families.block_rows`) of ``f`` (the dtype resolved) over ``datasets``:
+    ``y_scale`` and ``y_zero_point`` are cut with the rows they apply to (:func:`rows`)."""
+    shape = tuple(datasets[x_name].shape)
+    ops._qparams(np, shape, y_scale, zp, f["dtype"], f["axis"], f["block_size"], expand=False)  # checked whole
+    along = np.size(y_scale) > 1 or f["block_size"]
+    axis = f["axis"] % len(shape) if along and shape else None
+    return block_rows.plan(job._replace(formats=f), datasets, x_name=x_name, axis=axis,
+                           block_size=f["block_size"] if np.size(y_scale) > 1 else 0,
+                           small={"y_scale": np.asarray(y_scale), "y_zero_point": zp})
+
+
+def _in_place(job, x, y_scale, zp, dtype, attrs, kept=None, key=None):
+    """The forward over row blocks of ``x``, its outputs written over it, the statistics taken first
+    (:func:`qgcli.families.block_rows.in_place`): ``(outputs as stored, statistics)``."""
+    f = dict(job.formats, dtype=dtype)
+    plan, dtype_attrs = _plan(job, f, {"x": x}, "x", y_scale, zp)
+    attrs.update(dtype_attrs)
+    whole = not _whole_blocks(x.shape, y_scale, f)
+    show = job.output.shows_summary
+    out, _, _, rows = block_rows.in_place(plan, x, statistics=bf.rows_statistics(
+        f["block_size"], f["axis"], whole=whole) if show else None, into=block_rows.kept(kept, ("rows",) + key))
+    block_rows.keep(kept, ("rows",) + key, {k: v for k, v in out.items() if k != "outputs"})
+    if not show:
+        return out, {}
+    stats = bf.statistics_of_rows(rows, f["block_size"], x.shape, axis=f["axis"], whole=whole)[0]
+    q = out["quantized"]
+    if "quantized_dtype" in dtype_attrs:  # float8 / float4 codes stored as their bytes
+        import ml_dtypes
+
+        q = q.view(getattr(ml_dtypes, dtype_attrs["quantized_dtype"]))
+    return out, _with_clipped(stats, q, dtype, whole)
+
+
 render = bf.render
+
+
+# --- in row blocks of the first axis (qgcli.families.block_rows) ------------------------------------------------
+
+def block_setup(job, operands, datasets):
+    """A tensor over --memory-limit in row blocks: ``y_scale`` and ``y_zero_point`` cut with the rows they
+    apply to (per axis or blocked along the first axis; blocked along another axis, one row of blocks per
+    row), whole quantization blocks along the first axis (the partial last one in the last rows)."""
+    f = dict(job.formats)
+    x_name = "x" if "x" in datasets else "inputs"
+    y_scale, zp, dtype, note = load_small(operands, f)
+    _check_job(f, dtype)
+    f["dtype"] = dtype
+    plan, dtype_attrs = _plan(job, f, datasets, x_name, y_scale, zp)
+    attrs = {"op": "QuantizeLinear", "semantics": "onnx", **attributes(f, dtype), **dtype_attrs}
+    notes = [note] if note else []
+    if job.with_gradients:
+        attrs["estimator"] = f["estimator"]
+        notes.append(_gradient_note(f["estimator"]))
+    setup = block_rows.setup(job, plan, attrs, "QuantizeLinear + DequantizeLinear")
+    setup["notes"], setup["dtype"] = notes, dtype
+    return setup
+
+
+def _rows_of(a, f, ndim, i0, i1):
+    """The part of ``y_scale`` or ``y_zero_point`` that rows ``[i0, i1)`` of x take."""
+    if a is None or np.size(a) == 1:
+        return a
+    axis, bs = f["axis"] % ndim, f["block_size"]
+    if axis:
+        return a[i0:i1] if bs else a  # blocked along another axis: one row of blocks per row
+    return a[i0 // bs:-(-i1 // bs)] if bs else a[i0:i1]
+
+
+def rows(plan, x, g, i0, i1, out=None):
+    """Rows ``[i0, i1)`` of x (:meth:`qgcli.families.block_rows.RowPlan.compute`)."""
+    f, ndim = plan.formats, len(plan.shape)
+    s, z = (_rows_of(plan.small.get(k), f, ndim, i0, i1) for k in ("y_scale", "y_zero_point"))
+    kw = dict(dtype=f["dtype"], axis=f["axis"], block_size=f["block_size"], saturate=f["saturate"])
+    if plan.gradient:
+        est = "masked" if f["estimator"] == "masked-ste" else "ste"
+        return {"backprops_wrt_input": ops.onnx_fake_quantize_gradient(g, x, s, z, estimator=est, **kw)}, None, {}
+    res = ops.onnx_fake_quantize(x, s, z, out=out, **kw)
+    return {"outputs": res.outputs, "quantized": res.quantized}, res, {}
+
+
+def block_summary(job, operands, datasets, setup, small, notes):
+    return block_rows.summary(job, operands, datasets, setup, small, notes, op=setup["op"],
+                              attributes=attributes(job.formats, setup["dtype"]))
 
 
 def _whole_blocks(shape, y_scale, f):

@@ -90,7 +90,27 @@ def pack_fp4(codes, axis=-1):
 
 
 def _tensor_scale(x, xp):
-    lib = native.for_arrays(xp, x) if x.size else None
+    return tensor_scale_of(tensor_amax(x, xp), xp)
+
+
+def tensor_scale_of(amax, xp=np):
+    """The per-tensor scale of a tensor's ``amax`` (:func:`tensor_amax`): ``amax / 2688`` in float32, 0-d."""
+    with np.errstate(invalid="ignore"):
+        return xp.asarray(xp.asarray(amax, _F32) / _F32(448.0 * 6.0), dtype=_F32).reshape(())
+
+
+def combined_amax(amaxes):
+    """The amax of a tensor from those of its parts (:func:`tensor_amax` of each): the largest, NaN where one is
+    (torch's max), so a tensor streamed in blocks gets the per-tensor scale of the whole."""
+    with np.errstate(invalid="ignore"):
+        return sf.nan_as_torch_max(np.max(np.asarray(amaxes, _F32))) if len(amaxes) else _F32(0)
+
+
+def tensor_amax(x, xp=np):
+    """``max |x|`` as torch's ``max(abs(x))`` gives it (NaN as torch's all-ones NaN), float32; 0 for an empty
+    tensor."""
+    x = xp.asarray(x)
+    lib = native.for_arrays(xp, x) if x.size and x.dtype == _F32 else None
     with np.errstate(invalid="ignore"):
         if lib is not None:  # one pass, no |x| temporary: max |x| on the bits (the same value, NaN aside)
             at, n = native.address(x, _F32), x.size
@@ -100,17 +120,19 @@ def _tensor_scale(x, xp):
             amax = sf.nan_as_torch_max(np.array(max(bits), np.uint32).view(_F32))  # NaN's bits sort above Inf's
         else:
             amax = sf.nan_as_torch_max(xp.max(xp.abs(x)), xp) if x.size else _F32(0)
-        return xp.asarray(xp.asarray(amax, _F32) / _F32(448.0 * 6.0), dtype=_F32).reshape(())
+        return xp.asarray(amax, _F32).reshape(())
 
 
-def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None):
+def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None, tensor_scale=None):
     """NVFP4 fake quantization of ``inputs`` (float32 or bfloat16): torchao 0.18's
     ``NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(max|x|)).dequantize(torch.float32)``
     (``per_tensor_scale=False``: no per-tensor scale), blocks of 16 along ``axis``.
 
     Returns an :class:`NVFP4Result` ``(outputs, block_scales, tensor_scale, quantized)``.  ``out``: arrays to write
     ``outputs``, ``block_scales`` and ``quantized`` into (an earlier result of the same shapes, or a sequence of
-    those three, None for a new array), as :func:`qgcli.ops.mx.mx_fake_quantize` takes them.  Warns
+    those three, None for a new array), as :func:`qgcli.ops.mx.mx_fake_quantize` takes them.  ``tensor_scale``:
+    the per-tensor scale of the whole tensor when ``inputs`` is a part of it (blocks of a tensor streamed from
+    disk, :func:`tensor_scale_of` of their :func:`combined_amax`) instead of the part's own.  Warns
     (``RuntimeWarning``) where torchao's per-tensor scale makes every output NaN.
 
     >>> import numpy as np
@@ -126,7 +148,8 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None):
                                 "quantized": (x.shape, np.uint8)}, (x,))
     xm = xp.ascontiguousarray(xp.moveaxis(x, axis, -1)) if moved else xp.ascontiguousarray(x)
     xb = xm.reshape(-1, BLOCK_SIZE)
-    t = _tensor_scale(x, xp) if per_tensor_scale else None
+    t = None if not per_tensor_scale else _tensor_scale(x, xp) if tensor_scale is None else \
+        xp.asarray(tensor_scale, _F32).reshape(())
     inv_t = None
     if t is not None:
         with np.errstate(all="ignore"):

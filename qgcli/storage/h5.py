@@ -411,9 +411,11 @@ def dataset_names(handle, label):
 class GroupSink:
     """A run file's outputs in one open HDF5 file: a group per run-file group, the op's attributes (with the
     provenance) on the group.  ``begin(path)`` makes the group (a streamed group is computed into it),
-    ``add`` writes its outputs and attributes, ``discard`` removes a group that failed."""
+    ``add`` writes its outputs and attributes, ``discard`` removes a group that failed.  The arrays given to
+    ``add`` are written when it returns (``writes_on_add``): a runner may reuse them for the next group."""
 
     streams = True
+    writes_on_add = True
 
     def __init__(self, f, compression):
         from qgcli.storage.hdf5.small import SmallWriter

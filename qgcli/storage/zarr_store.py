@@ -481,9 +481,11 @@ def _group_sink(dest, *, compression=None, array_attrs=False, provenance=None):
 
 
 class _GroupSink:
-    """``add(path, arrays, attrs)`` writes one group of a new store (see :func:`write_groups`)."""
+    """``add(path, arrays, attrs)`` writes one group of a new store (see :func:`write_groups`), done when it
+    returns (``writes_on_add``: a runner may reuse the arrays for the next group)."""
 
     streams = False
+    writes_on_add = True
 
     def __init__(self, stage, compression, array_attrs, provenance):
         self.stage, self.compression, self.array_attrs = stage, compression, array_attrs

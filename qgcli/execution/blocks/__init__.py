@@ -4,8 +4,9 @@ their first axis from any block source.
 The family says what the blocks compute: its ``block_setup(job, operands, tensors)`` checks the operands
 (unread) and returns the block algorithm by name (``"leaves"``: TensorFlow's fake-quant ops, whose
 ``backprop_wrt_min/max`` keep Eigen's reduction order, :mod:`~qgcli.execution.blocks.leaves`; ``"two-pass"``:
-bn-grad's per-channel sums then ``x_backprop``, :mod:`~qgcli.execution.blocks.two_pass`) with its
-parameters; its ``block_summary`` renders the result.  The source says how blocks are read and written:
+bn-grad's per-channel sums then ``x_backprop``, :mod:`~qgcli.execution.blocks.two_pass`; ``"rows"``: the block
+formats, each row block computed on its own, :mod:`qgcli.families.block_rows`) with its parameters; its
+``block_summary`` renders the result.  The source says how blocks are read and written:
 
 - :mod:`~qgcli.execution.blocks.hdf5`: HDF5 datasets, and tensors that are plain bytes at an offset of a
   file (.npy, stored .npz members, .safetensors: :mod:`qgcli.storage.flat`), streamed in order into an .h5
@@ -50,6 +51,12 @@ def stream(runner, job, operands, datasets, budget):
             hdf5.fake_quant_forward(datasets["inputs"], grid, setup["divide"], out, per_channel=kind == "chip",
                                     **common)
             return {}
+    elif setup["blocks"] == "rows":  # the block formats (qgcli.families.block_rows)
+        passes = setup["passes"]
+        how = "in two passes (the tensor's amax, then the blocks)" if passes == 2 else "in blocks"
+
+        def compute(out, advance):
+            return hdf5.row_blocks(datasets, setup, out, compression=compression, budget=budget, progress=advance)
     else:
         small_in = setup["small_in"]
         setup["nonfinite"] = [0, 0, 0]  # x_backprop's NaN, +inf, -inf, counted as its blocks are written

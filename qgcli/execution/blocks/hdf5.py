@@ -310,6 +310,75 @@ def batch_norm_gradient(y_backprop, x, scale, reserve_space_1, reserve_space_2, 
     return two_pass.small_outputs(coefs, n, channels)
 
 
+def row_blocks(datasets, setup, out, *, compression, budget, progress=None):
+    """A block format streamed from HDF5 datasets (or flat files) into the open HDF5 file ``out``, row block by
+    row block (:mod:`qgcli.families.block_rows`: ``setup["plan"]``): every large output written as its rows
+    are computed, into reused buffers (the op's result of the previous block of as many rows is the ``out`` of
+    the next); NVFP4's per-tensor scale from a first pass over the blocks.  Returns the small outputs; the
+    counts the blocks return are added into ``setup["counts"]``."""
+    plan = setup["plan"]
+    x_ds, g_ds = datasets[plan.x_name], datasets.get("gradients")
+    shape = tuple(x_ds.shape)
+    per_item = int(np.prod(shape[1:], dtype=np.int64))
+    # a row's bytes as read (float32 working copies) and as written, for every output
+    row_bytes = per_item * 4 * (1 + (g_ds is not None) + plan.needs_x) + sum(
+        int(np.prod(s[1:], dtype=np.int64)) * np.dtype(d).itemsize / div for s, d, div in plan.outputs.values())
+    copies = 3 if compression else 2  # outputs kept while they compress, and the block read ahead
+    from qgcli.families.block_rows import check_rows_fit
+
+    check_rows_fit(plan, budget, row_bytes * copies)
+    step = max(1, int(budget // (8 * copies * max(row_bytes, 1))))
+    step = min(shape[0], max(plan.align, step // plan.align * plan.align))
+    writers, chunks0 = {}, 1
+    if compression:  # whole chunk rows of every output: chunks of as many input rows each
+        chunks0 = h5_chunks.chunk_shape(shape, 4)[0]  # as in memory, unless a chunk row would not fit
+        chunks0 = 1 if chunks0 * row_bytes * copies > budget else chunks0
+        chunks0 = -(-chunks0 // plan.align) * plan.align
+        step = max(chunks0, step // chunks0 * chunks0)
+    for name, (oshape, dtype, div) in plan.outputs.items():
+        chunks = None
+        if compression and int(np.prod(oshape)):
+            chunks = (max(1, chunks0 // div),) + h5_chunks.chunk_shape(oshape, np.dtype(dtype).itemsize)[1:]
+        ds = h5_chunks.create(out, name, oshape, dtype, compression, chunks=chunks)
+        for key, value in setup["attrs"].items():
+            ds.attrs[key] = value
+        writers[name] = h5_chunks.ChunkWriter(ds) if chunks else None
+    if plan.amax_pass:  # NVFP4: the whole tensor's amax first
+        read = _Reader(x_ds, step)
+        amaxes = []
+        for i in range(0, shape[0], step):
+            x = _read_float(read, i, i + step)
+            amaxes.append(plan.amax(x))
+            _tick(progress, x.nbytes)
+        plan = plan.with_amax(amaxes)
+    read_x = _Reader(x_ds, step) if plan.needs_x else None
+    read_g = _Reader(g_ds, step) if g_ds is not None else None
+    reuse = [None, None]  # the op's results of the last blocks, whose arrays the next blocks of that size take
+    counts = setup["counts"]
+    for k, i in enumerate(range(0, shape[0], step)):
+        stop = min(i + step, shape[0])
+        x = _read_float(read_x, i, stop) if read_x is not None else None
+        g = _read_float(read_g, i, stop) if read_g is not None else None
+        slot = k % 2 if compression else 0  # a compressed block is read until the next write returns
+        prev = reuse[slot]
+        blocks, reuse[slot], found = plan.compute(x, g, i, stop, out=prev if prev is not None and len(
+            prev[0]) == stop - i else None)
+        for key, n in found.items():
+            counts[key] = counts.get(key, 0) + n
+        for name, a in blocks.items():
+            a = plan.stored(name, a)
+            lo, _ = plan.output_rows(name, i, stop)
+            if writers[name] is not None:
+                writers[name].write_rows(lo, a)
+            else:
+                out[name][lo:lo + len(a)] = a
+        _tick(progress, (stop - i) * per_item * 4 * ((x is not None) + (g is not None)))
+    for writer in writers.values():
+        if writer is not None:
+            writer.flush()
+    return plan.small_outputs()
+
+
 def write_streamed(output, operands, force, attrs, compute, *, quiet, total_bytes, compression=None):
     """Check the target, then run ``compute(h5file, progress)`` into a temporary .h5 renamed over ``output``.
 

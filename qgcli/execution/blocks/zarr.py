@@ -26,6 +26,7 @@ from qgcli.errors import FileFormatError, OperandError, OptionError, OutputError
 from qgcli.execution import memory
 from qgcli.execution.blocks import leaves as leaf_reduction
 from qgcli.execution.blocks import two_pass
+from qgcli.jobs import large_operands_in
 from qgcli.ops import batch_norm as bn, blocked
 from qgcli.ops.analysis import add_nonfinite
 from qgcli.report.text import counted
@@ -254,9 +255,83 @@ def _two_pass_run(setup, arrays, x, items):
     return out_dtype, run, note
 
 
+# --- the block formats (qgcli.families.block_rows) ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowWork:
+    """What every row block of one block-format run shares: the plan (``RowPlan``) with the inputs' sources."""
+
+    sources: dict
+    output: str  # the temporary output store
+    name: str  # its first large array (the others: the plan's outputs)
+    plan: object
+
+
+def _rows_read(arrays, name, i0, i1):
+    from qgcli.storage.zarr_store import as_tagged
+
+    node = arrays[name]
+    return np.asarray(as_tagged(node, np.asarray(node[i0:i1])))
+
+
+def amax_block(work, block):
+    """NVFP4's first pass, on a worker or here: ``max |x|`` of this block's rows."""
+    started = time.perf_counter()
+    arrays, _ = arrays_of(work)
+    x = _rows_read(arrays, work.plan.x_name, *block.items)
+    read = time.perf_counter()
+    return {"amax": work.plan.amax(x), "seconds": _seconds(started, read, time.perf_counter())}
+
+
+def row_block(work, block):
+    """One row block of a block format, on a worker or here: every large output's rows written into its array."""
+    started = time.perf_counter()
+    plan = work.plan
+    arrays, _ = arrays_of(work)
+    with _opened_lock:
+        outs = _opened.setdefault("outputs", {})
+        for name in plan.outputs:
+            if name not in outs:
+                outs[name] = open_array((work.output, name), mode="r+")
+    i0, i1 = block.items
+    x = _rows_read(arrays, plan.x_name, i0, i1) if plan.needs_x else None
+    g = _rows_read(arrays, "gradients", i0, i1) if plan.gradient else None
+    read = time.perf_counter()
+    blocks, _, counts = plan.compute(x, g, i0, i1)
+    computed = time.perf_counter()
+    for name, a in blocks.items():
+        lo, hi = plan.output_rows(name, i0, i1)
+        outs[name][lo:hi] = plan.stored(name, a)
+    return {"counts": counts, "seconds": _seconds(started, read, computed, time.perf_counter())}
+
+
+def _rows_run(setup, arrays, x, items):
+    """As :func:`_leaf_run`, for the block formats: a row block per chunk of rows (a multiple of the block size
+    along the first axis), NVFP4's amax pass first where it needs one."""
+    plan0 = setup["plan"]
+    shape = tuple(x.shape)
+    blocks = [Block((i0, min(shape[0], i0 + items)), ()) for i0 in range(0, shape[0], items)]
+
+    def run(compute_all, sources, output):
+        plan, first = plan0, []
+        if plan.amax_pass:
+            first = compute_all(amax_block, RowWork(sources, output, setup["output"], plan), blocks)
+            plan = plan.with_amax([r["amax"] for r in first])
+        results = compute_all(row_block, RowWork(sources, output, setup["output"], plan), blocks)
+        for r in results:
+            for key, n in r["counts"].items():
+                setup["counts"][key] = setup["counts"].get(key, 0) + n
+        counts = {"count": len(blocks), "passes": 2} if first else {}
+        return plan.small_outputs(), first + results, counts
+
+    passes = "two passes of " if plan0.amax_pass else ""
+    note = f"computed in {passes}{counted(len(blocks), 'block')} of {counted(items, 'row')} of the first axis"
+    return _F32, run, note
+
+
 # --- the run ---------------------------------------------------------------------------------------------
 
-_RUNS = {"leaves": _leaf_run, "two-pass": _two_pass_run}
+_RUNS = {"leaves": _leaf_run, "two-pass": _two_pass_run, "rows": _rows_run}
 
 
 class BlockRun:
@@ -275,17 +350,22 @@ class BlockRun:
         job, out = self.job, self.job.output
         check_destination(job, self.operands)
         setup = self.runner.block_setup(job, self.operands, self.arrays)
-        big = self.arrays[job.large_operands[-1]]
+        big = self.arrays[large_operands_in(job, self.operands)[-1]]
         shape = tuple(big.shape)
         per_item_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4)
         cap = max(1, min(zarr_store.CHUNK_BYTES, self.budget // 16) // per_item_bytes)
         items = max(1, min(int(big.chunks[0]), cap))
+        plan = setup.get("plan")
+        if plan is not None:  # a block format: whole quantization blocks along the first axis
+            items = -(-items // plan.align) * plan.align
         dtype, run, note = _RUNS[setup["blocks"]](setup, self.arrays, big, items)
         attrs = provenance.attributes(setup["attrs"])
         with zarr_store.staged(out.destination) as stage:
             stage.group.attrs.update(zarr_store.json_attrs(attrs))
-            zarr_store.create_array(stage.group, setup["output"], shape, dtype, attrs=attrs,
-                                    compression=out.compression, chunks=(items, *shape[1:]))
+            outputs = {setup["output"]: (shape, dtype, 1)} if plan is None else plan.outputs
+            for name, (oshape, odtype, div) in outputs.items():  # each block writes whole chunks of each
+                zarr_store.create_array(stage.group, name, oshape, np.dtype(odtype), attrs=attrs,
+                                        compression=out.compression, chunks=(max(1, items // div), *oshape[1:]))
             started = time.perf_counter()
             small, results, counts = run(compute_all or here, self.sources, stage.path)
             elapsed = time.perf_counter() - started
@@ -318,12 +398,13 @@ def plan_for(job, operands, runner, locations):
     if job.output.scheduler is None and memory.need(memory.sizes(arrays.values())) <= budget:
         return None
     if not hasattr(runner, "block_setup"):
-        raise OptionError(f"computes TensorFlow's fake-quant ops and bn-grad on Zarr tensors in blocks; "
-                          f"{runner.mode(job)} reads its Zarr operands whole (drop --scheduler, or raise --memory-limit)",
+        raise OptionError(f"computes TensorFlow's fake-quant ops, bn-grad and the block formats on Zarr tensors in "
+                          f"blocks; {runner.mode(job)} reads its Zarr operands whole (drop --scheduler, or raise "
+                          "--memory-limit)",
                           param_hint="'--scheduler'" if job.output.scheduler else "'--memory-limit'")
     if job.output.device != "cpu":
         raise OptionError("a tensor computed in blocks runs on the CPU", param_hint="'--device'")
-    first = arrays[job.large_operands[-1]]
+    first = arrays[large_operands_in(job, operands)[-1]]
     if not first.shape or not first.size:
         return None  # nothing to cut into blocks
     return BlockRun(job, operands, runner, sources, arrays, budget)
