@@ -151,8 +151,8 @@ def _run_and_write(job, container, path, layers):
                 else:
                     plan = memory_plan(group_job, operands, streams=False,
                                        mode=f"{runner.mode(group_job)} writing {out.destination}")
-                grp = sink.begin(layer.path)
                 if plan is not None:
+                    grp = sink.begin(layer.path)  # computed into the group (a group in memory is made by add)
                     streamed = blocks.stream(runner, group_job, operands, *plan)
                     small = streamed.compute(grp, lambda n: None)
                     sink.add(layer.path, small, streamed.attrs)
