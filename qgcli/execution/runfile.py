@@ -37,7 +37,8 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     path, group, container = runfile.open_target(job.target, operand="BUNDLE",
                                                  not_a_run_file=f"{job.target} is not an HDF5 run file")
     try:
-        layers = groups.discover(container._opened(), group, label=path)
+        layers = groups.discover(container._opened(), group, label=path,
+                                 prefetch=runfile.PREFETCH_BYTES if remote is None else 0)  # (read there)
         kind = registry.KIND_OF_COMMAND[job.command]
         mine, other, bad, forward = [], [], [], []
         for layer in layers:
@@ -86,7 +87,7 @@ def _prepared(job, container, path, layer, output=None):
     group_job, overrides = groups.job_from_group(job, layer, specs, output or job.output)
     runner = _TOOLS["runner_for"](group_job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK,
-                                 known=layer.datasets)
+                                 known=layer.datasets, arrays=layer.arrays)
     return group_job, runner, operands, overrides
 
 
