@@ -50,6 +50,8 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
                 bad.append(layer)
             else:
                 mine.append(layer)
+                continue
+            layer.arrays = {}  # read ahead by discovery, for a group that does not run
         where = f"{path}:{group}" if group else path
         if bad and not job.skip_invalid:
             raise QgcliError(refusal(where, bad, len(mine) + len(bad)))
@@ -167,6 +169,7 @@ def _run_and_write(job, container, path, layers):
                     summary = result.summary
             finally:
                 operands.close()
+                layer.arrays = {}  # what the group did not read of what discovery read ahead
             _record(job, ran, layer, group_job, summary, overrides)
     return ran, skipped
 

@@ -67,6 +67,8 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
                 order.append((name, layer, reason))
                 if reason is None:
                     todo.append((name, layer))
+                else:
+                    layer.arrays = {}  # read ahead by discovery, for a layer without a row
             if cluster is None:
                 results = []
                 for name, layer in todo:
@@ -103,6 +105,7 @@ def layer_row(container, handle, path, layer, options, percentiles, device, rang
         return {"error": str(exc)}
     finally:
         operands.close()
+        layer.arrays = {}  # what the row did not read of what discovery read ahead
 
 
 class _ReadOnce:
