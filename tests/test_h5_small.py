@@ -95,3 +95,81 @@ def test_attributed_groups_hold_what_groups_made_one_by_one_hold(tmp_path):
             assert {k: (type(v), v) for k, v in f[f"copied/{i}"].attrs.items()} == want
         assert type(f["int"].attrs["v"]) is np.int64 and type(f["bool"].attrs["v"]) is np.bool_
         assert f["array"].attrs["vector"].tolist() == [0, 1, 2] and f["array"].attrs["unicode"] == "µ-law"
+
+
+def objects(path):
+    """Every object of an HDF5 file as h5py reads it (benchmarks/same_outputs.py's ``--h5-content`` comparison:
+    path, kind, shape, dtype, bytes, layout, filters, fill value, attributes with their types)."""
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, here)  # same_outputs imports its neighbour weight_runs
+    try:
+        spec = importlib.util.spec_from_file_location("same_outputs", os.path.join(here, "same_outputs.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(here)
+    return module.h5_objects(path)
+
+
+@pytest.mark.parametrize("paths", [["a/b/c"], ["x", "x/y", "x/z"], ["g1", "g2"], ["step_0/läyer 1", "step_0/läyer 2"]])
+def test_layers_written_at_offsets_hold_what_h5py_high_level_calls_make(tmp_path, paths):
+    """A run file's output group made by layer() (a template copy, its parents made) with its arrays by
+    written_at() (allocated, bytes written at the offset) holds the objects h5py's calls make; what
+    written_at() does not take (big-endian, empty) goes to h5py's call, and a path that exists (a parent
+    made for a group before it) or the root is left to the caller."""
+    rng = np.random.default_rng(1)
+    scalars = {k: v for k, v in ATTRS.items() if k != "vector"}
+    content = [(p, arrays(rng)) for p in paths]
+    with h5py.File(tmp_path / "high.h5", "w") as f:
+        for path, data in content:
+            high_level(f, path, data, scalars)
+    taken = []
+    with h5py.File(tmp_path / "low.h5", "w") as f:
+        writer = SmallWriter(f)
+        for path, data in content:
+            gid = writer.layer(path, scalars)
+            assert gid is not None
+            for name, array in data.items():
+                if writer.written_at(gid, name, array):
+                    taken.append(name)
+                else:
+                    h5py.Group(gid).create_dataset(name, data=array)
+        assert writer.layer(paths[0], scalars) is None and writer.layer("/", scalars) is None
+        writer.close()
+    assert set(taken) == {"backprops_wrt_input", "backprop_wrt_min", "mask", "scalar"}
+    assert objects(tmp_path / "low.h5") == objects(tmp_path / "high.h5")
+    with h5py.File(tmp_path / "low.h5", "r") as low:
+        assert low[paths[-1]]["scalar"].shape == ()
+        assert low[paths[-1]]["backprops_wrt_input"].id.get_create_plist().get_fill_time() == h5py.h5d.FILL_TIME_NEVER
+
+
+def test_written_at_leaves_other_drivers_and_strided_arrays_to_h5py(tmp_path):
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        writer = SmallWriter(f)
+        gid = writer.group("g")
+        assert not writer.written_at(gid, "strided", np.arange(10.0)[::2])
+        assert writer.written_at(gid, "plain", np.arange(10.0)[::2].copy())
+        assert list(f["g"]) == ["plain"] and f["g/plain"][()].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    with h5py.File("in-memory", "w", driver="core", backing_store=False) as f:
+        writer = SmallWriter(f)
+        assert not writer.written_at(writer.group("g"), "x", np.ones(3))  # no file descriptor to write at
+
+
+def test_repeated_attributes_make_a_template_from_their_second_group(tmp_path):
+    """layer() copies a template only for attributes met before: a run file whose outputs' attributes differ
+    from group to group (an Args layer's own range) would pay a template for each copy."""
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        writer = SmallWriter(f)
+        writer.layer("a/one", {"op": "x", "min": -1.0})
+        assert writer._made == {}
+        writer.layer("a/two", {"op": "x", "min": -2.0})
+        writer.layer("b/three", {"op": "x", "min": -1.0})
+        writer.layer("b/four", {"op": "x", "min": -1.0})
+        assert len(writer._made) == 1
+        writer.close()
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        assert [f[p].attrs["min"] for p in ("a/one", "a/two", "b/three", "b/four")] == [-1.0, -2.0, -1.0, -1.0]

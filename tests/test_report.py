@@ -219,6 +219,47 @@ def test_order_keys():
         r.order("nope")
 
 
+def _order_one_key_per_channel(r, by):
+    """ChannelReport.order as it was written first: a Python sort key per channel (the reference)."""
+    col = r.columns
+
+    def down(v):
+        return -v if np.isfinite(v) or v == np.inf else np.inf
+
+    def up(v):
+        return v if not np.isnan(v) else np.inf
+
+    keys = {"worst": lambda c: (down(col["gradient_blocked"][c] if r.has_gradients else col["clipped"][c]),
+                                up(col["sqnr_db"][c]), c),
+            "blocked": lambda c: (down(col["gradient_blocked"][c]), c),
+            "clipped": lambda c: (down(col["clipped"][c]), c),
+            "sqnr": lambda c: (up(col["sqnr_db"][c]), c),
+            "gain": lambda c: (down(col["suggested_sqnr_db"][c] - col["sqnr_db"][c]), c),
+            "channel": lambda c: (c,)}
+    with np.errstate(invalid="ignore"):
+        return sorted(range(r.channels), key=keys[by])
+
+
+@pytest.mark.parametrize("has_gradients", [True, False])
+def test_order_is_the_per_channel_sort_on_nan_infinities_signed_zeros_and_ties(has_gradients):
+    """The vectorised order gives what a Python key per channel gives, on columns drawn from few values
+    (ties everywhere) with NaN, both infinities and both zeros."""
+    import dataclasses
+
+    r = channel_report(X, MIN, MAX, G, num_bits=2)
+    rng = np.random.default_rng(7)
+    pool = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 0.25, 0.5, 0.5, -3.0, 41.0])
+    for _ in range(200):
+        n = int(rng.integers(0, 40))
+        cols = {k: rng.choice(pool, n) for k in r.columns}
+        cols["channel"] = np.arange(n, dtype=np.float64)
+        drawn = dataclasses.replace(r, columns=cols, has_gradients=has_gradients)
+        for by in ("worst", "blocked", "clipped", "sqnr", "gain", "channel"):
+            got = drawn.order(by)
+            assert got == _order_one_key_per_channel(drawn, by), (by, cols)
+            assert all(type(c) is int for c in got)
+
+
 def test_report_on_the_array_module(xp, monkeypatch):
     """CuPy against NumPy.  On NumPy (no GPU) the NumPy kernels (``QGCLI_NATIVE=0``) against the compiled ones:
     not the same run twice."""

@@ -365,3 +365,51 @@ def test_group_operands_found_by_discovery_read_as_the_checked_read(tmp_path):
             fast.read("external")
     finally:
         container.close()
+
+
+def test_discovery_reads_the_small_datasets_of_a_run_within_its_budget(tmp_path, monkeypatch):
+    """discover(prefetch=N) reads each op group's small plain datasets while its walk has them open, as the
+    run would read them (big-endian, a scalar, an enum's integers), until N bytes are held; a group's read
+    takes them once, then reads the file again; what the one-call read leaves (bfloat16 tags, over 1 MiB, an
+    external file) is not read there.  prefetch=0, the default, reads nothing."""
+    from qgcli.storage import io as qio
+    from qgcli.storage import runfile
+    from qgcli.storage.operands import GroupView
+
+    rng = np.random.default_rng(6)
+    path = tmp_path / "run.h5"
+    with h5py.File(path, "w") as f:
+        for i in range(3):
+            g = f.create_group(f"step_0/layer_{i}")
+            g.attrs["op"] = "FakeQuantWithMinMaxVars"
+            g["inputs"] = rng.standard_normal((4, 8)).astype(np.float32)  # 128 bytes
+            g["big_endian"] = rng.standard_normal(3).astype(">f8")
+            g["scalar"] = np.float32(1.5)
+            g["enum"] = np.arange(3, dtype=h5py.enum_dtype({"a": 0, "b": 1, "c": 2}, basetype="i1"))
+            g["bf16"] = np.arange(4, dtype=np.uint16)
+            g["bf16"].attrs["dtype"] = "bfloat16"
+            g["large"] = np.zeros(300_000, np.float32)
+            g.create_dataset("external", shape=(4,), dtype="f4", external=[(str(tmp_path / "raw.bin"), 0, 16)])
+        f.create_group("no_op")["inputs"] = np.zeros(2, np.float32)
+    small = ("big_endian", "enum", "inputs", "scalar")
+    container = qio.Container.open(str(path))
+    try:
+        assert all(layer.arrays == {} for layer in runfile.discover(container._opened()))
+        # 24 + 3 + 128 + 4 bytes a group, in name order: a budget of 200 runs out inside the second group (the
+        # read that crosses it is kept); the group without op (a layer by its inputs) is not read ahead
+        layers = runfile.discover(container._opened(), prefetch=200)
+        assert [layer.path for layer in layers] == ["no_op", "step_0/layer_0", "step_0/layer_1", "step_0/layer_2"]
+        assert [sorted(layer.arrays) for layer in layers] == [[], list(small), ["big_endian", "enum", "inputs"], []]
+        checked = GroupView(container, layers[1].path)
+        for name in small:
+            want = checked.read(name)
+            view = GroupView(container, layers[1].path, known=layers[1].datasets, arrays=layers[1].arrays)
+            got = view.read(name)
+            assert got.dtype == want.dtype and got.shape == want.shape and got.flags.writeable, name
+            np.testing.assert_array_equal(got, want)
+            again = view.read(name)  # handed out once: the next read is the file's
+            assert again is not got
+            np.testing.assert_array_equal(again, want)
+        assert layers[1].arrays == {}
+    finally:
+        container.close()

@@ -37,7 +37,8 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     path, group, container = runfile.open_target(job.target, operand="BUNDLE",
                                                  not_a_run_file=f"{job.target} is not an HDF5 run file")
     try:
-        layers = groups.discover(container._opened(), group, label=path)
+        layers = groups.discover(container._opened(), group, label=path,
+                                 prefetch=runfile.PREFETCH_BYTES if remote is None else 0)  # (read there)
         kind = registry.KIND_OF_COMMAND[job.command]
         mine, other, bad, forward = [], [], [], []
         for layer in layers:
@@ -49,6 +50,8 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
                 bad.append(layer)
             else:
                 mine.append(layer)
+                continue
+            layer.arrays = {}  # read ahead by discovery, for a group that does not run
         where = f"{path}:{group}" if group else path
         if bad and not job.skip_invalid:
             raise QgcliError(refusal(where, bad, len(mine) + len(bad)))
@@ -86,7 +89,7 @@ def _prepared(job, container, path, layer, output=None):
     group_job, overrides = groups.job_from_group(job, layer, specs, output or job.output)
     runner = _TOOLS["runner_for"](group_job)
     operands = Operands.in_group(container, path, layer.path, specs.as_dict(), literal_ok=runner.LITERAL_OK,
-                                 known=layer.datasets)
+                                 known=layer.datasets, arrays=layer.arrays)
     return group_job, runner, operands, overrides
 
 
@@ -158,8 +161,8 @@ def _run_and_write(job, container, path, layers):
                 else:
                     plan = memory_plan(group_job, operands, streams=False,
                                        mode=f"{runner.mode(group_job)} writing {out.destination}")
-                grp = sink.begin(layer.path)
                 if plan is not None:
+                    grp = sink.begin(layer.path)  # computed into the group (a group in memory is made by add)
                     streamed = blocks.stream(runner, group_job, operands, *plan)
                     small = streamed.compute(grp, lambda n: None)
                     sink.add(layer.path, small, streamed.attrs)
@@ -173,6 +176,7 @@ def _run_and_write(job, container, path, layers):
                     summary = result.summary
             finally:
                 operands.close()
+                layer.arrays = {}  # what the group did not read of what discovery read ahead
             _record(job, ran, layer, group_job, summary, overrides)
     return ran, skipped
 

@@ -50,9 +50,10 @@ def classify(layer):
     return layer
 
 
-def discover(handle, group=None, *, label=None, operand="BUNDLE"):
+def discover(handle, group=None, *, label=None, operand="BUNDLE", prefetch=0):
     """The layers of an open h5py File (:func:`qgcli.storage.runfile.discover`), each with its family."""
-    return [classify(layer) for layer in runfile.discover(handle, group, label=label, operand=operand)]
+    return [classify(layer) for layer in runfile.discover(handle, group, label=label, operand=operand,
+                                                          prefetch=prefetch)]
 
 
 def layer(path, attrs, datasets):

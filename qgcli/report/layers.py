@@ -56,7 +56,8 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
         prefix = path if len(targets) > 1 else None
         order, todo = [], []  # order: each layer's name and its skip reason, or None (a row, from todo)
         try:
-            for layer in groups.discover(container._opened(), group, label=path):
+            for layer in groups.discover(container._opened(), group, label=path,
+                                         prefetch=0 if cluster is not None else runfile.PREFETCH_BYTES):
                 name = layer.path if prefix is None else f"{prefix}:{layer.path}"
                 skip = getattr(registry.of(layer), "REPORT_SKIP", None) if layer.family else None
                 if layer.family is None or skip:  # an unknown op (its error), or a family report skips
@@ -66,6 +67,8 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
                 order.append((name, layer, reason))
                 if reason is None:
                     todo.append((name, layer))
+                else:
+                    layer.arrays = {}  # read ahead by discovery, for a layer without a row
             if cluster is None:
                 results = []
                 for name, layer in todo:
@@ -95,13 +98,14 @@ def report_layers(targets, *, options=(), percentiles, device="cpu", on_layer=No
 def layer_row(container, handle, path, layer, options, percentiles, device, range_method="percentile"):
     """The report row of one layer of the open run file, or ``{"error": reason}`` (the layer is skipped)."""
     operands = Operands.in_group(container, path, layer.path, literal_specs(layer), literal_ok=("min", "max"),
-                                 known=layer.datasets)
+                                 known=layer.datasets, arrays=layer.arrays)
     try:
         return _row(layer, _ReadOnce(operands), options, percentiles, device, range_method)
     except (QgcliError, ValueError) as exc:
         return {"error": str(exc)}
     finally:
         operands.close()
+        layer.arrays = {}  # what the row did not read of what discovery read ahead
 
 
 class _ReadOnce:

@@ -55,15 +55,16 @@ class Operands:
         return cls(specs.bundle, specs.as_dict(), literal_ok=literal_ok)
 
     @classmethod
-    def in_group(cls, container, path, group, specs=None, *, literal_ok=(), known=None):
+    def in_group(cls, container, path, group, specs=None, *, literal_ok=(), known=None, arrays=None):
         """The operands of one group of an open run file (its datasets by TensorFlow name); ``specs``: literal
         operands given beside it (an Args group's min/max attributes).  The container stays the caller's.
         ``known``: the datasets :func:`qgcli.storage.runfile.discover` found hard-linked in the group
-        (``Layer.datasets``: name -> (shape, dtype)), the small ones read in one low-level call each."""
+        (``Layer.datasets``: name -> (shape, dtype)), the small ones read in one low-level call each;
+        ``arrays``: those discovery read already (``Layer.arrays``), each handed out once and dropped."""
         self = cls(None, dict(specs or {}), literal_ok=literal_ok)
         self.bundle_text = f"{path}:{group}"
         self.bundle_path = path
-        self._bundle_container = GroupView(container, group, known=known)
+        self._bundle_container = GroupView(container, group, known=known, arrays=arrays)
         return self
 
     @staticmethod
@@ -208,7 +209,7 @@ class GroupView:
 
     kind = "h5"
 
-    def __init__(self, container, group, *, owns=False, known=None):
+    def __init__(self, container, group, *, owns=False, known=None, arrays=None):
         from qgcli.storage import h5, io
 
         self._io, self._h5 = io, h5
@@ -219,6 +220,7 @@ class GroupView:
         self._resolved = {}  # name -> resolved object; each operand is looked up (and checked) once
         self._checked = {}
         self._known = known or {}
+        self._arrays = arrays if arrays is not None else {}  # read by discovery: popped, so held once
         self._node = None
 
     def _group_node(self):
@@ -249,6 +251,9 @@ class GroupView:
             return not isinstance(exc, self._h5.NoSuchObject)
 
     def read(self, name):
+        array = self._arrays.pop(name, None)
+        if array is not None:
+            return array
         with deferred():
             array = self._read_known(name) if name in self._known else None
             return array if array is not None else self._h5.read_dataset_node(self.dataset(name), name, self._label)

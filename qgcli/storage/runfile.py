@@ -34,6 +34,9 @@ class Layer:
     datasets: dict  # name -> (shape tuple, dtype str)
     error: Optional[str] = None
     notes: list = field(default_factory=list)
+    # datasets discovery read while its walk had them open (``discover(prefetch=...)``): name -> array, taken
+    # by the run's read of the group (:class:`qgcli.storage.operands.GroupView`) instead of opening them again
+    arrays: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def label(self):
@@ -140,13 +143,18 @@ def _dataset(group, name, readonly=None):
     return obj if isinstance(obj, h5py.Dataset) else None
 
 
-def discover(handle, group=None, *, label=None, operand="BUNDLE"):
+def discover(handle, group=None, *, label=None, operand="BUNDLE", prefetch=0):
     """The layers of an open h5py File (under ``group`` when given), each with its op, attributes and the
     shapes of its datasets; a group that names no group is a FileFormatError.  One walk
     (:mod:`qgcli.storage.hdf5.walk`, whose bounds it enforces), the groups' attributes read in batches as it goes.
     Nothing stays open (holding every layer's open objects made memory grow with the file: 20,000 groups,
-    1.2 GB): running a layer opens its group again, and reads the small datasets found here in one call each."""
+    1.2 GB): running a layer opens its group again, and reads the small datasets found here in one call each.
+
+    ``prefetch``: bytes of the op groups' small plain datasets (:func:`qgcli.storage.h5.read_plain_dataset`'s)
+    read while the walk has them open, in file order until that many are held (``Layer.arrays``): a run
+    that reads every group then opens none of them again (five HDF5 opens of a four-operand group)."""
     import h5py
+    import numpy as np
     from h5py import h5a
 
     from qgcli.storage import h5
@@ -162,6 +170,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
     # they are read].  A group with an op is read in batches as the walk goes and then closed, so that the
     # walk holds a bounded number of objects open (an open group costs ~17 KB, 20,000 of them 400 MB).
     groups, children, pending = [], {}, []
+    arrays, budget = {}, [prefetch]  # group path -> {name: array read by the walk}; the bytes left to read
 
     def flush():
         for entry, attrs in zip(pending, _attributes_of([e[2] for e in pending])):
@@ -175,6 +184,8 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
         groups.append([path, None, g if has_op else None])
         children[path] = []
         if has_op:
+            if budget[0] > 0:
+                arrays[path] = {}
             pending.append(groups[-1])
             if len(pending) >= ATTRIBUTE_BATCH:
                 flush()
@@ -188,7 +199,14 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
                 parent, _, name = node.raw.rpartition(b"/")
                 ds = node.obj  # a DatasetID, closed again at once: an open HDF5 dataset costs tens of KB
                 where = "/" + _text(parent) if parent else "/"
-                children[where].append((_text(name), ds.shape, dtype_name(ds.dtype)))
+                shape, dtype = ds.shape, ds.dtype  # each an HDF5 round trip: asked once
+                children[where].append((_text(name), shape, dtype_name(dtype)))
+                if where in arrays and shape is not None and 0 < budget[0] and dtype.kind in "fiu":
+                    # read as the run reads it: by its dtype's name (an HDF5 enum's integers as plain ones)
+                    array = h5.read_plain_dataset(ds, shape, np.dtype(children[where][-1][2]))
+                    if array is not None:
+                        arrays[where][_text(name)] = array
+                        budget[0] -= array.nbytes
         flush()
         layers = []
         for path, attrs, _ in groups:
@@ -201,13 +219,20 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE"):
                 layers.append(Layer(path.lstrip("/") or "/", None, None, None, None, {}, {},
                                     error=f"cannot be read: {reason(attrs)}"))
             else:
-                layers.append(layer(path, attrs, datasets))
+                found = layer(path, attrs, datasets)
+                if found is not None and path in arrays:
+                    found.arrays = arrays.pop(path)
+                layers.append(found)
     return layers
 
 
 def _text(raw):
     return raw.decode("utf-8", "surrogateescape")
 
+
+#: Bytes of small datasets a run's discovery reads as it walks (``discover(prefetch=...)``): the run takes
+#: them group by group; what is past them is read when its group runs, as before.
+PREFETCH_BYTES = 32 << 20
 
 #: Groups whose attributes are read in one batch: a batch holds its string attributes open until they are
 #: read, and HDF5 checks each attribute it opens against every open one (one batch for 20,000 groups took

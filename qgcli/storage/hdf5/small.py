@@ -7,6 +7,8 @@ encoding as ``require_group``, ``create_dataset(name, data=...)`` and ``attrs[ke
 that.  Anything they were not written for (a compressed or chunked dataset, a non-scalar attribute) is left
 to h5py's own calls by the caller or here.
 """
+import os
+
 import numpy as np
 from h5py import h5a, h5d, h5g, h5o, h5p, h5s, h5t
 from h5py._hl import base
@@ -25,6 +27,9 @@ class SmallWriter:
         self._templates = None  # an in-memory HDF5 file of groups with attributes only, copied by attributed()
         self._copy = None  # the object copy properties of those copies
         self._made = {}  # the attributes of a template (as a hashable key) -> its name in that file
+        self._seen = set()  # attribute sets met once by attributed(..., repeated=True), no template yet
+        self._parent = (None, None)  # the last parent group layer() made or opened: (path, GroupID)
+        self._fd = None  # HDF5's own file descriptor (POSIX driver), for written_at()
 
     def link_name(self, name):
         """``name`` encoded as h5py encodes link names, with its link creation properties (parents created)."""
@@ -40,20 +45,23 @@ class SmallWriter:
         name, lcpl = self.link_name(name)
         return h5g.create(gid, name, lcpl=lcpl)
 
-    def attributed(self, gid, name, attrs):
+    def attributed(self, gid, name, attrs, *, repeated=False):
         """A new group ``name`` below the group ``gid`` with the scalar attributes ``attrs``: one copy (H5Ocopy)
         of a group made once with them, in an in-memory file (17 us where the group and 4 attributes made one by
-        one take 68 us); the same objects as :meth:`child` and :meth:`attributes`."""
+        one take 68 us); the same objects as :meth:`child` and :meth:`attributes`.  ``repeated``: a template is
+        made only for attributes met before (a run file's outputs whose attributes differ from group to group
+        would pay a template each for one copy)."""
         key = _key(attrs)
-        if key is None or (key not in self._made and len(self._made) >= MAX_TEMPLATES):
+        first = repeated and key is not None and key not in self._made and key not in self._seen
+        if first and len(self._seen) < MAX_TEMPLATES:
+            self._seen.add(key)
+        if first or key is None or (key not in self._made and len(self._made) >= MAX_TEMPLATES):
             made = self.child(gid, name)
             self.attributes(made, attrs, new=True)
             return made
         template = self._made.get(key)
         if template is None:
             if self._templates is None:
-                import os
-
                 from h5py import File
 
                 self._templates = File(f"qgcli-templates-{os.urandom(8).hex()}", "w", driver="core",
@@ -65,12 +73,53 @@ class SmallWriter:
         h5o.copy(self._templates.id, template, gid, link, copypl=self._copy, lcpl=lcpl)
         return h5g.open(gid, link)
 
+    def layer(self, path, attrs):
+        """A new group at ``path`` (text as h5py spells names; its missing parents made) with the scalar
+        attributes ``attrs``, by :meth:`attributed`: its GroupID, or None where ``path`` exists already (a
+        group made as the parent of one written before it) or names the root."""
+        parent, _, leaf = path.strip("/").rpartition("/")
+        if not leaf:
+            return None
+        done, pid = self._parent
+        if done != parent:
+            pid = self.group(parent)
+            self._parent = (parent, pid)  # the next group is often its sibling (one layer's quantizers)
+        name = self.link_name(leaf)[0]
+        if pid.links.exists(name):
+            return None
+        return self.attributed(pid, leaf, attrs, repeated=True)
+
+    def written_at(self, gid, name, array):
+        """``create_dataset(name, data=array)`` in the group ``gid`` for a non-empty C-contiguous array (or a
+        scalar) of plain numbers in this machine's byte order: the dataset allocated at creation (contiguous,
+        never filled by HDF5) and its bytes written at its offset in the file, past HDF5's write path (a
+        third of a small group's writing); False (nothing made) for anything else, or a file driver other
+        than the POSIX one."""
+        if self._fd is None:
+            self._fd = self.file.id.get_vfd_handle() if self.file.driver == "sec2" else -1
+        dtype = array.dtype
+        if (self._fd < 0 or array.size == 0 or dtype.kind not in "biuf" or dtype.fields is not None
+                or not dtype.isnative or not array.flags.c_contiguous):
+            return False
+        dsid = self.allocated(gid, name, array.shape, dtype, _allocated())
+        try:
+            offset = dsid.get_offset()
+            data = memoryview(array.reshape(-1)).cast("B")
+            done = 0
+            while done < len(data):
+                done += os.pwrite(self._fd, data[done:], offset + done)
+        finally:
+            dsid.close()
+        return True
+
     def close(self):
-        """Free the templates of :meth:`attributed`."""
+        """Free the templates of :meth:`attributed` and the parent group :meth:`layer` holds."""
         if self._templates is not None:
             self._templates.close()
             self._templates = None
         self._made = {}
+        self._seen = set()
+        self._parent = (None, None)
 
     def allocated(self, gid, name, shape, dtype, dcpl):
         """An empty dataset ``name`` of ``shape`` and ``dtype`` in the group ``gid``, made with ``dcpl`` (its
@@ -129,6 +178,22 @@ class SmallWriter:
         if types is None:
             types = self._types[dtype] = (h5t.py_create(dtype, logical=True), h5t.py_create(dtype))
         return types
+
+
+_DCPL = []
+
+
+def _allocated():
+    """The creation properties of a dataset :meth:`SmallWriter.written_at` writes: contiguous, its storage
+    allocated at creation (its offset known), never filled by HDF5, no times (h5py's ``track_times=False``)."""
+    if not _DCPL:
+        dcpl = h5p.create(h5p.DATASET_CREATE)
+        dcpl.set_layout(h5d.CONTIGUOUS)
+        dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+        dcpl.set_obj_track_times(False)
+        _DCPL.append(dcpl)
+    return _DCPL[0]
 
 
 #: Templates one writer keeps at most (one per distinct set of attributes; past it, groups are made one by one).
