@@ -1323,11 +1323,75 @@ QG_SUMS void qg_monitor_downstream(const float *restrict dx, const float *restri
     }
     sums[0] = squares, sums[1] = error, sums[2] = den;
 }
+
+/* --- a sample's statistics of TensorFlow's fake quant (qgcli.monitor.keras) ------------------------------
+ * Inputs [rows][depth] float32, channel c's inclusive STE mask bounds lo[c] and hi[c] (TF's nudged range: the
+ * caller spreads one range over `depth` copies).  x and out (the op's output; NULL: none).  sums: [0] x below
+ * lo, [1] x above hi, [2] sum x^2, [3] sum (x - out)^2.  mask (one byte per input): 1 where x is not inside
+ * [lo, hi], where the STE blocks the gradient (the bit 0 that qg_monitor_upstream and _downstream read). */
+QG_SUMS void qg_tf_monitor_forward(const float *restrict x, const float *restrict out, int64_t rows, int64_t depth,
+                                   const float *restrict lo, const float *restrict hi, int8_t *restrict mask,
+                                   double *restrict sums) {
+    int64_t low = 0, high = 0;
+    double power = 0, noise = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict xr = x + r * depth;
+        int8_t *restrict mr = mask + r * depth;
+        int32_t below = 0, above = 0;
+        for (int64_t c = 0; c < depth; ++c) {
+            const float v = xr[c];
+            below += v < lo[c];
+            above += v > hi[c];
+            mr[c] = (int8_t)!(v >= lo[c] && v <= hi[c]);
+            power += (double)v * (double)v;
+        }
+        low += below, high += above;
+        if (out) {
+            const float *restrict orow = out + r * depth;
+            for (int64_t c = 0; c < depth; ++c) {
+                const double d = (double)xr[c] - (double)orow[c];
+                noise += d * d;
+            }
+        }
+    }
+    sums[0] = (double)low, sums[1] = (double)high, sums[2] = power, sums[3] = noise;
+}
 #undef QG_SUMS
+
+/* Every training step, over a TensorFlow weight quantizer's [rows][depth] float32 weights x: the integer code
+ * q = floor((clamp(x, nmin[c], nmax[c]) - nmin[c]) / scale[c] + 0.5) (TF's Vars kernel's code, counted from
+ * quant_min); with `first` last = q only.  Otherwise the move m = sign(q - last); frequency = frequency * keep,
+ * plus add where m * direction < 0 (the move reverses the last one); direction = m where m != 0; last = q.  A
+ * NaN weight, or a code outside 0..65535 (a range of zero width), keeps its last code.  At a sample,
+ * qg_oscillation_sample reads the buffers (its int16 codes compared and copied bit for bit, decay 1). */
+void qg_tf_oscillation(const float *restrict x, int64_t rows, int64_t depth, const float *restrict nmin,
+                       const float *restrict nmax, const float *restrict scale, uint16_t *restrict last,
+                       int8_t *restrict direction, float *restrict frequency, float keep, float add, int first) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict xr = x + r * depth;
+        uint16_t *restrict lr = last + r * depth;
+        int8_t *restrict dr = direction + r * depth;
+        float *restrict fr = frequency + r * depth;
+        for (int64_t c = 0; c < depth; ++c) {
+            float v = xr[c] > nmax[c] ? nmax[c] : xr[c]; /* NaN stays NaN */
+            v = v < nmin[c] ? nmin[c] : v;
+            const float q = qg_floor((v - nmin[c]) / scale[c] + 0.5f);
+            const uint16_t before = lr[c];
+            const uint16_t now = (q >= 0.0f && q <= 65535.0f) ? (uint16_t)q : before;
+            const int8_t m = (int8_t)((now > before) - (now < before));
+            const int8_t d = dr[c];
+            if (!first) {
+                fr[c] = fr[c] * keep + ((m * d < 0) ? add : 0.0f);
+                dr[c] = m != 0 ? m : d;
+            }
+            lr[c] = now;
+        }
+    }
+}
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 23; }
+int qg_abi_version(void) { return 25; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {
