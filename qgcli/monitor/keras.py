@@ -195,7 +195,7 @@ class _Watch:
                 lo, hi = tf.constant(float(a["min"])), tf.constant(float(a["max"]))
             else:
                 lo, hi = tf.convert_to_tensor(a["min"]), tf.convert_to_tensor(a["max"])
-            role = "weight" if _reads_variable(x) else "activation"
+            role = "weight" if isinstance(a["inputs"], tf.Variable) or _reads_variable(x) else "activation"
             per_channel = attr.endswith("per_channel")
             # a learnable range (trainable variables, as tfmot passes them): its gradient's norm
             learnable = attr != "fake_quant_with_min_max_args" and all(

@@ -1372,20 +1372,27 @@ void qg_tf_oscillation(const float *restrict x, int64_t rows, int64_t depth, con
         uint16_t *restrict lr = last + r * depth;
         int8_t *restrict dr = direction + r * depth;
         float *restrict fr = frequency + r * depth;
-        for (int64_t c = 0; c < depth; ++c) {
-            float v = xr[c] > nmax[c] ? nmax[c] : xr[c]; /* NaN stays NaN */
-            v = v < nmin[c] ? nmin[c] : v;
-            const float q = qg_floor((v - nmin[c]) / scale[c] + 0.5f);
-            const uint16_t before = lr[c];
-            const uint16_t now = (q >= 0.0f && q <= 65535.0f) ? (uint16_t)q : before;
-            const int8_t m = (int8_t)((now > before) - (now < before));
-            const int8_t d = dr[c];
-            if (!first) {
-                fr[c] = fr[c] * keep + ((m * d < 0) ? add : 0.0f);
-                dr[c] = m != 0 ? m : d;
+        if (first) /* two loops, so that each is branch-free and vectorizes */
+            for (int64_t c = 0; c < depth; ++c) {
+                float v = xr[c] > nmax[c] ? nmax[c] : xr[c]; /* NaN stays NaN */
+                v = v < nmin[c] ? nmin[c] : v;
+                const float q = qg_floor((v - nmin[c]) / scale[c] + 0.5f);
+                const int ok = q >= 0.0f && q <= 65535.0f;
+                lr[c] = ok ? (uint16_t)(int32_t)(ok ? q : 0.0f) : lr[c];
             }
-            lr[c] = now;
-        }
+        else
+            for (int64_t c = 0; c < depth; ++c) {
+                float v = xr[c] > nmax[c] ? nmax[c] : xr[c];
+                v = v < nmin[c] ? nmin[c] : v;
+                const float q = qg_floor((v - nmin[c]) / scale[c] + 0.5f);
+                const int ok = q >= 0.0f && q <= 65535.0f;
+                const int32_t before = lr[c];
+                const int32_t now = ok ? (int32_t)(ok ? q : 0.0f) : before;
+                const int32_t m = (now > before) - (now < before), d = dr[c];
+                fr[c] = fr[c] * keep + ((m * d < 0) ? add : 0.0f);
+                dr[c] = (int8_t)(m != 0 ? m : d);
+                lr[c] = (uint16_t)now;
+            }
     }
 }
 
