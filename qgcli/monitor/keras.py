@@ -16,24 +16,28 @@ LastValueQuant``; a second call in the same scope ``..._1``).  The functions tra
 carry it: ``Monitor`` rebuilds the model's train function at ``on_train_begin``; a custom loop's
 ``tf.function`` must be first called inside the ``with`` block.
 
-How, in the graph: the statistics are computed by TensorFlow ops on the tensors' device and written, with the
-step they belong to, into small float64 variables (one per layer and site: forward, upstream gradient, input
-gradient, range gradient, oscillation); at a sample step ``mon.step()`` (or the callback) reads them all back in
-one call, one host transfer per sample.  The upstream gradient and the input gradient are seen by identity
-``tf.custom_gradient`` taps on the op's output and input (values unchanged: passive).  Weight quantizers (inputs
-read from a variable) keep their last integer codes, last move direction and oscillation frequency in variables
-updated at every step (element-wise, no branch).  ``Monitor`` traces the train step twice: a sampling one with
-every statistic and a plain one with the oscillation update only, and hands ``model.fit`` the one the next step
-needs, so that a step between samples runs no statistic, no branch and no host transfer; validation and
-prediction run unmonitored.  A custom loop's ``tf.function`` is traced once, with each statistic inside a
-``tf.cond`` on the step number (a variable set in Python between steps).  A learnable range (min and max passed
-as trainable variables) records its gradient's norm as ``scale_grad_norm``.  A quantizer sampled before that does
-not run at a later sample step (a ``tf.cond`` that skips it) is recorded there with ``fake_quant_enabled`` 0 only.
-Batch norms (``tf.compat.v1.nn.fused_batch_norm`` with ``is_training``: tf_keras ``BatchNormalization`` on 4-D
-and 5-D inputs, kept as ``quant_batch_normalization`` by tfmot's ``quantize_model``) record ``bn_mean_shift`` and
-``bn_var_ratio`` (the batch statistics of its input against the running ones before the step's update) and
-NaN/Inf inputs; not their gradient (a tap on the op's output would undo its fusion with the ReLU after it,
-whose gradient rounds differently: the monitor would not be passive).  Not monitored: Keras 3.
+How, in the graph: each site (the op's input and output, the upstream gradient, the input gradient, a learnable
+range's gradient, a batch norm's input) hands its tensors to one host callback (``tf.numpy_function``, stateful:
+it runs in the traced step unasked, in program order with the other callbacks, off the step's data path),
+which computes the site's statistics (:mod:`qgcli.monitor.keras_stats`: one pass of a compiled kernel, or
+NumPy) and writes them into the running step's pending sample in Python; ``mon.step()`` (or the callback)
+writes that to the history at a sample step.  A CPU tensor is read in place, a GPU one copied to the host.  The
+forward callback leaves the STE mask to the gradient callbacks, which take its scalar token as an input so that
+they run after it.  The upstream gradient and the input gradient are seen by identity ``tf.custom_gradient``
+taps on the op's output and input (values unchanged: passive).  Weight quantizers (inputs read from a variable)
+keep their last integer codes, last move direction and oscillation frequency on the host, updated at every step
+by their callback.  ``Monitor`` traces the train step twice: a sampling one with every callback and a plain one
+with the weights' oscillation callbacks only, and hands ``model.fit`` the one the next step needs; validation
+and prediction run unmonitored.  A custom loop's ``tf.function`` is traced once with every callback, each of
+which looks at the step counter and returns at once between samples (a weight's still updates its codes).
+A learnable range (min and max passed as trainable variables) records its gradient's norm as ``scale_grad_norm``. A
+quantizer sampled before that does not run at a later sample step (a ``tf.cond`` that skips it) is recorded there
+with ``fake_quant_enabled`` 0 only. Batch norms (``tf.compat.v1.nn.fused_batch_norm`` with ``is_training``:
+tf_keras ``BatchNormalization`` on 4-D and 5-D inputs, kept as ``quant_batch_normalization`` by tfmot's
+``quantize_model``) record ``bn_mean_shift`` and ``bn_var_ratio`` (the batch statistics of its input against the
+running ones before the step's update) and NaN/Inf inputs; not their gradient (a tap on the op's output would undo
+its fusion with the ReLU after it, whose gradient rounds differently: the monitor would not be passive). Not
+monitored: Keras 3.
 """
 import contextlib
 import inspect

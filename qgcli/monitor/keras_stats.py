@@ -3,7 +3,7 @@
 The Keras monitor hands each site's tensors to one host callback (``tf.numpy_function``: a CPU tensor is read
 in place, a GPU one copied to the host first); these functions compute that site's statistics, on float32
 C-order arrays in one pass of a compiled kernel (``qgcli/ops/_kernels.c``: ``qg_tf_monitor_forward``,
-``qg_monitor_upstream``, ``qg_monitor_downstream``, ``qg_tf_oscillation``, ``qg_oscillation_sample``,
+``qg_tf_monitor_upstream``, ``qg_tf_monitor_downstream``, ``qg_tf_oscillation``, ``qg_oscillation_sample``,
 ``qg_bn_sums``), with NumPy where the kernels are not built or a sum is not finite (NaN's own rules).  Sums are
 taken in float64; the history rounds them to float32 (float16 for the shares).  The range is TensorFlow's
 nudged one (:func:`qgcli.ops.fake_quant.nudge`, the grid of the op's own kernel): the clipping shares and the
@@ -117,7 +117,7 @@ def upstream(dy, mask):
     lib = _library(dy)
     if lib is not None:
         sums = np.zeros(4)
-        lib.qg_monitor_upstream(_at(dy), _at(mask) if with_mask else None, n, _at(sums))
+        lib.qg_tf_monitor_upstream(_at(dy), _at(mask) if with_mask else None, n, _at(sums))
         squares, nonzero, blocked, mass = sums.tolist()
         nan = 0.0 if math.isfinite(squares) and math.isfinite(mass) else None
     if lib is None or nan is None:
@@ -143,8 +143,8 @@ def downstream(dx, dy, mask, blocked):
     done = False
     if lib is not None:
         sums = np.zeros(4)
-        lib.qg_monitor_downstream(_at(dx), _at(dy) if compared else None, _at(mask) if compared else None,
-                                  dx.size, 0, _at(sums))
+        lib.qg_tf_monitor_downstream(_at(dx), _at(dy) if compared else None, _at(mask) if compared else None,
+                                     dx.size, _at(sums))
         squares, error = sums.tolist()[:2]
         done = math.isfinite(squares) and math.isfinite(error)
     if not done:

@@ -38,6 +38,8 @@ _SIGNATURES = {
     "qg_monitor_upstream": (None, [_P, _P, _I64, _P]),
     "qg_monitor_downstream": (None, [_P, _P, _P, _I64, _INT, _P]),
     "qg_tf_monitor_forward": (None, [_P, _P, _I64, _I64, _P, _P, _P, _P]),
+    "qg_tf_monitor_upstream": (None, [_P, _P, _I64, _P]),
+    "qg_tf_monitor_downstream": (None, [_P, _P, _P, _I64, _P]),
     "qg_tf_oscillation": (None, [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _F, _F, _INT]),
     "qg_cpu_has_avx2": (_INT, []),
     "qg_abi_version": (_INT, []),
