@@ -321,3 +321,17 @@ def test_sample_statistics_equal_numpy_from_the_tensors(tmp_path, monkeypatch, n
             assert got[name] == pytest.approx(expected, rel=tolerance, abs=1e-7), (path, name)
         moved += sum(v for v in got.get("codes_changed") or [] if v)
     assert moved > 0  # the oscillation statistics were tested on moving codes
+
+
+def test_xla_compiled_model_refused_before_any_file(tmp_path):
+    """The host callbacks cannot run inside XLA: a model compiled with jit_compile=True gets a one-line error at
+    fit, and no history is created."""
+    from qgcli.errors import UsageProblem
+    from qgcli.monitor.keras import Monitor
+
+    model = _model()
+    model.compile(tf.keras.optimizers.SGD(0.05), "mse", jit_compile=True)
+    x, y = _data()
+    with pytest.raises(UsageProblem, match="jit_compile=False"):
+        model.fit(x[:8], np.eye(4, dtype="float32")[y[:8]], verbose=0, callbacks=[Monitor(tmp_path / "h")])
+    assert not (tmp_path / "h").exists()

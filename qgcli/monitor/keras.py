@@ -151,6 +151,7 @@ class _Watch:
 
     def close(self):
         self.closed = True  # a function traced with the monitor and called after it: its callbacks do nothing
+        self.state, self.masks, self.work, self.pending = {}, {}, {}, {}  # the graphs keep the callbacks, not these
         self.uninstall()
         self.writer.close()
         if self.events is not None:
@@ -404,6 +405,9 @@ def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, d
             self._supports_tf_logs = True  # the logs are not read: no per-batch conversion to NumPy for us
 
         def on_train_begin(self, logs=None):
+            if getattr(self.model, "_jit_compile", False):
+                raise UsageProblem("the monitor's host callbacks cannot run inside an XLA-compiled train step: "
+                                   "compile the model with jit_compile=False to monitor it")
             watch = self.watch = _Watch(path, every, momentum, threshold, overwrite, durable, tensorboard, mode="off")
             watch.install()
             model = self.model
