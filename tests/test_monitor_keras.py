@@ -209,3 +209,129 @@ def test_batch_norm_running_against_batch_statistics(tmp_path, monkeypatch):
         assert s["nan_inputs"] == [0] * 5
     first = h.series(paths[0])  # 20 times the inputs: the batch variance about 400 times the running one
     assert first["bn_var_ratio"][-1] > max(first["bn_var_ratio"][:-1]) + 2
+
+
+@pytest.mark.parametrize("native", ["", "0"], ids=["kernels", "numpy"])
+def test_sample_statistics_equal_numpy_from_the_tensors(tmp_path, monkeypatch, native):
+    """Each fake quant's sample (clipping, scale and range, SQNR, NaN counts, the upstream and input gradients'
+    norms, zero share, blocked mass, STE error, the weights' codes and oscillation) equals the statistic computed
+    here in float64 NumPy from the tensors TensorFlow passed (recorded in eager steps), TensorFlow's own op
+    giving the nudged range and its gradient op the STE mask: with the compiled kernels and with NumPy."""
+    from qgcli.monitor.keras import monitor
+    from qgcli.monitor.history import HALF
+
+    monkeypatch.setenv("QGCLI_NATIVE", native)
+    calls = []  # per step, each fake quant's tensors in call order
+    originals = {}
+
+    def recorder(attr):
+        original = originals[attr] = getattr(tf.quantization, attr)
+
+        def record(inputs, min, max, num_bits=8, narrow_range=False, name=None):  # noqa: A002
+            if not tf.executing_eagerly():  # the model being built
+                return original(inputs, min, max, num_bits=num_bits, narrow_range=narrow_range, name=name)
+            rec = {"attr": attr, "x": np.array(inputs), "lo": np.array(min), "hi": np.array(max), "bits": num_bits,
+                   "narrow": narrow_range}
+
+            @tf.custom_gradient
+            def seen_dx(t):
+                return tf.identity(t), lambda dx: rec.__setitem__("dx", dx.numpy()) or dx
+
+            y = original(seen_dx(inputs), min, max, num_bits=num_bits, narrow_range=narrow_range, name=name)
+            rec["y"] = y.numpy()
+
+            @tf.custom_gradient
+            def seen_dy(t):
+                return tf.identity(t), lambda dy: rec.__setitem__("dy", dy.numpy()) or dy
+
+            calls[-1].append(rec)
+            return seen_dy(y)
+
+        return record
+
+    for attr in ("fake_quant_with_min_max_vars", "fake_quant_with_min_max_vars_per_channel"):
+        monkeypatch.setattr(tf.quantization, attr, recorder(attr))
+    model = _model()
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = tf.keras.optimizers.SGD(0.5)  # large steps: weight codes move
+    x, y = _data()
+    with monitor(tmp_path / "h", every=2, momentum=0.3, threshold=0.1) as mon:
+        for step in range(5):
+            calls.append([])
+            with tf.GradientTape() as tape:
+                value = loss(y[8 * step:8 * step + 8], model(x[8 * step:8 * step + 8], training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            mon.step()
+    h = read_history(tmp_path / "h")
+    assert h.steps == [1, 2, 4]
+    paths = [la["path"] for la in h.layers if la["role"] != "batch_norm"]
+    roles = {la["path"]: la["role"] for la in h.layers}
+    assert len(paths) == len(calls[0]) >= 4 and set(roles.values()) == {"weight", "activation", "batch_norm"}
+    want = {path: {} for path in paths}
+    osc = {}
+    for step, recs in enumerate(calls, 1):
+        for path, r in zip(paths, recs):
+            x64, y64 = r["x"].astype(np.float64), r["y"].astype(np.float64)
+            op = originals[r["attr"]]
+            big = np.broadcast_to(np.float32(1e30), r["lo"].shape or (1,))
+            ends = op(np.stack([-big, big]), r["lo"], r["hi"], num_bits=r["bits"], narrow_range=r["narrow"]).numpy()
+            nmin, nmax = ends[0].astype(np.float64), ends[1].astype(np.float64)
+            qmin, qmax = int(r["narrow"]), 2 ** r["bits"] - 1
+            scale = (nmax - nmin) / (qmax - qmin)
+            gradient = getattr(tf.quantization, r["attr"] + "_gradient")
+            inside = gradient(np.ones_like(r["x"]), r["x"], r["lo"], r["hi"], num_bits=r["bits"],
+                              narrow_range=r["narrow"])[0].numpy().astype(np.float64)
+            stats = {"clip_low": np.mean(x64 < nmin), "clip_high": np.mean(x64 > nmax),
+                     "scale_min": scale.min(), "scale_max": scale.max(), "scale_median": np.sort(scale.ravel())[
+                         scale.size // 2], "zero_point_min": np.min(np.round(qmin - nmin / scale)),
+                     "zero_point_max": np.max(np.round(qmin - nmin / scale)), "range_min": r["lo"].min(),
+                     "range_max": r["hi"].max(), "nan_inputs": 0.0, "fake_quant_enabled": 1.0,
+                     "sqnr_db": 10 * np.log10(np.sum(x64 ** 2) / np.sum((x64 - y64) ** 2))}
+            assert np.array_equal(inside == 0, (x64 < nmin) | (x64 > nmax))
+            if "dy" in r:
+                dy = r["dy"].astype(np.float64)
+                stats.update(dy_norm=np.linalg.norm(dy), dy_zero=np.mean(dy == 0), nan_grads=0.0, needs_grad=1.0,
+                             blocked=np.sum(np.abs(dy) * (1 - inside)) / np.sum(np.abs(dy)))
+            if "dx" in r:
+                dx, dy = r["dx"].astype(np.float64), r["dy"].astype(np.float64)
+                stats.update(dx_norm=np.linalg.norm(dx),
+                             ste_error=np.sum(np.abs(dx - dy * inside)) / np.sum(np.abs(dy * inside)))
+            if roles[path] == "weight":
+                codes = np.floor((np.clip(x64, nmin, nmax) - nmin) / scale + 0.5)
+                s = osc.setdefault(path, {"codes": codes, "direction": np.zeros_like(codes), "frequency":
+                                          np.zeros_like(codes), "sample": codes})
+                if step > 1:
+                    move = np.sign(codes - s["codes"])
+                    s["frequency"] = s["frequency"] * 0.7 + 0.3 * (move * s["direction"] < 0)
+                    s["direction"] = np.where(move != 0, move, s["direction"])
+                    s["codes"] = codes
+                if step in h.steps:
+                    stats.update(codes_changed=np.mean(codes != s["sample"]),
+                                 oscillating=np.mean(s["frequency"] > 0.1), oscillation_max=s["frequency"].max())
+                    s["sample"] = codes
+            if step in h.steps:
+                want[path][step] = stats
+    moved = 0
+    for path in paths:
+        got = h.series(path)
+        for name in set().union(*(w.keys() for w in want[path].values())):
+            expected = [want[path][step].get(name) for step in got["steps"]]
+            tolerance = 2 ** -10 if name in HALF else 1e-5
+            assert got[name] == pytest.approx(expected, rel=tolerance, abs=1e-7), (path, name)
+        moved += sum(v for v in got.get("codes_changed") or [] if v)
+    assert moved > 0  # the oscillation statistics were tested on moving codes
+
+
+def test_xla_compiled_model_refused_before_any_file(tmp_path):
+    """The host callbacks cannot run inside XLA: a model compiled with jit_compile=True gets a one-line error at
+    fit, and no history is created."""
+    from qgcli.errors import UsageProblem
+    from qgcli.monitor.keras import Monitor
+
+    model = _model()
+    model.compile(tf.keras.optimizers.SGD(0.05), "mse", jit_compile=True)
+    x, y = _data()
+    with pytest.raises(UsageProblem, match="jit_compile=False"):
+        model.fit(x[:8], np.eye(4, dtype="float32")[y[:8]], verbose=0, callbacks=[Monitor(tmp_path / "h")])
+    assert not (tmp_path / "h").exists()

@@ -213,25 +213,35 @@ def test_planted_faults_found_at_their_layer_and_step(tmp_path, monkeypatch):
 
 
 def test_ste_mask_matches_the_kernel_in_a_graph():
-    """The monitor's STE mask is TensorFlow's gradient mask in a tf.function too, symmetric ranges included
-    (zero point from min x.5, where a graph's reciprocal multiplication moved it by one: a false ste_broken)."""
-    from qgcli.monitor.keras import _nudged
+    """The monitor's STE mask (and its clipping shares) is TensorFlow's gradient mask, symmetric ranges included
+    (zero point from min x.5, where a graph's reciprocal multiplication moved it by one: a false ste_broken),
+    with the compiled kernels and with NumPy."""
+    from qgcli.monitor import keras_stats
+    from qgcli.ops import native
 
     low, high = tf.Variable(-0.75), tf.Variable(0.75)
     x = tf.constant(np.linspace(-4, 4, 40001, dtype="float32"))
 
     @tf.function
-    def masks():
+    def gradient():
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = tf.quantization.fake_quant_with_min_max_vars(x, low, high)
-        mask = _nudged(tf, tf.convert_to_tensor(low), tf.convert_to_tensor(high), 8, False)["mask"](x)
-        return tape.gradient(y, x), mask
+        return y, tape.gradient(y, x)
 
     rng = np.random.RandomState(0)
     for r in [3.0, 1.5, 0.75, 0.375, *rng.uniform(0.1, 3, 8)]:
         for a in (-r, -r / 3):
             low.assign(a)
             high.assign(r)
-            grad, mask = masks()
-            assert np.array_equal(grad.numpy(), mask.numpy()), (a, r)
+            y, grad = (t.numpy() for t in gradient())
+            grid = keras_stats.grid(low.numpy(), high.numpy(), 8, False)
+            for choice in ("", "0"):
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setenv("QGCLI_NATIVE", choice)
+                    mask = np.full(x.shape, 7, np.int8)
+                    stats = keras_stats.forward(x.numpy(), y, grid, mask)
+                    assert (native.library() is None) == (choice == "0")
+                assert np.array_equal(mask == 0, grad == 1), (a, r, choice)
+                below, above = (np.mean((grad == 0) & (x.numpy() < 0)), np.mean((grad == 0) & (x.numpy() > 0)))
+                assert (stats["clip_low"], stats["clip_high"]) == pytest.approx((below, above), abs=1e-12)

@@ -16,35 +16,38 @@ LastValueQuant``; a second call in the same scope ``..._1``).  The functions tra
 carry it: ``Monitor`` rebuilds the model's train function at ``on_train_begin``; a custom loop's
 ``tf.function`` must be first called inside the ``with`` block.
 
-How, in the graph: the statistics are computed by TensorFlow ops on the tensors' device and written, with the
-step they belong to, into small float64 variables (one per layer and site: forward, upstream gradient, input
-gradient, range gradient, oscillation); at a sample step ``mon.step()`` (or the callback) reads them all back in
-one call, one host transfer per sample.  The upstream gradient and the input gradient are seen by identity
-``tf.custom_gradient`` taps on the op's output and input (values unchanged: passive).  Weight quantizers (inputs
-read from a variable) keep their last integer codes, last move direction and oscillation frequency in variables
-updated at every step (element-wise, no branch).  ``Monitor`` traces the train step twice: a sampling one with
-every statistic and a plain one with the oscillation update only, and hands ``model.fit`` the one the next step
-needs, so that a step between samples runs no statistic, no branch and no host transfer; validation and
-prediction run unmonitored.  A custom loop's ``tf.function`` is traced once, with each statistic inside a
-``tf.cond`` on the step number (a variable set in Python between steps).  A learnable range (min and max passed
-as trainable variables) records its gradient's norm as ``scale_grad_norm``.  A quantizer sampled before that does
-not run at a later sample step (a ``tf.cond`` that skips it) is recorded there with ``fake_quant_enabled`` 0 only.
-Batch norms (``tf.compat.v1.nn.fused_batch_norm`` with ``is_training``: tf_keras ``BatchNormalization`` on 4-D
-and 5-D inputs, kept as ``quant_batch_normalization`` by tfmot's ``quantize_model``) record ``bn_mean_shift`` and
-``bn_var_ratio`` (the batch statistics of its input against the running ones before the step's update) and
-NaN/Inf inputs; not their gradient (a tap on the op's output would undo its fusion with the ReLU after it,
-whose gradient rounds differently: the monitor would not be passive).  Not monitored: Keras 3.
+How, in the graph: each site (the op's input and output, the upstream gradient, the input gradient, a learnable
+range's gradient, a batch norm's input) hands its tensors to one host callback (``tf.numpy_function``, stateful:
+it runs in the traced step unasked, in program order with the other callbacks, off the step's data path),
+which computes the site's statistics (:mod:`qgcli.monitor.keras_stats`: one pass of a compiled kernel, or
+NumPy) and writes them into the running step's pending sample in Python; ``mon.step()`` (or the callback)
+writes that to the history at a sample step.  A CPU tensor is read in place, a GPU one copied to the host.  The
+forward callback leaves the STE mask to the gradient callbacks, which take its scalar token as an input so that
+they run after it.  The upstream gradient and the input gradient are seen by identity ``tf.custom_gradient``
+taps on the op's output and input (values unchanged: passive).  Weight quantizers (inputs read from a variable)
+keep their last integer codes, last move direction and oscillation frequency on the host, updated at every step
+by their callback.  ``Monitor`` traces the train step twice: a sampling one with every callback and a plain one
+with the weights' oscillation callbacks only, and hands ``model.fit`` the one the next step needs; validation
+and prediction run unmonitored.  A custom loop's ``tf.function`` is traced once with every callback, each of
+which looks at the step counter and returns at once between samples (a weight's still updates its codes).
+A learnable range (min and max passed as trainable variables) records its gradient's norm as ``scale_grad_norm``. A
+quantizer sampled before that does not run at a later sample step (a ``tf.cond`` that skips it) is recorded there
+with ``fake_quant_enabled`` 0 only. Batch norms (``tf.compat.v1.nn.fused_batch_norm`` with ``is_training``:
+tf_keras ``BatchNormalization`` on 4-D and 5-D inputs, kept as ``quant_batch_normalization`` by tfmot's
+``quantize_model``) record ``bn_mean_shift`` and ``bn_var_ratio`` (the batch statistics of its input against the
+running ones before the step's update) and NaN/Inf inputs; not their gradient (a tap on the op's output would undo
+its fusion with the ReLU after it, whose gradient rounds differently: the monitor would not be passive). Not
+monitored: Keras 3.
 """
 import contextlib
 import inspect
 
+import numpy as np
+
 from qgcli.errors import UsageProblem
+from qgcli.monitor import keras_stats as _stats
 from qgcli.monitor.history import HistoryWriter, as_stored
 from qgcli.monitor.tensorboard import LiveEvents
-
-_OPS = ("fake_quant_with_min_max_vars", "fake_quant_with_min_max_vars_per_channel", "fake_quant_with_min_max_args")
-_BN = "fused_batch_norm"
-
 
 def _tf():
     """TensorFlow, imported without its CUDA start-up noise when qgcli is the first to import it."""
@@ -56,22 +59,24 @@ def _tf():
 class _Watch:
     """What one monitor shares between its wrapped ops, the step counter and the history.
 
-    ``mode``, read when a function is traced: ``cond`` (a custom loop: statistics behind a ``tf.cond`` on the step
-    number), ``full`` (every statistic, no branch), ``light`` (the oscillation update only), ``off`` (the
-    original ops: ``Monitor`` between its train steps, so validation and prediction are not monitored)."""
+    ``mode``, read when a function is traced: ``loop`` (a custom loop: every site's host callback, which looks
+    at the step counter and returns at once between samples, but for a weight's oscillation update), ``full``
+    (every site's callback), ``light`` (the weights' oscillation update only), ``off`` (the original ops:
+    ``Monitor`` between its train steps, so validation and prediction are not monitored)."""
 
-    def __init__(self, path, every, momentum, threshold, overwrite, durable, tensorboard=None, mode="cond"):
+    def __init__(self, path, every, momentum, threshold, overwrite, durable, tensorboard=None, mode="loop"):
         tf = self.tf = _tf()
         if int(every) < 1:
             raise UsageProblem(f"every must be at least 1, not {every}")
         self.every, self.momentum, self.threshold = int(every), float(momentum), float(threshold)
         self.mode = mode
         self.step_count = 0
-        self.clock = tf.Variable(1.0, dtype=tf.float64, trainable=False, name="qgcli_monitor_step")  # the step run
-        self.sinks = {}  # (layer, site, statistic names) -> float64 variable [step, *statistics]
-        self._reader = None
+        self.closed = False
         self.layers = {}  # layer -> (kind, role, info)
-        self.state = {}  # layer -> oscillation variables
+        self.pending = {}  # layer -> {statistic: value}: the running step's sample, written by the callbacks
+        self.work = {}  # layer -> what its forward callback leaves to its gradient callbacks in the running step
+        self.state = {}  # layer -> keras_stats.Oscillation (a weight quantizer's codes and frequencies)
+        self.masks = {}  # layer -> its STE mask buffer (int8), reused from sample to sample
         self.counts = {}  # (graph, scope) -> calls seen in that graph
         self.patched = []
         self.writer = HistoryWriter(path, overwrite=overwrite, durable=durable, meta={
@@ -91,30 +96,17 @@ class _Watch:
     def is_sample(self, step):
         return step == 1 or step % self.every == 0
 
+    def sampling(self):
+        """Whether the running step (the one the callbacks see) is a sample."""
+        return not self.closed and self.is_sample(self.step_count + 1)
+
     def end_step(self):
         step = self.step_count = self.step_count + 1
-        if self.is_sample(step) and self.sinks:
-            self._write(step, self._collect(step))
-        if self.mode == "cond":
-            self.clock.assign(step + 1)
+        pending, self.pending, self.work = self.pending, {}, {}
+        if self.is_sample(step):
+            self._write(step, pending)
         if self.tf.executing_eagerly():
             self.counts = {k: v for k, v in self.counts.items() if k[0] != "eager"}
-
-    def _collect(self, step):
-        """``{layer: {statistic: value}}`` written at ``step``: every sink read back in one call."""
-        if self._reader is None or len(self._reader[0]) != len(self.sinks):
-            keys = list(self.sinks)
-            variables = [self.sinks[k] for k in keys]
-            self._reader = keys, self.tf.function(lambda: self.tf.concat([v.read_value() for v in variables], 0),
-                                                  autograph=False)
-        keys, read = self._reader
-        values = read().numpy()
-        pending, at = {}, 0
-        for name, _, names in keys:
-            if values[at] == step:
-                pending.setdefault(name, {}).update(zip(names, values[at + 1:at + 1 + len(names)].tolist()))
-            at += 1 + len(names)
-        return pending
 
     def _write(self, step, pending):
         if not pending:
@@ -158,6 +150,8 @@ class _Watch:
         self.patched = []
 
     def close(self):
+        self.closed = True  # a function traced with the monitor and called after it: its callbacks do nothing
+        self.state, self.masks, self.work, self.pending = {}, {}, {}, {}  # the graphs keep the callbacks, not these
         self.uninstall()
         self.writer.close()
         if self.events is not None:
@@ -172,55 +166,20 @@ class _Watch:
         self.counts[(graph, base)] = n + 1
         return base if n == 0 else f"{base}_{n}"
 
-    def _slot(self):
-        """Forward tensors the gradient taps read (a variable read in a gradient function fails under a
-        ``tf.cond``: cond_v2 cannot capture the eager variable's handle there): the step, and in ``cond`` mode
-        whether it is a sample step."""
+    def _callback(self, method, *args):
+        """A host callback in the graph: ``method(*args[:k], *arrays)`` with the tensors at the end of ``args``
+        as NumPy arrays, when the graph runs; stateful (it always runs, in program order with the other
+        callbacks) and returns a scalar token that a later callback takes to be ordered after it."""
         tf = self.tf
-        stamp = tf.identity(self.clock)
-        slot = {"stamp": stamp}
-        if self.mode == "cond":
-            slot["sampling"] = tf.logical_or(tf.equal(stamp, 1.0), tf.equal(tf.math.floormod(stamp, self.every), 0.0))
-        return slot
+        split = next(i for i, a in enumerate(args) if tf.is_tensor(a))
+        head = args[:split]
 
-    def _sink(self, name, site, names):
-        tf = self.tf
-        key = (name, site, tuple(names))
-        if key not in self.sinks:
-            with tf.init_scope():  # step -1: never written
-                self.sinks[key] = tf.Variable(tf.fill([len(names) + 1], tf.constant(-1.0, tf.float64)),
-                                              trainable=False)
-        return self.sinks[key]
+        def call(*arrays):
+            if not self.closed:
+                method(*head, *arrays)
+            return _TOKEN
 
-    def _gradient_sinks(self, slot, name, **sites):
-        """The gradient taps' variables, made now, their handles forward tensors in ``slot``: a gradient built
-        under a ``tf.cond`` cannot capture a variable itself."""
-        handles = slot.setdefault("handles", {})
-        for site, names in sites.items():
-            if names is not None:
-                handles[site, tuple(names)] = self.tf.identity(self._sink(name, site, names).handle)
-
-    def _sampled(self, slot, name, site, make_stats, names):
-        """``make_stats()`` (statistic -> scalar tensor, for ``names``) written with the step into this site's
-        variable: at every call in ``full`` mode, at sample steps in ``cond`` mode (built inside the branch, so
-        nothing of it runs at other steps).  Returns an op to depend on."""
-        tf = self.tf
-        sink = self._sink(name, site, names)
-
-        def write():
-            stats = make_stats()
-            vector = tf.stack([v if v.dtype == tf.float32 else tf.cast(v, tf.float32)
-                               for v in (tf.convert_to_tensor(stats[n]) for n in names)])
-            values = tf.concat([tf.reshape(slot["stamp"], [1]), tf.cast(vector, tf.float64)], 0)
-            handle = slot.get("handles", {}).get((site, tuple(names)))
-            assign = (sink.assign(values, read_value=False) if handle is None else
-                      tf.raw_ops.AssignVariableOp(resource=handle, value=values))
-            with tf.control_dependencies([assign]):
-                return tf.constant(0)
-
-        if self.mode == "full":
-            return write()
-        return tf.cond(slot["sampling"], write, lambda: tf.constant(0))
+        return tf.numpy_function(call, list(args[split:]), tf.int32, stateful=True, name="qgcli_monitor")
 
     def _wrapper(self, attr, original):
         tf = self.tf
@@ -241,7 +200,7 @@ class _Watch:
                 lo, hi = tf.constant(float(a["min"])), tf.constant(float(a["max"]))
             else:
                 lo, hi = tf.convert_to_tensor(a["min"]), tf.convert_to_tensor(a["max"])
-            role = "weight" if _reads_variable(x) else "activation"
+            role = "weight" if isinstance(a["inputs"], tf.Variable) or _reads_variable(x) else "activation"
             per_channel = attr.endswith("per_channel")
             # a learnable range (trainable variables, as tfmot passes them): its gradient's norm
             learnable = attr != "fake_quant_with_min_max_args" and all(
@@ -249,32 +208,17 @@ class _Watch:
             self.layers.setdefault(name, ("fake_quant", role, {
                 "quant_min": int(narrow), "quant_max": 2 ** bits - 1, "per_channel": per_channel,
                 "num_bits": bits, "narrow_range": narrow, "op": attr, "learnable": learnable}))
-            geometry = _nudged(tf, lo, hi, bits, narrow)
             if self.mode == "light":  # between samples: the oscillation counts only
                 y = original(**a)
                 if role == "weight":
-                    with tf.control_dependencies(self._oscillation(name, x, geometry, None)):
-                        y = tf.identity(y)
+                    self._callback(self._oscillation, name, bits, narrow, x, lo, hi)
                 return y
-            slot = self._slot()
+            slot = {}
             a["inputs"] = self._tap_dx(name, x, slot)
             if learnable:
-                a["min"], a["max"] = self._tap_range(name, lo, hi, slot)
+                a["min"], a["max"] = self._tap_range(name, lo, hi)
             y = original(**a)
-            self._gradient_sinks(slot, name, dx=_DX if y.shape == x.shape else _DX[:1], dy=_DY + ("blocked",),
-                                 range=("scale_grad_norm",) if learnable else None)
-            done = []
-            if role == "weight":
-                done += self._oscillation(name, x, geometry, slot)
-            done.append(self._sampled(slot, name, "forward", lambda: _forward_stats(tf, x, y, lo, hi, geometry),
-                                      _FORWARD))
-            with tf.control_dependencies(done):
-                y = tf.identity(y)
-            if self.mode == "full":  # the STE mask, once for both gradient taps
-                inside = geometry["mask"](x)
-                slot["mask"] = lambda: inside
-            else:  # built inside the gradient taps' sampling branches
-                slot["mask"] = lambda: geometry["mask"](x)
+            slot["token"] = self._callback(self._forward, name, role, bits, narrow, x, y, lo, hi)
             return self._tap_dy(name, y, slot)
 
         return wrapper
@@ -303,39 +247,21 @@ class _Watch:
             running = tf.convert_to_tensor(a["mean"]), tf.convert_to_tensor(a["variance"])
             out = original(**a)
             # nothing is added on the op's output: an op between it and its ReLU would undo the fusion of the two
-            # (oneDNN), whose gradient rounds otherwise; a variable's assignment runs in a tf.function unasked
-            self._sampled(self._slot(), name, "forward", lambda: _bn_stats(
-                tf, x, running, fmt, float(a["epsilon"])), _BN_FORWARD)
+            # (oneDNN), whose gradient rounds otherwise; the callback runs in a tf.function unasked (stateful)
+            self._callback(self._batch_norm, name, fmt, float(a["epsilon"]), x, *running)
             return out
 
         return wrapper
 
     def _tap_dy(self, name, y, slot):
         tf = self.tf
-        names = _DY + (("blocked",) if "mask" in slot else ())
 
         @tf.custom_gradient
         def identity(t):
             def grad(dy):
                 slot["dy"] = dy
-
-                def stats():
-                    squares = 2 * tf.nn.l2_loss(dy)  # one kernel: the sum of squares / 2
-                    out = {"dy_norm": tf.sqrt(squares),
-                           "dy_zero": tf.reduce_mean(tf.cast(tf.equal(dy, 0), tf.float32)),
-                           "nan_grads": _nonfinite(tf, dy, squares),
-                           "needs_grad": tf.constant(1.0)}
-                    if "mask" in slot:
-                        mass = tf.abs(dy)
-                        total = tf.reduce_sum(mass)
-                        out["blocked"] = tf.reduce_sum(mass * (1 - slot["mask"]())) / total
-                        if self.mode == "full":  # no branch: the input gradient's tap reuses it
-                            slot["dy_mass"] = total
-                    return out
-
-                done = self._sampled(slot, name, "dy", stats, names)
-                with tf.control_dependencies([done]):
-                    return tf.identity(dy)
+                slot["dy_token"] = self._callback(self._upstream, name, dy, slot["token"])
+                return tf.identity(dy)
             return tf.identity(t), grad
 
         return identity(y)
@@ -347,106 +273,84 @@ class _Watch:
         def identity(t):
             def grad(dx):
                 dy = slot.get("dy")
-                compared = dy is not None and dy.shape == dx.shape
-                names = _DX if compared else _DX[:1]
-
-                def stats():
-                    out = {"dx_norm": tf.sqrt(2 * tf.nn.l2_loss(dx))}
-                    if compared:
-                        reference = dy * slot["mask"]()
-                        den = tf.reduce_sum(tf.abs(reference))
-                        total = slot["dy_mass"] if "dy_mass" in slot else tf.reduce_sum(tf.abs(dy))
-                        den = tf.where(den > 0, den, total)
-                        out["ste_error"] = tf.reduce_sum(tf.abs(dx - reference)) / den
-                    return out
-
-                done = self._sampled(slot, name, "dx", stats, names)
-                with tf.control_dependencies([done]):
-                    return tf.identity(dx)
+                self._callback(self._downstream, name, dx, *(() if dy is None else (dy, slot["dy_token"])))
+                return tf.identity(dx)
             return tf.identity(t), grad
 
         return identity(x)
 
-    def _tap_range(self, name, lo, hi, slot):
+    def _tap_range(self, name, lo, hi):
         """``lo`` and ``hi`` unchanged; their gradient's norm (``scale_grad_norm``) at sample steps."""
         tf = self.tf
 
         @tf.custom_gradient
         def identity(low, high):
             def grad(dlow, dhigh):
-                def stats():
-                    parts = [tf.reshape(tf.cast(g, tf.float32), [-1]) for g in (dlow, dhigh) if g is not None]
-                    return {"scale_grad_norm": tf.norm(tf.concat(parts, 0)) if parts else tf.constant(0.0)}
-
-                done = self._sampled(slot, name, "range", stats, ("scale_grad_norm",))
-                with tf.control_dependencies([done]):
-                    return tf.identity(dlow), tf.identity(dhigh)
+                parts = [g for g in (dlow, dhigh) if g is not None]
+                if parts:
+                    self._callback(self._range_gradient, name, *parts)
+                else:
+                    self._note(name, scale_grad_norm=0.0)
+                return tf.identity(dlow), tf.identity(dhigh)
             return (tf.identity(low), tf.identity(high)), grad
 
         return identity(lo, hi)
 
-    def _oscillation(self, name, x, geometry, slot):
-        """Every step: this weight quantizer's codes against its last ones (variables made outside any graph),
-        element-wise with no branch; with ``slot`` (a sampling trace) also the sample's statistics.  Returns
-        the ops to depend on."""
-        tf = self.tf
-        if name not in self.state:
-            with tf.init_scope():
-                zeros = tf.zeros(x.shape, tf.float32)
-                self.state[name] = {k: tf.Variable(zeros, trainable=False) for k in ("codes", "direction",
-                                                                                     "frequency", "sample")}
-                self.state[name]["started"] = tf.Variable(False, trainable=False)
-        s = self.state[name]
-        started = s["started"].read_value()
-        codes = geometry["codes"](x)
-        # the first step only stores the codes (no move yet)
-        move = tf.sign(codes - s["codes"].read_value()) * tf.cast(started, tf.float32)
-        direction = s["direction"].read_value()
-        flipped = tf.nn.relu(-move * direction)  # 1 where the move reverses the last one
-        frequency = s["frequency"].read_value() * (1 - self.momentum) + self.momentum * flipped
-        direction = tf.sign(2 * move + direction)
-        ops = [s["frequency"].assign(frequency, read_value=False), s["direction"].assign(direction, read_value=False),
-               s["codes"].assign(codes, read_value=False), s["started"].assign(True, read_value=False)]
-        if slot is None:
-            return ops
-        last = s["sample"].read_value()
-        emitted = self._sampled(slot, name, "oscillation", lambda: {
-            "codes_changed": tf.where(started, tf.reduce_mean(tf.cast(tf.not_equal(codes, last), tf.float32)), 0.0),
-            "oscillating": tf.reduce_mean(tf.cast(frequency > self.threshold, tf.float32)),
-            "oscillation_max": tf.reduce_max(frequency)}, _OSCILLATION)
-        with tf.control_dependencies([emitted]):
-            if self.mode == "full":
-                ops.append(s["sample"].assign(codes, read_value=False))
-            else:
-                ops.append(tf.cond(slot["sampling"], lambda: _assigned(tf, s["sample"], codes), lambda: tf.constant(0)))
-        return ops
+    # --- the host callbacks (NumPy arrays; qgcli.monitor.keras_stats) -------------------------------------
+
+    def _note(self, name, **stats):
+        self.pending.setdefault(name, {}).update(stats)
+
+    def _oscillation(self, name, bits, narrow, x, lo, hi, grid=None):
+        """Every step: a weight quantizer's codes against its last ones; returns the grid."""
+        grid = _stats.grid(lo, hi, bits, narrow) if grid is None else grid
+        self.state.setdefault(name, _stats.Oscillation()).update(x, grid, self.momentum)
+        return grid
+
+    def _forward(self, name, role, bits, narrow, x, y, lo, hi):
+        sampling = self.sampling()
+        if role != "weight" and not sampling:
+            return
+        grid = _stats.grid(lo, hi, bits, narrow)
+        if role == "weight":
+            self._oscillation(name, bits, narrow, x, lo, hi, grid)
+        if not sampling:
+            return
+        mask = self.masks.get(name)
+        if mask is None or mask.shape != x.shape:
+            mask = self.masks[name] = np.empty(x.shape, np.int8)
+        stats = _stats.forward(x, y, grid, mask)
+        stats.update(_stats.qparams(grid, lo, hi), fake_quant_enabled=1.0)
+        if role == "weight":
+            stats.update(self.state[name].take(self.threshold))
+        self.work[name] = {"mask": mask}
+        self._note(name, **stats)
+
+    def _upstream(self, name, dy, _token):
+        if not self.sampling():
+            return
+        work = self.work.setdefault(name, {})
+        stats, work["blocked"] = _stats.upstream(dy, work.get("mask"))
+        self._note(name, **stats)
+
+    def _downstream(self, name, dx, dy=None, _token=None):
+        if not self.sampling():
+            return
+        work = self.work.get(name, {})
+        self._note(name, **_stats.downstream(dx, dy, work.get("mask"), work.get("blocked")))
+
+    def _range_gradient(self, name, *gradients):
+        if self.sampling():
+            self._note(name, scale_grad_norm=_stats.gradient_norm(*gradients))
+
+    def _batch_norm(self, name, fmt, epsilon, x, mean, variance):
+        if self.sampling():
+            self._note(name, **_stats.batch_norm(x, mean, variance, fmt, epsilon))
 
 
-_FORWARD = ("clip_low", "clip_high", "scale_min", "scale_median", "scale_max", "zero_point_min", "zero_point_max",
-            "range_min", "range_max", "nan_inputs", "sqnr_db", "fake_quant_enabled")
-_BN_FORWARD = ("bn_mean_shift", "bn_var_ratio", "nan_inputs")
-_DY = ("dy_norm", "dy_zero", "nan_grads", "needs_grad")
-_DX = ("dx_norm", "ste_error")
-_OSCILLATION = ("codes_changed", "oscillating", "oscillation_max")
-
-
-def _assigned(tf, variable, value):
-    with tf.control_dependencies([variable.assign(value, read_value=False)]):
-        return tf.constant(0)
-
-
-def _bn_stats(tf, x, running, data_format, epsilon):
-    """A fused batch norm's batch statistics (of its input, the variance biased, in float32 as the op computes
-    them) against the running ones it read (tf_keras: the layer's ``moving_mean`` and ``moving_variance``), as
-    the torch monitor reports them (bn_mean_shift, bn_var_ratio)."""
-    axes = [0, 2, 3, 4][:x.shape.rank - 1] if data_format.startswith("NC") else list(range(x.shape.rank - 1))
-    mean, var = tf.nn.moments(x, axes)
-    f64 = tf.float64
-    mean, var = tf.cast(mean, f64), tf.cast(var, f64)
-    rm, rv = (tf.cast(t, f64) for t in running)
-    return {"bn_mean_shift": tf.reduce_mean(tf.abs(mean - rm) / tf.sqrt(rv + epsilon)),
-            "bn_var_ratio": tf.reduce_mean(tf.abs(tf.math.log((var + epsilon) / (rv + epsilon)))),
-            "nan_inputs": _nonfinite(tf, x, tf.reduce_sum(mean))}
+_TOKEN = np.int32(0)
+_OPS = ("fake_quant_with_min_max_vars", "fake_quant_with_min_max_vars_per_channel", "fake_quant_with_min_max_args")
+_BN = "fused_batch_norm"
 
 
 def _reads_variable(x):
@@ -462,56 +366,6 @@ def _reads_variable(x):
             return False
         op = op.inputs[0].op
     return False
-
-
-def _nudged(tf, lo, hi, bits, narrow):
-    """TensorFlow's nudged range (tf_semantics: zero point rounded half away from zero) and two functions of
-    the inputs: the STE mask (inclusive, on the nudged bounds) and the integer codes."""
-    qmin, qmax = float(int(narrow)), float(2 ** bits - 1)
-    lo, hi = tf.cast(lo, tf.float32), tf.cast(hi, tf.float32)
-    # the kernel's float32 operations, each done in float64 and rounded back (the same result, float32 having
-    # under half float64's digits): a graph's optimizer turns a float32 division by the constant 255 into a
-    # multiplication by its reciprocal, which moves a zero point of x.5 (a symmetric range) by one
-    f64 = tf.float64
-
-    def f32(t):
-        return tf.cast(t, tf.float32)
-
-    scale = f32(tf.cast(hi - lo, f64) / (qmax - qmin))
-    zp_from_min = f32(qmin - tf.cast(f32(tf.cast(lo, f64) / tf.cast(scale, f64)), f64))
-    zp = f32(tf.clip_by_value(tf.floor(tf.cast(zp_from_min, f64) + 0.5), qmin, qmax))
-    nmin, nmax = (qmin - zp) * scale, (qmax - zp) * scale
-
-    def mask(x):
-        return tf.cast((x >= nmin) & (x <= nmax), tf.float32)
-
-    def codes(x):
-        return tf.floor((tf.clip_by_value(x, nmin, nmax) - nmin) / scale + 0.5)
-
-    return {"scale": scale, "zero_point": zp, "min": nmin, "max": nmax, "mask": mask, "codes": codes}
-
-
-def _forward_stats(tf, x, y, lo, hi, g):
-    flat = tf.reshape(g["scale"], [-1])
-    ordered = tf.sort(flat)
-    zp = tf.reshape(g["zero_point"], [-1])
-    noise = 2 * tf.nn.l2_loss(x - y)
-    signal = 2 * tf.nn.l2_loss(x)
-    return {"clip_low": tf.reduce_mean(tf.cast(x < g["min"], tf.float32)),
-            "clip_high": tf.reduce_mean(tf.cast(x > g["max"], tf.float32)),
-            "scale_min": ordered[0], "scale_median": ordered[tf.size(ordered) // 2], "scale_max": ordered[-1],
-            "zero_point_min": tf.reduce_min(zp), "zero_point_max": tf.reduce_max(zp),
-            "range_min": tf.reduce_min(lo), "range_max": tf.reduce_max(hi),
-            "nan_inputs": _nonfinite(tf, x, signal),
-            "sqnr_db": 10.0 * tf.math.log(signal / tf.maximum(noise, 1e-30)) / tf.math.log(10.0),
-            "fake_quant_enabled": tf.constant(1.0)}
-
-
-def _nonfinite(tf, t, total):
-    """The count of NaN and +-inf elements of ``t``, counted only when ``total`` (a sum over ``t`` computed
-    anyway) is not finite: a finite sum has no such element, and the pass over ``t`` is saved."""
-    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(0.0),
-                   lambda: tf.reduce_sum(tf.cast(~tf.math.is_finite(t), tf.float32)))
 
 
 @contextlib.contextmanager
@@ -551,6 +405,9 @@ def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, d
             self._supports_tf_logs = True  # the logs are not read: no per-batch conversion to NumPy for us
 
         def on_train_begin(self, logs=None):
+            if getattr(self.model, "_jit_compile", False):
+                raise UsageProblem("the monitor's host callbacks cannot run inside an XLA-compiled train step: "
+                                   "compile the model with jit_compile=False to monitor it")
             watch = self.watch = _Watch(path, every, momentum, threshold, overwrite, durable, tensorboard, mode="off")
             watch.install()
             model = self.model
@@ -575,13 +432,10 @@ def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, d
 
 
 def _in_mode(watch, mode, function):
-    """``function`` (a traced train step) called with the wrapped ops in ``mode``; a sampling step is stamped
-    with its step number."""
+    """``function`` (a traced train step) called with the wrapped ops in ``mode``."""
     def step(iterator):
         watch.mode = mode
         try:
-            if mode == "full":
-                watch.clock.assign(watch.step_count + 1)
             return function(iterator)
         finally:
             watch.mode = "off"

@@ -1323,11 +1323,194 @@ QG_SUMS void qg_monitor_downstream(const float *restrict dx, const float *restri
     }
     sums[0] = squares, sums[1] = error, sums[2] = den;
 }
+
+/* --- a sample's statistics of TensorFlow's fake quant (qgcli.monitor.keras) ------------------------------
+ * float64 sums, like the functions above; on AVX2 16 values at a time in four independent 4-lane chains (one
+ * chain waits on the adder's latency at every value: the plain loops run at a third of the speed). */
+#ifdef __AVX2__
+#define QG_TF_LANES 16
+/* QG_SUMS as their callers: GCC inlines no function whose optimize attributes differ */
+#define QG_TF_INLINE static inline __attribute__((always_inline)) QG_SUMS
+/* the 16 values at p as four float64 vectors */
+QG_TF_INLINE void qg_tf_load16(const float *p, __m256d v[4]) {
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    v[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(a)), v[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+    v[2] = _mm256_cvtps_pd(_mm256_castps256_ps128(b)), v[3] = _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1));
+}
+/* all ones in the float64 lanes of the 4 mask bytes at p whose bit 0 is set (blocked) */
+QG_TF_INLINE __m256d qg_tf_blocked4(const int8_t *p) {
+    int32_t bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    const __m256i one = _mm256_set1_epi64x(1);
+    const __m256i bits = _mm256_and_si256(_mm256_cvtepi8_epi64(_mm_cvtsi32_si128(bytes)), one);
+    return _mm256_castsi256_pd(_mm256_cmpeq_epi64(bits, one));
+}
+QG_TF_INLINE double qg_tf_total(const __m256d s[4]) {
+    double lanes[4], t = 0;
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_pd(lanes, s[i]);
+        t += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    }
+    return t;
+}
+#endif
+
+/* Inputs [rows][depth] float32, channel c's inclusive STE mask bounds lo[c] and hi[c] (TF's nudged range: the
+ * caller spreads one range over `depth` copies).  x and out (the op's output; NULL: none).  sums: [0] x below
+ * lo, [1] x above hi, [2] sum x^2, [3] sum (x - out)^2.  mask (one byte per input): 1 where x is not inside
+ * [lo, hi], where the STE blocks the gradient (bit 0, which qg_tf_monitor_upstream and _downstream read). */
+QG_SUMS void qg_tf_monitor_forward(const float *restrict x, const float *restrict out, int64_t rows, int64_t depth,
+                                   const float *restrict lo, const float *restrict hi, int8_t *restrict mask,
+                                   double *restrict sums) {
+    int64_t low = 0, high = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict xr = x + r * depth;
+        int8_t *restrict mr = mask + r * depth;
+        int32_t below = 0, above = 0;
+        for (int64_t c = 0; c < depth; ++c) {
+            const float v = xr[c];
+            below += v < lo[c];
+            above += v > hi[c];
+            mr[c] = (int8_t)!(v >= lo[c] && v <= hi[c]);
+        }
+        low += below, high += above;
+    }
+    const int64_t n = rows * depth;
+    double power = 0, noise = 0;
+    int64_t k = 0;
+#ifdef QG_TF_LANES
+    __m256d p[4], q[4], v[4], o[4];
+    for (int i = 0; i < 4; ++i) p[i] = q[i] = _mm256_setzero_pd();
+    for (; k + QG_TF_LANES <= n; k += QG_TF_LANES) {
+        qg_tf_load16(x + k, v);
+        for (int i = 0; i < 4; ++i) p[i] = _mm256_add_pd(p[i], _mm256_mul_pd(v[i], v[i]));
+        if (out) {
+            qg_tf_load16(out + k, o);
+            for (int i = 0; i < 4; ++i) {
+                const __m256d d = _mm256_sub_pd(v[i], o[i]);
+                q[i] = _mm256_add_pd(q[i], _mm256_mul_pd(d, d));
+            }
+        }
+    }
+    power = qg_tf_total(p), noise = qg_tf_total(q);
+#endif
+    for (; k < n; ++k) {
+        const double v = x[k], d = out ? v - (double)out[k] : 0.0;
+        power += v * v;
+        noise += d * d;
+    }
+    sums[0] = (double)low, sums[1] = (double)high, sums[2] = power, sums[3] = noise;
+}
+
+/* The upstream gradient dy (n values) and the forward's mask (NULL: none).  sums: [0] sum dy^2, [1] nonzero dy,
+ * [2] sum |dy| where blocked, [3] sum |dy| (qg_monitor_upstream's figures). */
+QG_SUMS void qg_tf_monitor_upstream(const float *restrict dy, const int8_t *restrict mask, int64_t n,
+                                    double *restrict sums) {
+    double squares = 0, blocked = 0, mass = 0;
+    int64_t nonzero = 0, k = 0;
+#ifdef QG_TF_LANES
+    const __m256d bits = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+    __m256d sq[4], ms[4], bl[4], v[4];
+    for (int i = 0; i < 4; ++i) sq[i] = ms[i] = bl[i] = _mm256_setzero_pd();
+    for (; k + QG_TF_LANES <= n; k += QG_TF_LANES) {
+        qg_tf_load16(dy + k, v);
+        const __m256 zero = _mm256_setzero_ps();
+        nonzero += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(dy + k), zero,
+                                                                                  _CMP_NEQ_UQ)));
+        nonzero += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(dy + k + 8), zero,
+                                                                                  _CMP_NEQ_UQ)));
+        for (int i = 0; i < 4; ++i) {
+            const __m256d a = _mm256_and_pd(v[i], bits);
+            sq[i] = _mm256_add_pd(sq[i], _mm256_mul_pd(v[i], v[i]));
+            ms[i] = _mm256_add_pd(ms[i], a);
+            if (mask) bl[i] = _mm256_add_pd(bl[i], _mm256_and_pd(a, qg_tf_blocked4(mask + k + 4 * i)));
+        }
+    }
+    squares = qg_tf_total(sq), mass = qg_tf_total(ms), blocked = qg_tf_total(bl);
+#endif
+    for (; k < n; ++k) {
+        const double v = dy[k], a = fabs(v);
+        squares += v * v;
+        mass += a;
+        nonzero += dy[k] != 0.0f;
+        blocked += (mask && (mask[k] & 1)) ? a : 0.0;
+    }
+    sums[0] = squares, sums[1] = (double)nonzero, sums[2] = blocked, sums[3] = mass;
+}
+
+/* The input gradient dx against the STE's, dy where not blocked (n values; dy and mask NULL: the norm only).
+ * sums: [0] sum dx^2, [1] sum |dx - dy * (1 - blocked)|. */
+QG_SUMS void qg_tf_monitor_downstream(const float *restrict dx, const float *restrict dy,
+                                      const int8_t *restrict mask, int64_t n, double *restrict sums) {
+    double squares = 0, error = 0;
+    int64_t k = 0;
+#ifdef QG_TF_LANES
+    const __m256d bits = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+    __m256d sq[4], er[4], v[4], g[4];
+    for (int i = 0; i < 4; ++i) sq[i] = er[i] = _mm256_setzero_pd();
+    for (; k + QG_TF_LANES <= n; k += QG_TF_LANES) {
+        qg_tf_load16(dx + k, v);
+        for (int i = 0; i < 4; ++i) sq[i] = _mm256_add_pd(sq[i], _mm256_mul_pd(v[i], v[i]));
+        if (dy) {
+            qg_tf_load16(dy + k, g);
+            for (int i = 0; i < 4; ++i) {
+                const __m256d passed = _mm256_andnot_pd(qg_tf_blocked4(mask + k + 4 * i), g[i]);
+                er[i] = _mm256_add_pd(er[i], _mm256_and_pd(_mm256_sub_pd(v[i], passed), bits));
+            }
+        }
+    }
+    squares = qg_tf_total(sq), error = qg_tf_total(er);
+#endif
+    for (; k < n; ++k) {
+        const double v = dx[k];
+        squares += v * v;
+        error += dy ? fabs(v - ((mask[k] & 1) ? 0.0 : (double)dy[k])) : 0.0;
+    }
+    sums[0] = squares, sums[1] = error;
+}
 #undef QG_SUMS
+
+/* Every training step, over a TensorFlow weight quantizer's [rows][depth] float32 weights x: the integer code
+ * q = floor((clamp(x, nmin[c], nmax[c]) - nmin[c]) / scale[c] + 0.5) (TF's Vars kernel's code, counted from
+ * quant_min); with `first` last = q only.  Otherwise the move m = sign(q - last); frequency = frequency * keep,
+ * plus add where m * direction < 0 (the move reverses the last one); direction = m where m != 0; last = q.  A
+ * NaN weight, or a code outside 0..65535 (a range of zero width), keeps its last code.  At a sample,
+ * qg_oscillation_sample reads the buffers (its int16 codes compared and copied bit for bit, decay 1). */
+void qg_tf_oscillation(const float *restrict x, int64_t rows, int64_t depth, const float *restrict nmin,
+                       const float *restrict nmax, const float *restrict scale, uint16_t *restrict last,
+                       int8_t *restrict direction, float *restrict frequency, float keep, float add, int first) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict xr = x + r * depth;
+        uint16_t *restrict lr = last + r * depth;
+        int8_t *restrict dr = direction + r * depth;
+        float *restrict fr = frequency + r * depth;
+        if (first) /* two loops, so that each is branch-free and vectorizes */
+            for (int64_t c = 0; c < depth; ++c) {
+                float v = xr[c] > nmax[c] ? nmax[c] : xr[c]; /* NaN stays NaN */
+                v = v < nmin[c] ? nmin[c] : v;
+                const float q = qg_floor((v - nmin[c]) / scale[c] + 0.5f);
+                const int ok = q >= 0.0f && q <= 65535.0f;
+                lr[c] = ok ? (uint16_t)(int32_t)(ok ? q : 0.0f) : lr[c];
+            }
+        else
+            for (int64_t c = 0; c < depth; ++c) {
+                float v = xr[c] > nmax[c] ? nmax[c] : xr[c];
+                v = v < nmin[c] ? nmin[c] : v;
+                const float q = qg_floor((v - nmin[c]) / scale[c] + 0.5f);
+                const int ok = q >= 0.0f && q <= 65535.0f;
+                const int32_t before = lr[c];
+                const int32_t now = ok ? (int32_t)(ok ? q : 0.0f) : before;
+                const int32_t m = (now > before) - (now < before), d = dr[c];
+                fr[c] = fr[c] * keep + ((m * d < 0) ? add : 0.0f);
+                dr[c] = (int8_t)(m != 0 ? m : d);
+                lr[c] = (uint16_t)now;
+            }
+    }
+}
 
 /* Bumped whenever a signature above changes: qgcli/ops/native.py refuses a stale build (say, an editable
  * install whose C file changed without a rebuild) instead of calling it with the wrong arguments. */
-int qg_abi_version(void) { return 23; }
+int qg_abi_version(void) { return 25; }
 
 /* Whether this CPU runs the AVX2 build of these kernels (asked of the baseline build). */
 int qg_cpu_has_avx2(void) {

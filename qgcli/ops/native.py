@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-ABI_VERSION = 23  # qg_abi_version() of the C file these signatures describe
+ABI_VERSION = 25  # qg_abi_version() of the C file these signatures describe
 # Arrays are passed as raw addresses (see address()): ctypes' own array checks cost more than a small op.
 _SIGNATURES = {
     "qg_nudge": (None, [_P, _P, _I64, _F, _F, _P]),
@@ -37,6 +37,10 @@ _SIGNATURES = {
     "qg_monitor_forward": (None, [_P, _P, _I64, _I64, _P, _P, _F, _F, _INT, _P, _P]),
     "qg_monitor_upstream": (None, [_P, _P, _I64, _P]),
     "qg_monitor_downstream": (None, [_P, _P, _P, _I64, _INT, _P]),
+    "qg_tf_monitor_forward": (None, [_P, _P, _I64, _I64, _P, _P, _P, _P]),
+    "qg_tf_monitor_upstream": (None, [_P, _P, _I64, _P]),
+    "qg_tf_monitor_downstream": (None, [_P, _P, _P, _I64, _P]),
+    "qg_tf_oscillation": (None, [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _F, _F, _INT]),
     "qg_cpu_has_avx2": (_INT, []),
     "qg_abi_version": (_INT, []),
 }
