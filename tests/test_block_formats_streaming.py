@@ -374,3 +374,86 @@ def test_run_file_groups_over_the_limit_stream_into_their_groups(cli, tmp_path):
         return found
 
     assert walk(tmp_path / "streamed.h5") == walk(tmp_path / "memory.h5")
+
+
+# --- run files: what is kept counts against --memory-limit; streamed groups fail like the others (issue 38g) --------
+
+def _mx_run(path, shapes, rng, **attrs):
+    with h5py.File(path, "w") as f:
+        for i, shape in enumerate(shapes):
+            g = f.create_group(f"g{i}")
+            g.attrs.update(dict(op="mx", format="mxfp8-e4m3", **attrs))
+            g["inputs"] = rng.standard_normal(shape).astype(np.float32)
+            g["gradients"] = rng.standard_normal(shape).astype(np.float32)
+
+
+def _kept_at_each_group(monkeypatch):
+    """The bytes the run-file executor holds for reuse (``kept``) when each group computes."""
+    from qgcli.execution import runfile
+    from qgcli.families.block_rows import held_bytes
+
+    real, held = runfile._compute, []
+
+    def compute(job, layer, group_job, runner, operands, skipped, kept=None):
+        held.append(held_bytes(kept))
+        return real(job, layer, group_job, runner, operands, skipped, kept)
+
+    monkeypatch.setattr(runfile, "_compute", compute)
+    return held
+
+
+def test_run_file_arrays_kept_for_reuse_count_against_the_memory_limit(cli, tmp_path, monkeypatch):
+    """Five mx groups of different shapes, each 0.5 MiB (1 MiB by the memory plan's count: fits --memory-limit 1M
+    alone): the results kept for the next groups (0.6 MiB a group, up to 4 shapes) are dropped before a group
+    that would not fit beside them, so what is held never exceeds the limit; under a roomy limit they are kept."""
+    shapes = [(128, 1024), (256, 512), (512, 256), (1024, 128), (64, 2048)]
+    _mx_run(tmp_path / "run.h5", shapes, np.random.default_rng(5))
+    held = _kept_at_each_group(monkeypatch)
+    r = cli("fakequant", tmp_path / "run.h5", "-o", tmp_path / "out.h5", "-q", "--memory-limit", "1M")
+    assert r.exit_code == 0, r.output
+    need = 128 * 1024 * 4 * 2
+    assert len(held) == 5 and all(h + need <= 1 << 20 for h in held), held
+    held.clear()
+    r = cli("fakequant", tmp_path / "run.h5", "-o", tmp_path / "roomy.h5", "-q", "--memory-limit", "64M")
+    assert r.exit_code == 0, r.output
+    assert held[0] == 0 and held[-1] > 4 * 128 * 1024 * 4, held  # four shapes' results kept
+    with h5py.File(tmp_path / "out.h5", "r") as a, h5py.File(tmp_path / "roomy.h5", "r") as b:
+        for i in range(5):
+            for k in ("outputs", "scales", "quantized"):
+                assert _digest(a[f"g{i}/{k}"][()]) == _digest(b[f"g{i}/{k}"][()]), (i, k)
+
+
+def test_a_gradient_run_file_keeps_no_forward_results(cli, tmp_path, monkeypatch):
+    """fakequant-grad computes the forward only for its summary: nothing of it is kept for the next groups."""
+    _mx_run(tmp_path / "run.h5", [(64, 96), (32, 96), (64, 96)], np.random.default_rng(6))
+    held = _kept_at_each_group(monkeypatch)
+    r = cli("fakequant-grad", tmp_path / "run.h5", "-o", tmp_path / "out.h5")
+    assert r.exit_code == 0, r.output
+    assert held == [0, 0, 0]
+
+
+def test_a_streamed_group_that_cannot_run_is_named_or_skipped(cli, tmp_path):
+    """Three mx groups, the middle one along axis 0 with rows of 2^13 values: its 32-row blocks do not fit
+    --memory-limit 1M.  Refused in one line naming the group, nothing written; with --skip-invalid skipped and
+    listed, the others written."""
+    rng = np.random.default_rng(7)
+    run = tmp_path / "run.h5"
+    with h5py.File(run, "w") as f:
+        for name, shape, axis in (("a", (64, 96), -1), ("b", (64, 8192), 0), ("c", (32, 64), -1)):
+            g = f.create_group(name)
+            g.attrs.update(dict(op="mx", axis=axis))
+            g["inputs"] = rng.standard_normal(shape).astype(np.float32)
+    out = tmp_path / "out.h5"
+    r = cli("fakequant", run, "-o", out, "--memory-limit", "1M")
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: b: ") and "32 whole rows" in lines[0], r.output
+    assert "Traceback" not in r.output and not out.exists()
+    r = cli("fakequant", run, "-o", out, "--memory-limit", "1M", "--skip-invalid", "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    s = json.loads(r.stdout)
+    assert s["ran"] == 2 and [i["path"] for i in s["invalid"]] == ["b"] and "32 whole rows" in s["invalid"][0]["reason"]
+    with h5py.File(out, "r") as f:
+        assert sorted(f) == ["a", "c"]

@@ -112,6 +112,18 @@ def keep(store, key, value):
         store.pop(next(iter(store)))
 
 
+def held_bytes(store):
+    """The bytes of the NumPy arrays ``store`` holds (:func:`keep`'s values: results, tuples, dicts)."""
+    def size(v):
+        if isinstance(v, np.ndarray):
+            return v.nbytes
+        if isinstance(v, dict):
+            v = tuple(v.values())
+        return sum(size(a) for a in v) if isinstance(v, (tuple, list)) else 0
+
+    return size(tuple(store.values())) if store else 0
+
+
 def in_place(plan_, x, *, statistics=None, into=None):
     """The forward of ``plan_`` over row blocks of the in-memory ``x`` (:func:`in_place_ok`), each block's
     ``outputs`` written over its rows of ``x`` once the statistics have taken them (``statistics(x rows, y
