@@ -457,3 +457,50 @@ def test_a_streamed_group_that_cannot_run_is_named_or_skipped(cli, tmp_path):
     assert s["ran"] == 2 and [i["path"] for i in s["invalid"]] == ["b"] and "32 whole rows" in s["invalid"][0]["reason"]
     with h5py.File(out, "r") as f:
         assert sorted(f) == ["a", "c"]
+
+
+def test_zarr_row_blocks_too_tall_for_the_limit_are_refused_as_from_npy(cli, tmp_path, monkeypatch):
+    """A (64, 65536) tensor along axis 0 under --memory-limit 1M: its 32-row blocks (8 MiB of inputs) are refused
+    from a Zarr store in the same line as from a .npy, before any output."""
+    zarr = pytest.importorskip("zarr")
+    x = np.ones((64, 1 << 16), np.float32)
+    np.save(tmp_path / "t.npy", x)
+    zarr.open_group(str(tmp_path / "t.zarr"), mode="w").create_array("inputs", data=x, chunks=(8, 1 << 16))
+    monkeypatch.chdir(tmp_path)
+    said = []
+    for source, out in (("--inputs=t.npy", "a.h5"), ("t.zarr", "b.zarr")):
+        r = cli("fakequant", source, "--semantics", "mx", "--axis", "0", "-o", tmp_path / out,
+                "--memory-limit", "1M")
+        assert r.exit_code == 2, (source, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and "32 whole rows" in lines[0] and not (tmp_path / out).exists(), (source, r.output)
+        said.append(lines[0])
+    assert said[0] == said[1]
+
+
+def test_nvfp4_row_blocks_leave_the_warning_filters_alone():
+    """NVFP4's row blocks run on Dask's worker threads: they must not change the process-wide warning filters
+    (warnings.catch_warnings is not thread-safe), even where the per-tensor scale makes the outputs NaN (the
+    note counts those itself).  The filters made immutable: a block that changed them would fail."""
+    import warnings
+
+    from qgcli.families import block_rows
+
+    x = np.zeros((64, 32), np.float32)
+    job = type("Job", (), {"family": "nvfp4", "formats": {"per_tensor_scale": True, "axis": -1},
+                           "with_gradients": False})()
+    plan, _ = block_rows.plan(job, {"inputs": x}, x_name="inputs", axis=1, block_size=16, amax_pass=True)
+    plan = plan.with_amax([np.float32(0)])  # tensor scale 0: every output NaN
+    filters = warnings.filters
+    warnings.filters = tuple(filters)
+    try:
+        blocks, _, counts = plan.compute(x, None, 0, 64)
+    except AttributeError as exc:  # 'tuple' object has no attribute 'insert' / 'remove'
+        changed = exc
+    else:
+        changed = None
+    finally:
+        warnings.filters = filters
+    assert changed is None, f"a row block changed the warning filters: {changed}"
+    assert counts == {"nan_introduced": 64 * 32, "nan_outputs": 64 * 32}
+    assert np.isnan(blocks["outputs"]).all()

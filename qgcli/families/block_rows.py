@@ -193,6 +193,14 @@ def plan(job, datasets, *, x_name, axis, block_size, small=None, amax_pass=False
     return dataclasses.replace(p, outputs=outputs), attrs
 
 
+def row_bytes(plan, gradients):
+    """A row's bytes in a row block: as read (float32 working copies of the inputs, of the ``gradients`` when
+    they are read) and as written, for every output."""
+    per_item = int(np.prod(plan.shape[1:], dtype=np.int64))
+    return per_item * 4 * (1 + bool(gradients) + plan.needs_x) + sum(
+        int(np.prod(s[1:], dtype=np.int64)) * np.dtype(d).itemsize / div for s, d, div in plan.outputs.values())
+
+
 def check_rows_fit(plan, budget, per_row_bytes):
     """Refuse in one line a tensor whose smallest row block (``align`` rows) does not fit ``budget``."""
     need = plan.align * per_row_bytes

@@ -213,10 +213,10 @@ def rows(plan, x, g, i0, i1, out=None):
         dx = ops.nvfp4_fake_quantize_gradient(g, None, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"])
         return {"backprops_wrt_input": dx}, None, {}
     t = plan.small.get("tensor_scale")
-    with warnings.catch_warnings():  # the note counts the whole tensor's NaN (block_summary)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        res = ops.nvfp4_fake_quantize(x, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"], out=out,
-                                      tensor_scale=t)
+    # no warning: the note counts the whole tensor's NaN (block_summary); and no warning filter changed, which
+    # is process-wide state the row blocks on Dask's worker threads would race on
+    res = ops.nvfp4_fake_quantize(x, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"], out=out,
+                                  tensor_scale=t, warn=False)
     counts = {}
     if t is not None and not (np.isfinite(t) and t > 0 and np.isfinite(np.float32(1) / t)):
         nan_y = np.isnan(res.outputs)
