@@ -504,3 +504,33 @@ def test_nvfp4_row_blocks_leave_the_warning_filters_alone():
     assert changed is None, f"a row block changed the warning filters: {changed}"
     assert counts == {"nan_introduced": 64 * 32, "nan_outputs": 64 * 32}
     assert np.isnan(blocks["outputs"]).all()
+
+
+def test_nvfp4_amax_pass_buffers_are_freed_before_the_encode_pass(cli, bundle, tmp_path, monkeypatch):
+    """NVFP4 streamed in two passes: the amax pass's read buffers are gone when the encode pass computes its
+    first block (only the encode reader's buffers are held then)."""
+    import weakref
+
+    from qgcli.execution.blocks import hdf5
+    from qgcli.families import nvfp4
+
+    buffers, alive = [], []
+
+    class Reader(hdf5._Reader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            buffers.append([weakref.ref(b) for b in self.buffers])
+
+    real_rows = nvfp4.rows
+
+    def rows(plan, x, g, i0, i1, out=None):
+        if len(buffers) == 2 and not alive:  # the encode pass's first block (not the plan's probe)
+            alive.append(sum(r() is not None for r in buffers[0]))
+        return real_rows(plan, x, g, i0, i1, out)
+
+    monkeypatch.setattr(hdf5, "_Reader", Reader)
+    monkeypatch.setattr(nvfp4, "rows", rows)
+    r = cli("fakequant", bundle / "b.h5", "--semantics", "nvfp4", "-o", tmp_path / "o.h5", "--memory-limit", "1M",
+            "-q")
+    assert r.exit_code == 0, r.output
+    assert len(buffers) == 2 and alive == [0], (len(buffers), alive)

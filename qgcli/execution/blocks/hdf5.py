@@ -350,6 +350,7 @@ def row_blocks(datasets, setup, out, *, compression, budget, progress=None):
             amaxes.append(plan.amax(x))
             _tick(progress, x.nbytes)
         plan = plan.with_amax(amaxes)
+        read = x = None  # its buffers freed before the encode pass's reader takes its own
     read_x = _Reader(x_ds, step) if plan.needs_x else None
     read_g = _Reader(g_ds, step) if g_ds is not None else None
     reuse = [None, None]  # the op's results of the last blocks, whose arrays the next blocks of that size take
