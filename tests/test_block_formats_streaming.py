@@ -534,3 +534,30 @@ def test_nvfp4_amax_pass_buffers_are_freed_before_the_encode_pass(cli, bundle, t
             "-q")
     assert r.exit_code == 0, r.output
     assert len(buffers) == 2 and alive == [0], (len(buffers), alive)
+
+
+def test_run_file_discovery_reads_ahead_within_the_memory_limit(cli, tmp_path, monkeypatch):
+    """Discovery's read-ahead is held until each group runs: under --memory-limit 1M it reads at most an eighth
+    of it (twenty 64 KiB groups are 1.25 MiB), without the option its 32 MiB as before."""
+    from qgcli.storage import runfile
+
+    rng = np.random.default_rng(9)
+    with h5py.File(tmp_path / "run.h5", "w") as f:
+        for i in range(20):
+            g = f.create_group(f"g{i}")
+            g.attrs["op"] = "mx"
+            g["inputs"] = rng.standard_normal((128, 128)).astype(np.float32)
+    real, read = runfile.discover, []
+
+    def discover(*args, **kwargs):
+        layers = real(*args, **kwargs)
+        read.append(sum(a.nbytes for layer in layers for a in (layer.arrays or {}).values()))
+        return layers
+
+    monkeypatch.setattr(runfile, "discover", discover)
+    for limit, most in (("1M", (1 << 20) // 8), (None, runfile.PREFETCH_BYTES)):
+        options = ("--memory-limit", limit) if limit else ()
+        r = cli("fakequant", tmp_path / "run.h5", "-o", tmp_path / f"out{limit}.h5", "-q", *options)
+        assert r.exit_code == 0, r.output
+        assert 0 < read[-1] <= most, (limit, read)
+    assert read[-1] == 20 * 128 * 128 * 4

@@ -38,7 +38,7 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
                                                  not_a_run_file=f"{job.target} is not an HDF5 run file")
     try:
         layers = groups.discover(container._opened(), group, label=path,
-                                 prefetch=runfile.PREFETCH_BYTES if remote is None else 0)  # (read there)
+                                 prefetch=_prefetch(job) if remote is None else 0)  # (read there)
         kind = registry.KIND_OF_COMMAND[job.command]
         mine, other, bad, forward = [], [], [], []
         for layer in layers:
@@ -68,6 +68,16 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     finally:
         container.close()
     return _summary(job, where, layers, ran, other, bad + skipped, forward)
+
+
+#: The share of --memory-limit that discovery may read ahead (at most :data:`qgcli.storage.runfile.PREFETCH_BYTES`).
+PREFETCH_SHARE = 8
+
+
+def _prefetch(job):
+    """The bytes of small datasets discovery reads ahead: what is read ahead is held until its group runs, so
+    a part of --memory-limit (the default limit, a quarter of the machine's memory, leaves the 32 MiB)."""
+    return min(runfile.PREFETCH_BYTES, memory.parse_memory_limit(job.output.memory_limit) // PREFETCH_SHARE)
 
 
 def refusal(where, bad, total):
