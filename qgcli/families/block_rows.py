@@ -158,19 +158,14 @@ def in_place(plan_, x, *, statistics=None, into=None):
     return {name: x if name == "outputs" else outs[name] for name in plan_.outputs}, plan_, counts, parts
 
 
-def float_dtype(ds):
-    """The dtype of an unread dataset or Zarr array, bfloat16 where qgcli's tag says so."""
-    from qgcli.families.batch_norm import dtype_of
-
-    return dtype_of(ds)
-
-
 def plan(job, datasets, *, x_name, axis, block_size, small=None, amax_pass=False, needs_x=True):
     """The :class:`RowPlan` of ``job`` over its unread ``datasets`` (``axis``: the quantization axis,
     normalised, None where there is none: per tensor): the gradients' shape checked against the tensor's, the
     outputs planned by computing the first rows of zeros (which checks the operands' dtypes and the family's
     attributes as the op does, before anything is read).  Returns the plan and the attributes that name the
     small-float types of its outputs (``quantized_dtype`` ...)."""
+    from qgcli.families.batch_norm import dtype_of  # bfloat16 where qgcli's tag says so
+
     x_ds = datasets[x_name]
     shape = tuple(x_ds.shape)
     g_ds = datasets.get("gradients")
@@ -182,8 +177,8 @@ def plan(job, datasets, *, x_name, axis, block_size, small=None, amax_pass=False
                 align, dict(small or {}), {}, amax_pass)
     rows = min(shape[0], align)
     probe = p if not amax_pass else p.with_amax([np.float32(2688)])
-    x = np.zeros((rows,) + shape[1:], float_dtype(x_ds)) if p.needs_x else None
-    g = np.zeros((rows,) + shape[1:], float_dtype(g_ds)) if g_ds is not None else None
+    x = np.zeros((rows,) + shape[1:], dtype_of(x_ds)) if p.needs_x else None
+    g = np.zeros((rows,) + shape[1:], dtype_of(g_ds)) if g_ds is not None else None
     first, _, _ = probe.compute(x, g, 0, rows)
     attrs = {}
     outputs = {}
@@ -220,13 +215,14 @@ def setup(job, plan_, attrs, op):
 
 def summary(job, operands, datasets, setup_, small, notes, *, op, attributes):
     """The summary of a block-format job computed in row blocks: the inputs and outputs described, the notes."""
+    from qgcli.families.batch_norm import dtype_of
     from qgcli.report.summaries import json_safe
 
     p = setup_["plan"]
     outputs = {name: {"shape": list(shape), "dtype": np.dtype(dtype).name} for name, (shape, dtype, _) in
                p.outputs.items()}
     outputs.update({k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)} for k, v in small.items()})
-    described = {n: {"shape": list(ds.shape), "dtype": str(float_dtype(ds)), "source": operands.sources.get(n, n)}
+    described = {n: {"shape": list(ds.shape), "dtype": str(dtype_of(ds)), "source": operands.sources.get(n, n)}
                  for n, ds in datasets.items()}
     s = bf.summary(job, op, attributes, described, {}, {}, list(notes) + list(setup_.get("notes", ())))
     s["outputs"] = outputs
