@@ -176,7 +176,9 @@ def _group(job, sink, layer, group_job, runner, operands, skipped, kept, budgets
     and --skip-invalid lets the run go on (its group discarded).  ``kept`` (the arrays earlier groups left for
     reuse, :func:`qgcli.families.block_rows.keep`) counts against --memory-limit: it is dropped before a group
     that would not fit beside it."""
-    if kept and not _fits(layer, group_job, budgets, held=block_rows_held(kept)):
+    from qgcli.families.block_rows import held_bytes
+
+    if kept and not _fits(layer, group_job, budgets, held=held_bytes(kept)):
         kept.clear()
     if sink.streams:  # .h5: a group too large for memory is computed into the file
         streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
@@ -205,13 +207,6 @@ def _group(job, sink, layer, group_job, runner, operands, skipped, kept, budgets
         sink.discard(layer.path)
         _failed(job, layer, exc, skipped)
         return None
-
-
-def block_rows_held(kept):
-    """The bytes of the arrays in ``kept``."""
-    from qgcli.families.block_rows import held_bytes
-
-    return held_bytes(kept)
 
 
 def _planned(job, layer, skipped, group_job, operands, **how):

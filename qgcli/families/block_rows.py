@@ -13,8 +13,9 @@ The family says what one row block computes (its ``rows(plan, x, g, i0, i1, out)
 ``[i0, i1)``, small floats in ml_dtypes' types (:meth:`RowPlan.stored` gives their bytes), the op's result to
 reuse as ``out`` for the next block of the same shape, and counts to add up); this module plans the outputs and
 checks the operands before anything is read.  In memory the same plan quantizes a large tensor in row blocks
-written over its own array (:func:`in_place`), and a run file's groups keep their output arrays for the next
-group of the same shapes (:func:`kept`, :func:`keep`).
+written over its own array (:func:`in_place`), and a run file's forward groups keep their output arrays for the
+next group of the same shapes (:func:`kept`, :func:`keep`; the executor counts them against --memory-limit:
+:func:`held_bytes`).
 """
 import dataclasses
 from dataclasses import dataclass, field
