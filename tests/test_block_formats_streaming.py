@@ -479,22 +479,26 @@ def test_zarr_row_blocks_too_tall_for_the_limit_are_refused_as_from_npy(cli, tmp
 
 
 def test_nvfp4_row_blocks_leave_the_warning_filters_alone():
-    """NVFP4's row blocks run on Dask's worker threads: they must not change the process-wide warning filters
-    (warnings.catch_warnings is not thread-safe), even where the per-tensor scale makes the outputs NaN (the
-    note counts those itself).  The filters made immutable: a block that changed them would fail."""
+    """NVFP4's row blocks (and a run file's groups) run on Dask's worker threads: they must not change the
+    process-wide warning filters (warnings.catch_warnings is not thread-safe), even where the per-tensor scale
+    makes the outputs NaN (the note counts those itself, in the op's words).  The filters made immutable: a block that changed them would fail."""
     import warnings
 
-    from qgcli.families import block_rows
+    from qgcli.families import block_rows, nvfp4
+    from qgcli.ops import nvfp4 as nvfp4_ops
 
     x = np.zeros((64, 32), np.float32)
     job = type("Job", (), {"family": "nvfp4", "formats": {"per_tensor_scale": True, "axis": -1},
                            "with_gradients": False})()
     plan, _ = block_rows.plan(job, {"inputs": x}, x_name="inputs", axis=1, block_size=16, amax_pass=True)
     plan = plan.with_amax([np.float32(0)])  # tensor scale 0: every output NaN
+    nan = x.copy()
+    nan[3, 5] = np.nan  # the whole tensor in memory (a run-file group on a worker): a NaN amax, every output NaN
     filters = warnings.filters
     warnings.filters = tuple(filters)
     try:
         blocks, _, counts = plan.compute(x, None, 0, 64)
+        res, notes = nvfp4.forward(nan, {"per_tensor_scale": True, "axis": -1})
     except AttributeError as exc:  # 'tuple' object has no attribute 'insert' / 'remove'
         changed = exc
     else:
@@ -503,7 +507,10 @@ def test_nvfp4_row_blocks_leave_the_warning_filters_alone():
         warnings.filters = filters
     assert changed is None, f"a row block changed the warning filters: {changed}"
     assert counts == {"nan_introduced": 64 * 32, "nan_outputs": 64 * 32}
-    assert np.isnan(blocks["outputs"]).all()
+    assert np.isnan(blocks["outputs"]).all() and np.isnan(res.outputs).all()
+    with pytest.warns(RuntimeWarning) as caught:  # the note is the op's warning, word for word
+        nvfp4_ops.nvfp4_fake_quantize(nan, per_tensor_scale=True, axis=-1)
+    assert notes == [str(w.message) for w in caught] and f"NaN for {64 * 32 - 1} of {64 * 32}" in notes[0]
 
 
 def test_nvfp4_amax_pass_buffers_are_freed_before_the_encode_pass(cli, bundle, tmp_path, monkeypatch):
