@@ -568,3 +568,24 @@ def test_run_file_discovery_reads_ahead_within_the_memory_limit(cli, tmp_path, m
         assert r.exit_code == 0, r.output
         assert 0 < read[-1] <= most, (limit, read)
     assert read[-1] == 20 * 128 * 128 * 4
+
+
+def test_a_group_the_memory_plan_refuses_is_named_or_skipped(cli, tmp_path):
+    """Writing an .npz nothing streams: a group over --memory-limit is refused by the memory plan, in one line
+    naming it (nothing written), or skipped and listed with --skip-invalid, as any other invalid group."""
+    run = tmp_path / "run.h5"
+    with h5py.File(run, "w") as f:
+        for name, shape in (("a", (64, 96)), ("big", (512, 1024)), ("c", (32, 64))):
+            g = f.create_group(name)
+            g.attrs["op"] = "mx"
+            g["inputs"] = np.ones(shape, np.float32)
+    out = tmp_path / "out.npz"
+    r = cli("fakequant", run, "-o", out, "--memory-limit", "1M")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error: big: --memory-limit:"), r.output
+    assert "cannot stream" in lines[0] and not out.exists()
+    r = cli("fakequant", run, "-o", out, "--memory-limit", "1M", "--skip-invalid")
+    assert r.exit_code == 0, r.output
+    assert "skipped big: --memory-limit:" in r.output and "2 of 3 groups ran" in r.output
+    with np.load(out) as z:
+        assert sorted(z.files) == ["a/outputs", "a/quantized", "a/scales", "c/outputs", "c/quantized", "c/scales"]
