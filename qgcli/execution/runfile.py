@@ -178,11 +178,14 @@ def _group(job, sink, layer, group_job, runner, operands, skipped, kept, budgets
     that would not fit beside it."""
     from qgcli.families.block_rows import held_bytes
 
-    if kept and not _fits(layer, group_job, budgets, held=held_bytes(kept)):
+    held = held_bytes(kept) if kept else 0
+    fits = _fits(layer, group_job, budgets, held)
+    if held and not fits:
         kept.clear()
+        fits = _fits(layer, group_job, budgets)
     if sink.streams:  # .h5: a group too large for memory is computed into the file
         streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
-        plan = None if _fits(layer, group_job, budgets) else \
+        plan = None if fits else \
             _planned(job, layer, skipped, group_job, operands, streams=streams, mode=runner.mode(group_job))
     else:
         plan = _planned(job, layer, skipped, group_job, operands, streams=False,
