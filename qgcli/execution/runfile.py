@@ -38,7 +38,7 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
                                                  not_a_run_file=f"{job.target} is not an HDF5 run file")
     try:
         layers = groups.discover(container._opened(), group, label=path,
-                                 prefetch=runfile.PREFETCH_BYTES if remote is None else 0)  # (read there)
+                                 prefetch=_prefetch(job) if remote is None else 0)  # (read there)
         kind = registry.KIND_OF_COMMAND[job.command]
         mine, other, bad, forward = [], [], [], []
         for layer in layers:
@@ -68,6 +68,16 @@ def execute_run(job, *, runner_for, memory_plan, remote=None):
     finally:
         container.close()
     return _summary(job, where, layers, ran, other, bad + skipped, forward)
+
+
+#: The share of --memory-limit that discovery may read ahead (at most :data:`qgcli.storage.runfile.PREFETCH_BYTES`).
+PREFETCH_SHARE = 8
+
+
+def _prefetch(job):
+    """The bytes of small datasets discovery reads ahead: what is read ahead is held until its group runs, so
+    a part of --memory-limit (the default limit, a quarter of the machine's memory, leaves the 32 MiB)."""
+    return min(runfile.PREFETCH_BYTES, memory.parse_memory_limit(job.output.memory_limit) // PREFETCH_SHARE)
 
 
 def refusal(where, bad, total):
@@ -124,19 +134,18 @@ def _each(job, container, path, layers, skipped, ran):
 def _compute(job, layer, group_job, runner, operands, skipped, kept=None):
     """The runner's Result for one group, or None when it failed and --skip-invalid lets the run go on.
     ``kept``: where a runner that reuses its output arrays from group to group (``REUSES_OUTPUTS``) keeps them,
-    given when the sink has written a group's outputs once ``add`` returns (None: fresh arrays each group)."""
+    given when the sink has written a group's outputs once ``add`` returns (None: fresh arrays each group), and
+    only to a forward run: a gradient run's forward only feeds its summary."""
     remote = _TOOLS.get("remote")
     try:
         if remote is not None:
             return remote.result(layer)
-        if kept is not None and getattr(runner, "REUSES_OUTPUTS", False):
+        if kept is not None and getattr(runner, "REUSES_OUTPUTS", False) and not group_job.with_gradients \
+                and group_job.output.device == "cpu":  # nothing held on a GPU beyond its group
             return runner.compute(group_job, operands, kept=kept)
         return runner.compute(group_job, operands)
     except _errors() as exc:
-        layer.error = _failure(layer, exc)
-        if not job.skip_invalid:
-            raise QgcliError(f"{layer.path}: {layer.error}; nothing was written") from None
-        skipped.append(layer)
+        _failed(job, layer, exc, skipped)
         return None
 
 
@@ -147,38 +156,78 @@ def _run_and_write(job, container, path, layers):
     fmt = _check_destination(out.destination, path, out.force)
     if hasattr(fmt, "check_group_paths"):  # a Zarr store: names it cannot take are refused before any work
         fmt.check_group_paths([layer.path for layer in layers])
-    memory_plan = _TOOLS["memory_plan"]
     ran, skipped, budgets = [], [], {}
     with fmt.group_sink(out.destination, compression=out.compression) as sink:
         kept = {} if getattr(sink, "writes_on_add", False) else None  # the output arrays reused group to group
         for layer, group_job, runner, operands, overrides in _each(job, container, path, layers, skipped, ran):
             raise_pending()
             try:
-                if sink.streams:  # .h5: a group too large for memory is computed into the file
-                    streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
-                    plan = None if _fits(layer, group_job, budgets) else \
-                        memory_plan(group_job, operands, streams=streams, mode=runner.mode(group_job))
-                else:
-                    plan = memory_plan(group_job, operands, streams=False,
-                                       mode=f"{runner.mode(group_job)} writing {out.destination}")
-                if plan is not None:
-                    grp = sink.begin(layer.path)  # computed into the group (a group in memory is made by add)
-                    streamed = blocks.stream(runner, group_job, operands, *plan)
-                    small = streamed.compute(grp, lambda n: None)
-                    sink.add(layer.path, small, streamed.attrs)
-                    summary = streamed.summarise(small)
-                else:
-                    result = _compute(job, layer, group_job, runner, operands, skipped, kept)
-                    if result is None:
-                        sink.discard(layer.path)
-                        continue
-                    sink.add(layer.path, {k: to_numpy(v) for k, v in result.outputs.items()}, result.attrs)
-                    summary = result.summary
+                summary = _group(job, sink, layer, group_job, runner, operands, skipped, kept, budgets)
             finally:
                 operands.close()
                 layer.arrays = {}  # what the group did not read of what discovery read ahead
-            _record(job, ran, layer, group_job, summary, overrides)
+            if summary is not None:
+                _record(job, ran, layer, group_job, summary, overrides)
     return ran, skipped
+
+
+def _group(job, sink, layer, group_job, runner, operands, skipped, kept, budgets):
+    """Compute one group and write its outputs through ``sink``; returns its summary, or None when it failed
+    and --skip-invalid lets the run go on (its group discarded).  ``kept`` (the arrays earlier groups left for
+    reuse, :func:`qgcli.families.block_rows.keep`) counts against --memory-limit: it is dropped before a group
+    that would not fit beside it."""
+    from qgcli.families.block_rows import held_bytes
+
+    held = held_bytes(kept) if kept else 0
+    fits = _fits(layer, group_job, budgets, held)
+    if held and not fits:
+        kept.clear()
+        fits = _fits(layer, group_job, budgets)
+    if sink.streams:  # .h5: a group too large for memory is computed into the file
+        streams = hasattr(runner, "block_setup") and group_job.output.device == "cpu"
+        plan = None if fits else \
+            _planned(job, layer, skipped, group_job, operands, streams=streams, mode=runner.mode(group_job))
+    else:
+        plan = _planned(job, layer, skipped, group_job, operands, streams=False,
+                        mode=f"{runner.mode(group_job)} writing {job.output.destination}")
+    if plan is False:
+        return None
+    if plan is None:
+        result = _compute(job, layer, group_job, runner, operands, skipped, kept)
+        if result is None:
+            sink.discard(layer.path)
+            return None
+        sink.add(layer.path, {k: to_numpy(v) for k, v in result.outputs.items()}, result.attrs)
+        return result.summary
+    if kept:
+        kept.clear()  # a streamed group has the whole budget
+    try:  # computed into the group (a group in memory is made by add)
+        streamed = blocks.stream(runner, group_job, operands, *plan)
+        small = streamed.compute(sink.begin(layer.path), lambda n: None)
+        sink.add(layer.path, small, streamed.attrs)
+        return streamed.summarise(small)
+    except _errors() as exc:
+        sink.discard(layer.path)
+        _failed(job, layer, exc, skipped)
+        return None
+
+
+def _planned(job, layer, skipped, group_job, operands, **how):
+    """The memory plan of one group (:func:`qgcli.execution.memory.plan`), or False when it refused the group
+    and --skip-invalid lets the run go on."""
+    try:
+        return _TOOLS["memory_plan"](group_job, operands, **how)
+    except _errors() as exc:
+        _failed(job, layer, exc, skipped)
+        return False
+
+
+def _failed(job, layer, exc, skipped):
+    """A group that failed: the run stops naming it, or with --skip-invalid it is listed as skipped."""
+    layer.error = _failure(layer, exc)
+    if not job.skip_invalid:
+        raise QgcliError(f"{layer.path}: {layer.error}; nothing was written") from None
+    skipped.append(layer)
 
 
 def _check_destination(dest, source, force):
@@ -213,14 +262,14 @@ def _keeps(job, ran):
     return job.output.as_json or len(ran) < TABLE_ROWS
 
 
-def _fits(layer, group_job, budgets):
-    """Whether the group's large operands, by the shapes discovery found, fit the memory budget
-    (:func:`qgcli.execution.memory.shapes_fit`): then the memory plan is None without opening a dataset.
+def _fits(layer, group_job, budgets, held=0):
+    """Whether the group's large operands, by the shapes discovery found, fit the memory budget less ``held``
+    bytes (:func:`qgcli.execution.memory.shapes_fit`): then the memory plan is None without opening a dataset.
     False means "ask the memory plan" (which decides, and checks, as for a single bundle)."""
     limit = group_job.output.memory_limit
     if limit not in budgets:
         budgets[limit] = memory.parse_memory_limit(limit)
-    return bool(memory.shapes_fit(layer.datasets, group_job.large_operands, budgets[limit]))
+    return bool(memory.shapes_fit(layer.datasets, group_job.large_operands, budgets[limit] - held))
 
 
 def _upstream(layers):

@@ -13,8 +13,9 @@ The family says what one row block computes (its ``rows(plan, x, g, i0, i1, out)
 ``[i0, i1)``, small floats in ml_dtypes' types (:meth:`RowPlan.stored` gives their bytes), the op's result to
 reuse as ``out`` for the next block of the same shape, and counts to add up); this module plans the outputs and
 checks the operands before anything is read.  In memory the same plan quantizes a large tensor in row blocks
-written over its own array (:func:`in_place`), and a run file's groups keep their output arrays for the next
-group of the same shapes (:func:`kept`, :func:`keep`).
+written over its own array (:func:`in_place`), and a run file's forward groups keep their output arrays for the
+next group of the same shapes (:func:`kept`, :func:`keep`; the executor counts them against --memory-limit:
+:func:`held_bytes`).
 """
 import dataclasses
 from dataclasses import dataclass, field
@@ -112,6 +113,18 @@ def keep(store, key, value):
         store.pop(next(iter(store)))
 
 
+def held_bytes(store):
+    """The bytes of the NumPy arrays ``store`` holds (:func:`keep`'s values: results, tuples, dicts)."""
+    def size(v):
+        if isinstance(v, np.ndarray):
+            return v.nbytes
+        if isinstance(v, dict):
+            v = tuple(v.values())
+        return sum(size(a) for a in v) if isinstance(v, (tuple, list)) else 0
+
+    return size(tuple(store.values())) if store else 0
+
+
 def in_place(plan_, x, *, statistics=None, into=None):
     """The forward of ``plan_`` over row blocks of the in-memory ``x`` (:func:`in_place_ok`), each block's
     ``outputs`` written over its rows of ``x`` once the statistics have taken them (``statistics(x rows, y
@@ -146,19 +159,14 @@ def in_place(plan_, x, *, statistics=None, into=None):
     return {name: x if name == "outputs" else outs[name] for name in plan_.outputs}, plan_, counts, parts
 
 
-def float_dtype(ds):
-    """The dtype of an unread dataset or Zarr array, bfloat16 where qgcli's tag says so."""
-    from qgcli.families.batch_norm import dtype_of
-
-    return dtype_of(ds)
-
-
 def plan(job, datasets, *, x_name, axis, block_size, small=None, amax_pass=False, needs_x=True):
     """The :class:`RowPlan` of ``job`` over its unread ``datasets`` (``axis``: the quantization axis,
     normalised, None where there is none: per tensor): the gradients' shape checked against the tensor's, the
     outputs planned by computing the first rows of zeros (which checks the operands' dtypes and the family's
     attributes as the op does, before anything is read).  Returns the plan and the attributes that name the
     small-float types of its outputs (``quantized_dtype`` ...)."""
+    from qgcli.families.batch_norm import dtype_of  # bfloat16 where qgcli's tag says so
+
     x_ds = datasets[x_name]
     shape = tuple(x_ds.shape)
     g_ds = datasets.get("gradients")
@@ -170,8 +178,8 @@ def plan(job, datasets, *, x_name, axis, block_size, small=None, amax_pass=False
                 align, dict(small or {}), {}, amax_pass)
     rows = min(shape[0], align)
     probe = p if not amax_pass else p.with_amax([np.float32(2688)])
-    x = np.zeros((rows,) + shape[1:], float_dtype(x_ds)) if p.needs_x else None
-    g = np.zeros((rows,) + shape[1:], float_dtype(g_ds)) if g_ds is not None else None
+    x = np.zeros((rows,) + shape[1:], dtype_of(x_ds)) if p.needs_x else None
+    g = np.zeros((rows,) + shape[1:], dtype_of(g_ds)) if g_ds is not None else None
     first, _, _ = probe.compute(x, g, 0, rows)
     attrs = {}
     outputs = {}
@@ -179,6 +187,14 @@ def plan(job, datasets, *, x_name, axis, block_size, small=None, amax_pass=False
         div = align if np.shape(a)[0] != rows else 1
         outputs[name] = ((-(-shape[0] // div),) + tuple(np.shape(a)[1:]), np.asarray(a).dtype.str, div)
     return dataclasses.replace(p, outputs=outputs), attrs
+
+
+def row_bytes(plan, gradients):
+    """A row's bytes in a row block: as read (float32 working copies of the inputs, of the ``gradients`` when
+    they are read) and as written, for every output."""
+    per_item = int(np.prod(plan.shape[1:], dtype=np.int64))
+    return per_item * 4 * (1 + bool(gradients) + plan.needs_x) + sum(
+        int(np.prod(s[1:], dtype=np.int64)) * np.dtype(d).itemsize / div for s, d, div in plan.outputs.values())
 
 
 def check_rows_fit(plan, budget, per_row_bytes):
@@ -200,13 +216,14 @@ def setup(job, plan_, attrs, op):
 
 def summary(job, operands, datasets, setup_, small, notes, *, op, attributes):
     """The summary of a block-format job computed in row blocks: the inputs and outputs described, the notes."""
+    from qgcli.families.batch_norm import dtype_of
     from qgcli.report.summaries import json_safe
 
     p = setup_["plan"]
     outputs = {name: {"shape": list(shape), "dtype": np.dtype(dtype).name} for name, (shape, dtype, _) in
                p.outputs.items()}
     outputs.update({k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)} for k, v in small.items()})
-    described = {n: {"shape": list(ds.shape), "dtype": str(float_dtype(ds)), "source": operands.sources.get(n, n)}
+    described = {n: {"shape": list(ds.shape), "dtype": str(dtype_of(ds)), "source": operands.sources.get(n, n)}
                  for n, ds in datasets.items()}
     s = bf.summary(job, op, attributes, described, {}, {}, list(notes) + list(setup_.get("notes", ())))
     s["outputs"] = outputs

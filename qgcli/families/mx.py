@@ -139,12 +139,9 @@ def compute(job, operands, kept=None):
         out = bf.as_bytes({"outputs": res.outputs, "scales": res.scales, "quantized": res.quantized}, attrs)
     if str(getattr(inputs, "dtype", "")) not in ("float32", "bfloat16"):
         notes.append(f"inputs is {inputs.dtype}; computed on its float32 values (torchao takes float32 or bfloat16)")
-    if job.output.shows_summary and not in_place:
-        stats, _, _ = bf.block_statistics(inputs, res.outputs, int(f["block_size"]), axis=int(f["axis"]),
-                                          saturated=saturated_scales(res.scales, f),
-                                          scale_shape=None)
-    elif not in_place:
-        stats = {}
+    if not in_place:
+        stats = bf.block_statistics(inputs, res.outputs, int(f["block_size"]), axis=int(f["axis"]),
+                                    saturated=saturated_scales(res.scales, f))[0] if job.output.shows_summary else {}
     if job.output.shows_summary:
         if job.with_gradients:
             stats["gradient"] = bf.gradient_statistics(gradients, dx, "ste (identity)")

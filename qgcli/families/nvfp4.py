@@ -8,7 +8,6 @@ per-tensor scale ``max|x| / 2688``.  Operand ``inputs`` (and ``gradients``); out
 (all zero, a NaN or Inf) qgcli does the same and says so in a note.  The gradient is the identity (torchao's
 NVFP4 QAT).  Run-file groups: ``op = "nvfp4"`` with ``axis`` and ``per_tensor_scale``.
 """
-import warnings
 
 import numpy as np
 
@@ -87,14 +86,28 @@ def attributes(formats):
 
 
 def forward(inputs, formats, out=None):
-    """:func:`qgcli.ops.nvfp4.nvfp4_fake_quantize` with the job's attributes, and the note of its warning
-    (torchao's NaN outputs), or None."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"],
-                                      out=out)
-    notes = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    return res, notes
+    """:func:`qgcli.ops.nvfp4.nvfp4_fake_quantize` with the job's attributes, and the notes: its warning's
+    (torchao's NaN outputs), counted here rather than caught (no process-wide warning filter changed: a run
+    file's groups compute on Dask's worker threads)."""
+    res = ops.nvfp4_fake_quantize(inputs, per_tensor_scale=formats["per_tensor_scale"], axis=formats["axis"],
+                                  out=out, warn=False)
+    return res, _nan_note(res.tensor_scale, _nan_counts(res.tensor_scale, inputs, res.outputs), int(np.size(inputs)))
+
+
+def _nan_counts(t, x, y):
+    """``nan_introduced`` / ``nan_outputs`` of outputs ``y`` of ``x`` where the per-tensor scale ``t`` is one
+    torchao cannot use (zero, NaN, infinite or too small to invert), else {}."""
+    if t is None:
+        return {}
+    t = np.float32(float(t))
+    with np.errstate(all="ignore"):
+        if np.isfinite(t) and t > 0 and np.isfinite(np.float32(1) / t):
+            return {}
+    from qgcli.backend import to_numpy
+
+    nan_y = np.isnan(np.asarray(to_numpy(y)))
+    return {"nan_introduced": int(np.count_nonzero(nan_y & ~np.isnan(np.asarray(to_numpy(x), np.float32)))),
+            "nan_outputs": int(np.count_nonzero(nan_y))}
 
 
 def saturated_scales(block_scales, per_tensor=False):
@@ -213,16 +226,12 @@ def rows(plan, x, g, i0, i1, out=None):
         dx = ops.nvfp4_fake_quantize_gradient(g, None, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"])
         return {"backprops_wrt_input": dx}, None, {}
     t = plan.small.get("tensor_scale")
-    with warnings.catch_warnings():  # the note counts the whole tensor's NaN (block_summary)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        res = ops.nvfp4_fake_quantize(x, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"], out=out,
-                                      tensor_scale=t)
-    counts = {}
-    if t is not None and not (np.isfinite(t) and t > 0 and np.isfinite(np.float32(1) / t)):
-        nan_y = np.isnan(res.outputs)
-        counts = {"nan_introduced": int(np.count_nonzero(nan_y & ~np.isnan(np.asarray(x, np.float32)))),
-                  "nan_outputs": int(np.count_nonzero(nan_y))}
-    return {"outputs": res.outputs, "block_scales": res.block_scales, "quantized": res.quantized}, res, counts
+    # no warning: the note counts the whole tensor's NaN (block_summary); and no warning filter changed, which
+    # is process-wide state the row blocks on Dask's worker threads would race on
+    res = ops.nvfp4_fake_quantize(x, per_tensor_scale=f["per_tensor_scale"], axis=f["axis"], out=out,
+                                  tensor_scale=t, warn=False)
+    return ({"outputs": res.outputs, "block_scales": res.block_scales, "quantized": res.quantized}, res,
+            _nan_counts(t, x, res.outputs))
 
 
 def block_summary(job, operands, datasets, setup, small, notes):

@@ -344,8 +344,7 @@ def block_view(formats, operands):
     one block."""
     f = formats
     x, y_scale, zp, dtype, _ = load(operands, f)
-    if f.get("estimator") == "masked-ste" and dtype not in ops.INTEGER_TYPES:
-        raise OperandError(f"masked-ste is for the integer types, not {dtype}", operand="estimator")
+    _check_job(f, dtype)
     kw = dict(dtype=dtype, axis=f["axis"], block_size=f["block_size"])
     res = ops.onnx_fake_quantize(x, y_scale, zp, saturate=f["saturate"], **kw)
     sb, zb = ops.broadcast_qparams(np.shape(x), y_scale, zp, **kw)

@@ -123,7 +123,7 @@ def tensor_amax(x, xp=np):
         return xp.asarray(amax, _F32).reshape(())
 
 
-def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None, tensor_scale=None):
+def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None, tensor_scale=None, warn=True):
     """NVFP4 fake quantization of ``inputs`` (float32 or bfloat16): torchao 0.18's
     ``NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(max|x|)).dequantize(torch.float32)``
     (``per_tensor_scale=False``: no per-tensor scale), blocks of 16 along ``axis``.
@@ -133,7 +133,8 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None, ten
     those three, None for a new array), as :func:`qgcli.ops.mx.mx_fake_quantize` takes them.  ``tensor_scale``:
     the per-tensor scale of the whole tensor when ``inputs`` is a part of it (blocks of a tensor streamed from
     disk, :func:`tensor_scale_of` of their :func:`combined_amax`) instead of the part's own.  Warns
-    (``RuntimeWarning``) where torchao's per-tensor scale makes every output NaN.
+    (``RuntimeWarning``) where torchao's per-tensor scale makes every output NaN, unless ``warn`` is false (a
+    block of a tensor whose caller counts the NaN itself: no process-wide warning filter to change on a thread).
 
     >>> import numpy as np
     >>> r = nvfp4_fake_quantize(np.full((1, 16), 0.7, np.float32), per_tensor_scale=False)
@@ -160,7 +161,7 @@ def nvfp4_fake_quantize(inputs, *, per_tensor_scale=True, axis=-1, out=None, ten
         q, s8, y = _chunked(xb, t, inv_t, into)
     else:
         q, s8, y = _quantize_blocks(xb, t, inv_t, xp)
-    if t is not None and not (bool(xp.isfinite(t)) and bool(t > 0) and bool(xp.isfinite(inv_t))):
+    if warn and t is not None and not (bool(xp.isfinite(t)) and bool(t > 0) and bool(xp.isfinite(inv_t))):
         introduced = int(xp.count_nonzero(xp.isnan(y) & ~xp.isnan(xb)))
         if introduced:
             warnings.warn(f"NVFP4 per-tensor scale {float(t)!r} (tensor amax / 2688) is zero, NaN, infinite or too "

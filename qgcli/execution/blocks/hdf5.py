@@ -320,12 +320,11 @@ def row_blocks(datasets, setup, out, *, compression, budget, progress=None):
     x_ds, g_ds = datasets[plan.x_name], datasets.get("gradients")
     shape = tuple(x_ds.shape)
     per_item = int(np.prod(shape[1:], dtype=np.int64))
-    # a row's bytes as read (float32 working copies) and as written, for every output
-    row_bytes = per_item * 4 * (1 + (g_ds is not None) + plan.needs_x) + sum(
-        int(np.prod(s[1:], dtype=np.int64)) * np.dtype(d).itemsize / div for s, d, div in plan.outputs.values())
-    copies = 3 if compression else 2  # outputs kept while they compress, and the block read ahead
     from qgcli.families.block_rows import check_rows_fit
+    from qgcli.families.block_rows import row_bytes as bytes_of_row
 
+    row_bytes = bytes_of_row(plan, g_ds is not None)
+    copies = 3 if compression else 2  # outputs kept while they compress, and the block read ahead
     check_rows_fit(plan, budget, row_bytes * copies)
     step = max(1, int(budget // (8 * copies * max(row_bytes, 1))))
     step = min(shape[0], max(plan.align, step // plan.align * plan.align))
@@ -351,6 +350,7 @@ def row_blocks(datasets, setup, out, *, compression, budget, progress=None):
             amaxes.append(plan.amax(x))
             _tick(progress, x.nbytes)
         plan = plan.with_amax(amaxes)
+        read = x = None  # its buffers freed before the encode pass's reader takes its own
     read_x = _Reader(x_ds, step) if plan.needs_x else None
     read_g = _Reader(g_ds, step) if g_ds is not None else None
     reuse = [None, None]  # the op's results of the last blocks, whose arrays the next blocks of that size take

@@ -357,6 +357,11 @@ class BlockRun:
         items = max(1, min(int(big.chunks[0]), cap))
         plan = setup.get("plan")
         if plan is not None:  # a block format: whole quantization blocks along the first axis
+            from qgcli.families.block_rows import check_rows_fit, row_bytes
+
+            # as from HDF5 (blocks.hdf5.row_blocks): the block's outputs kept while they compress
+            check_rows_fit(plan, self.budget, row_bytes(plan, "gradients" in self.arrays) *
+                           (3 if out.compression else 2))
             items = -(-items // plan.align) * plan.align
         dtype, run, note = _RUNS[setup["blocks"]](setup, self.arrays, big, items)
         attrs = provenance.attributes(setup["attrs"])
