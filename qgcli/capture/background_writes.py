@@ -15,11 +15,12 @@ everything handed over is in the file (before HDF5 reads, frees or flushes anyth
 error, if any.
 """
 import hashlib
-import os
 import threading
 from collections import deque
 
 import numpy as np
+
+from qgcli.storage.hdf5.small import pwrite_all
 
 #: Bytes of the ring buffer the writes wait in (allocated at the first write).
 RING_BYTES = 8 << 20
@@ -27,16 +28,6 @@ RING_BYTES = 8 << 20
 INLINE_BYTES = 64 << 10
 #: The largest piece of an array copied into the ring in one go (an eighth of the ring).
 SLICE_BYTES = RING_BYTES // 8
-
-
-def pwrite_all(fd, data, offset):
-    """Write all of ``data`` (a bytes-like object) at ``offset`` of ``fd``."""
-    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        view, offset = view[n:], offset + n
 
 
 def sha256(data):

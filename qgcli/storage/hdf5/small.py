@@ -14,6 +14,16 @@ from h5py import h5a, h5d, h5g, h5o, h5p, h5s, h5t
 from h5py._hl import base
 
 
+def pwrite_all(fd, data, offset):
+    """Write all of ``data`` (a bytes-like object) at ``offset`` of ``fd``."""
+    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes")
+        view, offset = view[n:], offset + n
+
+
 class SmallWriter:
     """Groups, plain datasets and scalar attributes of one open, writable h5py File."""
 
@@ -104,10 +114,7 @@ class SmallWriter:
         dsid = self.allocated(gid, name, array.shape, dtype, _allocated())
         try:
             offset = dsid.get_offset()
-            data = memoryview(array.reshape(-1)).cast("B")
-            done = 0
-            while done < len(data):
-                done += os.pwrite(self._fd, data[done:], offset + done)
+            pwrite_all(self._fd, array, offset)
         finally:
             dsid.close()
         return True
