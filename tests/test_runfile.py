@@ -413,3 +413,29 @@ def test_discovery_reads_the_small_datasets_of_a_run_within_its_budget(tmp_path,
         assert layers[1].arrays == {}
     finally:
         container.close()
+
+
+def test_an_exact_group_shows_its_sqnr_as_inf_not_as_missing(cli, tmp_path):
+    """A quantizer whose inputs lie on its grid has no error: SQNR inf in the table, ``exact`` in --json
+    (JSON has no infinity, so ``sqnr_db`` is null there, as for a group with nothing to measure)."""
+    path = tmp_path / "run.h5"
+    on_grid = (np.arange(-8, 8, dtype=np.float32) / 8).reshape(4, 4)  # multiples of TF's nudged scale 1/128
+    fp4 = np.tile(np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32), 4).reshape(1, 32)  # MX scale 1
+    with h5py.File(path, "w") as f:
+        _layer(f, "tf_exact", "FakeQuantWithMinMaxVars", {"num_bits": 8}, inputs=on_grid, min=np.float32(-1),
+               max=np.float32(127 / 128), gradients=np.ones_like(on_grid))
+        _layer(f, "tf_lossy", "FakeQuantWithMinMaxVars", {"num_bits": 8}, inputs=on_grid * 1.3 + 0.01,
+               min=np.float32(-1), max=np.float32(1), gradients=np.ones_like(on_grid))
+        _layer(f, "mx_exact", "mx", {"format": "mxfp4", "block_size": 32, "axis": -1, "scale_mode": "floor"},
+               inputs=fp4, gradients=np.ones_like(fp4))
+    r = cli("report", path, "--json")
+    assert r.exit_code == 0, r.output
+    rows = {row["path"]: row for row in json.loads(r.stdout)["layers"]}
+    assert rows["tf_exact"]["exact"] and rows["tf_exact"]["sqnr_db"] is None
+    assert rows["mx_exact"]["exact"] and rows["mx_exact"]["sqnr_db"] is None
+    assert not rows["tf_lossy"]["exact"] and rows["tf_lossy"]["sqnr_db"] > 0
+    table = cli("report", path, "--wide")
+    assert table.exit_code == 0, table.output
+    sqnr = {line.split()[0]: line.split()[7] for line in table.stdout.splitlines() if line.split()[:1] in
+            (["tf_exact"], ["mx_exact"], ["tf_lossy"])}
+    assert sqnr["tf_exact"] == sqnr["mx_exact"] == "inf" and sqnr["tf_lossy"] == f"{rows['tf_lossy']['sqnr_db']:.1f}"

@@ -454,6 +454,7 @@ def block_report(a, gradients=None, passed=None):
     nb = stats["blocks"]
     row["channels"] = nb
     row["sqnr_db"] = stats["sqnr_db"] if np.isfinite(stats["sqnr_db"]) else None
+    row["exact"] = stats["sqnr_db"] == np.inf  # no error on any finite element
     row.update(flushed=stats["flushed"], saturated_scale_blocks=stats.get("saturated_scale_blocks"),
                dynamic_range_bits_median=stats["dynamic_range_bits_median"],
                dynamic_range_bits_max=stats["dynamic_range_bits_max"])

@@ -500,7 +500,8 @@ def report_row(layer, operands, inputs, gradients, attr, num_bits, narrow_range,
     bits = 8 if isinstance(config, ts.Float8FakeQuantizeConfig) else ts.bit_width(config.dtype)
     row = {"num_bits": bits, "channels": nb, "clipped_below": float((clipped & (x < y)).sum()) / n,
            "clipped_above": float((clipped & (x > y)).sum()) / n,
-           "sqnr_db": float(sqnr_db(float(np.sum(np.where(fin, x, 0.0) ** 2)), float(np.sum(err * err))))}
+           "sqnr_db": float(sqnr_db(float(np.sum(np.where(fin, x, 0.0) ** 2)), float(np.sum(err * err)))),
+           "exact": not err.any()}
     row["clipped"] = row["clipped_below"] + row["clipped_above"]
     if not np.isfinite(row["sqnr_db"]):
         row["sqnr_db"] = None

@@ -28,7 +28,7 @@ LAYER_KEYS = ("path", "step", "layer", "op", "family", "shape", "num_bits", "cha
               "suggested_sqnr_db", "suggested_scale", "suggested_zero_point", "worst_channel",
               "worst_channel_gradient_blocked", "worst_channel_clipped", "straight_through", "scale_path", "rounding",
               "upstream_gradient", "flushed", "saturated_scale_blocks", "dynamic_range_bits_median",
-              "dynamic_range_bits_max", "worst_channel_sqnr_db", "zero_gradient")
+              "dynamic_range_bits_max", "worst_channel_sqnr_db", "zero_gradient", "exact")
 
 #: The percentiles ``qgcli report`` searches for a suggested range by default.
 DEFAULT_PERCENTILES = (100.0, 99.99, 99.9, 99.5, 99.0, 98.0, 95.0)
@@ -189,7 +189,7 @@ def _channel_row(report, row):
     t = report.total
     row.update(channels=report.channels, clipped_below=t["clipped_below"],
                clipped_above=t["clipped_above"], clipped=t["clipped"], gradient_blocked=t["gradient_blocked"],
-               sqnr_db=t["sqnr_db"], suggested_sqnr_db=t["suggested_sqnr_db"])
+               sqnr_db=t["sqnr_db"], suggested_sqnr_db=t["suggested_sqnr_db"], exact=t["mse"] == 0)
     if report.per_channel:
         worst = report.order("worst")[0] if report.channels else None
         if worst is not None:

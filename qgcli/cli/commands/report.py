@@ -846,7 +846,7 @@ def _render_layers(console, doc, top):
         blocked = {"zero": "no grad", "absent": "-"}.get(r.get("upstream_gradient"), _pct(r["gradient_blocked"]))
         rows.append([r["path"], r["op"] or "", "x".join(map(str, r["shape"])), str(r["num_bits"]),
                      _pct(r["clipped_below"]), _pct(r["clipped_above"]), blocked,
-                     _db(r["sqnr_db"]), _db(r["suggested_sqnr_db"]), worst])
+                     _db(r["sqnr_db"], 0 if r["exact"] else None), _db(r["suggested_sqnr_db"]), worst])
     cols = _layer_cols()
     if any(r.get("scale_path") is not None for r in shown):  # torchao groups: their gradient split too
         cols += _torchao_cols()
