@@ -15,13 +15,16 @@ appended to the file the earlier ones made), timing each.  Printed, against the 
   the file) -- goal <= 1.5x the largest group; for torch also in one process (plain steps after capture's
   imports, then the captured steps: ru_maxrss before and after), the comparison that the imports and the
   allocator's state do not skew;
-* each appended step's time / the first captured step's -- goal <= 1.2x.
+* each appended step's time / the first captured step's, wall and CPU (process), with the median and the worst
+  -- goal <= 1.2x; and the disk floor: one step's bytes written and fsynced, against the captured steps' wall
+  time beyond their CPU time (a disk-bound step waits; capture itself does not fsync a step).
 
 ``--against DIR`` (a checkout of other code, e.g. a worktree of main) compares the two codes in one run on a
 busy machine: three processes (plain steps; captured steps with this checkout's qgcli; with DIR's) built
 once, then stepped in turn, one step each per round for ``--steps`` rounds (the order rotated), so that the
 load of the moment slows them alike; printed: the median wall and CPU time (process, all threads; the step's
-thread) of each, and for TF the goal from h5py writing one captured step's datasets of each file:
+thread) of each, each appended step against its first (wall and CPU), and for TF the goal from h5py writing
+one captured step's datasets of each file:
 
     python benchmarks/bench_capture.py tf --against ../main-worktree --steps 15
 """
@@ -229,6 +232,8 @@ def _against(framework, args, directory):
     for name, m in medians.items():
         print(f"{name:20s} {m['wall']:.3f} / {m['cpu']:.3f} / {m['thread']:.3f}  = {m['wall'] / plain['wall']:.2f}x / "
               f"{m['cpu'] / plain['cpu']:.2f}x / {m['thread'] / plain['cpu']:.2f}x plain")
+    for name in ("capture", "capture, --against"):
+        _appended([t["wall"] for t in times[name]], [t["cpu"] for t in times[name]], name)
     if framework == "tf":
         write = medians["h5py alone"]
         goal = {k: plain[k] + 1.2 * write[k] for k in ("wall", "cpu")}
@@ -314,9 +319,10 @@ def _run(framework, args, directory):
     captured = out["capture"]["times"]
     file_bytes = os.path.getsize(path)
     operand, largest, first = _file_figures(path)
-    per_step_bytes = sum(a.nbytes for a in first)
+    per_step_bytes = file_bytes / args.steps
     rss = out["capture"]["peak_rss_mb"] - out["plain"]["peak_rss_mb"]
-    print(f"== {framework}: {out['capture']['groups']} groups per step, {args.steps} steps captured")
+    print(f"== {framework}: {out['capture']['groups']} groups per step, {args.steps} steps captured, load "
+          f"{os.getloadavg()[0]:.1f}")
     print(f"plain step          {plain:.3f} s (median of {args.repeat}: "
           f"{', '.join(f'{t:.3f}' for t in out['plain']['times'])})")
     print(f"captured steps      {', '.join(f'{t:.3f}' for t in captured)} s; median "
@@ -330,7 +336,7 @@ def _run(framework, args, directory):
     if framework == "tf":
         write = _h5py_write_seconds(first, directory)
         goal = plain + 1.2 * write
-        print(f"h5py alone writes one step's {per_step_bytes / 1e6:.1f} MB in {write:.3f} s: goal plain + 1.2x = "
+        print(f"h5py alone writes one step's {sum(a.nbytes for a in first) / 1e6:.1f} MB in {write:.3f} s: goal plain + 1.2x = "
               f"{goal:.3f} s; captured median {statistics.median(captured):.3f} s = "
               f"{statistics.median(captured) / goal:.2f}x the goal")
     print(f"file                {file_bytes / 1e6:.1f} MB for {operand / 1e6:.1f} MB of operands = "
@@ -343,7 +349,41 @@ def _run(framework, args, directory):
         rss = out["capture"]["peak_rss_mb"] - here
         print(f"peak RSS, 1 process plain steps {here:.0f} MB, then capturing {out['capture']['peak_rss_mb']:.0f} MB: "
               f"+{rss:.0f} MB = {rss / (largest / 2**20):.2f}x the largest group (goal <= 1.5x)")
-    print(f"appended steps      {', '.join(f'{t / captured[0]:.2f}' for t in captured[1:])} x the first (goal <= 1.2x)")
+    _appended(captured, out["capture"]["cpu"])
+    _disk_floor(per_step_bytes, captured, out["capture"]["cpu"], directory)
+
+
+def _appended(wall, cpu, name="appended steps"):
+    """Each appended step's wall and CPU time against the first captured step's (goal <= 1.2x), and the worst."""
+    ratios = {"wall": [t / wall[0] for t in wall[1:]], "CPU": [c / cpu[0] for c in cpu[1:]]}
+    for kind, r in ratios.items():
+        if r:
+            print(f"{name + ' (' + kind + ')':27s} {', '.join(f'{x:.2f}' for x in r)} x the first; median "
+                  f"{statistics.median(r):.2f}x, worst {max(r):.2f}x (goal <= 1.2x)")
+
+
+def _disk_floor(step_bytes, wall, cpu, directory):
+    """What the disk alone needs for one step's bytes (written and fsynced: the floor below which a disk-bound step
+    cannot go; capture does not fsync a step, so it binds only when the kernel's dirty pages are full), against the
+    captured steps' wall time beyond their CPU time (time spent waiting, for the disk or for a core)."""
+    path = os.path.join(directory, "disk-floor.bin")
+    block = os.urandom(1 << 20) * 4
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        left = int(step_bytes)
+        while left > 0:
+            left -= os.write(fd, block[:min(left, len(block))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    floor = time.perf_counter() - t
+    waited = statistics.median(w - c for w, c in zip(wall, cpu))
+    print(f"disk floor          one step's {step_bytes / 1e6:.1f} MB written and fsynced in {floor:.3f} s "
+          f"({step_bytes / floor / 1e6:.0f} MB/s) = {floor / statistics.median(wall):.2f}x a captured step; the steps' "
+          f"wall beyond their CPU time (waiting for the disk or a core): median {waited:.3f} s; "
+          f"{'the disk may bind' if floor > 0.2 * statistics.median(wall) else 'not disk-bound'}")
 
 
 def main():

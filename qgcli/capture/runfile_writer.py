@@ -43,6 +43,12 @@ _STEP_GROUP = re.compile(r"^(step|epoch|iter)_\d+$")
 RELEASE_BYTES = 8 << 20
 #: Bytes handed over between two readings of the resident memory (each reads ``/proc``: not once per array).
 CHECK_BYTES = 1 << 20
+#: HDF5's blocks of metadata (its default: 2 KiB).  A step's small datasets are allocated one after the other
+#: unless a new block of metadata comes between them; with blocks this large their bytes mostly follow one another,
+#: and :class:`BackgroundWrites` gathers them into few ``pwrite`` calls (a MobileNetV2 step's 1,121 datasets: 111
+#: calls, 579 with HDF5's 2 KiB blocks, 1,121 before the gathering).  Each time the file is opened for writing it
+#: costs at most one such block, part of which may stay unused.
+META_BLOCK_BYTES = 32 << 10
 
 
 def _malloc_trim():
@@ -334,11 +340,11 @@ class RunFileWriter:
             return self._staging
         if self._file is None:
             if self.step is not None and os.path.exists(self.path):
-                self._file = h5py.File(self.path, "a")
+                self._file = h5py.File(self.path, "a", meta_block_size=META_BLOCK_BYTES)
             else:
                 parent = os.path.dirname(os.path.abspath(self.path))  # hidden, as every qgcli temporary
                 self._tmp = os.path.join(parent, f".qgcli-{os.urandom(8).hex()}.tmp")
-                self._file = h5py.File(self._tmp, "w")
+                self._file = h5py.File(self._tmp, "w", meta_block_size=META_BLOCK_BYTES)
             self._writes = BackgroundWrites(self._file.id.get_vfd_handle())
             from qgcli.storage.hdf5.small import SmallWriter
 
