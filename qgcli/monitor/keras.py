@@ -29,8 +29,9 @@ keep their last integer codes, last move direction and oscillation frequency on 
 by their callback.  ``Monitor`` traces the train step twice: a sampling one with every callback and a plain one
 with one callback that updates all the weights' oscillation (``model.train_step`` wrapped while it is traced; a
 weight quantizer in another graph, a ``tf.cond`` branch, keeps a callback of its own), and hands ``model.fit``
-the one the next step needs; validation and prediction run unmonitored.  A custom loop's ``tf.function`` is traced once with every callback, each of
-which looks at the step counter and returns at once between samples (a weight's still updates its codes).
+the one the next step needs; validation and prediction run unmonitored.  A custom loop's ``tf.function`` is
+traced once with every callback, each of which looks at the step counter and returns at once between samples (a
+weight's still updates its codes).
 A learnable range (min and max passed as trainable variables) records its gradient's norm as ``scale_grad_norm``. A
 quantizer sampled before that does not run at a later sample step (a ``tf.cond`` that skips it) is recorded there
 with ``fake_quant_enabled`` 0 only. Batch norms (``tf.compat.v1.nn.fused_batch_norm`` with ``is_training``:
