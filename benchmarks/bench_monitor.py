@@ -14,6 +14,7 @@ layers, not with batch size.
     python benchmarks/bench_monitor.py --steps 200 --rounds 3
     python benchmarks/bench_monitor.py --models llama --steps 100 --interleave   # one process, CPU time
     python benchmarks/bench_monitor.py --models keras --steps 40 --interleave
+    python benchmarks/bench_monitor.py --models keras-loop --steps 60 --interleave   # monitor() in a custom loop
 """
 import argparse
 import contextlib
@@ -298,6 +299,47 @@ def keras_interleaved(steps, folder, warmup):
     return total, _history_size(path)
 
 
+def keras_loop_interleaved(steps, folder, warmup):
+    """CPU s of ``steps`` calls of an unmonitored custom ``tf.function`` train step and of the same step traced
+    inside ``monitor(every=10)`` (every site's callback in the one trace) followed by ``mon.step()``, in turn."""
+    import tensorflow as tf
+
+    from qgcli.monitor.keras import monitor
+
+    model, x, y = keras_model()
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+
+    def make_step():
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                value = loss(yb, model(xb, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        return step
+
+    xb, yb = tf.constant(x[:32]), tf.constant(y[:32])
+    plain = make_step()
+    plain(xb, yb)  # traced before the monitor is on: unmonitored
+    path = os.path.join(folder, f"kl_{time.monotonic_ns()}")
+    total = {"plain": 0.0, "loop": 0.0}
+    with monitor(path, every=10) as mon:
+        watched = make_step()
+
+        def monitored():
+            watched(xb, yb)
+            mon.step()
+
+        for i in range(warmup + steps):
+            for name, call in (("plain", lambda: plain(xb, yb)), ("loop", monitored)):
+                start = time.process_time()
+                call()
+                total[name] += (time.process_time() - start) if i >= warmup else 0.0
+    return total, _history_size(path)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -306,7 +348,8 @@ def main():
     parser.add_argument("--models", default="resnet18,llama,keras")
     parser.add_argument("--interleave", action="store_true",
                         help="step the three configurations in turn in one process (Keras: the unmonitored "
-                             "step, the monitor's step between samples and its sampling step)")
+                             "step, the monitor's step between samples and its sampling step; keras-loop: a "
+                             "custom tf.function step without and with monitor(every=10))")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     makers = {"resnet18": resnet18_qat, "llama": llama_qat}
@@ -315,6 +358,12 @@ def main():
     if args.interleave:
         with tempfile.TemporaryDirectory() as folder:
             for name in args.models.split(","):
+                if name == "keras-loop":
+                    t, size = keras_loop_interleaved(args.steps, folder, args.warmup)
+                    print(f"keras custom loop, interleaved, CPU s: without the monitor {t['plain']:.2f}, "
+                          f"every=10 {t['loop']:.2f} {t['loop'] / t['plain']:.3f}x")
+                    _print_size(10, size)
+                    continue
                 if name == "keras":
                     t, size = keras_interleaved(args.steps, folder, args.warmup)
                     base, every10 = t["plain"], (9 * t["light"] + t["sample"]) / 10

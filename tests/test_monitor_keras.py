@@ -335,3 +335,79 @@ def test_xla_compiled_model_refused_before_any_file(tmp_path):
     with pytest.raises(UsageProblem, match="jit_compile=False"):
         model.fit(x[:8], np.eye(4, dtype="float32")[y[:8]], verbose=0, callbacks=[Monitor(tmp_path / "h")])
     assert not (tmp_path / "h").exists()
+
+
+def host_calls(monkeypatch):
+    """The monitor's host callbacks as they run, and the weight quantizers whose oscillation they update: two
+    lists, emptied by the caller after each step."""
+    from qgcli.monitor import keras as monitor_keras
+
+    calls, updated = [], []
+    callback, oscillation = monitor_keras._Watch._callback, monitor_keras._Watch._oscillation
+
+    def counted_callback(self, method, *args):
+        def run(*given):
+            calls.append(method.__name__)
+            return method(*given)
+
+        return callback(self, run, *args)
+
+    @functools.wraps(oscillation)
+    def recorded_oscillation(self, name, *args):
+        updated.append(name)
+        return oscillation(self, name, *args)
+
+    monkeypatch.setattr(monitor_keras._Watch, "_callback", counted_callback)
+    monkeypatch.setattr(monitor_keras._Watch, "_oscillation", recorded_oscillation)
+    return calls, updated
+
+
+def fit_per_step(model, x, y, path, every, calls, updated, extra=(), **fit):
+    """``model.fit`` with the monitor (and the ``extra`` callbacks after it); each step's host callbacks and
+    updated weight quantizers (sorted)."""
+    from qgcli.monitor.keras import Monitor
+
+    steps = []
+
+    class Steps(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append((sorted(calls), sorted(updated)))
+            del calls[:], updated[:]
+
+    model.fit(x, y, verbose=0, shuffle=False, callbacks=[Monitor(path, every=every), *extra, Steps()],
+              **fit)
+    return steps
+
+
+def test_one_weight_callback_per_step_between_samples(tmp_path, monkeypatch):
+    """Between samples model.fit's step makes one host callback for its two weight quantizers (not one each), and
+    the history and the weights equal those of a run with one callback per weight quantizer, bit for bit."""
+    from qgcli.monitor import keras as monitor_keras
+
+    calls, updated = host_calls(monkeypatch)
+    x, y = _data()
+    runs = {}
+    for gathered in (True, False):
+        if not gathered:
+            monkeypatch.setattr(monitor_keras._Watch, "gathering", lambda self: contextlib.nullcontext())
+        model = _model()
+        path = tmp_path / f"h{gathered}"
+        steps = fit_per_step(model, x, y, path, 3, calls, updated, batch_size=8, epochs=1)
+        runs[gathered] = steps, read_history(path), model.get_weights()
+    steps, h, weights = runs[True]
+    assert h.steps == [1, 3, 6] and len(steps) == 6
+    weight_layers = sorted(la["path"] for la in h.layers if la["role"] == "weight")
+    assert len(weight_layers) == 2
+    for step in (2, 4, 5):  # between samples
+        assert steps[step - 1] == (["_oscillations"], weight_layers), step
+        assert runs[False][0][step - 1] == (["_oscillation"] * 2, weight_layers), step
+    assert len(steps[0][0]) > 10  # a sampling step: a callback per site
+    _, other, other_weights = runs[False]
+    assert [la["path"] for la in h.layers] == [la["path"] for la in other.layers]
+    for layer in h.layers:
+        got, want = h.series(layer["path"]), other.series(layer["path"])
+        assert got.keys() == want.keys()
+        for name in got:
+            assert np.array_equal(np.array(got[name], float), np.array(want[name], float), equal_nan=True), name
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(weights, other_weights))
+    assert any(v for v in h.series(weight_layers[0])["codes_changed"][1:])  # the codes moved between samples

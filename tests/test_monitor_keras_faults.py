@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from qgcli.cli import main
 from qgcli.monitor.history import read_history
-from test_monitor_keras import np, tf, tfmot  # TensorFlow set up for tf_keras (or the module skipped)
+from test_monitor_keras import fit_per_step, host_calls, np, tf, tfmot  # TensorFlow set up for tf_keras (or skipped)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 quantizers = tfmot.quantization.keras.quantizers
@@ -211,6 +211,39 @@ def test_planted_faults_found_at_their_layer_and_step(tmp_path, monkeypatch):
     assert all(f["severity"] == "error" for (kind, _), f in findings.items()
                if kind not in ("oscillation", "fake_quant_disabled"))
 
+
+def test_weight_quantizer_in_a_cond_branch_keeps_its_own_callback(tmp_path, monkeypatch):
+    """Between samples the weight quantizers of model.fit's step share one host callback, but for one in a
+    tf.cond branch: its own callback, which runs only when the branch is taken (its codes not updated once it is
+    switched off)."""
+    calls, updated = host_calls(monkeypatch)
+    tf.keras.backend.clear_session()
+    tf.keras.utils.set_random_seed(0)
+    annotate = tfmot.quantization.keras.quantize_annotate_layer
+    dense = tf.keras.layers.Dense
+    inputs = tf.keras.Input((8,))
+    h = inputs
+    for name, switch in (("first", False), ("switched", True), ("last", False)):
+        h = annotate(dense(8, name=name), Config(kernel=Fixed(-4.0, 4.0, switch=switch)))(h)
+    with tfmot.quantization.keras.quantize_scope({"Fixed": Fixed, "Config": Config}):
+        model = tfmot.quantization.keras.quantize_apply(tf.keras.Model(inputs, h))
+    model.compile(tf.keras.optimizers.SGD(0.05), "mse")
+    switch = _variable(model, "quant_switched", "on")
+
+    class SwitchOff(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:  # after step 4
+                switch.assign(0.0)
+
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(48, 8).astype("float32"), rng.randn(48, 8).astype("float32")
+    steps = fit_per_step(model, x, y, tmp_path / "h", 3, calls, updated, batch_size=8, epochs=1,
+                         extra=[SwitchOff()])
+    names = sorted(steps[1][1])
+    assert len(names) == 3 and "switched" in names[2], names
+    for step in (2, 4):
+        assert steps[step - 1] == (["_oscillation", "_oscillations"], names), step
+    assert steps[4] == (["_oscillations"], names[:2])  # step 5: the branch not taken
 
 def test_ste_mask_matches_the_kernel_in_a_graph():
     """The monitor's STE mask (and its clipping shares) is TensorFlow's gradient mask, symmetric ranges included

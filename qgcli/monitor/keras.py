@@ -27,9 +27,11 @@ they run after it.  The upstream gradient and the input gradient are seen by ide
 taps on the op's output and input (values unchanged: passive).  Weight quantizers (inputs read from a variable)
 keep their last integer codes, last move direction and oscillation frequency on the host, updated at every step
 by their callback.  ``Monitor`` traces the train step twice: a sampling one with every callback and a plain one
-with the weights' oscillation callbacks only, and hands ``model.fit`` the one the next step needs; validation
-and prediction run unmonitored.  A custom loop's ``tf.function`` is traced once with every callback, each of
-which looks at the step counter and returns at once between samples (a weight's still updates its codes).
+with one callback that updates all the weights' oscillation (``model.train_step`` wrapped while it is traced; a
+weight quantizer in another graph, a ``tf.cond`` branch, keeps a callback of its own), and hands ``model.fit``
+the one the next step needs; validation and prediction run unmonitored.  A custom loop's ``tf.function`` is
+traced once with every callback, each of which looks at the step counter and returns at once between samples (a
+weight's still updates its codes).
 A learnable range (min and max passed as trainable variables) records its gradient's norm as ``scale_grad_norm``. A
 quantizer sampled before that does not run at a later sample step (a ``tf.cond`` that skips it) is recorded there
 with ``fake_quant_enabled`` 0 only. Batch norms (``tf.compat.v1.nn.fused_batch_norm`` with ``is_training``:
@@ -78,6 +80,7 @@ class _Watch:
         self.state = {}  # layer -> keras_stats.Oscillation (a weight quantizer's codes and frequencies)
         self.masks = {}  # layer -> its STE mask buffer (int8), reused from sample to sample
         self.counts = {}  # (graph, scope) -> calls seen in that graph
+        self.gathered = None  # a step being traced between samples: its graph's weight quantizers, one callback
         self.patched = []
         self.writer = HistoryWriter(path, overwrite=overwrite, durable=durable, meta={
             "framework": "tensorflow", "tensorflow_version": tf.__version__, "every": self.every,
@@ -211,7 +214,7 @@ class _Watch:
             if self.mode == "light":  # between samples: the oscillation counts only
                 y = original(**a)
                 if role == "weight":
-                    self._callback(self._oscillation, name, bits, narrow, x, lo, hi)
+                    self._light_weight(name, bits, narrow, x, lo, hi)
                 return y
             slot = {}
             a["inputs"] = self._tap_dx(name, x, slot)
@@ -222,6 +225,33 @@ class _Watch:
             return self._tap_dy(name, y, slot)
 
         return wrapper
+
+    @contextlib.contextmanager
+    def gathering(self):
+        """While a step between samples is traced: the oscillation updates of the weight quantizers traced in the
+        step's own graph go to one host callback, added when the step's trace ends (a callback's call costs
+        TensorFlow's executor more than its body).  It runs when its last weight is read and its range set: the
+        host callbacks are ordered among themselves only, not against the step's variable updates."""
+        if self.gathered is not None or self.tf.executing_eagerly():
+            yield
+            return
+        gathered = self.gathered = _Gathered(self.tf)
+        try:
+            yield
+        finally:
+            self.gathered = None
+        if gathered.specs:
+            self._callback(self._oscillations, tuple(gathered.specs), *gathered.tensors)
+
+    def _light_weight(self, name, bits, narrow, x, lo, hi):
+        """A weight quantizer between samples: its oscillation update gathered into the step's callback, or one
+        of its own when traced in another graph (a ``tf.cond`` branch, a loop's body) or outside a gathered step."""
+        gathered = self.gathered
+        if gathered is not None and gathered.holds(x, lo, hi):
+            gathered.specs.append((name, bits, narrow))
+            gathered.tensors.extend((x, lo, hi))
+        else:
+            self._callback(self._oscillation, name, bits, narrow, x, lo, hi)
 
     def _bn_wrapper(self, attr, original):
         tf = self.tf
@@ -307,6 +337,11 @@ class _Watch:
         self.state.setdefault(name, _stats.Oscillation()).update(x, grid, self.momentum)
         return grid
 
+    def _oscillations(self, specs, *arrays):
+        """Every step between samples: the gathered weight quantizers' codes, each with its ``x``, ``lo``, ``hi``."""
+        for i, (name, bits, narrow) in enumerate(specs):
+            self._oscillation(name, bits, narrow, *arrays[3 * i:3 * i + 3])
+
     def _forward(self, name, role, bits, narrow, x, y, lo, hi):
         sampling = self.sampling()
         if role != "weight" and not sampling:
@@ -346,6 +381,23 @@ class _Watch:
     def _batch_norm(self, name, fmt, epsilon, x, mean, variance):
         if self.sampling():
             self._note(name, **_stats.batch_norm(x, mean, variance, fmt, epsilon))
+
+
+class _Gathered:
+    """The weight quantizers traced in a step's graph (the default one when made) for its one oscillation
+    callback: ``(name, bits, narrow)`` each, and their ``x``, ``lo``, ``hi`` tensors in that order."""
+
+    def __init__(self, tf):
+        self._default_graph = tf.compat.v1.get_default_graph
+        self.graph = self._default_graph()
+        self.specs = []
+        self.tensors = []
+
+    def holds(self, *tensors):
+        """Whether ``tensors`` and the op being traced are in the step's graph itself: not in a branch (a
+        ``tf.cond``'s, whose callbacks run only when it is taken) nor in a loop's body."""
+        graph = self.graph
+        return self._default_graph() is graph and all(getattr(t, "graph", None) is graph for t in tensors)
 
 
 _TOKEN = np.int32(0)
@@ -411,6 +463,7 @@ def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, d
             watch = self.watch = _Watch(path, every, momentum, threshold, overwrite, durable, tensorboard, mode="off")
             watch.install()
             model = self.model
+            self._restore_train_step = _gather_in_train_step(watch, model)
             # two train steps, traced again with the monitor's ops at their first call: one that samples, one
             # with the oscillation update only; the mode is what the wrapped ops see while a step is traced
             self._steps = {}
@@ -426,9 +479,31 @@ def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, d
 
         def on_train_end(self, logs=None):
             self.model.train_function = None  # the next fit traces its own, unmonitored unless asked
+            self._restore_train_step()
             self.watch.close()
 
     return _Callback()
+
+
+def _gather_in_train_step(watch, model):
+    """``model.train_step``, which the train function traces, made to gather the weights' oscillation updates of a
+    step between samples into one callback (``_Watch.gathering``); returns what puts the original back."""
+    original = model.train_step
+    own = "train_step" in vars(model)  # set on the model itself, not its class's method
+
+    def train_step(data):
+        with watch.gathering() if watch.mode == "light" else contextlib.nullcontext():
+            return original(data)
+
+    model.train_step = train_step
+
+    def restore():
+        if own:
+            model.train_step = original
+        else:
+            del model.train_step
+
+    return restore
 
 
 def _in_mode(watch, mode, function):
