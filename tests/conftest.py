@@ -1,5 +1,6 @@
 """Shared fixtures: the ``xp`` array-module fixture (NumPy, and CuPy where a GPU exists), paths, CLI runner."""
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -44,6 +45,17 @@ def _numpy_kernels_chosen_where_none_are_built(monkeypatch):
 
     if "QGCLI_NATIVE" not in os.environ and native.variant() == "numpy":
         monkeypatch.setenv("QGCLI_NATIVE", "0")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """PyTorch on one intra-op thread wherever a test module imported it.  Its OpenMP threads spin while they
+    wait: on a shared 2-core machine two of them doubled the CPU time of the PyTorch tests (tests/
+    test_monitor_torch.py + test_capture_models.py: 46 s -> 26 s user at load 4), with the models these
+    tests train no faster.  The golden files were made on one thread (tests/golden/make_golden_formats.py)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(params=["auto", "baseline", "numpy"])
