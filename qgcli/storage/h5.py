@@ -440,11 +440,14 @@ class GroupSink:
         begun, grp = self._begun
         attrs = provenance.attributes(attrs)
         if begun != path:
+            arrays = {name: np.asarray(array) for name, array in arrays.items()}
+            if not self.compression and self.writer.layer_written(path, attrs, arrays):
+                self._begun = (path, None)
+                return
             gid = self.writer.layer(path, attrs)
             if gid is not None:
                 self._begun = (path, None)
                 for name, array in arrays.items():
-                    array = np.asarray(array)
                     if self.compression or not self.writer.written_at(gid, name, array):
                         self._put(h5py.Group(gid), name, array)
                 return
