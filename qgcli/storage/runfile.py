@@ -199,7 +199,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE", prefetch=0):
                 parent, _, name = node.raw.rpartition(b"/")
                 ds = node.obj  # a DatasetID, closed again at once: an open HDF5 dataset costs tens of KB
                 where = "/" + _text(parent) if parent else "/"
-                shape, dtype = ds.shape, ds.dtype  # each an HDF5 round trip: asked once
+                shape, dtype = ds.shape, h5.dtype_of(ds)  # each an HDF5 round trip: asked once
                 children[where].append((_text(name), shape, dtype_name(dtype)))
                 if where in arrays and shape is not None and 0 < budget[0] and dtype.kind in "fiu":
                     # read as the run reads it: by its dtype's name (an HDF5 enum's integers as plain ones)
