@@ -52,4 +52,4 @@ def test_dtype_of_keeps_a_bounded_number_of_types(tmp_path, monkeypatch):
     with h5py.File(tmp_path / "f.h5", "r") as f:
         for name in TYPES:
             assert h5.dtype_of(f[name].id) == f[name].dtype
-    assert len(h5._TYPES_MET) == 3 and [dtype for _, _, dtype in h5._TYPES_MET] == [np.float32, np.float64, ">f4"]
+    assert len(h5._TYPES_MET) == 3 and [entry[2] for entry in h5._TYPES_MET] == [np.float32, np.float64, ">f4"]
