@@ -87,3 +87,51 @@ def test_a_file_cut_inside_the_data_is_refused(tmp_path):
             container.read("a")
         finally:
             container.close()
+
+
+@pytest.mark.parametrize("userblock", [0, 512])
+def test_small_plain_datasets_stored_as_is_read_at_their_offset(tmp_path, monkeypatch, userblock):
+    """read_plain_dataset(..., fd) reads a dataset whose type stores its dtype as is (h5.stored_as; a run file's
+    small operands, discovery's read-ahead) as bytes at its offset, a big-endian one read as big-endian too; a
+    type h5py converts (an enum read as its integers), a compact or chunked layout, or no descriptor, are read
+    by HDF5 as before, with the same values."""
+    import os
+
+    from qgcli.storage import h5
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "small.h5"
+    with h5py.File(path, "w", userblock_size=userblock) as f:
+        f["native"] = rng.standard_normal((5, 7)).astype(np.float32)
+        f["int16"] = np.arange(-3, 4, dtype=np.int16)
+        f["big_endian"] = rng.standard_normal(6).astype(">f8")
+        f.create_dataset("enum", data=np.array([0, 1, 1], np.int8), dtype=h5py.enum_dtype({"a": 0, "b": 1}))
+        f.create_dataset("compact", data=np.arange(4.0), dcpl=_compact())
+        f.create_dataset("chunked", data=np.arange(10.0), chunks=(4,))
+        f["last"] = rng.standard_normal(300).astype(np.float32)  # its data end the file
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(h5.os, "preadv", lambda *a: reads.append(1) or real(*a))
+    as_is = {"native", "int16", "big_endian", "compact", "chunked", "last"}  # (compact, chunked: no offset)
+    with h5py.File(path, "r") as f:
+        fd = h5.file_descriptor(f)
+        assert fd >= 0
+        for name in ("native", "int16", "big_endian", "enum", "compact", "chunked", "last"):
+            ds = f[name]
+            dtype, stored = h5.stored_as(ds.id)
+            assert stored == (name in as_is) and dtype == ds.dtype, name
+            read_as = np.dtype(str(dtype))  # as discovery reads it: an enum as its integers
+            for descriptor in (fd, -1):
+                del reads[:]
+                got = h5.read_plain_dataset(ds.id, ds.shape, read_as, descriptor if stored else -1)
+                np.testing.assert_array_equal(got, ds[()].astype(read_as))
+                assert got.dtype == read_as and got.shape == ds.shape, name
+                assert len(reads) == (descriptor >= 0 and name in ("native", "int16", "big_endian", "last")), name
+    with h5py.File(path, "r", driver="core") as f:
+        assert h5.file_descriptor(f) == -1
+
+
+def _compact():
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.COMPACT)
+    return dcpl

@@ -173,3 +173,52 @@ def test_repeated_attributes_make_a_template_from_their_second_group(tmp_path):
         writer.close()
     with h5py.File(tmp_path / "f.h5", "r") as f:
         assert [f[p].attrs["min"] for p in ("a/one", "a/two", "b/three", "b/four")] == [-1.0, -2.0, -1.0, -1.0]
+
+
+def test_layers_written_from_templates_hold_what_h5py_high_level_calls_make(tmp_path, monkeypatch):
+    """layer_written() copies a template holding the group's attributes and its datasets, each array written
+    into the template first: the same objects and bytes as h5py's calls.  A template is for one set of
+    attributes, dataset names, shapes and dtypes, made when the set is met a second time: a group whose arrays
+    differ in shape, dtype or name (or whose attributes differ) never takes another's template."""
+    from qgcli.storage.hdf5 import small
+
+    monkeypatch.setattr(small, "MAX_FILLED_TEMPLATES", 3)
+    rng = np.random.default_rng(2)
+    scalars = {k: v for k, v in ATTRS.items() if k != "vector"}
+    kinds = [((4, 6), np.float32, "w"), ((6, 4), np.float32, "w"), ((4, 6), np.float64, "w"), ((4, 6), np.float32, "v"),
+             ((4, 6), np.float32, "w", 4)]
+    content, expected = [], []
+    for i in range(15):
+        shape, dtype, name, *bits = kinds[i % len(kinds)]
+        attrs = dict(scalars, num_bits=bits[0]) if bits else scalars
+        data = {name: rng.standard_normal(shape).astype(dtype), "mask": rng.standard_normal(shape[-1]) > 0,
+                "scalar": np.array(i, np.int64)}
+        content.append((f"step_0/layer_{i // 2}/q{i}", data, attrs))
+        expected.append(i >= len(kinds) and i % len(kinds) < 3)  # from the second meeting, 3 templates at most
+    with h5py.File(tmp_path / "high.h5", "w") as f:
+        for path, data, attrs in content:
+            high_level(f, path, data, attrs)
+    with h5py.File(tmp_path / "low.h5", "w") as f:
+        writer = SmallWriter(f)
+        for (path, data, attrs), templated in zip(content, expected):
+            assert writer.layer_written(path, attrs, data) == templated, path
+            if not templated:  # as the run-file writer goes on
+                gid = writer.layer(path, attrs)
+                for name, array in data.items():
+                    assert writer.written_at(gid, name, array)
+        assert len(writer._filled) == 3
+        big = {"w": np.zeros(small.TEMPLATE_DATA_BYTES // 4 + 1, np.float32)}
+        assert not writer.layer_written(content[0][0], content[0][2], content[0][1])  # it exists: nothing made
+        for _ in range(2):
+            assert not writer.layer_written("big", scalars, big)  # over the bytes a template holds
+            assert not writer.layer_written("other", scalars, {"x": np.arange(3, dtype=">i4")})  # h5py's call
+        assert not writer.layer_written("/", scalars, content[0][1])
+        writer.close()
+    assert objects(tmp_path / "low.h5") == objects(tmp_path / "high.h5")
+    with h5py.File(tmp_path / "low.h5", "r") as low:
+        assert "big" not in low and "other" not in low
+        for path, data, _ in content:
+            for name, array in data.items():
+                assert low[path][name].dtype == array.dtype and np.array_equal(low[path][name][()], array)
+        assert low[content[-1][0]][next(iter(content[-1][1]))].id.get_create_plist().get_fill_time() == \
+            h5py.h5d.FILL_TIME_NEVER

@@ -171,6 +171,7 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE", prefetch=0):
     # walk holds a bounded number of objects open (an open group costs ~17 KB, 20,000 of them 400 MB).
     groups, children, pending = [], {}, []
     arrays, budget = {}, [prefetch]  # group path -> {name: array read by the walk}; the bytes left to read
+    fd = h5.file_descriptor(handle) if prefetch > 0 else -1
 
     def flush():
         for entry, attrs in zip(pending, _attributes_of([e[2] for e in pending])):
@@ -199,11 +200,11 @@ def discover(handle, group=None, *, label=None, operand="BUNDLE", prefetch=0):
                 parent, _, name = node.raw.rpartition(b"/")
                 ds = node.obj  # a DatasetID, closed again at once: an open HDF5 dataset costs tens of KB
                 where = "/" + _text(parent) if parent else "/"
-                shape, dtype = ds.shape, ds.dtype  # each an HDF5 round trip: asked once
+                shape, (dtype, as_is) = ds.shape, h5.stored_as(ds)  # each an HDF5 round trip: asked once
                 children[where].append((_text(name), shape, dtype_name(dtype)))
                 if where in arrays and shape is not None and 0 < budget[0] and dtype.kind in "fiu":
                     # read as the run reads it: by its dtype's name (an HDF5 enum's integers as plain ones)
-                    array = h5.read_plain_dataset(ds, shape, np.dtype(children[where][-1][2]))
+                    array = h5.read_plain_dataset(ds, shape, np.dtype(children[where][-1][2]), fd if as_is else -1)
                     if array is not None:
                         arrays[where][_text(name)] = array
                         budget[0] -= array.nbytes

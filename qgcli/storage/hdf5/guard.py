@@ -53,7 +53,9 @@ def read_string_attributes(attrs, filename):
     attrs = list(attrs)
     if lib is None or _stuck:
         return [None] * len(attrs)
-    todo = [i for i, a in enumerate(attrs) if h5py.check_string_dtype(a.dtype) is not None]
+    from qgcli.storage.h5 import dtype_of
+
+    todo = [i for i, a in enumerate(attrs) if h5py.check_string_dtype(dtype_of(a)) is not None]
     if not todo:
         return [None] * len(attrs)
     memtype = h5py.h5t.C_S1.copy()  # char *, NUL-terminated, allocated by HDF5

@@ -34,10 +34,12 @@ class SmallWriter:
         self._types = {}  # dtype -> (file type, memory type), as h5py derives them
         self._scalar = h5s.create(h5s.SCALAR)
         self._lcpl = {}  # coding -> h5py's link creation properties with that character set
-        self._templates = None  # an in-memory HDF5 file of groups with attributes only, copied by attributed()
+        self._templates = None  # an in-memory HDF5 file of template groups, copied by attributed() and layer_written()
         self._copy = None  # the object copy properties of those copies
         self._made = {}  # the attributes of a template (as a hashable key) -> its name in that file
         self._seen = set()  # attribute sets met once by attributed(..., repeated=True), no template yet
+        self._filled = {}  # layer_written()'s templates: (attributes, datasets) -> (name, [(DatasetID, file type)])
+        self._seen_filled = set()  # (attributes, datasets) met once by layer_written(), no template yet
         self._parent = (None, None)  # the last parent group layer() made or opened: (path, GroupID)
         self._fd = None  # HDF5's own file descriptor (POSIX driver), for written_at()
 
@@ -71,22 +73,31 @@ class SmallWriter:
             return made
         template = self._made.get(key)
         if template is None:
-            if self._templates is None:
-                from h5py import File
-
-                self._templates = File(f"qgcli-templates-{os.urandom(8).hex()}", "w", driver="core",
-                                       backing_store=False)
-                self._copy = h5p.create(h5p.OBJECT_COPY)
             template = self._made[key] = f"t{len(self._made)}".encode()
-            self.attributes(h5g.create(self._templates.id, template), attrs, new=True)
+            self.attributes(h5g.create(self._template_file(), template), attrs, new=True)
         link, lcpl = self.link_name(name)
         h5o.copy(self._templates.id, template, gid, link, copypl=self._copy, lcpl=lcpl)
         return h5g.open(gid, link)
+
+    def _template_file(self):
+        """The FileID of the in-memory file of templates, made on first use."""
+        if self._templates is None:
+            from h5py import File
+
+            self._templates = File(f"qgcli-templates-{os.urandom(8).hex()}", "w", driver="core", backing_store=False)
+            self._copy = h5p.create(h5p.OBJECT_COPY)
+        return self._templates.id
 
     def layer(self, path, attrs):
         """A new group at ``path`` (text as h5py spells names; its missing parents made) with the scalar
         attributes ``attrs``, by :meth:`attributed`: its GroupID, or None where ``path`` exists already (a
         group made as the parent of one written before it) or names the root."""
+        place = self._place(path)
+        return None if place is None else self.attributed(place[0], place[1], attrs, repeated=True)
+
+    def _place(self, path):
+        """``(parent GroupID, leaf name)`` of a new group at ``path``, its parents made; None where ``path``
+        exists or names the root."""
         parent, _, leaf = path.strip("/").rpartition("/")
         if not leaf:
             return None
@@ -94,10 +105,58 @@ class SmallWriter:
         if done != parent:
             pid = self.group(parent)
             self._parent = (parent, pid)  # the next group is often its sibling (one layer's quantizers)
-        name = self.link_name(leaf)[0]
-        if pid.links.exists(name):
+        if pid.links.exists(self.link_name(leaf)[0]):
             return None
-        return self.attributed(pid, leaf, attrs, repeated=True)
+        return pid, leaf
+
+    def layer_written(self, path, attrs, arrays):
+        """:meth:`layer` with the small plain ``arrays`` (name -> array, as :meth:`written_at` takes them) written
+        in it, in one H5Ocopy of a template group that holds the attributes and the datasets, each array first
+        written into the template's dataset (in memory, no conversion): half the cost of making the datasets
+        in the file one by one, or of opening the copies to write at their offsets.  The same objects as
+        :meth:`layer` and :meth:`written_at` make (contiguous, allocated at creation, never filled).  A template
+        is for one set of attributes and of dataset names, shapes and dtypes, and made only for a set met
+        before (see :meth:`attributed`); False, with nothing made, for a set met for the first time, arrays
+        over :data:`TEMPLATE_DATA_BYTES` or one written_at() does not take, a path that exists or the root."""
+        if (not arrays or sum(array.nbytes for array in arrays.values()) > TEMPLATE_DATA_BYTES
+                or not all(self._writable(array) for array in arrays.values())):
+            return False
+        template = self._filled_template(attrs, arrays)
+        if template is None:
+            return False
+        place = self._place(path)
+        if place is None:
+            return False
+        name, datasets = template
+        for (dsid, ftype), array in zip(datasets, arrays.values()):
+            dsid.write(h5s.ALL, h5s.ALL, array, mtype=ftype)  # the bytes as they are, as written_at() writes them
+        link, lcpl = self.link_name(place[1])
+        h5o.copy(self._templates.id, name, place[0], link, copypl=self._copy, lcpl=lcpl)
+        return True
+
+    def _filled_template(self, attrs, arrays):
+        """``(name, [(DatasetID, file type)])`` of :meth:`layer_written`'s template for these attributes and
+        arrays, made on their second meeting; None before it, or past :data:`MAX_FILLED_TEMPLATES`."""
+        key = _key(attrs)
+        if key is None:
+            return None
+        key = (key, tuple((name, array.shape, array.dtype) for name, array in arrays.items()))
+        template = self._filled.get(key)
+        if template is not None:
+            return template
+        if key not in self._seen_filled:
+            if len(self._seen_filled) < MAX_TEMPLATES:
+                self._seen_filled.add(key)
+            return None
+        if len(self._filled) >= MAX_FILLED_TEMPLATES:
+            return None
+        name = f"f{len(self._filled)}".encode()
+        gid = h5g.create(self._template_file(), name)
+        self.attributes(gid, attrs, new=True)
+        datasets = [(self.allocated(gid, dname, array.shape, array.dtype, _allocated()), self._type(array.dtype)[0])
+                    for dname, array in arrays.items()]
+        template = self._filled[key] = (name, datasets)
+        return template
 
     def written_at(self, gid, name, array):
         """``create_dataset(name, data=array)`` in the group ``gid`` for a non-empty C-contiguous array (or a
@@ -105,13 +164,9 @@ class SmallWriter:
         never filled by HDF5) and its bytes written at its offset in the file, past HDF5's write path (a
         third of a small group's writing); False (nothing made) for anything else, or a file driver other
         than the POSIX one."""
-        if self._fd is None:
-            self._fd = self.file.id.get_vfd_handle() if self.file.driver == "sec2" else -1
-        dtype = array.dtype
-        if (self._fd < 0 or array.size == 0 or dtype.kind not in "biuf" or dtype.fields is not None
-                or not dtype.isnative or not array.flags.c_contiguous):
+        if not self._writable(array):
             return False
-        dsid = self.allocated(gid, name, array.shape, dtype, _allocated())
+        dsid = self.allocated(gid, name, array.shape, array.dtype, _allocated())
         try:
             offset = dsid.get_offset()
             pwrite_all(self._fd, array, offset)
@@ -119,8 +174,20 @@ class SmallWriter:
             dsid.close()
         return True
 
+    def _writable(self, array):
+        """Whether :meth:`written_at` writes ``array``: a non-empty C-contiguous array of plain numbers in this
+        machine's byte order, and a file it can write at."""
+        if self._fd is None:
+            self._fd = self.file.id.get_vfd_handle() if self.file.driver == "sec2" else -1
+        dtype = array.dtype
+        return (self._fd >= 0 and array.size != 0 and dtype.kind in "biuf" and dtype.fields is None
+                and dtype.isnative and array.flags.c_contiguous)
+
     def close(self):
-        """Free the templates of :meth:`attributed` and the parent group :meth:`layer` holds."""
+        """Free the templates of :meth:`attributed` and :meth:`layer_written` and the parent group :meth:`layer`
+        holds."""
+        self._filled = {}  # (their datasets closed before their file)
+        self._seen_filled = set()
         if self._templates is not None:
             self._templates.close()
             self._templates = None
@@ -139,7 +206,7 @@ class SmallWriter:
         """The GroupID at ``path`` (text as h5py spells names), created with its parents where missing."""
         if path.strip("/") == "":
             return self.file.id
-        name, lcpl = self.file._e(path, lcpl=True)
+        name, lcpl = self.link_name(path)  # h5py's _e(path, lcpl=True), without a property list copied each call
         try:
             return h5g.create(self.file.id, name, lcpl=lcpl)
         except ValueError:  # it exists (a layer nested in one written before it)
@@ -205,6 +272,14 @@ def _allocated():
 
 #: Templates one writer keeps at most (one per distinct set of attributes; past it, groups are made one by one).
 MAX_TEMPLATES = 4096
+
+#: Templates with datasets (:meth:`SmallWriter.layer_written`) one writer keeps at most, each holding its datasets
+#: open and its arrays' bytes: past it, groups are made as :meth:`SmallWriter.layer` makes them.
+MAX_FILLED_TEMPLATES = 64
+
+#: The most bytes of arrays a group written from a template holds (its copy in the template is memory; the
+#: per-group cost it saves matters for small groups only).
+TEMPLATE_DATA_BYTES = 256 << 10
 
 
 def _key(attrs):
