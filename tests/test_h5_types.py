@@ -1,10 +1,11 @@
-"""qgcli.storage.h5.dtype_of: h5py's dtype of a dataset's or attribute's HDF5 type, converted once per distinct
+"""qgcli.storage.hdf5.types.dtype_of (also qgcli.storage.h5.dtype_of): h5py's dtype of a dataset's or attribute's HDF5 type, converted once per distinct
 type; a type that differs in any property (size, byte order, an enum's members, a string's length or character
 set: HDF5's own comparison leaves a variable-length string's out) never takes another's dtype."""
 import h5py
 import numpy as np
 
 from qgcli.storage import h5
+from qgcli.storage.hdf5 import types
 
 TYPES = {
     "f4": np.float32, "f8": np.float64, "f4 big-endian": ">f4", "i1": np.int8, "u1": np.uint8, "bool": np.bool_,
@@ -26,7 +27,7 @@ def write(path):
 
 
 def test_dtype_of_gives_h5pys_dtype_for_each_type_across_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(h5, "_TYPES_MET", [])
+    monkeypatch.setattr(types, "_TYPES_MET", [])
     for i in range(2):  # the second file's types hit the first's, which was closed meanwhile
         write(tmp_path / f"{i}.h5")
         with h5py.File(tmp_path / f"{i}.h5", "r") as f:
@@ -42,14 +43,14 @@ def test_dtype_of_gives_h5pys_dtype_for_each_type_across_files(tmp_path, monkeyp
                     attr = h5py.h5a.open(f.id, name.encode())
                     assert h5.dtype_of(attr) == attr.dtype and h5.dtype_of(attr).str == attr.dtype.str, name
         # the committed float32 is equal to the plain one; a compound is converted each time
-        assert len(h5._TYPES_MET) == len(TYPES) - 1
+        assert len(types._TYPES_MET) == len(TYPES) - 1
 
 
 def test_dtype_of_keeps_a_bounded_number_of_types(tmp_path, monkeypatch):
-    monkeypatch.setattr(h5, "_TYPES_MET", [])
-    monkeypatch.setattr(h5, "MAX_TYPES_MET", 3)
+    monkeypatch.setattr(types, "_TYPES_MET", [])
+    monkeypatch.setattr(types, "MAX_TYPES_MET", 3)
     write(tmp_path / "f.h5")
     with h5py.File(tmp_path / "f.h5", "r") as f:
         for name in TYPES:
             assert h5.dtype_of(f[name].id) == f[name].dtype
-    assert len(h5._TYPES_MET) == 3 and [entry[2] for entry in h5._TYPES_MET] == [np.float32, np.float64, ">f4"]
+    assert len(types._TYPES_MET) == 3 and [entry[2] for entry in types._TYPES_MET] == [np.float32, np.float64, ">f4"]

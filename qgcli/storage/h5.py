@@ -6,7 +6,6 @@ by :class:`qgcli.storage.hdf5.small.SmallWriter` at HDF5's own speed).
 The low-level helpers live in :mod:`qgcli.storage.hdf5` (walk, guard, contiguous, chunks, small).
 """
 import contextlib
-import functools
 import io as _io
 import os
 
@@ -18,6 +17,7 @@ from qgcli.storage import atomic, provenance, sparse, targets
 from qgcli.storage.checks import CORRUPT_FILE_ERRORS, check_memory, reason
 from qgcli.storage.hdf5 import contiguous as h5_contiguous
 from qgcli.storage.hdf5 import guard as hdf5_guard
+from qgcli.storage.hdf5.types import dtype_of, memory_type, stored_as  # noqa: F401 (h5.dtype_of, h5.stored_as)
 
 MAGIC = b"\x89HDF\r\n\x1a\n"
 
@@ -212,7 +212,7 @@ def read_plain_dataset(dsid, shape, dtype, fd=-1):
                 return None  # data outside this file: the checked read refuses it
         array = np.empty(shape, dtype=dtype)
         if offset is None or fd < 0 or not _read_at(fd, offset, array):
-            dsid.read(h5s.ALL, h5s.ALL, array, mtype=_memory_type(dtype))
+            dsid.read(h5s.ALL, h5s.ALL, array, mtype=memory_type(dtype))
     except CORRUPT_FILE_ERRORS:
         return None
     return array
@@ -230,60 +230,6 @@ def file_descriptor(handle):
     driver other than the POSIX one (a file in memory, a Python file object)."""
     f = handle.file
     return f.id.get_vfd_handle() if f.driver == "sec2" else -1
-
-
-def _memory_type(dtype):
-    """The HDF5 memory type h5py's read derives from the array's dtype (``h5t.py_create``) on every call (half
-    of an 8-byte read's cost), made once per dtype (for datasets' and attributes' reads).  A dtype carrying
-    h5py's metadata (an HDF5 enum's integers) is made each time: NumPy compares it equal to its plain one."""
-    if dtype.metadata:
-        from h5py import h5t
-
-        return h5t.py_create(dtype)
-    return _plain_memory_type(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _plain_memory_type(dtype):
-    from h5py import h5t
-
-    return h5t.py_create(dtype)
-
-
-def dtype_of(oid):
-    """``oid.dtype`` of a low-level DatasetID or AttrID, h5py's conversion of its HDF5 type made once per
-    distinct type (:func:`stored_as`)."""
-    return stored_as(oid)[0]
-
-
-def stored_as(oid):
-    """``(dtype, as_is)`` of a low-level DatasetID or AttrID: ``oid.dtype``, and whether its HDF5 type is the
-    memory type h5py reads that dtype with (the stored bytes are the array's: :func:`read_plain_dataset` may
-    read them at their offset).  Worked out once per distinct type: a number, enum or string type equal to one
-    met before (``H5Tequal``: size, byte order, precision, an enum's members, a fixed string's length; and
-    the character set, which HDF5 leaves out of a variable-length string's comparison) gives that one's; other
-    classes are converted each time.  The conversion is most of what ``.dtype`` costs on an object just opened
-    (9 of 13 us), and a run file's thousands of datasets and attributes hold a handful of types."""
-    from h5py import h5t
-
-    ftype = oid.get_type()
-    kind = ftype.get_class()
-    if kind not in (h5t.INTEGER, h5t.FLOAT, h5t.ENUM, h5t.STRING):
-        return ftype.dtype, False
-    cset = ftype.get_cset() if kind == h5t.STRING else None
-    for known, known_cset, dtype, as_is in _TYPES_MET:
-        if known_cset == cset and ftype.equal(known):
-            return dtype, as_is
-    dtype = ftype.dtype
-    as_is = dtype.kind in "iuf" and not dtype.metadata and ftype.equal(_memory_type(dtype))
-    if len(_TYPES_MET) < MAX_TYPES_MET:
-        _TYPES_MET.append((ftype.copy(), cset, dtype, as_is))  # a copy: a committed type would keep its file open
-    return dtype, as_is
-
-
-#: Distinct HDF5 types whose dtype :func:`dtype_of` keeps (each lookup compares a type with each of them).
-MAX_TYPES_MET = 16
-_TYPES_MET = []  # (a copy of the type, its character set or None, its dtype, whether stored as is)
 
 
 def tagged_bfloat16(dataset):
@@ -398,7 +344,7 @@ def _attribute_names(oid):
 def _scalar_attribute(attr, dtype):
     """A scalar numeric attribute's value as h5py's ``attrs[key]`` reads it (a NumPy scalar), from its AttrID."""
     value = np.zeros((), dtype=dtype)
-    attr.read(value, mtype=_memory_type(dtype))
+    attr.read(value, mtype=memory_type(dtype))
     return value[()]
 
 

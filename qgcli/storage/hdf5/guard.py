@@ -53,7 +53,7 @@ def read_string_attributes(attrs, filename):
     attrs = list(attrs)
     if lib is None or _stuck:
         return [None] * len(attrs)
-    from qgcli.storage.h5 import dtype_of
+    from qgcli.storage.hdf5.types import dtype_of
 
     todo = [i for i, a in enumerate(attrs) if h5py.check_string_dtype(dtype_of(a)) is not None]
     if not todo:
