@@ -337,6 +337,31 @@ def test_xla_compiled_model_refused_before_any_file(tmp_path):
     assert not (tmp_path / "h").exists()
 
 
+def test_a_fit_that_raises_leaves_the_model_and_tensorflow_as_they_were(tmp_path):
+    """model.fit calls no on_train_end when a step raises: the monitor closes its history and undoes its wrapping
+    then, so that the next fit of the same model, with a new monitor, is monitored (it was not: tf.quantization
+    still held the first monitor's ops) and the first history ends at the last step that completed."""
+    from qgcli.monitor.keras import Monitor
+
+    x, y = _data()
+    model = _model()
+
+    def batches(fail_at):
+        for i in range(6):
+            if i == fail_at:
+                raise RuntimeError("a bad batch")
+            yield x[8 * i:8 * i + 8], y[8 * i:8 * i + 8]
+
+    with pytest.raises(Exception, match="a bad batch"):
+        model.fit(batches(3), steps_per_epoch=6, verbose=0, callbacks=[Monitor(tmp_path / "h1", every=1)])
+    assert read_history(tmp_path / "h1").steps == [1, 2, 3]
+    assert "train_step" not in vars(model) and model.train_function is None
+    assert not getattr(tf.quantization.fake_quant_with_min_max_vars, "_qgcli_monitor", False)
+    model.fit(batches(None), steps_per_epoch=6, verbose=0, callbacks=[Monitor(tmp_path / "h2", every=2)])
+    h2 = read_history(tmp_path / "h2")
+    assert h2.steps == [1, 2, 4, 6] and len(h2.layers) == len(read_history(tmp_path / "h1").layers) > 0
+
+
 def host_calls(monkeypatch):
     """The monitor's host callbacks as they run, and the weight quantizers whose oscillation they update: two
     lists, emptied by the caller after each step."""

@@ -469,7 +469,7 @@ def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, d
             self._steps = {}
             for mode in ("full", "light"):
                 function = model.make_train_function(force=True)
-                self._steps[mode] = _in_mode(watch, mode, function)
+                self._steps[mode] = _in_mode(watch, mode, function, on_error=self.on_train_end)
             model.train_function = self._steps["full"]  # step 1 is a sample
 
         def on_train_batch_end(self, batch, logs=None):
@@ -478,6 +478,10 @@ def Monitor(path, every=10, *, momentum=0.01, threshold=0.02, overwrite=False, d
             self.model.train_function = self._steps["full" if watch.is_sample(watch.step_count + 1) else "light"]
 
         def on_train_end(self, logs=None):
+            """Also when a step raises (fit then ends without calling this): the model and tf.quantization as
+            they were, the history closed, so that a later fit, monitored or not, starts clean."""
+            if getattr(self, "watch", None) is None or self.watch.closed:
+                return
             self.model.train_function = None  # the next fit traces its own, unmonitored unless asked
             self._restore_train_step()
             self.watch.close()
@@ -506,12 +510,16 @@ def _gather_in_train_step(watch, model):
     return restore
 
 
-def _in_mode(watch, mode, function):
-    """``function`` (a traced train step) called with the wrapped ops in ``mode``."""
+def _in_mode(watch, mode, function, on_error):
+    """``function`` (a traced train step) called with the wrapped ops in ``mode``; ``on_error()`` before an
+    exception of the step (its data, its ops, an interrupt) leaves it: model.fit calls no callback then."""
     def step(iterator):
         watch.mode = mode
         try:
             return function(iterator)
+        except BaseException:
+            on_error()
+            raise
         finally:
             watch.mode = "off"
 
