@@ -87,19 +87,3 @@ def cli(runner):
         return runner.invoke(main, [str(a) for a in args], input=input)
 
     return invoke
-
-
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (pyproject.toml): one worker per CPU, at most 4.  Each worker imports TensorFlow and
-    PyTorch (~1.5 GB) and the tests start processes of their own, so more workers would add memory, not speed."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """pytest-xdist's controller: a worker's count of documentation examples, printed after the run."""
-    counts = getattr(node, "workeroutput", {}).get("qgcli_docs_examples")
-    if counts:
-        from test_docs_examples import summary_plugin
-
-        summary_plugin(node.config).merge(counts)

@@ -268,17 +268,6 @@ class _Summary:
     def __init__(self):
         self.run, self.skipped, self.seconds = 0, [], {}
 
-    def pytest_sessionfinish(self, session):
-        # a pytest-xdist worker hands its counts to the controller, which prints them (tests/conftest.py)
-        if hasattr(session.config, "workeroutput"):
-            session.config.workeroutput["qgcli_docs_examples"] = {"run": self.run, "skipped": self.skipped,
-                                                                  "seconds": self.seconds}
-
-    def merge(self, counts):
-        self.run += counts["run"]
-        self.skipped += [tuple(s) for s in counts["skipped"]]
-        self.seconds.update(counts["seconds"])
-
     def pytest_terminal_summary(self, terminalreporter):
         if not (self.run or self.skipped):
             return
@@ -334,18 +323,13 @@ def pycache(tmp_path_factory):
     return tmp_path_factory.mktemp("pycache")
 
 
-def summary_plugin(config):
-    """The run's one :class:`_Summary`, registered as a plugin the first time it is asked for."""
-    plugin = config.pluginmanager.get_plugin("qgcli-docs-examples")
-    if plugin is None:
-        plugin = _Summary()
-        config.pluginmanager.register(plugin, "qgcli-docs-examples")
-    return plugin
-
-
 @pytest.fixture(scope="session")
 def summary(request):
-    return summary_plugin(request.config)
+    plugin = request.config.pluginmanager.get_plugin("qgcli-docs-examples")
+    if plugin is None:
+        plugin = _Summary()
+        request.config.pluginmanager.register(plugin, "qgcli-docs-examples")
+    return plugin
 
 
 @pytest.fixture(scope="session")
@@ -362,8 +346,6 @@ def page_results(request, pycache):
     pool.shutdown(cancel_futures=True)
 
 
-# Under pytest-xdist every page goes to one worker: page_results starts them all at once.
-@pytest.mark.xdist_group("docs-pages")
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_page_examples(page, summary, page_results):
     """Every example of one page runs, in order, and shows what the page says."""
