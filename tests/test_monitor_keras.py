@@ -404,9 +404,10 @@ def fit_per_step(model, x, y, path, every, calls, updated, extra=(), **fit):
     return steps
 
 
-def test_one_weight_callback_per_step_between_samples(tmp_path, monkeypatch):
-    """Between samples model.fit's step makes one host callback for its two weight quantizers (not one each), and
-    the history and the weights equal those of a run with one callback per weight quantizer, bit for bit."""
+def test_gathered_host_callbacks_of_fit_steps(tmp_path, monkeypatch):
+    """Between samples model.fit's step makes one host callback for its two weight quantizers (not one each), a
+    sampling step two (the forward's, then the gradients': not one per site), and the history and the weights
+    equal those of a run with one callback per site, bit for bit."""
     from qgcli.monitor import keras as monitor_keras
 
     calls, updated = host_calls(monkeypatch)
@@ -426,7 +427,10 @@ def test_one_weight_callback_per_step_between_samples(tmp_path, monkeypatch):
     for step in (2, 4, 5):  # between samples
         assert steps[step - 1] == (["_oscillations"], weight_layers), step
         assert runs[False][0][step - 1] == (["_oscillation"] * 2, weight_layers), step
-    assert len(steps[0][0]) > 10  # a sampling step: a callback per site
+    for step in (1, 3, 6):  # sampling steps: the same statistics' calls, in two host callbacks
+        gathered_calls, own_calls = steps[step - 1][0], runs[False][0][step - 1][0]
+        assert gathered_calls.count("_calls") == 2 and "_calls" not in own_calls, step
+        assert [c for c in gathered_calls if c != "_calls"] == own_calls and len(own_calls) > 10, step
     _, other, other_weights = runs[False]
     assert [la["path"] for la in h.layers] == [la["path"] for la in other.layers]
     for layer in h.layers:

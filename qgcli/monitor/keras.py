@@ -175,14 +175,17 @@ class _Watch:
         callbacks) and returns a scalar token that a later callback takes to be ordered after it."""
         tf = self.tf
         split = next(i for i, a in enumerate(args) if tf.is_tensor(a))
-        head = args[:split]
+        head, tensors = args[:split], list(args[split:])
+        gathered = self.gathered
+        if gathered is not None and self.mode == "full" and gathered.holds(*tensors):
+            return gathered.add(method, head, tensors)
 
         def call(*arrays):
             if not self.closed:
                 method(*head, *arrays)
             return _TOKEN
 
-        return tf.numpy_function(call, list(args[split:]), tf.int32, stateful=True, name="qgcli_monitor")
+        return tf.numpy_function(call, tensors, tf.int32, stateful=True, name="qgcli_monitor")
 
     def _wrapper(self, attr, original):
         tf = self.tf
@@ -228,20 +231,52 @@ class _Watch:
 
     @contextlib.contextmanager
     def gathering(self):
-        """While a step between samples is traced: the oscillation updates of the weight quantizers traced in the
-        step's own graph go to one host callback, added when the step's trace ends (a callback's call costs
-        TensorFlow's executor more than its body).  It runs when its last weight is read and its range set: the
-        host callbacks are ordered among themselves only, not against the step's variable updates."""
+        """While model.fit's step is traced, the host callbacks of the sites traced in the step's own graph are
+        gathered (a callback's call costs TensorFlow's executor more than its body).  Between samples: the
+        weight quantizers' oscillation updates, in one callback added when the trace ends.  In a sampling step:
+        the forward statistics in one callback, added when the first gradient is traced, and the gradients' in
+        one more when the trace ends, ordered after the first (they read its masks).  A callback runs when its
+        last tensor is computed: the host callbacks are ordered among themselves only, not against the step's
+        variable updates."""
         if self.gathered is not None or self.tf.executing_eagerly():
             yield
             return
         gathered = self.gathered = _Gathered(self.tf)
         try:
             yield
+            if gathered.specs:
+                self._callback(self._oscillations, tuple(gathered.specs), *gathered.tensors)
+            elif gathered.forward_token is None and gathered.calls:  # a step without gradients
+                self._flush_forward()
+            elif gathered.calls:
+                self._gathered_call(gathered.calls, gathered.tensors)
         finally:
             self.gathered = None
-        if gathered.specs:
-            self._callback(self._oscillations, tuple(gathered.specs), *gathered.tensors)
+
+    def _flush_forward(self):
+        """The token of the sampling step's gathered forward callback (made at the first call: the step's forward
+        is traced by then), or None outside a gathered step.  The callbacks gathered after it are the gradients'."""
+        gathered = self.gathered
+        if gathered is None or gathered.forward_token is not None:
+            return None if gathered is None else gathered.forward_token
+        calls, tensors = gathered.calls, gathered.tensors
+        gathered.calls, gathered.tensors = [], []
+        gathered.forward_token = self._gathered_call(calls, tensors) if calls else self.tf.constant(0)
+        gathered.tensors.append(gathered.forward_token)  # the gradients' callback runs after it
+        return gathered.forward_token
+
+    def _gathered_call(self, calls, tensors):
+        gathered, self.gathered = self.gathered, None  # this one callback is not gathered itself
+        try:
+            return self._callback(self._calls, tuple(calls), *tensors)
+        finally:
+            self.gathered = gathered
+
+    def _calls(self, calls, *arrays):
+        """A gathered callback: each ``(method, head, first, count)`` called, in the order traced, with its
+        arrays ``arrays[first:first + count]``."""
+        for method, head, first, count in calls:
+            method(*head, *arrays[first:first + count])
 
     def _light_weight(self, name, bits, narrow, x, lo, hi):
         """A weight quantizer between samples: its oscillation update gathered into the step's callback, or one
@@ -290,7 +325,8 @@ class _Watch:
         def identity(t):
             def grad(dy):
                 slot["dy"] = dy
-                slot["dy_token"] = self._callback(self._upstream, name, dy, slot["token"])
+                token = slot["token"] if slot["token"] is not None else self._flush_forward()
+                slot["dy_token"] = self._callback(self._upstream, name, dy, token)
                 return tf.identity(dy)
             return tf.identity(t), grad
 
@@ -302,8 +338,11 @@ class _Watch:
         @tf.custom_gradient
         def identity(t):
             def grad(dx):
+                self._flush_forward()
                 dy = slot.get("dy")
-                self._callback(self._downstream, name, dx, *(() if dy is None else (dy, slot["dy_token"])))
+                # dy and its callback's token (none when that callback was gathered: called before this one)
+                after = () if dy is None else (dy,) if slot["dy_token"] is None else (dy, slot["dy_token"])
+                self._callback(self._downstream, name, dx, *after)
                 return tf.identity(dx)
             return tf.identity(t), grad
 
@@ -316,6 +355,7 @@ class _Watch:
         @tf.custom_gradient
         def identity(low, high):
             def grad(dlow, dhigh):
+                self._flush_forward()
                 parts = [g for g in (dlow, dhigh) if g is not None]
                 if parts:
                     self._callback(self._range_gradient, name, *parts)
@@ -384,14 +424,25 @@ class _Watch:
 
 
 class _Gathered:
-    """The weight quantizers traced in a step's graph (the default one when made) for its one oscillation
-    callback: ``(name, bits, narrow)`` each, and their ``x``, ``lo``, ``hi`` tensors in that order."""
+    """What a step's graph (the default one when made) gathers into few host callbacks.  Between samples: its
+    weight quantizers, ``(name, bits, narrow)`` each in ``specs``, and their ``x``, ``lo``, ``hi`` tensors in that
+    order in ``tensors``.  In a sampling step: ``calls``, each ``(method, head, first, count)`` with its
+    tensors at ``tensors[first:first + count]``, first the forward's, then (once ``forward_token`` is made)
+    the gradients'."""
 
     def __init__(self, tf):
         self._default_graph = tf.compat.v1.get_default_graph
         self.graph = self._default_graph()
         self.specs = []
         self.tensors = []
+        self.calls = []
+        self.forward_token = None
+
+    def add(self, method, head, tensors):
+        """A sampling step's callback gathered; returns None: no token (the gathered callbacks are called in
+        the order traced, the gradients' after the forward's)."""
+        self.calls.append((method, head, len(self.tensors), len(tensors)))
+        self.tensors.extend(tensors)
 
     def holds(self, *tensors):
         """Whether ``tensors`` and the op being traced are in the step's graph itself: not in a branch (a
@@ -496,7 +547,7 @@ def _gather_in_train_step(watch, model):
     own = "train_step" in vars(model)  # set on the model itself, not its class's method
 
     def train_step(data):
-        with watch.gathering() if watch.mode == "light" else contextlib.nullcontext():
+        with watch.gathering() if watch.mode in ("light", "full") else contextlib.nullcontext():
             return original(data)
 
     model.train_step = train_step
