@@ -172,7 +172,8 @@ class _Watch:
     def _callback(self, method, *args):
         """A host callback in the graph: ``method(*args[:k], *arrays)`` with the tensors at the end of ``args``
         as NumPy arrays, when the graph runs; stateful (it always runs, in program order with the other
-        callbacks) and returns a scalar token that a later callback takes to be ordered after it."""
+        callbacks) and returns a scalar token that a later callback takes to be ordered after it.  In a sampling
+        step of model.fit (``gathering``) the call joins the step's gathered ones instead and returns None."""
         tf = self.tf
         split = next(i for i, a in enumerate(args) if tf.is_tensor(a))
         head, tensors = args[:split], list(args[split:])
